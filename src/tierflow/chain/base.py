@@ -1,0 +1,54 @@
+"""A chain: a model cut into stages that each map one tensor to the next.
+
+Stage i is an ``nn.Module`` whose ``forward(x, ctx)`` maps x[i] to x[i+1]. ``ctx`` holds the
+step-constant side inputs (masks, rotary tables, labels) that every stage may read but that
+do not travel through the chain. The chain also knows how to split the original model's call
+arguments into (x[0], ctx) and how to turn the last stage's output back into what the
+original model returns, so that a wrapped model is a drop-in replacement.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+Context = dict[str, Any]
+
+
+class ChainError(TypeError):
+    """The model (or one of its modules) cannot be cut into a chain."""
+
+
+@dataclass
+class Chain:
+    stages: list[nn.Module]  # stage i: forward(x, ctx) -> x[i+1]
+    names: list[str]  # human-readable, e.g. "embed", "layers.3", "head+loss"
+    signatures: list[str]  # equal signatures: identical computation, profiled once
+    split_inputs: Callable[..., tuple[torch.Tensor, Context]]  # (*args, **kwargs) -> (x0, ctx)
+    wrap_output: Callable[[torch.Tensor, Context], Any]  # (x[L], ctx) -> the model's output
+
+    def __post_init__(self) -> None:
+        if not (len(self.stages) == len(self.names) == len(self.signatures)):
+            raise ValueError("stages, names and signatures must have the same length")
+        if not self.stages:
+            raise ChainError("a chain needs at least one stage")
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def run(self, *args: Any, **kwargs: Any) -> Any:
+        """Plain autograd run of every stage in order: the reference the executor must match."""
+        x, ctx = self.split_inputs(*args, **kwargs)
+        for stage in self.stages:
+            x = stage(x, ctx)
+        return self.wrap_output(x, ctx)
+
+
+def module_signature(module: nn.Module, extra: str = "") -> str:
+    """Identical computation => identical signature: class, structure and parameter shapes."""
+    params = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
+                      for n, p in module.named_parameters())
+    buffers = ";".join(f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in module.named_buffers())
+    return f"{type(module).__qualname__}|{module!r}|{params}|{buffers}|{extra}"

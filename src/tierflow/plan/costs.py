@@ -1,0 +1,77 @@
+"""Measured or predicted costs of one training step's chain: the planner's only input.
+
+Pure data (no torch). Stage i maps x[i] to x[i+1]; x[0] is the user's input and x[L] the
+chain's output (usually the loss). All sizes are bytes, all times seconds.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What running stage i costs.
+
+    `tape` is what a forward with autograd keeps for backward, not counting the stage's
+    parameters, its input or its output (those are accounted as values of their own).
+    Transients are the extra bytes an operation needs only while it runs.
+    """
+
+    name: str
+    fwd_time: float  # forward, seconds
+    bwd_time: float  # backward (without the forward), seconds
+    param_bytes: int  # parameters this stage owns
+    output_bytes: int  # x[i+1]
+    tape: int  # bytes saved for backward beyond params, input and output
+    output_in_tape: bool = False  # the backward needs the output tensor itself (e.g. ReLU)
+    fwd_transient: int = 0  # extra bytes while a forward with tape runs
+    fwd_transient_nograd: int = 0  # extra bytes while a forward without tape runs
+    bwd_transient: int = 0  # extra bytes while the backward runs
+    input_grad: bool = True  # the backward produces a gradient for x[i]
+    update_time: float = 0.0  # optimizer step of this stage's parameters, seconds
+    update_transient: int = 0  # extra bytes while the optimizer step runs
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+                raise ValueError(f"StageCost {self.name!r}: {f.name}={value} must be >= 0")
+
+
+@dataclass(frozen=True)
+class ChainCosts:
+    """Costs of a whole chain plus what stays resident outside the chain's activations.
+
+    `static_bytes` is what lives for the whole step whatever the plan: parameters, optimizer
+    states and the runtime's own overhead. Gradient bytes are simulated per stage (they
+    appear at the stage's first backward), so they are not part of it.
+    """
+
+    stages: tuple[StageCost, ...]
+    input_bytes: int  # x[0], held by the caller for the whole step
+    static_bytes: int = 0
+    optimizer_owned: bool = False  # updates run inside the backward, freeing gradients
+    shared_grad_bytes: int = 0  # gradients of parameters used by several stages (tied)
+    extra: dict = field(default_factory=dict)  # free-form facts for explain(): dtype, shapes
+
+    @property
+    def length(self) -> int:
+        return len(self.stages)
+
+    def x_bytes(self, i: int) -> int:
+        """Bytes of x[i]: the input for i == 0, else the output of stage i - 1."""
+        return self.input_bytes if i == 0 else self.stages[i - 1].output_bytes
+
+    def to_dict(self) -> dict:
+        return {"stages": [asdict(s) for s in self.stages], "input_bytes": self.input_bytes,
+                "static_bytes": self.static_bytes, "optimizer_owned": self.optimizer_owned,
+                "shared_grad_bytes": self.shared_grad_bytes, "extra": dict(self.extra)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ChainCosts":
+        stages = tuple(StageCost(**s) for s in data["stages"])
+        return cls(stages=stages, input_bytes=data["input_bytes"],
+                   static_bytes=data.get("static_bytes", 0),
+                   optimizer_owned=data.get("optimizer_owned", False),
+                   shared_grad_bytes=data.get("shared_grad_bytes", 0),
+                   extra=dict(data.get("extra", {})))

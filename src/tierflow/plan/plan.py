@@ -1,0 +1,130 @@
+"""A Plan: the ordered ops of one training step, what they are predicted to cost, and why.
+
+Pure data. It carries the costs it was made from, so it can be re-simulated, saved as JSON,
+loaded on another machine and explained in words.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from ..units import format_bytes
+from .costs import ChainCosts
+from .ops import Backward, Forward, Free, Op, Update, forward_phase_length, op_from_dict
+from .simulate import Simulation, check_complete, simulate
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str  # "keep-all", "checkpoint-all", "rotor"
+    ops: tuple[Op, ...]
+    costs: ChainCosts
+    budget: int | None = None  # the tier budget the plan was made for, bytes, all included
+    notes: tuple[str, ...] = field(default_factory=tuple)  # the planner's reasons, in words
+
+    def __post_init__(self) -> None:
+        check_complete(self.costs, self.ops)
+
+    @property
+    def simulation(self) -> Simulation:
+        return simulate(self.costs, self.ops)
+
+    @property
+    def predicted_peak(self) -> int:
+        """Predicted peak bytes of the compute tier: static bytes plus the step's peak."""
+        return self.simulation.total_peak(self.costs)
+
+    @property
+    def predicted_time(self) -> float:
+        return self.simulation.time
+
+    @property
+    def forward_ops(self) -> tuple[Op, ...]:
+        """The ops that run when the module is called; the rest run in ``backward()``."""
+        return self.ops[: forward_phase_length(self.ops, self.costs.length)]
+
+    @property
+    def backward_ops(self) -> tuple[Op, ...]:
+        return self.ops[forward_phase_length(self.ops, self.costs.length):]
+
+    def recomputed_stages(self) -> list[int]:
+        """Stages whose forward runs more than once."""
+        counts = [0] * self.costs.length
+        for op in self.ops:
+            if isinstance(op, Forward):
+                counts[op.stage] += 1
+        return [i for i, n in enumerate(counts) if n > 1]
+
+    def to_json(self) -> str:
+        return json.dumps({"format": "tierflow-plan", "version": FORMAT_VERSION,
+                           "strategy": self.strategy, "budget": self.budget,
+                           "notes": list(self.notes), "costs": self.costs.to_dict(),
+                           "ops": [op.to_dict() for op in self.ops]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        data = json.loads(text)
+        if data.get("format") != "tierflow-plan" or data.get("version") != FORMAT_VERSION:
+            raise ValueError(f"not a tierflow plan of version {FORMAT_VERSION}: "
+                             f"format={data.get('format')!r} version={data.get('version')!r}")
+        return cls(strategy=data["strategy"], ops=tuple(op_from_dict(o) for o in data["ops"]),
+                   costs=ChainCosts.from_dict(data["costs"]), budget=data["budget"],
+                   notes=tuple(data["notes"]))
+
+    def explain(self) -> str:
+        """What is kept, what is recomputed, what it costs and why, in words."""
+        c = self.costs
+        sim = self.simulation
+        names = [s.name for s in c.stages]
+        taped_first = _first_forward_tape(self.ops, c.length)
+        kept = [names[i] for i in range(c.length) if taped_first[i]]
+        recomputed = [names[i] for i in self.recomputed_stages()]
+        base = sum(s.fwd_time + s.bwd_time for s in c.stages)
+        lines = [f"Plan ({self.strategy}) for a chain of {c.length} stages"
+                 + (f" under a budget of {format_bytes(self.budget)}" if self.budget else "") + ":",
+                 f"  predicted peak {format_bytes(self.predicted_peak)} "
+                 f"= {format_bytes(c.static_bytes)} static (parameters, optimizer states, runtime)"
+                 f" + {format_bytes(sim.peak)} activations, gradients and transients",
+                 f"  predicted step time {sim.time * 1e3:.0f} ms "
+                 f"({_overhead(sim.time, base)} over computing every stage once)"]
+        lines.append(f"  kept for backward on the first forward: {_names(kept)}")
+        if recomputed:
+            lines.append(f"  recomputed during backward: {_names(recomputed)}; "
+                         f"their inputs are kept as checkpoints: "
+                         f"{_names([f'x{i}' for i in self.recomputed_stages()])}")
+        else:
+            lines.append("  nothing is recomputed")
+        if any(isinstance(op, Update) for op in self.ops):
+            lines.append("  each stage's parameters are updated as soon as its gradients are "
+                         "complete, then its gradients are freed")
+        lines.extend(f"  why: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+    def describe_ops(self) -> str:
+        """The op sequence in short form, e.g. ``Fall(0) F(1) ... B(0)``."""
+        return " ".join(str(op) for op in self.ops)
+
+
+def _first_forward_tape(ops: tuple[Op, ...], length: int) -> list[bool]:
+    first: list[bool | None] = [None] * length
+    for op in ops:
+        if isinstance(op, Forward) and first[op.stage] is None:
+            first[op.stage] = op.tape
+    return [bool(t) for t in first]
+
+
+def _names(items: list[str]) -> str:
+    if not items:
+        return "none"
+    if len(items) > 8:
+        return ", ".join(items[:4]) + f", ... ({len(items)} in all), " + items[-1]
+    return ", ".join(items)
+
+
+def _overhead(time: float, base: float) -> str:
+    return f"+{(time / base - 1) * 100:.0f}%" if base > 0 else "n/a"
+
+
+__all__ = ["Plan", "Forward", "Backward", "Free", "Update", "FORMAT_VERSION"]

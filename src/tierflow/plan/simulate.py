@@ -1,0 +1,155 @@
+"""Replay a list of ops on a chain's costs: check it is valid, predict memory and time.
+
+This is the single definition of what an op costs. The planners optimise against it, the
+brute-force tests search against it, and the executor's ledger is checked against it.
+Storages are reference counted exactly as the executor holds them: x[i] stays resident
+while the plan references it, while tape[i] (which holds stage i's input) is alive, and
+while tape[i-1] is alive if stage i-1's backward needs its own output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .costs import ChainCosts
+from .ops import Backward, Forward, Free, Op, Update
+
+
+class InvalidPlan(ValueError):
+    """An op needs a value the plan does not hold at that point."""
+
+
+@dataclass(frozen=True)
+class Event:
+    op: str
+    resident: int  # activation + gradient bytes held after the op
+    peak: int  # the most held while it ran, transients included
+    time: float  # seconds since the step began, at the end of the op
+
+
+@dataclass(frozen=True)
+class Simulation:
+    timeline: tuple[Event, ...]
+    peak: int  # activations, gradients and transients (static bytes excluded)
+    time: float
+
+    def total_peak(self, costs: ChainCosts) -> int:
+        return self.peak + costs.static_bytes
+
+
+class _State:
+    def __init__(self, costs: ChainCosts):
+        self.costs = costs
+        self.x_refs: set[int] = {0}  # plan references to x[i]
+        self.tapes: set[int] = set()
+        self.grads: set[int] = set()  # grad[i] present
+        self.param_grads: set[int] = set()  # stages whose parameter gradients exist
+        self.updated: set[int] = set()
+        self.shared_grads = False
+
+    def x_resident(self, i: int) -> bool:
+        if i in self.x_refs or i in self.tapes:
+            return True
+        return i - 1 in self.tapes and self.costs.stages[i - 1].output_in_tape
+
+    def resident(self) -> int:
+        c = self.costs
+        total = sum(c.x_bytes(i) for i in range(c.length + 1) if self.x_resident(i))
+        total += sum(c.stages[i].tape for i in self.tapes)
+        total += sum(c.x_bytes(i) for i in self.grads)
+        total += sum(c.stages[i].param_bytes for i in self.param_grads)
+        total += c.shared_grad_bytes if self.shared_grads else 0
+        return total
+
+
+def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
+    """Replay ``ops``; raise InvalidPlan if one needs a value that is not held."""
+    state = _State(costs)
+    length = costs.length
+    events: list[Event] = []
+    clock = 0.0
+    peak = state.resident()
+    for op in ops:
+        before = state.resident()
+        if isinstance(op, Forward):
+            i = op.stage
+            _check_stage(i, length, op)
+            if i not in state.x_refs and i not in state.tapes:
+                raise InvalidPlan(f"{op}: x[{i}] is not held")
+            s = costs.stages[i]
+            new_out = 0 if state.x_resident(i + 1) else s.output_bytes
+            if op.tape:
+                if i in state.tapes:
+                    raise InvalidPlan(f"{op}: tape[{i}] already exists")
+                during = before + new_out + s.tape + s.fwd_transient
+                state.tapes.add(i)
+            else:
+                during = before + new_out + s.fwd_transient_nograd
+            state.x_refs.add(i + 1)
+            clock += s.fwd_time
+        elif isinstance(op, Backward):
+            i = op.stage
+            _check_stage(i, length, op)
+            if i not in state.tapes:
+                raise InvalidPlan(f"{op}: tape[{i}] does not exist (no Forward({i}, tape=True))")
+            if i + 1 < length and i + 1 not in state.grads:
+                raise InvalidPlan(f"{op}: grad[{i + 1}] does not exist yet")
+            s = costs.stages[i]
+            new_grads = 0 if i in state.param_grads else s.param_bytes
+            if i == length - 1 and not state.shared_grads:
+                new_grads += costs.shared_grad_bytes
+                state.shared_grads = True
+            out_grad = costs.x_bytes(i) if s.input_grad else 0
+            during = before + out_grad + new_grads + s.bwd_transient
+            state.tapes.discard(i)
+            state.grads.discard(i + 1)
+            state.x_refs.discard(i + 1)
+            if i > 0:
+                state.x_refs.discard(i)
+            if s.input_grad:
+                state.grads.add(i)
+            state.param_grads.add(i)
+            clock += s.bwd_time
+        elif isinstance(op, Free):
+            if op.index not in state.x_refs:
+                raise InvalidPlan(f"{op}: x[{op.index}] is not held by the plan")
+            if op.index == 0:
+                raise InvalidPlan(f"{op}: x[0] is the caller's input and cannot be freed")
+            state.x_refs.discard(op.index)
+            during = before
+        elif isinstance(op, Update):
+            i = op.stage
+            _check_stage(i, length, op)
+            if i not in state.param_grads or i in state.updated:
+                raise InvalidPlan(f"{op}: stage {i} has no complete gradient to apply")
+            s = costs.stages[i]
+            during = before + s.update_transient
+            state.param_grads.discard(i)
+            state.updated.add(i)
+            if i == 0:
+                state.shared_grads = False
+            clock += s.update_time
+        else:
+            raise InvalidPlan(f"unknown op {op!r}")
+        peak = max(peak, during, state.resident())
+        events.append(Event(str(op), state.resident(), during, clock))
+    return Simulation(tuple(events), peak, clock)
+
+
+def check_complete(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> None:
+    """Raise InvalidPlan unless ``ops`` is a whole training step: every stage backpropagated
+    exactly once, in reverse order, no tape left over, every stage updated if we own the
+    optimizer."""
+    backwards = [op.stage for op in ops if isinstance(op, Backward)]
+    expected = list(range(costs.length - 1, -1, -1))
+    if backwards != expected:
+        raise InvalidPlan(f"backward order {backwards} must be {expected}")
+    updates = sorted(op.stage for op in ops if isinstance(op, Update))
+    if costs.optimizer_owned and updates != list(range(costs.length)):
+        raise InvalidPlan(f"updates {updates} must cover every stage once")
+    if not costs.optimizer_owned and updates:
+        raise InvalidPlan("the plan updates parameters but tierflow does not own the optimizer")
+
+
+def _check_stage(i: int, length: int, op: Op) -> None:
+    if not 0 <= i < length:
+        raise InvalidPlan(f"{op}: stage {i} is outside the chain of {length} stages")

@@ -1,0 +1,32 @@
+"""The two fixed strategies: keep every activation, or checkpoint every stage's input."""
+from __future__ import annotations
+
+from .costs import ChainCosts
+from .ops import Backward, Forward, Op, Update
+
+
+def keep_all(costs: ChainCosts) -> list[Op]:
+    """Plain autograd: every forward keeps its tape; nothing is recomputed."""
+    length = costs.length
+    ops: list[Op] = [Forward(i, tape=True) for i in range(length)]
+    for i in reversed(range(length)):
+        ops.append(Backward(i))
+        if costs.optimizer_owned:
+            ops.append(Update(i))
+    return ops
+
+
+def checkpoint_all(costs: ChainCosts) -> list[Op]:
+    """Keep only each stage's input; recompute each stage's forward right before its backward.
+
+    The last stage keeps its tape on the first pass, since its backward comes right after.
+    """
+    length = costs.length
+    ops: list[Op] = [Forward(i, tape=i == length - 1) for i in range(length)]
+    for i in reversed(range(length)):
+        if i < length - 1:
+            ops.append(Forward(i, tape=True))
+        ops.append(Backward(i))
+        if costs.optimizer_owned:
+            ops.append(Update(i))
+    return ops

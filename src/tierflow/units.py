@@ -1,0 +1,41 @@
+"""Byte strings: ``"4GiB"``, ``"500MB"``, ``"0.5TiB"``, or a plain integer of bytes. No torch."""
+from __future__ import annotations
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+          "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_bytes(value: int | float | str, *, what: str = "budget") -> int:
+    """Bytes from an int or a string such as ``"2GiB"``; ValueError names the value and the fix."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what} {value!r} is not a size: give bytes or a string like '2GiB'")
+    if isinstance(value, (int, float)):
+        number, scale = float(value), 1
+    else:
+        text = str(value).strip().replace(" ", "").replace("_", "")
+        split = len(text)
+        while split > 0 and text[split - 1].isalpha():
+            split -= 1
+        unit = text[split:].upper()
+        if unit not in _UNITS:
+            raise ValueError(f"{what} {value!r} has an unknown unit {text[split:]!r}: "
+                             f"use B, KB, MB, GB, TB, KiB, MiB, GiB or TiB, e.g. '2GiB'")
+        try:
+            number = float(text[:split])
+        except ValueError:
+            raise ValueError(f"{what} {value!r} is not a size: use a number and a unit, "
+                             f"e.g. '2GiB' or '500MB'") from None
+        scale = _UNITS[unit]
+    if not number > 0 or number != number or number == float("inf"):
+        raise ValueError(f"{what} {value!r} must be a positive size, e.g. '2GiB'")
+    return int(number * scale)
+
+
+def format_bytes(n: int | float) -> str:
+    """Human-readable binary size: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+    n = float(n)
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
