@@ -52,3 +52,24 @@ def module_signature(module: nn.Module, extra: str = "") -> str:
                       for n, p in module.named_parameters())
     buffers = ";".join(f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in module.named_buffers())
     return f"{type(module).__qualname__}|{module!r}|{params}|{buffers}|{extra}"
+
+
+def call_args(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """How a user's ``sample`` calls the model: a tensor is one positional argument, a tuple
+    (or list) is the positional arguments, a dict is keyword arguments."""
+    if isinstance(sample, dict):
+        return (), dict(sample)
+    if isinstance(sample, (tuple, list)):
+        return tuple(sample), {}
+    return (sample,), {}
+
+
+def stateful_modules(stage: nn.Module) -> list[nn.Module]:
+    """Modules of ``stage`` whose forward updates buffers in training mode (BatchNorm running
+    statistics). Running such a stage twice (a recompute) updates them twice: an executor that
+    recomputes it should save these modules' buffers before the recompute and restore them after.
+    """
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return [m for m in stage.modules()
+            if isinstance(m, _BatchNorm) and m.training and m.track_running_stats]

@@ -1,0 +1,159 @@
+"""``tierflow.fit``: a model, a sample and a budget in; a drop-in module that trains the same
+parameters with the same gradients inside the budget out."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from .chain import to_chain
+from .chain.base import Chain
+from .config import FitConfig
+from .errors import TierflowError
+from .exec.context import AutocastMode
+from .exec.memory import meter_for
+from .exec.optimizer import OwnedOptimizer, probe_optimizer
+from .exec.function import RunPlan
+from .exec.runner import Ledger, StepRun
+from .exec.stage_call import storage_key
+from .plan.choose import make_plan
+from .plan.costs import ChainCosts
+from .plan.plan import Plan
+from .profile.profiler import profile_chain, with_update_costs
+from .units import parse_bytes
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class TierflowModule(nn.Module):
+    """A drop-in for the fitted model: call it like the model, call ``backward()`` on its loss.
+
+    ``parameters()`` are the original model's. With ``optimizer=`` given to ``fit``, each
+    stage's parameters are updated inside ``backward()`` as soon as their gradients are
+    complete, and the gradients are freed (there is then nothing left to step).
+    """
+
+    def __init__(self, model: nn.Module, chain: Chain, plan: Plan, autocast: AutocastMode,
+                 device: torch.device, optimizer: OwnedOptimizer | None, log: list[str]):
+        super().__init__()
+        self.model = model
+        self._chain = chain
+        self._plan = plan
+        self._autocast = autocast
+        self._device = device
+        self._optimizer = optimizer
+        self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
+        self._forward_count = len(plan.forward_ops)
+        self.ledger = Ledger({storage_key(p) for p in model.parameters()})
+        self.fit_log = log
+
+    @property
+    def plan(self) -> Plan:
+        return self._plan
+
+    @property
+    def chain(self) -> Chain:
+        return self._chain
+
+    @property
+    def optimizer(self) -> OwnedOptimizer | None:
+        """The per-stage optimizers tierflow owns (None when the caller steps its own)."""
+        return self._optimizer
+
+    def explain(self) -> str:
+        return self._plan.explain()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        x0, ctx = self._chain.split_inputs(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return self._chain.run(*args, **kwargs)
+        update = self._optimizer.step_stage if self._optimizer is not None else None
+        run = StepRun(self._chain, self._plan.ops, self._forward_count, ctx,
+                      AutocastMode.capture(self._device.type), self._device, update, self.ledger)
+        y = RunPlan.apply(run, x0, self._anchor)
+        return self._chain.wrap_output(y, ctx)
+
+
+def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
+        gpu: int | str | None = None, planner: str = "auto",
+        optimizer: OptimizerFactory | None = None, config: FitConfig | None = None,
+        verbose: bool = False) -> TierflowModule:
+    """Plan ``model``'s training step for ``sample`` under the budgets and return a drop-in.
+
+    ``sample`` is what you call the model with: a tensor, a tuple of arguments or a dict of
+    keyword arguments (``{"input_ids": ..., "labels": ...}`` for Hugging Face models).
+    Budgets are bytes or strings like ``"2GiB"`` and cover everything the step holds on that
+    tier: parameters, gradients, optimizer states (when tierflow owns the optimizer) and
+    activations. Call ``fit`` under the same autocast mode you will train with.
+    ``optimizer`` is a factory such as ``lambda ps: torch.optim.AdamW(ps, lr=1e-4)``; it is
+    called once per stage, and updates then happen during ``backward()``.
+    """
+    config = config or FitConfig(planner=planner)
+    if planner != "auto" and config.planner != planner:
+        raise TierflowError(f"planner={planner!r} disagrees with config.planner="
+                            f"{config.planner!r}: give one or the other")
+    device = _device_of(model)
+    tier, budget = _compute_budget(device, ram=ram, gpu=gpu)
+    log: list[str] = []
+    say = (lambda m: (log.append(m), print(f"[tierflow] {m}", flush=True))) if verbose else log.append
+    started = time.perf_counter()
+    chain = to_chain(model, sample)
+    args, kwargs = _as_call(sample)
+    x0, ctx = chain.split_inputs(*args, **kwargs)
+    autocast = AutocastMode.capture(device.type)
+    meter = meter_for(device)
+    stage_costs, shared = profile_chain(chain, x0, ctx, autocast, meter,
+                                        repeats=config.profile_repeats, log=say)
+    param_bytes = sum(p.nbytes for p in model.parameters())
+    owned = None
+    static = param_bytes
+    if optimizer is not None:
+        probe = probe_optimizer(optimizer, device, meter)
+        static += int(probe.state_per_byte * sum(p.nbytes for p in model.parameters()
+                                                 if p.requires_grad))
+        largest = [max((p.nbytes for p in st.parameters()), default=0) for st in chain.stages]
+        stage_costs = with_update_costs(stage_costs, probe.seconds_per_byte,
+                                        probe.transient_per_byte, largest)
+        owned = OwnedOptimizer(chain, optimizer)
+    costs = ChainCosts(stages=tuple(stage_costs), input_bytes=_bytes_of(x0), static_bytes=static,
+                       optimizer_owned=optimizer is not None, shared_grad_bytes=shared,
+                       extra={"autocast": autocast.describe(), "device": str(device)})
+    plan = make_plan(costs, budget, config, tier=tier)
+    say(f"planned in {time.perf_counter() - started:.1f} s: {plan.strategy}")
+    return TierflowModule(model, chain, plan, autocast, device, owned, log)
+
+
+def _as_call(sample: Any) -> tuple[tuple, dict]:
+    if isinstance(sample, Mapping):
+        return (), dict(sample)
+    if isinstance(sample, tuple):
+        return sample, {}
+    return (sample,), {}
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        raise TierflowError(f"the model's parameters are on several devices "
+                            f"({', '.join(sorted(map(str, devices)))}): move it to one device first")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _compute_budget(device: torch.device, *, ram: int | str | None,
+                    gpu: int | str | None) -> tuple[str, int | None]:
+    """The compute tier's name and budget: ``gpu`` on an accelerator, ``ram`` on the CPU."""
+    if device.type == "cpu":
+        if gpu is not None:
+            raise TierflowError(f"gpu={gpu!r} was given but the model is on the CPU: "
+                                f"move the model to the GPU or give ram= instead")
+        return "ram", None if ram is None else parse_bytes(ram, what="ram budget")
+    if ram is not None:
+        raise TierflowError(f"ram={ram!r} was given with the model on {device}: offloading to "
+                            f"host RAM is not built yet; give gpu= only")
+    return "gpu", None if gpu is None else parse_bytes(gpu, what="gpu budget")
+
+
+def _bytes_of(x: torch.Tensor) -> int:
+    return x.untyped_storage().nbytes() if isinstance(x, torch.Tensor) else 0

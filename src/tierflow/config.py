@@ -1,0 +1,59 @@
+"""The planner choice and its settings: a typed config that saves and loads as JSON.
+
+``FitConfig.generate("rotor")`` gives the defaults of one planner; edit it, ``save`` it,
+``load`` it and pass it as ``tierflow.fit(model, sample, config=...)``. No torch here.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+PLANNERS = ("auto", "keep-all", "checkpoint-all", "rotor")
+
+
+@dataclass(frozen=True)
+class FitConfig:
+    planner: str = "auto"  # auto: keep-all when it fits the budget, else rotor
+    rotor_slots: int = 500  # memory is discretised into this many units for rotor
+    profile_repeats: int = 2  # timed rounds per distinct stage, after one warm-up round
+    head_chunk_tokens: int = 1024  # tokens per chunk of the fused LM head + loss
+    headroom: float = 0.0  # fraction of the budget kept free for what tierflow cannot see
+
+    def __post_init__(self) -> None:
+        if self.planner not in PLANNERS:
+            raise ValueError(f"planner {self.planner!r} is unknown: use one of {', '.join(PLANNERS)}")
+        if self.rotor_slots < 10:
+            raise ValueError(f"rotor_slots={self.rotor_slots} is too coarse: use at least 10")
+        if self.profile_repeats < 1:
+            raise ValueError(f"profile_repeats={self.profile_repeats} must be at least 1")
+        if self.head_chunk_tokens < 1:
+            raise ValueError(f"head_chunk_tokens={self.head_chunk_tokens} must be at least 1")
+        if not 0.0 <= self.headroom < 1.0:
+            raise ValueError(f"headroom={self.headroom} must be in [0, 1)")
+
+    @classmethod
+    def generate(cls, planner: str = "auto") -> "FitConfig":
+        """The default settings of one planner."""
+        return cls(planner=planner)
+
+    def to_json(self) -> str:
+        return json.dumps({"format": "tierflow-fit-config", **asdict(self)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "FitConfig":
+        data = json.loads(text)
+        if data.pop("format", None) != "tierflow-fit-config":
+            raise ValueError("not a tierflow fit config (missing format: tierflow-fit-config)")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown fit config keys {unknown}: known keys are {sorted(known)}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "FitConfig":
+        return cls.from_json(Path(path).read_text())

@@ -1,0 +1,110 @@
+"""Measure what a tier really holds: host RSS (and its peak) on CPU, the allocator on CUDA.
+
+Host RAM is measured as the process's resident set, since that is what a budget on a machine
+means. For that to track live tensors, glibc must hand freed blocks back to the kernel:
+``configure_host_allocator`` pins malloc's mmap threshold (the dynamic threshold otherwise
+grows to 32 MiB and keeps freed activations resident). It is called once at import.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import resource
+import sys
+
+import torch
+
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+_ALLOCATOR_THRESHOLD = 1 << 20  # blocks of 1 MiB and more get their own mapping
+_configured = False
+
+
+def configure_host_allocator() -> bool:
+    """Make freed tensors leave the resident set (glibc only; a no-op elsewhere)."""
+    global _configured
+    if _configured:
+        return True
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    libc = ctypes.CDLL(name)
+    if not hasattr(libc, "mallopt"):
+        return False
+    ok = libc.mallopt(_M_MMAP_THRESHOLD, _ALLOCATOR_THRESHOLD) == 1
+    ok = libc.mallopt(_M_TRIM_THRESHOLD, _ALLOCATOR_THRESHOLD) == 1 and ok
+    _configured = ok
+    return ok
+
+
+def rss_bytes() -> int:
+    """The process's resident set now."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class HostMeter:
+    """Current and peak RSS, with a resettable peak where Linux allows it (clear_refs)."""
+
+    def __init__(self) -> None:
+        self._can_reset = _try_reset_peak()
+        self._floor = 0
+
+    def current(self) -> int:
+        return rss_bytes()
+
+    def reset_peak(self) -> None:
+        if self._can_reset:
+            _try_reset_peak()
+        self._floor = rss_bytes()
+
+    def peak(self) -> int:
+        """Peak RSS since the last reset (the current RSS where the peak cannot be reset)."""
+        if not self._can_reset:
+            return max(self._floor, rss_bytes())
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return rss_bytes()
+
+
+class DeviceMeter:
+    """Allocator-level current and peak bytes of an accelerator (CUDA, XPU, ...)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.module = torch.get_device_module(device)
+
+    def current(self) -> int:
+        return int(self.module.memory_allocated(self.device))
+
+    def reset_peak(self) -> None:
+        self.module.synchronize(self.device)
+        self.module.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        self.module.synchronize(self.device)
+        return int(self.module.max_memory_allocated(self.device))
+
+
+def meter_for(device: torch.device) -> HostMeter | DeviceMeter:
+    return HostMeter() if device.type == "cpu" else DeviceMeter(device)
+
+
+def _try_reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+configure_host_allocator()

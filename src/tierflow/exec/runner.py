@@ -1,0 +1,120 @@
+"""Run one step of a Plan on real tensors. The runner only reads the plan: it holds exactly
+the values the plan says, frees what the plan frees, and accounts every byte it holds."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..chain.base import Chain
+from ..plan.ops import Backward, Forward, Free, Op, Update
+from .context import AutocastMode, RngState, replay_rng
+from .stage_call import Taped, backward_taped, forward_plain, forward_taped, storage_key
+
+
+class Ledger:
+    """Bytes of activations and input gradients the runner holds, by storage, so that
+    aliases count once; parameters (static, accounted by the planner) are left out."""
+
+    def __init__(self, parameters: set[int]) -> None:
+        self.parameters = parameters
+        self.peak = 0
+        self.current = 0
+
+    def measure(self, tensors: list[torch.Tensor], saved: dict[int, int]) -> int:
+        held = {storage_key(t): t.untyped_storage().nbytes() for t in tensors}
+        held.update(saved)
+        self.current = sum(n for key, n in held.items() if key not in self.parameters)
+        self.peak = max(self.peak, self.current)
+        return self.current
+
+
+class StepRun:
+    """The state of one step: x[i] references, tapes, input gradients, RNG states."""
+
+    def __init__(self, chain: Chain, ops: Sequence[Op], forward_count: int, ctx: dict[str, Any],
+                 autocast: AutocastMode, device: torch.device,
+                 update: Callable[[int], None] | None = None, ledger: Ledger | None = None):
+        self.chain = chain
+        self.ops = ops
+        self.forward_count = forward_count
+        self.ctx = ctx
+        self.autocast = autocast
+        self.device = device
+        self.update = update
+        self.ledger = ledger
+        self.x: dict[int, torch.Tensor] = {}
+        self.tapes: dict[int, Taped] = {}
+        self.grads: dict[int, torch.Tensor] = {}
+        self.rng: dict[int, RngState] = {}
+        self.input_requires_grad = False
+
+    def forward_phase(self, x0: torch.Tensor) -> torch.Tensor:
+        """Run the ops up to the chain output; returns x[L]."""
+        self.x[0] = x0
+        self.input_requires_grad = x0.requires_grad
+        for op in self.ops[: self.forward_count]:
+            self._run(op)
+        return self.x[len(self.chain)]
+
+    def backward_phase(self, grad_out: torch.Tensor) -> torch.Tensor | None:
+        """Run the remaining ops from the output's gradient; returns the input's gradient."""
+        self.grads[len(self.chain)] = grad_out
+        for op in self.ops[self.forward_count:]:
+            self._run(op)
+        self.x.clear()
+        return self.grads.pop(0, None)
+
+    def _run(self, op: Op) -> None:
+        if isinstance(op, Forward):
+            self._forward(op.stage, op.tape)
+        elif isinstance(op, Backward):
+            self._backward(op.stage)
+        elif isinstance(op, Free):
+            del self.x[op.index]
+        elif isinstance(op, Update):
+            assert self.update is not None, "plan updates parameters but no optimizer is owned"
+            self.update(op.stage)
+        if self.ledger is not None:
+            self._account()
+
+    def _forward(self, i: int, tape: bool) -> None:
+        stage = self.chain.stages[i]
+        x = self.x[i] if i in self.x else self.tapes[i].xin.detach()
+        self.x.pop(i + 1, None)  # a recomputation replaces the previous x[i+1]
+        first = i not in self.rng
+        if first:
+            self.rng[i] = RngState.capture(self.device)
+        with _maybe_replay(None if first else self.rng[i]):
+            if tape:
+                input_grad = i > 0 or self.input_requires_grad
+                taped = forward_taped(stage, x, self.ctx, self.autocast, input_grad=input_grad)
+                self.tapes[i] = taped
+                self.x[i + 1] = taped.y.detach()
+            else:
+                self.x[i + 1] = forward_plain(stage, x, self.ctx, self.autocast)
+
+    def _backward(self, i: int) -> None:
+        taped = self.tapes.pop(i)
+        grad_y = self.grads.pop(i + 1)
+        grad_x = backward_taped(taped, grad_y)
+        del taped, grad_y
+        self.x.pop(i + 1, None)
+        if i > 0:
+            self.x.pop(i, None)
+        if grad_x is not None:
+            self.grads[i] = grad_x
+
+    def _account(self) -> None:
+        length = len(self.chain)  # grad[L] is the caller's, not ours
+        held = list(self.x.values()) + [g for i, g in self.grads.items() if i < length]
+        saved: dict[int, int] = {}
+        for taped in self.tapes.values():
+            held += [taped.xin, taped.y]
+            saved.update(taped.saved)
+        self.ledger.measure(held, saved)
+
+
+def _maybe_replay(saved: RngState | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if saved is None else replay_rng(saved)

@@ -1,0 +1,96 @@
+"""Calling one stage, with or without the tape, and measuring what its tape holds.
+
+Shared by the profiler and the executor, so that what is measured is what is run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .context import AutocastMode
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage (views and detached aliases share it)."""
+    return t.untyped_storage().data_ptr()
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    return t.untyped_storage().nbytes()
+
+
+@dataclass
+class Taped:
+    """A forward run with autograd: its input leaf, its output and what it saved."""
+
+    xin: torch.Tensor  # the stage's input as an autograd leaf (or the raw input if not float)
+    y: torch.Tensor  # the output, carrying the graph
+    saved: dict[int, int] = field(default_factory=dict)  # storage key -> bytes, saved for backward
+
+
+class _SavedRecorder:
+    """saved_tensors_hooks that note the storages autograd keeps (tensors are kept as is)."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            self.saved[storage_key(t)] = storage_bytes(t)
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+
+def as_leaf(x: torch.Tensor, needs_grad: bool) -> torch.Tensor:
+    """The stage input as a fresh autograd leaf, so the stage's graph ends at it."""
+    leaf = x.detach()
+    if needs_grad and leaf.is_floating_point():
+        leaf.requires_grad_(True)
+    return leaf
+
+
+def forward_taped(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
+                  *, input_grad: bool) -> Taped:
+    """Forward with autograd; the graph reaches back only to ``xin`` and the parameters."""
+    recorder = _SavedRecorder()
+    xin = as_leaf(x, input_grad)
+    with torch.enable_grad(), autocast(), torch.autograd.graph.saved_tensors_hooks(
+            recorder.pack, recorder.unpack):
+        y = stage(xin, ctx)
+    _check_output(stage, y)
+    return Taped(xin, y, recorder.saved)
+
+
+def forward_plain(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any],
+                  autocast: AutocastMode) -> torch.Tensor:
+    """Forward without autograd: nothing is kept beyond the output."""
+    with torch.no_grad(), autocast():
+        y = stage(x, ctx)
+    _check_output(stage, y)
+    return y
+
+
+def backward_taped(taped: Taped, grad_y: torch.Tensor) -> torch.Tensor | None:
+    """Backpropagate through one stage: parameter gradients accumulate in ``.grad``;
+    returns the gradient of the stage input (None when the input needs none)."""
+    if taped.y.requires_grad:
+        torch.autograd.backward(taped.y, grad_y)
+    return taped.xin.grad if taped.xin.requires_grad else None
+
+
+def tape_bytes(taped: Taped, params: set[int]) -> int:
+    """Bytes the tape holds beyond the parameters, the input and the output."""
+    exclude = params | {storage_key(taped.xin), storage_key(taped.y)}
+    return sum(n for key, n in taped.saved.items() if key not in exclude)
+
+
+def _check_output(stage: nn.Module, y: Any) -> None:
+    if not isinstance(y, torch.Tensor):
+        raise TypeError(f"stage {type(stage).__name__} returned {type(y).__name__}, "
+                        f"expected one tensor")

@@ -1,0 +1,286 @@
+"""Measure one training configuration in a fresh child process; used by the demo and benchmarks.
+
+    python -m tierflow.measure --mode plain|tierflow --arch llama-20m --seq 512 --batch 4 \\
+        --steps 3 --dtype bf16 [--ram 600MiB] [--planner auto]
+
+prints one JSON line: the median step time over ``--steps`` timed steps after one warm-up
+step, tokens/s, the loss of every step, and the process's peak RSS above its RSS right after
+imports (``resource.getrusage(RUSAGE_SELF).ru_maxrss``). The model is built exactly as
+``peers.py`` builds it (same config, ``torch.manual_seed(0)``, tokens drawn right after), so
+its losses can be compared with the peers' and with each other.
+
+The parent side (:func:`measure`, :func:`run_json`) imports no torch. Children are started
+through ``/bin/sh``, which forks them: on Linux a process's ``ru_maxrss`` starts at its parent's
+high-water mark when the parent execs it directly, which would hide the child's own peak.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# name: (layers, hidden, mlp, heads, kv_heads, vocab); the first three are peers.py's ARCHS
+ARCHS: dict[str, tuple[int, int, int, int, int, int]] = {
+    "llama-20m": (4, 256, 704, 4, 4, 32000),
+    "llama-134m": (12, 768, 2048, 12, 12, 32000),
+    "tinyllama-1.1b": (22, 2048, 5632, 32, 4, 32000),
+    "llama-tiny": (2, 128, 352, 4, 4, 4096),  # smoke tests only
+}
+
+
+class ChildError(RuntimeError):
+    """A child process crashed or printed no result (a bug, not a user error)."""
+
+
+class ChildUserError(ValueError):
+    """The child stopped on a tierflow user error (bad budget, ...); its one-line message."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    arch: str = "llama-20m"
+    seq: int = 512
+    batch: int = 4
+    steps: int = 3  # timed steps, after one warm-up step
+    dtype: str = "bf16"  # "bf16" (autocast on the CPU) or "fp32"
+    lr: float = 1e-4
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq * self.batch
+
+    def params(self) -> int:
+        """Parameter count of the Llama built for this workload (untied head, no biases)."""
+        layers, h, mlp, heads, kv, vocab = ARCHS[self.arch]
+        kv_width = h // heads * kv
+        block = 2 * h * h + 2 * h * kv_width + 3 * h * mlp + 2 * h
+        return 2 * vocab * h + layers * block + h
+
+    def describe(self) -> str:
+        layers, h, mlp, heads, kv, vocab = ARCHS[self.arch]
+        autocast = "bf16 autocast" if self.dtype == "bf16" else "fp32"
+        return (f"{self.arch} ({layers} layers, hidden {h}, MLP {mlp}, {heads} heads, vocab {vocab}; "
+                f"{self.params() / 1e6:.1f}M parameters), seq {self.seq} x batch {self.batch}, "
+                f"{autocast}, AdamW lr {self.lr:g}")
+
+    def args(self) -> list[str]:
+        return ["--arch", self.arch, "--seq", str(self.seq), "--batch", str(self.batch),
+                "--steps", str(self.steps), "--dtype", self.dtype, "--lr", repr(self.lr)]
+
+
+def fast_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX), from /proc/cpuinfo."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+# ---------------------------------------------------------------- parent side (no torch)
+
+def run_json(cmd: list[str], *, timeout: float | None = None, env: dict[str, str] | None = None,
+             cwd: str | Path | None = None) -> dict[str, Any]:
+    """Run ``cmd`` in a fresh process (forked by /bin/sh) and return the last JSON line it prints.
+
+    Raises ChildError with the tail of its stderr if it fails or prints no JSON object.
+    """
+    full = ["/bin/sh", "-c", '"$@"; exit $?', "sh", *cmd] if os.path.exists("/bin/sh") else cmd
+    proc = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise ChildError(f"{' '.join(cmd)} did not finish within {timeout:.0f} s; "
+                         f"stderr ends with:\n{_tail(err)}") from None
+    except BaseException:  # Ctrl-C: take the child down with us
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    result = None
+    for line in reversed(out.splitlines()):
+        if line.startswith("{"):
+            try:
+                result = json.loads(line)
+                break
+            except json.JSONDecodeError:
+                continue
+    if proc.returncode != 0 or not isinstance(result, dict):
+        raise ChildError(f"{' '.join(cmd)} exited with {proc.returncode} "
+                         f"{'and no JSON result' if result is None else ''}; "
+                         f"stderr ends with:\n{_tail(err)}\nstdout ends with:\n{_tail(out)}")
+    return result
+
+
+def _tail(text: str, lines: int = 25) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def measure(workload: Workload, mode: str, *, ram: int | None = None, planner: str = "auto",
+            timeout: float | None = None, python: str | None = None) -> dict[str, Any]:
+    """Measure ``workload`` in ``mode`` ("plain" or "tierflow") in a fresh child process.
+
+    Returns the child's JSON record. A child stopped by a tierflow budget error returns a
+    record with ``status == "infeasible"`` and ``smallest`` (bytes); other tierflow user
+    errors raise ChildUserError, crashes raise ChildError.
+    """
+    cmd = [python or sys.executable, "-m", "tierflow.measure", "--mode", mode, *workload.args()]
+    if ram is not None:
+        cmd += ["--ram", str(int(ram))]
+    if mode == "tierflow":
+        cmd += ["--planner", planner]
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[1])  # the child imports this same tierflow
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    result = run_json(cmd, timeout=timeout, env=env)
+    if result.get("status") == "error":
+        raise ChildUserError(result["error"])
+    return result
+
+
+# ---------------------------------------------------------------- child side
+
+def maxrss_bytes() -> int:
+    """This process's peak RSS so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _status_bytes(field: str) -> int | None:
+    """VmHWM / VmRSS of this process from /proc (Linux only), for cross-checks."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def build(arch: str, seq: int):
+    """The model exactly as ``peers.py build()`` makes it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    layers, hidden, mlp, heads, kv, vocab = ARCHS[arch]
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv, max_position_embeddings=max(seq, 2048),
+                      attn_implementation="sdpa", use_cache=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg)
+
+
+def _smallest(err: BaseException) -> int | None:
+    smallest = getattr(err, "smallest", None)
+    if isinstance(smallest, int):
+        return smallest
+    from .units import parse_bytes
+    match = re.search(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B)\b", str(err))
+    return parse_bytes(match.group(1) + match.group(2)) if match else None
+
+
+def child_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tierflow.measure", description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=["plain", "tierflow"], default="plain")
+    p.add_argument("--arch", choices=sorted(ARCHS), default="llama-20m")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--ram", type=int, default=None, help="tierflow's RAM budget, bytes")
+    p.add_argument("--planner", default="auto")
+    args = p.parse_args(argv)
+
+    import torch
+    import transformers
+    import tierflow
+    if args.mode == "tierflow":
+        import tierflow.api  # noqa: F401  (part of the baseline: imports are not the workload)
+    base = maxrss_bytes()
+    base_hwm = _status_bytes("VmHWM")
+
+    model = build(args.arch, args.seq)
+    tokens = torch.randint(0, model.config.vocab_size, (args.batch, args.seq))
+    bf16 = args.dtype == "bf16"
+    record: dict[str, Any] = {
+        "config": "plain" if args.mode == "plain" else "tierflow", "status": "ok",
+        "workload": asdict(Workload(args.arch, args.seq, args.batch, args.steps, args.dtype, args.lr)),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(), "ram_budget_bytes": args.ram}
+
+    def autocast():
+        return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+
+    if args.mode == "plain":
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+        def step() -> float:
+            with autocast():
+                loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+    else:
+        start = time.perf_counter()
+        try:
+            with autocast():
+                extra = {} if args.planner == "auto" else {"planner": args.planner}
+                module = tierflow.fit(model, {"input_ids": tokens, "labels": tokens}, ram=args.ram,
+                                      optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
+                                      **extra)
+        except tierflow.BudgetError as err:
+            record.update(status="infeasible", error=str(err), smallest=_smallest(err))
+            print(json.dumps(record), flush=True)
+            return 0
+        except ValueError as err:  # other user errors; a plain ValueError from torch is a bug
+            if not isinstance(err, tierflow.TierflowError) and "tierflow" not in type(err).__module__:
+                raise
+            record.update(status="error", error=str(err))
+            print(json.dumps(record), flush=True)
+            return 0
+        plan = module.plan
+        record.update(fit_s=round(time.perf_counter() - start, 3), strategy=plan.strategy,
+                      predicted_peak_bytes=int(plan.predicted_peak),
+                      predicted_step_s=float(plan.predicted_time), explain=plan.explain(),
+                      peak_after_fit_bytes=maxrss_bytes() - base)
+
+        def step() -> float:
+            with autocast():
+                loss = module(input_ids=tokens, labels=tokens).loss
+            loss.backward()  # the optimizer updates each stage's parameters inside backward
+            return loss.item()
+
+    times, losses = [], []
+    for _ in range(args.steps + 1):  # the first step is warm-up
+        start = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    peak = maxrss_bytes()
+    hwm = _status_bytes("VmHWM")
+    record.update(step_s_median=round(median, 4), step_s=[round(t, 4) for t in times],
+                  tok_s=round(args.batch * args.seq / median, 1),
+                  losses=[round(x, 4) for x in losses],
+                  baseline_rss_bytes=base, peak_rss_bytes=peak, peak_above_baseline_bytes=peak - base,
+                  vmhwm_above_baseline_bytes=(hwm - base_hwm) if hwm and base_hwm else None)
+    print(json.dumps(record), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())

@@ -1,0 +1,69 @@
+"""Pick a strategy for a budget and make its Plan; say why, or say what budget would work."""
+from __future__ import annotations
+
+from ..config import FitConfig
+from ..errors import BudgetError
+from ..units import format_bytes
+from .costs import ChainCosts
+from .plan import Plan
+from .rotor import Infeasible, rotor, smallest_budget
+from .simulate import simulate
+from .strategies import checkpoint_all, keep_all
+
+
+def make_plan(costs: ChainCosts, budget: int | None, config: FitConfig, *,
+              tier: str = "ram") -> Plan:
+    """The plan for ``costs`` under ``budget`` bytes of the compute tier (None: unlimited).
+
+    Raises BudgetError naming the smallest budget that works when nothing fits.
+    """
+    keep = keep_all(costs)
+    keep_peak = simulate(costs, keep).peak
+    if budget is None:
+        ops = checkpoint_all(costs) if config.planner == "checkpoint-all" else keep
+        return Plan(config.planner if config.planner != "auto" else "keep-all", tuple(ops), costs,
+                    None, ("no budget was given, so nothing needs to be recomputed",)
+                    if ops is keep else ())
+    usable = int(budget * (1.0 - config.headroom)) - costs.static_bytes
+    if config.planner in ("keep-all", "checkpoint-all"):
+        ops = keep if config.planner == "keep-all" else checkpoint_all(costs)
+        peak = simulate(costs, ops).peak
+        if peak > usable:
+            _raise(tier, budget, costs, peak, config,
+                   hint=f"or use planner='rotor', which needs at least "
+                        f"{format_bytes(_total(costs, smallest_budget(costs), config))}")
+        return Plan(config.planner, tuple(ops), costs, budget,
+                    (f"planner '{config.planner}' was asked for",))
+    if config.planner == "auto" and keep_peak <= usable:
+        return Plan("keep-all", tuple(keep), costs, budget,
+                    (f"keeping every activation needs {format_bytes(keep_peak)}, within the "
+                     f"{format_bytes(usable)} left for activations",))
+    try:
+        ops = rotor(costs, max(usable, 0), slots=config.rotor_slots)
+    except Infeasible as e:
+        _raise(tier, budget, costs, e.smallest, config)
+    sim = simulate(costs, ops)
+    base = simulate(costs, keep).time
+    return Plan("rotor", tuple(ops), costs, budget,
+                (f"keeping every activation would need {format_bytes(keep_peak)} but "
+                 f"{format_bytes(max(usable, 0))} is left for activations after "
+                 f"{format_bytes(costs.static_bytes)} of parameters and optimizer states; rotor "
+                 f"recomputes what costs the least time per byte saved "
+                 f"(+{(sim.time / base - 1) * 100:.0f}% time for "
+                 f"{format_bytes(keep_peak - sim.peak)} less memory)",))
+
+
+def _total(costs: ChainCosts, activations: int, config: FitConfig) -> int:
+    """The tier budget needed for a given activation peak, headroom included."""
+    return int((costs.static_bytes + activations) / (1.0 - config.headroom)) + 1
+
+
+def _raise(tier: str, budget: int, costs: ChainCosts, activations: int, config: FitConfig,
+           hint: str = "") -> None:
+    smallest = _total(costs, activations, config)
+    raise BudgetError(
+        f"{tier} budget {format_bytes(budget)} is below the smallest that works, "
+        f"{format_bytes(smallest)} ({format_bytes(costs.static_bytes)} parameters and optimizer "
+        f"states + {format_bytes(activations)} activations): raise {tier} to at least "
+        f"{format_bytes(smallest)}" + (f", {hint}" if hint else ""),
+        tier=tier, budget=budget, smallest=smallest)

@@ -1,0 +1,154 @@
+"""Measure each distinct stage of a chain once: times, bytes kept for backward, transients.
+
+The sample flows through the chain one stage at a time (only the current boundary is held),
+and a stage whose signature, input shape, dtype, device and autocast mode were already
+measured, in this run or earlier in this process, is not measured again.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..chain.base import Chain
+from ..exec.context import AutocastMode
+from ..exec.memory import HostMeter, DeviceMeter
+from ..exec.stage_call import forward_plain, forward_taped, storage_key, tape_bytes
+from ..plan.costs import StageCost
+
+
+@dataclass(frozen=True)
+class _Measured:
+    fwd_time: float
+    bwd_time: float
+    output_bytes: int
+    tape: int
+    output_in_tape: bool
+    fwd_transient: int
+    fwd_transient_nograd: int
+    bwd_transient: int
+
+
+_CACHE: dict[tuple, _Measured] = {}
+
+
+def stage_parameters(stage: nn.Module) -> list[nn.Parameter]:
+    return [p for p in stage.parameters() if p.requires_grad]
+
+
+def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
+                  meter: HostMeter | DeviceMeter, *, repeats: int = 2,
+                  log: Any = None) -> tuple[list[StageCost], int]:
+    """Costs of every stage (parameter bytes are those the stage alone uses) and the bytes of
+    gradients of parameters shared between stages (tied embeddings)."""
+    owners = _parameter_users(chain)
+    shared = {key for key, users in owners.items() if len(users) > 1}
+    all_params = {storage_key(p) for stage in chain.stages for p in stage.parameters()}
+    shared_bytes = 0
+    counted: set[int] = set()
+    costs: list[StageCost] = []
+    x = x0
+    for i, stage in enumerate(chain.stages):
+        input_grad = x.is_floating_point() and (i > 0 or x.requires_grad)
+        key = (chain.signatures[i], tuple(x.shape), x.dtype, str(x.device), autocast, input_grad)
+        fresh = key not in _CACHE
+        if fresh:
+            started = time.perf_counter()
+            _CACHE[key] = _measure(stage, x, ctx, autocast, meter, all_params, input_grad, repeats)
+            if log is not None:
+                log(f"profiled {chain.names[i]} in {time.perf_counter() - started:.1f} s")
+        m = _CACHE[key]
+        own = 0
+        for p in stage_parameters(stage):
+            k = storage_key(p)
+            if k in counted:
+                continue
+            counted.add(k)
+            if k in shared:
+                shared_bytes += p.nbytes
+            else:
+                own += p.nbytes
+        costs.append(StageCost(name=chain.names[i], fwd_time=m.fwd_time, bwd_time=m.bwd_time,
+                               param_bytes=own, output_bytes=m.output_bytes, tape=m.tape,
+                               output_in_tape=m.output_in_tape, fwd_transient=m.fwd_transient,
+                               fwd_transient_nograd=m.fwd_transient_nograd,
+                               bwd_transient=m.bwd_transient, input_grad=input_grad))
+        if i + 1 < len(chain.stages):
+            x = forward_plain(stage, x, ctx, autocast)
+    return costs, shared_bytes
+
+
+def with_update_costs(costs: list[StageCost], seconds_per_byte: float,
+                      transient_per_byte: float, largest: list[int]) -> list[StageCost]:
+    """Stage costs with the optimizer step priced from a probe of the optimizer."""
+    return [replace(c, update_time=seconds_per_byte * c.param_bytes,
+                    update_transient=int(transient_per_byte * big))
+            for c, big in zip(costs, largest)]
+
+
+def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
+             meter: HostMeter | DeviceMeter, all_params: set[int], input_grad: bool,
+             repeats: int) -> _Measured:
+    params = stage_parameters(stage)
+    fwd_times, fwd_plain_times, bwd_times = [], [], []
+    nograd_transient = tape_transient = bwd_transient = 0
+    tape = out_bytes = 0
+    output_in_tape = False
+    for rep in range(repeats + 1):  # the first round warms up kernels and is not timed
+        base = meter.current()
+        meter.reset_peak()
+        start = time.perf_counter()
+        y = forward_plain(stage, x, ctx, autocast)
+        fwd_plain_times.append(time.perf_counter() - start)
+        out_bytes = y.untyped_storage().nbytes()
+        if rep:  # memory, like time, is read on the timed rounds only
+            nograd_transient = max(nograd_transient, meter.peak() - base - out_bytes)
+        del y
+
+        base = meter.current()
+        meter.reset_peak()
+        start = time.perf_counter()
+        taped = forward_taped(stage, x, ctx, autocast, input_grad=input_grad)
+        fwd_times.append(time.perf_counter() - start)
+        tape = tape_bytes(taped, all_params)
+        output_in_tape = storage_key(taped.y) in taped.saved
+        if rep:
+            tape_transient = max(tape_transient, meter.peak() - base - out_bytes - tape)
+
+        grad_y = _unit_gradient(taped.y)
+        inputs = ([taped.xin] if taped.xin.requires_grad else []) + params
+        base = meter.current()
+        meter.reset_peak()
+        start = time.perf_counter()
+        grads = torch.autograd.grad(taped.y, inputs, grad_y, allow_unused=True) if inputs else ()
+        bwd_times.append(time.perf_counter() - start)
+        made = sum(g.nbytes for g in grads if g is not None)
+        if rep:
+            bwd_transient = max(bwd_transient, meter.peak() - base - made)
+        del grads, taped, grad_y
+    return _Measured(fwd_time=_typical(fwd_times), bwd_time=_typical(bwd_times),
+                     output_bytes=out_bytes, tape=tape, output_in_tape=output_in_tape,
+                     fwd_transient=max(0, tape_transient), fwd_transient_nograd=max(0, nograd_transient),
+                     bwd_transient=max(0, bwd_transient))
+
+
+def _typical(times: list[float]) -> float:
+    """Median of the timed rounds (the first, warm-up, round excluded)."""
+    return statistics.median(times[1:]) if len(times) > 1 else times[0]
+
+
+def _unit_gradient(y: torch.Tensor) -> torch.Tensor:
+    """A gradient for y with its shape (ones: the loss's own gradient for a scalar)."""
+    return torch.ones_like(y) if y.is_floating_point() else torch.zeros_like(y, dtype=torch.float32)
+
+
+def _parameter_users(chain: Chain) -> dict[int, list[int]]:
+    users: dict[int, list[int]] = {}
+    for i, stage in enumerate(chain.stages):
+        for p in stage_parameters(stage):
+            users.setdefault(storage_key(p), []).append(i)
+    return users
