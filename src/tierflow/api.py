@@ -62,6 +62,17 @@ class TierflowModule(nn.Module):
         """The per-stage optimizers tierflow owns (None when the caller steps its own)."""
         return self._optimizer
 
+    def with_plan(self, plan: Plan) -> "TierflowModule":
+        """The same model run by another plan (e.g. one loaded with ``Plan.from_json``)."""
+        if plan.costs.length != len(self._chain):
+            raise TierflowError(f"the plan has {plan.costs.length} stages but the model's chain "
+                                f"has {len(self._chain)}: make the plan for this model")
+        if plan.costs.optimizer_owned != (self._optimizer is not None):
+            raise TierflowError("the plan and this module disagree on who owns the optimizer: "
+                                "fit with the same optimizer= the plan was made with")
+        return TierflowModule(self.model, self._chain, plan, self._autocast, self._device,
+                              self._optimizer, self.fit_log)
+
     def explain(self) -> str:
         return self._plan.explain()
 

@@ -10,7 +10,8 @@ grad[b+1] (no grad for b = L-1: the loss needs none), and ending right after Bac
 Every rotor schedule of [a, b] starts in one of two ways:
 
 1. tape:        Forward(a, tape) ; solve [a+1, b] ; Backward(a) [; Update(a)]
-                (for a == b the middle is empty)
+                (for a == b the middle is Free(a+1) unless stage a's tape holds its
+                output: the backward needs grad[a+1], not x[a+1])
 2. checkpoint:  Forward(a..j-1, no tape), Free-ing each x[k] for a < k < j as soon as x[k+1]
                 exists ; solve [j, b] ; solve [a, j-1]         (for some a < j <= b)
 
@@ -25,9 +26,8 @@ the shared gradients when b = L-1), the needs are:
 
   tape option, own ops:  Forward(a):  X[a] + g[b+1] + X[a+1] + T[a] + tr_fwd[a]
                          Backward(a): X[a] + T[a] + g[a+1] + X[a+1]*out_in_tape[a]
-                                      + lin(a+1, b) + g[a] + P[a] + tr_bwd[a]
-                         (a == b: X[a] + g[a+1] + X[a+1] + T[a] + g[a] + P[a]
-                                  + shared*(a == L-1) + tr_bwd[a]: x[a+1] is still held)
+                                      + lin(a+1, b)*(a < b) + g[a] + P[a]
+                                      + shared*(a == L-1) + tr_bwd[a]
                          Update(a):   g[a] + P[a] + shared*(b == L-1) + tr_upd[a]
                                       (+ X[a] when x[a] outlives the segment, see below)
                 child [a+1, b] gets m - X[a] - T[a]
@@ -39,11 +39,20 @@ keeps it (output_in_tape), which only matters to Update(a); every schedule of [a
 with the same Update(a) need, so "x[a] outlives" is one extra threshold on the whole
 segment (``_Model.keep_need``), not a second table.
 
+Schedule class. This is the optimum among the schedules the paper's DP builds: persistent
+ones (an x[k] is dropped right after it is made or after its one use as a transit value,
+else kept until its backward) whose taped forwards make their output (Forward(i, tape)
+never runs while x[i+1] is resident). Outside that class a step can be faster (drop a used
+checkpoint, recompute it later from an earlier one) or fit lower (tape stage i after stage
+i+1, while x[i+1] is still held); tests/test_rotor.py shows a chain for each.
+
 Time: C(a, b, m) = min(fwd[a] + C(a+1, b, m - X[a] - T[a]) + bwd[a] + upd[a],
                        min_j sum(fwd[a..j-1]) + C(j, b, m - X[a]) + C(a, j-1, m - lin(j, b))).
 The table is vectorised over m with numpy: one array of budgets per segment.
 """
 from __future__ import annotations
+
+from typing import Callable, Union
 
 import numpy as np
 
@@ -55,6 +64,9 @@ from .strategies import keep_all
 
 TAPE = 0  # choice code of the tape option; a checkpoint option is coded by its j > a >= 0
 _MAX_EXACT_CELLS = 1 << 24  # slots=None: refuse tables too large to hold in memory
+
+Chooser = Callable[[int, int, int], int]  # (a, b, budget in units) -> TAPE or split j
+Index = Union[int, np.ndarray]  # one stage index, or an array of them (vectorised splits)
 
 
 class Infeasible(ValueError):
@@ -101,15 +113,15 @@ class _Model:
                             for s in stages]
         self._param_prefix = np.concatenate([[0], np.cumsum(self.params, dtype=np.int64)])
 
-    def fwd_time(self, a: int, j: int) -> float:
-        """Seconds of the forwards of stages a..j-1."""
-        return float(self._fwd_prefix[j] - self._fwd_prefix[a])
+    def fwd_time(self, a: int, j: Index) -> Index:
+        """Seconds of the forwards of stages a..j-1 (per element for an array of j)."""
+        return self._fwd_prefix[j] - self._fwd_prefix[a]
 
-    def lingering(self, j: int, b: int) -> int:
+    def lingering(self, j: Index, b: int) -> Index:
         """What solving [j, b] leaves resident besides g[j]: the parameter gradients of
         stages j..b (none when each is updated and freed right away) and, once the last
         stage's backward has run, the shared gradients (they live until Update(0))."""
-        params = 0 if self.owned else int(self._param_prefix[b + 1] - self._param_prefix[j])
+        params = 0 if self.owned else self._param_prefix[b + 1] - self._param_prefix[j]
         return params + (self.shared if b == self.length - 1 else 0)
 
     def update_need(self, a: int, b: int) -> int:
@@ -129,17 +141,25 @@ class _Model:
         (stage a-1's tape holds it) or at the top (x[0] belongs to the caller)."""
         return a == 0 or self.out_in_tape[a - 1]
 
+    def frees_output(self, a: int, b: int) -> bool:
+        """Whether the tape option drops x[a+1] right after Forward(a): in a one-stage
+        segment nothing forwards from it again, and unless stage a's tape keeps it the
+        backward does not need it (only grad[a+1])."""
+        return a == b and not self.out_in_tape[a]
+
     def tape_need(self, a: int, b: int) -> int:
-        """Peak of the tape option's own ops (Forward(a), Backward(a), Update(a))."""
+        """Peak of the tape option's own ops (Forward(a), Backward(a), Update(a)).
+
+        At Backward(a), x[a+1] is resident only through the tape (output_in_tape): for
+        a < b the child's Backward(a+1) dropped the plan's reference, for a == b the
+        Free right after Forward(a) did. The shared gradients appear at Backward(L-1).
+        """
         x, g = self.x, self.grad
         forward = x[a] + g[b + 1] + x[a + 1] + self.tape[a] + self.tr_fwd[a]
-        if a == b:
-            shared = self.shared if a == self.length - 1 else 0
-            backward = (x[a] + g[a + 1] + x[a + 1] + self.tape[a] + g[a] + self.params[a]
-                        + shared + self.tr_bwd[a])
-        else:
-            backward = (x[a] + self.tape[a] + g[a + 1] + x[a + 1] * self.out_in_tape[a]
-                        + self.lingering(a + 1, b) + g[a] + self.params[a] + self.tr_bwd[a])
+        made_before = self.lingering(a + 1, b) if a < b else 0
+        shared_now = self.shared if a == self.length - 1 else 0
+        backward = (x[a] + self.tape[a] + g[a + 1] + x[a + 1] * self.out_in_tape[a]
+                    + made_before + g[a] + self.params[a] + shared_now + self.tr_bwd[a])
         return max(forward, backward, self.update_need(a, b))
 
     def sweep_needs(self, a: int, b: int) -> list[int]:
@@ -152,15 +172,26 @@ class _Model:
             needs.append(peak)
         return needs
 
-    def tape_child_budget(self, a: int) -> int:
+    def tape_hold(self, a: int) -> int:
+        """What the tape option holds while its child [a+1, b] runs: x[a] and tape[a]."""
         return self.x[a] + self.tape[a]
 
 
 def _shifted(values: np.ndarray, offset: int) -> np.ndarray:
-    """out[m] = values[m - offset]: a child's cost when its parent holds ``offset`` units."""
+    """out[..., m] = values[..., m - offset] (inf below ``offset``): a child's cost when its
+    parent holds ``offset`` units."""
     out = np.full_like(values, np.inf)
-    if offset < len(values):
-        out[offset:] = values[: len(values) - offset]
+    width = values.shape[-1]
+    if offset < width:
+        out[..., offset:] = values[..., : width - offset]
+    return out
+
+
+def _shifted_rows(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Row r of ``values`` shifted by ``offsets[r]``, as ``_shifted`` does for one row."""
+    source = np.arange(values.shape[1])[None, :] - offsets[:, None]
+    out = np.take_along_axis(values, np.maximum(source, 0), axis=1)
+    out[source < 0] = np.inf
     return out
 
 
@@ -171,34 +202,41 @@ def _at_least(values: np.ndarray, need: int) -> np.ndarray:
     return out
 
 
-def _time_table(model: _Model, budget: int) -> tuple[dict, dict]:
-    """C[a, b][m] (least seconds for [a, b] within m units, inf when none fits) and the
-    choice reaching it, for every segment and every m in 0..budget."""
-    cost: dict[tuple[int, int], np.ndarray] = {}
-    choice: dict[tuple[int, int], np.ndarray] = {}
-    for span in range(model.length):
-        for a in range(model.length - span):
+def _time_table(model: _Model, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """cost[a, b, m]: least seconds for segment [a, b] within m units (inf when nothing
+    fits), and choice[a, b, m]: TAPE or the split j reaching it, for m in 0..budget.
+
+    Each segment is one numpy step over (split, m): its checkpoint options read the rows
+    cost[j, b] (j = a+1..b) and cost[a, j-1], all computed at smaller spans."""
+    length, width = model.length, budget + 1
+    cost = np.full((length, length, width), np.inf)
+    choice = np.full((length, length, width), TAPE, dtype=np.int32)
+    memory = np.arange(width)
+    for span in range(length):
+        for a in range(length - span):
             b = a + span
-            base = model.fwd_time(a, a + 1) + model.finish_time[a]
-            if a == b:
-                best = np.full(budget + 1, base)
-            else:
+            best = np.full(width, model.fwd_time(a, a + 1) + model.finish_time[a])
+            if a < b:
                 child = cost[a + 1, b]
                 if model.keeps_input(a + 1):
                     child = _at_least(child, model.keep_need(a + 1, b))
-                best = base + _shifted(child, model.tape_child_budget(a))
+                best = best + _shifted(child, model.tape_hold(a))
             best = _at_least(best, model.tape_need(a, b))
-            picked = np.full(budget + 1, TAPE, dtype=np.int32)
-            for j, sweep in zip(range(a + 1, b + 1), model.sweep_needs(a, b)):
-                if sweep > budget:
-                    break  # longer sweeps hold at least as much
-                cand = (model.fwd_time(a, j) + _shifted(cost[j, b], model.x[a])
-                        + _shifted(cost[a, j - 1], model.lingering(j, b)))
-                cand[:sweep] = np.inf
-                better = cand < best
-                best = np.where(better, cand, best)
-                picked[better] = j
-            cost[a, b], choice[a, b] = best, picked
+            sweeps = np.array(model.sweep_needs(a, b), dtype=np.int64)
+            count = int(np.searchsorted(sweeps, budget, side="right"))  # sweeps only grow
+            if count:
+                splits = np.arange(a + 1, a + 1 + count)
+                lingering = np.broadcast_to(model.lingering(splits, b), splits.shape)
+                cand = (model.fwd_time(a, splits)[:, None]
+                        + _shifted(cost[a + 1: a + 1 + count, b], model.x[a])
+                        + _shifted_rows(cost[a, a: a + count], lingering))
+                cand[memory[None, :] < sweeps[:count, None]] = np.inf
+                row = cand.argmin(axis=0)
+                fastest = cand[row, memory]
+                better = fastest < best
+                best = np.where(better, fastest, best)
+                choice[a, b, better] = splits[row[better]]
+            cost[a, b] = best
     return cost, choice
 
 
@@ -216,7 +254,7 @@ def _min_memory_table(model: _Model) -> tuple[dict, dict]:
                 child_need, child_time = best[a + 1, b]
                 if model.keeps_input(a + 1):
                     child_need = max(child_need, model.keep_need(a + 1, b))
-                need = max(need, child_need + model.tape_child_budget(a))
+                need = max(need, child_need + model.tape_hold(a))
                 seconds += child_time
             options = [((need, seconds), TAPE)]
             for j, sweep in zip(range(a + 1, b + 1), model.sweep_needs(a, b)):
@@ -228,13 +266,15 @@ def _min_memory_table(model: _Model) -> tuple[dict, dict]:
     return best, choice
 
 
-def _emit(model: _Model, choose, a: int, b: int, budget: int, ops: list[Op]) -> None:
+def _emit(model: _Model, choose: Chooser, a: int, b: int, budget: int, ops: list[Op]) -> None:
     """Append the ops of segment [a, b] as ``choose(a, b, budget)`` decides, recursively."""
     j = choose(a, b, budget)
     if j == TAPE:
         ops.append(Forward(a, tape=True))
+        if model.frees_output(a, b):
+            ops.append(Free(a + 1))
         if a < b:
-            _emit(model, choose, a + 1, b, budget - model.tape_child_budget(a), ops)
+            _emit(model, choose, a + 1, b, budget - model.tape_hold(a), ops)
         ops.append(Backward(a))
         if model.owned:
             ops.append(Update(a))
@@ -263,8 +303,16 @@ def _min_memory(costs: ChainCosts) -> tuple[int, float, list[Op]]:
     last = model.length - 1
     need, seconds = best[0, last]
     ops: list[Op] = []
-    _emit(model, lambda a, b, _m: choice[a, b], 0, last, need, ops)
-    return max(need, model.keep_need(0, last)), seconds, ops
+    _emit(model, lambda a, b, _m: choice[a, b], 0, last, 0, ops)
+    return int(max(need, model.keep_need(0, last))), float(seconds), ops
+
+
+def _all_tape(costs: ChainCosts) -> list[Op]:
+    """Keep-all as a rotor schedule: the tape option everywhere, so the loss (and any
+    output its backward does not need) is freed before the backward that follows."""
+    ops: list[Op] = []
+    _emit(_Model(costs, unit=1), lambda a, b, m: TAPE, 0, costs.length - 1, 0, ops)
+    return ops
 
 
 def smallest_budget(costs: ChainCosts) -> int:
@@ -287,16 +335,19 @@ def rotor(costs: ChainCosts, budget: int, *, slots: int | None = 500) -> list[Op
     stage see as part of their context.
     """
     _check_chain(costs)
+    if slots is not None and slots < 1:
+        raise ValueError(f"slots={slots} must be a positive number of memory units, or None")
     smallest, least_time, least_ops = _min_memory(costs)
     if budget < smallest:
         raise Infeasible(budget, smallest)
-    everything = keep_all(costs)
+    everything = _all_tape(costs)
     if simulate(costs, everything).peak <= budget:
         return everything  # every forward runs once: nothing can be faster
     unit = 1 if slots is None else max(1, -(-budget // slots))
     units = budget // unit
-    if (units + 1) * costs.length ** 2 > _MAX_EXACT_CELLS:
-        raise ValueError(f"a table of {units + 1} memory slots per segment is too large: "
+    segments = costs.length * (costs.length + 1) // 2
+    if slots is None and (units + 1) * segments > _MAX_EXACT_CELLS:
+        raise ValueError(f"an exact table of {units + 1} bytes per segment is too large: "
                          f"pass slots= (e.g. 500) to count memory in coarser units")
     model = _Model(costs, unit)
     cost, choice = _time_table(model, units)
@@ -305,7 +356,7 @@ def rotor(costs: ChainCosts, budget: int, *, slots: int | None = 500) -> list[Op
     if not top[units] < least_time:
         return least_ops  # rounding hid every schedule faster than the least-memory one
     ops: list[Op] = []
-    _emit(model, lambda a, b, m: int(choice[a, b][m]), 0, last, units, ops)
+    _emit(model, lambda a, b, m: int(choice[a, b, m]), 0, last, units, ops)
     return ops
 
 

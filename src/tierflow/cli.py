@@ -1,0 +1,197 @@
+"""The ``tierflow`` command line. ``tierflow demo`` for now; train, plan, ... come later.
+
+Every user error (a bad flag, a bad size, a budget no plan fits) is printed as one line
+``tierflow: error: ...`` on stderr with exit code 2, never as a traceback. Set
+``TIERFLOW_TRACEBACK=1`` to see the traceback anyway.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from . import measure
+from .config import PLANNERS
+from .units import format_bytes, parse_bytes
+
+PROG = "tierflow"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (no usage block), exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        hint = f" (see '{self.prog} --help')"
+        _fail(f"{message}{hint}")
+
+
+def _fail(message: str) -> None:
+    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text, what="size")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Train PyTorch models that do not fit in the memory "
+                                            "you have.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                parser_class=_Parser)
+    demo = sub.add_parser(
+        "demo", help="fit a small Llama under a RAM budget; compare with plain PyTorch",
+        description="Fit a small Llama-style model (random weights, random tokens) under a RAM "
+                    "budget, print the plan, then measure plain PyTorch and tierflow, each in a "
+                    "fresh process: peak RSS above the post-import baseline, median step time, "
+                    "tokens/s and the loss of every step.")
+    demo.add_argument("--ram", type=_size, default=None, metavar="SIZE",
+                      help="tierflow's RAM budget, e.g. 600MiB (default: half of plain "
+                           "PyTorch's measured peak)")
+    demo.add_argument("--arch", choices=sorted(measure.ARCHS), default=None,
+                      help="model size (default llama-20m; llama-tiny with --quick)")
+    demo.add_argument("--seq", type=_positive_int, default=None, help="sequence length (default 512)")
+    demo.add_argument("--batch", type=_positive_int, default=None, help="batch size (default 4)")
+    demo.add_argument("--steps", type=_positive_int, default=None,
+                      help="timed steps after one warm-up step (default 3)")
+    demo.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                      help="bf16 autocast or fp32 (auto: bf16 where the CPU has native bf16)")
+    demo.add_argument("--planner", choices=PLANNERS, default="auto",
+                      help="tierflow's planner (default auto: keep-all when it fits, else rotor)")
+    demo.add_argument("--quick", action="store_true",
+                      help="a tiny model and short sequences: a smoke test in seconds")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
+# ---------------------------------------------------------------- demo
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    quick = args.quick
+    dtype = args.dtype if args.dtype != "auto" else ("bf16" if measure.fast_bf16() else "fp32")
+    workload = measure.Workload(
+        arch=args.arch or ("llama-tiny" if quick else "llama-20m"),
+        seq=args.seq or (128 if quick else 512), batch=args.batch or (2 if quick else 4),
+        steps=args.steps or (2 if quick else 3), dtype=dtype)
+    print(f"tierflow demo: {workload.describe()}")
+    print("each configuration runs in a fresh process; peak RSS is measured above the RSS "
+          "right after imports", flush=True)
+
+    _progress("plain PyTorch")
+    plain = measure.measure(workload, "plain")
+    _done(plain)
+    budget, chosen = args.ram, "--ram"
+    if budget is None:
+        budget, chosen = plain["peak_above_baseline_bytes"] // 2, "half of plain PyTorch's peak"
+    _progress(f"tierflow under ram={format_bytes(budget)} ({chosen})")
+    fitted = measure.measure(workload, "tierflow", ram=budget, planner=args.planner)
+    if fitted["status"] == "infeasible":
+        if args.ram is not None or not fitted.get("smallest"):
+            raise measure.ChildUserError(fitted["error"])
+        print(f"\n  {fitted['error']}\n  -> using the smallest budget that fits instead")
+        budget = int(fitted["smallest"])
+        _progress(f"tierflow under ram={format_bytes(budget)} (the smallest feasible budget)")
+        fitted = measure.measure(workload, "tierflow", ram=budget, planner=args.planner)
+        if fitted["status"] == "infeasible":
+            raise measure.ChildUserError(fitted["error"])
+    _done(fitted)
+    print()
+    print(fitted["explain"])
+    print()
+    print(comparison_table(plain, fitted, budget))
+    return 0
+
+
+def _progress(what: str) -> None:
+    print(f"  measuring {what} ...", end="", flush=True)
+    _progress.start = time.perf_counter()  # type: ignore[attr-defined]
+
+
+def _done(record: dict[str, Any]) -> None:
+    print(f" done in {time.perf_counter() - _progress.start:.0f} s", flush=True)  # type: ignore[attr-defined]
+
+
+def comparison_table(plain: dict[str, Any], fitted: dict[str, Any], budget: int) -> str:
+    """Plain PyTorch next to tierflow: peak, step time, tok/s, losses; predictions vs measured."""
+    rows = [("", "peak RSS above baseline", "median step", "tok/s", "loss per step")]
+    for name, r in (("plain PyTorch", plain), ("tierflow", fitted)):
+        peak = format_bytes(r["peak_above_baseline_bytes"])
+        if r is fitted:
+            peak += f" ({r['peak_above_baseline_bytes'] / budget:.0%} of the {format_bytes(budget)} budget)"
+        rows.append((name, peak, f"{r['step_s_median']:.3f} s", f"{r['tok_s']:,.0f}",
+                     " ".join(f"{x:.4f}" for x in r["losses"])))
+    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    pred_peak, pred_time = fitted["predicted_peak_bytes"], fitted["predicted_step_s"]
+    lines.append("")
+    lines.append(f"tierflow predicted peak {format_bytes(pred_peak)} "
+                 f"({_err(pred_peak, fitted['peak_above_baseline_bytes'])} vs measured), "
+                 f"predicted step {pred_time:.3f} s ({_err(pred_time, fitted['step_s_median'])}); "
+                 f"fit took {fitted['fit_s']:.1f} s")
+    diff = max(abs(a - b) for a, b in zip(plain["losses"], fitted["losses"]))
+    ratio = fitted["step_s_median"] / plain["step_s_median"]
+    saved = 1 - fitted["peak_above_baseline_bytes"] / plain["peak_above_baseline_bytes"]
+    lines.append(f"tierflow uses {abs(saved):.0%} {'less' if saved >= 0 else 'more'} memory than plain "
+                 f"PyTorch at {ratio:.2f}x its step time; "
+                 f"losses differ by at most {diff:.1e}")
+    return "\n".join(lines)
+
+
+def _err(predicted: float, measured: float) -> str:
+    return f"{(predicted - measured) / measured:+.1%}" if measured else "n/a"
+
+
+# ---------------------------------------------------------------- entry point
+
+def _is_user_error(err: BaseException) -> bool:
+    """A ValueError that tierflow raised: its class or the frame that raised it is tierflow's."""
+    if not isinstance(err, ValueError):
+        return False
+    if type(err).__module__.split(".")[0] == "tierflow":
+        return True
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    package = str(Path(__file__).resolve().parent)
+    return tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()).startswith(package)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"\n{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        if not _is_user_error(err) or os.environ.get("TIERFLOW_TRACEBACK"):
+            raise
+        _fail(str(err))
+        return 2  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The command line: user errors are one line with exit code 2; the demo runs end to end.
+Also the measurement helpers the demo and the benchmarks share (tierflow.measure)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tierflow import cli, measure
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TIERFLOW_TRACEBACK", None)
+    return subprocess.run([sys.executable, "-m", "tierflow", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("tierflow: error: "), lines[0]
+    assert "Traceback" not in proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["demo", "--ram", "lots"], ["--ram", "'lots'", "GiB"]),
+    (["demo", "--ram", "0"], ["--ram", "positive"]),
+    (["demo", "--bogus"], ["--bogus"]),
+    (["demo", "--steps", "0"], ["--steps"]),
+    ([], ["COMMAND"]),
+    (["frobnicate"], ["frobnicate"]),
+])
+def test_user_errors_are_one_line_exit_2(args, fragments, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(args)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("tierflow: error: "), err
+    assert all(f in err for f in fragments), err
+
+
+def test_bad_ram_from_python_dash_m():
+    assert_one_line_error(run_cli("demo", "--ram", "lots"), "--ram", "'lots'")
+
+
+def test_tierflow_value_error_is_one_line(monkeypatch, capsys):
+    from tierflow.errors import BudgetError
+
+    def infeasible(args):
+        raise BudgetError("ram budget 1.00 MiB is too small:\nthe smallest plan needs 9.00 MiB",
+                          tier="ram", budget=2**20, smallest=9 * 2**20)
+    monkeypatch.setattr(cli, "cmd_demo", infeasible)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "tierflow: error: ram budget 1.00 MiB is too small: the smallest plan needs 9.00 MiB\n"
+
+
+def test_bugs_keep_their_traceback(monkeypatch):
+    def bug(args):
+        raise ValueError("not tierflow's")  # raised here, in a test file: a bug, not a user error
+    monkeypatch.setattr(cli, "cmd_demo", bug)
+    with pytest.raises(ValueError, match="not tierflow's"):
+        cli.main(["demo"])
+
+
+def test_version():
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("tierflow "), proc
+
+
+def test_comparison_table():
+    plain = {"peak_above_baseline_bytes": 2 * 2**30, "step_s_median": 1.0, "tok_s": 2048.0,
+             "losses": [10.5, 10.4]}
+    fitted = {"peak_above_baseline_bytes": 2**30, "step_s_median": 1.2, "tok_s": 1706.7,
+              "losses": [10.5, 10.4], "predicted_peak_bytes": int(1.1 * 2**30),
+              "predicted_step_s": 1.1, "fit_s": 3.0}
+    text = cli.comparison_table(plain, fitted, budget=2**30)
+    assert "plain PyTorch" in text and "tierflow" in text
+    assert "100% of the 1.00 GiB budget" in text
+    assert "+10.0% vs measured" in text
+    assert "50% less memory" in text and "1.20x" in text
+
+
+def test_workload_params_match_transformers():
+    pytest.importorskip("transformers")
+    for arch in ("llama-tiny", "llama-20m"):
+        model = measure.build(arch, 128)
+        assert measure.Workload(arch=arch).params() == sum(p.numel() for p in model.parameters())
+
+
+def test_child_peak_is_its_own_not_the_parents():
+    """A child's ru_maxrss starts at its parent's peak when the parent execs it directly;
+    run_json forks it through /bin/sh so that a big parent does not hide a small child."""
+    ballast = bytearray(400 * 2**20)
+    ballast[:: 4096] = b"\1" * len(ballast[:: 4096])  # touch every page
+    code = ("import json, tierflow.measure as m; a = m.maxrss_bytes(); b = bytearray(100 * 2**20); "
+            "b[::4096] = b'\\1' * len(b[::4096]); print(json.dumps({'base': a, 'peak': m.maxrss_bytes()}))")
+    env = dict(os.environ, PYTHONPATH=SRC)
+    out = measure.run_json([sys.executable, "-c", code], timeout=60, env=env)
+    assert out["base"] < 300 * 2**20, out  # the parent holds > 400 MiB
+    assert 90 * 2**20 < out["peak"] - out["base"] < 130 * 2**20, out
+    del ballast
+
+
+def test_run_json_reports_crashes():
+    with pytest.raises(measure.ChildError, match="boom"):
+        measure.run_json([sys.executable, "-c", "raise SystemExit('boom')"], timeout=60)
+    with pytest.raises(measure.ChildError, match="no JSON"):
+        measure.run_json([sys.executable, "-c", "print('hello')"], timeout=60)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tierflow.api") is None, reason="tierflow.fit not built yet")
+def test_demo_quick_runs_end_to_end():
+    proc = run_cli("demo", "--quick", timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "Plan (" in out and "plain PyTorch" in out and "tierflow" in out
+    assert "losses differ by at most" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tierflow.api") is None, reason="tierflow.fit not built yet")
+def test_demo_infeasible_ram_is_one_line():
+    proc = run_cli("demo", "--quick", "--ram", "1KiB", timeout=240)
+    assert_one_line_error(proc, "smallest")
