@@ -88,6 +88,8 @@ def test_same_loss_and_gradients_as_pytorch(source, planner):
         for name in want:
             torch.testing.assert_close(got[name], want[name], msg=lambda m, n=name: f"{n}: {m}")
         assert torch.equal(after_plain, after_tierflow), "recomputation moved the RNG stream"
+        for (name, b), rb in zip(model.named_buffers(), reference.buffers()):
+            torch.testing.assert_close(b, rb, msg=lambda m, n=name: f"buffer {n}: {m}")
     assert module.ledger.peak > 0
 
 

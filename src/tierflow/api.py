@@ -12,7 +12,7 @@ from .chain import to_chain
 from .chain.base import Chain
 from .config import FitConfig
 from .errors import TierflowError
-from .exec.context import AutocastMode
+from .exec.context import AutocastMode, untouched
 from .exec.memory import meter_for
 from .exec.optimizer import OwnedOptimizer, probe_optimizer
 from .exec.function import RunPlan
@@ -115,8 +115,9 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     x0, ctx = chain.split_inputs(*args, **kwargs)
     autocast = AutocastMode.capture(device.type)
     meter = meter_for(device)
-    stage_costs, shared = profile_chain(chain, x0, ctx, autocast, meter,
-                                        repeats=config.profile_repeats, log=say)
+    with untouched(model, device):
+        stage_costs, shared = profile_chain(chain, x0, ctx, autocast, meter,
+                                            repeats=config.profile_repeats, log=say)
     param_bytes = sum(p.nbytes for p in model.parameters())
     owned = None
     static = param_bytes

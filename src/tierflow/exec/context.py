@@ -61,3 +61,45 @@ def replay_rng(saved: RngState) -> Iterator[None]:
         yield
     finally:
         live.restore()
+
+
+class BufferState:
+    """Copies of the buffers a stage's forward mutates (BatchNorm running statistics), so a
+    recomputation sees the buffers of the first run and leaves them as the first run did."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.buffers = [b for m in modules for b in m.buffers()]
+        self.values = [b.detach().clone() for b in self.buffers]
+
+    def swap(self) -> None:
+        """Exchange the live buffers with the saved copies."""
+        for buffer, value in zip(self.buffers, self.values):
+            live = buffer.detach().clone()
+            buffer.data.copy_(value)
+            value.copy_(live)
+
+
+@contextlib.contextmanager
+def replay_buffers(saved: BufferState | None) -> Iterator[None]:
+    """Run a recomputation on the buffers as they were before the first run, then put back
+    the buffers as the first run left them."""
+    if saved is None or not saved.buffers:
+        yield
+        return
+    saved.swap()
+    try:
+        yield
+    finally:
+        saved.swap()
+
+
+@contextlib.contextmanager
+def untouched(model: torch.nn.Module, device: torch.device) -> Iterator[None]:
+    """Leave the model's buffers and the RNG streams as they were (profiling runs the model)."""
+    saved = BufferState([model])
+    rng = RngState.capture(device)
+    try:
+        yield
+    finally:
+        rng.restore()
+        saved.swap()

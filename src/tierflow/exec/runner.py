@@ -9,7 +9,8 @@ import torch
 
 from ..chain.base import Chain
 from ..plan.ops import Backward, Forward, Free, Op, Update
-from .context import AutocastMode, RngState, replay_rng
+from ..chain.base import stateful_modules
+from .context import AutocastMode, BufferState, RngState, replay_buffers, replay_rng
 from .stage_call import Taped, backward_taped, forward_plain, forward_taped, storage_key
 
 
@@ -48,6 +49,7 @@ class StepRun:
         self.tapes: dict[int, Taped] = {}
         self.grads: dict[int, torch.Tensor] = {}
         self.rng: dict[int, RngState] = {}
+        self.buffers: dict[int, BufferState] = {}
         self.input_requires_grad = False
 
     def forward_phase(self, x0: torch.Tensor) -> torch.Tensor:
@@ -86,7 +88,11 @@ class StepRun:
         first = i not in self.rng
         if first:
             self.rng[i] = RngState.capture(self.device)
-        with _maybe_replay(None if first else self.rng[i]):
+            mutated = stateful_modules(stage)
+            if mutated:
+                self.buffers[i] = BufferState(mutated)
+        replay = contextlib.nullcontext() if first else replay_rng(self.rng[i])
+        with replay, replay_buffers(None if first else self.buffers.get(i)):
             if tape:
                 input_grad = i > 0 or self.input_requires_grad
                 taped = forward_taped(stage, x, self.ctx, self.autocast, input_grad=input_grad)
@@ -114,7 +120,3 @@ class StepRun:
             held += [taped.xin, taped.y]
             saved.update(taped.saved)
         self.ledger.measure(held, saved)
-
-
-def _maybe_replay(saved: RngState | None) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext() if saved is None else replay_rng(saved)
