@@ -110,7 +110,7 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     log: list[str] = []
     say = (lambda m: (log.append(m), print(f"[tierflow] {m}", flush=True))) if verbose else log.append
     started = time.perf_counter()
-    chain = to_chain(model, sample)
+    chain = to_chain(model, sample, head_chunk_tokens=config.head_chunk_tokens)
     args, kwargs = _as_call(sample)
     x0, ctx = chain.split_inputs(*args, **kwargs)
     autocast = AutocastMode.capture(device.type)

@@ -17,7 +17,7 @@ class FitConfig:
     planner: str = "auto"  # auto: keep-all when it fits the budget, else rotor
     rotor_slots: int = 500  # memory is discretised into this many units for rotor
     profile_repeats: int = 2  # timed rounds per distinct stage, after one warm-up round
-    head_chunk_tokens: int = 1024  # tokens per chunk of the fused LM head + loss
+    head_chunk_tokens: int = 256  # tokens per chunk of the fused LM head + loss
     headroom: float = 0.0  # fraction of the budget kept free for what tierflow cannot see
 
     def __post_init__(self) -> None:

@@ -28,10 +28,11 @@ def _is_hf_causal_lm(model: nn.Module) -> bool:
     return isinstance(model, PreTrainedModel) and model.get_output_embeddings() is not None
 
 
-def to_chain(model: nn.Module, sample: Any) -> Chain:
+def to_chain(model: nn.Module, sample: Any, *, head_chunk_tokens: int = 1024) -> Chain:
     """Cut ``model`` into a Chain. ``sample`` is what the model is called with: a tensor, a
     tuple of positional arguments, or a dict of keyword arguments (``input_ids``, ``labels``).
-    The stages hold the model's own modules and parameters."""
+    The stages hold the model's own modules and parameters. ``head_chunk_tokens``: tokens
+    per chunk of a language model's fused head + loss (smaller: less memory, more overhead)."""
     if not isinstance(model, nn.Module):
         raise ChainError(f"to_chain needs an nn.Module, got {type(model).__name__}")
     if isinstance(model, nn.Sequential):
@@ -41,7 +42,7 @@ def to_chain(model: nn.Module, sample: Any) -> Chain:
     if _is_hf_causal_lm(model):
         from .hf import hf_chain
 
-        return hf_chain(model, sample)
+        return hf_chain(model, sample, head_chunk_tokens=head_chunk_tokens)
     from .fx import fx_chain
 
     return fx_chain(model, sample)

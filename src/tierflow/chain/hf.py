@@ -246,7 +246,7 @@ def _embed_parts(base: nn.Module, exclude: set[int]) -> tuple[dict[str, nn.Modul
 # ---------------------------------------------------------------------------- the adapter
 
 
-def hf_chain(model: nn.Module, sample: Any) -> Chain:
+def hf_chain(model: nn.Module, sample: Any, *, head_chunk_tokens: int = 1024) -> Chain:
     cls = type(model).__name__
     config = getattr(model, "config", None)
     if getattr(config, "is_encoder_decoder", False):
@@ -322,7 +322,7 @@ def hf_chain(model: nn.Module, sample: Any) -> Chain:
     parts, loose = _embed_parts(base, exclude)
     embed = EmbedStage(base, layers[0], input_key, parts, loose)
     layer_stages = [LayerStage(layer, i) for i, layer in enumerate(layers)]
-    head_stage = HeadStage(post, head)
+    head_stage = HeadStage(post, head, head_chunk_tokens)
     stages: list[nn.Module] = [embed, *layer_stages, head_stage]
     names = ["embed", *[f"layers.{i}" for i in range(len(layers))], "head"]
 

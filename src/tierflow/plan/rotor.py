@@ -48,7 +48,8 @@ i+1, while x[i+1] is still held); tests/test_rotor.py shows a chain for each.
 
 Time: C(a, b, m) = min(fwd[a] + C(a+1, b, m - X[a] - T[a]) + bwd[a] + upd[a],
                        min_j sum(fwd[a..j-1]) + C(j, b, m - X[a]) + C(a, j-1, m - lin(j, b))).
-The table is vectorised over m with numpy: one array of budgets per segment.
+The table holds C for every m in 0..budget; each segment is one numpy step over all its
+splits and all m at once.
 """
 from __future__ import annotations
 
@@ -99,7 +100,9 @@ class _Model:
         self.owned = costs.optimizer_owned
         self.x = [up(costs.x_bytes(i)) for i in range(self.length + 1)]
         self.tape = [up(s.tape) for s in stages]
-        self.out_in_tape = [s.output_in_tape for s in stages]
+        # the executor keeps each taped stage's output tensor until its backward (the
+        # simulator's rule), so for memory every output counts as held by its tape
+        self.out_in_tape = [True for _ in stages]
         self.tr_fwd = [up(s.fwd_transient) for s in stages]
         self.tr_nograd = [up(s.fwd_transient_nograd) for s in stages]
         self.tr_bwd = [up(s.bwd_transient) for s in stages]
@@ -316,7 +319,8 @@ def _all_tape(costs: ChainCosts) -> list[Op]:
 
 
 def smallest_budget(costs: ChainCosts) -> int:
-    """The least activation budget (bytes, static excluded) any rotor schedule fits in."""
+    """The least activation budget (bytes, static excluded) any rotor schedule fits in;
+    ``rotor(costs, smallest_budget(costs))`` succeeds whatever ``slots``."""
     _check_chain(costs)
     return _min_memory(costs)[0]
 
@@ -371,7 +375,7 @@ def rotor_notes(costs: ChainCosts, ops: list[Op]) -> list[str]:
     if not extra:
         return [f"the budget holds every activation (peak {format_bytes(sim.peak)}): "
                 f"nothing is recomputed"]
-    names = ", ".join(costs.stages[i].name for i in extra)
+    names = ", ".join(costs.stages[i].name for i in extra[:6]) + (", ..." if extra[6:] else "")
     reruns = sum(counts[i] - 1 for i in extra)
     return [f"rotor recomputes {reruns} forward(s) of {len(extra)} stage(s) ({names}), "
             f"adding {(sim.time - full.time) * 1e3:.1f} ms to the step",

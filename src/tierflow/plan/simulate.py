@@ -4,7 +4,7 @@ This is the single definition of what an op costs. The planners optimise against
 brute-force tests search against it, and the executor's ledger is checked against it.
 Storages are reference counted exactly as the executor holds them: x[i] stays resident
 while the plan references it, while tape[i] (which holds stage i's input) is alive, and
-while tape[i-1] is alive if stage i-1's backward needs its own output.
+while tape[i-1] (which holds stage i-1's output) is alive.
 """
 from __future__ import annotations
 
@@ -47,9 +47,9 @@ class _State:
         self.shared_grads = False
 
     def x_resident(self, i: int) -> bool:
-        if i in self.x_refs or i in self.tapes:
-            return True
-        return i - 1 in self.tapes and self.costs.stages[i - 1].output_in_tape
+        # tape[i] holds its input; tape[i-1] holds its output tensor (the executor keeps it
+        # to start the stage's backward from), whether or not the backward reads its values
+        return i in self.x_refs or i in self.tapes or i - 1 in self.tapes
 
     def resident(self) -> int:
         c = self.costs
@@ -112,8 +112,9 @@ def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
         elif isinstance(op, Free):
             if op.index not in state.x_refs:
                 raise InvalidPlan(f"{op}: x[{op.index}] is not held by the plan")
-            if op.index == 0:
-                raise InvalidPlan(f"{op}: x[0] is the caller's input and cannot be freed")
+            if op.index in (0, length):
+                raise InvalidPlan(f"{op}: x[{op.index}] belongs to the caller (the chain's "
+                                  f"{'input' if op.index == 0 else 'output'}) and cannot be freed")
             state.x_refs.discard(op.index)
             during = before
         elif isinstance(op, Update):
