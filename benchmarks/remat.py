@@ -142,7 +142,9 @@ def markdown(result: dict[str, Any]) -> str:
              f"each configuration in a fresh process.", "",
              f"Machine: {m.get('model_name', '?')}, {m.get('cpus')} CPUs, {m.get('memory_gib', '?')} GiB RAM, "
              f"torch {m.get('torch', '?')} ({m.get('threads', '?')} threads), transformers "
-             f"{m.get('transformers', '?')}, Python {m['python']}; commit {m.get('commit', '?')}.", "",
+             f"{m.get('transformers', '?')}, Python {m['python']}; commit {m.get('commit', '?')}. "
+             f"Load average (1 min) {result['load_average']['before'][0]} before the run, "
+             f"{result['load_average']['after'][0]} after: other processes slow every timing.", "",
              "Peak = peak RSS above the RSS right after imports (`ru_maxrss`). tierflow's budgets are "
              "25/50/75/100% of the plain peer's peak measured in this run. `vs plain` = median step "
              "time / plain's. Predictions are tierflow's plan (`plan.predicted_peak`, "
@@ -265,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     log(f"W1{' (quick)' if args.quick else ''}: {w.describe()}; results to {args.out}/{stem}.*")
 
+    load_before = os.getloadavg()
     runs: list[dict[str, Any]] = []
     for name in [n for n in PEERS if n not in skip]:
         log(f"peer {name} ...")
@@ -282,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         _log_run(runs[-1])
 
     result = {"date": date, "quick": args.quick, "stem": stem, "workload": asdict(w) | {"tokens_per_step": w.tokens_per_step},
-              "workload_text": w.describe(), "machine": describe_machine(runs), "runs": runs}
+              "workload_text": w.describe(), "machine": describe_machine(runs), "runs": runs,
+              "load_average": {"before": [round(x, 2) for x in load_before],
+                               "after": [round(x, 2) for x in os.getloadavg()]}}
     (args.out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result)
     (args.out / f"{stem}.md").write_text(text)

@@ -136,3 +136,31 @@ def test_demo_quick_runs_end_to_end():
 def test_demo_infeasible_ram_is_one_line():
     proc = run_cli("demo", "--quick", "--ram", "1KiB", timeout=240)
     assert_one_line_error(proc, "smallest")
+
+
+def test_benchmark_report_renders(tmp_path):
+    """benchmarks/remat.py's table and plot from synthetic records (no child processes)."""
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location(
+        "remat", Path(__file__).resolve().parents[1] / "benchmarks" / "remat.py")
+    remat = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(remat)
+    g = remat.GIB
+    peer = dict(kind="peer", status="ok", losses=[10.5, 10.4])
+    runs = [dict(peer, config="plain", peak_above_baseline_bytes=8 * g, step_s_median=7.5, tok_s=546.0),
+            dict(peer, config="hf-ckpt", peak_above_baseline_bytes=5 * g, step_s_median=7.8, tok_s=525.0),
+            dict(kind="tierflow", config="tierflow-25%", fraction=0.25, budget_bytes=2 * g,
+                 status="infeasible", smallest_bytes=3 * g, error="ram budget 2 GiB is below ..."),
+            dict(kind="tierflow", config="tierflow-75%", fraction=0.75, budget_bytes=6 * g, status="ok",
+                 losses=[10.5, 10.4], peak_above_baseline_bytes=int(6.1 * g), step_s_median=7.0,
+                 tok_s=585.0, predicted_peak_bytes=6 * g, predicted_step_s=7.7)]
+    result = {"date": "2026-01-01", "quick": False, "stem": "remat-2026-01-01",
+              "workload": {"arch": "llama-134m", "seq": 1024, "batch": 4, "steps": 3},
+              "workload_text": "W1", "runs": runs, "load_average": {"before": [1.0], "after": [1.5]},
+              "machine": {"python": "3.11", "cpus": 2, "model_name": "CPU"}}
+    text = remat.markdown(result)
+    assert "| tierflow-25% | 2.00 | infeasible (smallest 3.00 GiB) |" in text
+    assert "| tierflow-75% | 6.00 | 6.10 | yes (+1.7%, within 5%) | 7.00 | 585 | 0.93x |" in text
+    assert "| 6.00 (75%) | 7.00 | hf-ckpt | 7.80 | yes |" in text
+    remat.plot(result, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 10_000
