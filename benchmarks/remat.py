@@ -8,7 +8,8 @@
 Every configuration runs in a fresh process (peak RSS is a per-process high-water mark):
 the peers of ../shared/peers/peers.py (``train --mode plain``, ``hf-ckpt`` and ``compile`` with
 activation_memory_budget 1.0/0.5/0.1) with this project's Python, then tierflow at RAM budgets
-of 25/50/75/100% of the plain peer's peak above baseline, measured earlier in the same run.
+of 25/50/75/100% of the plain peer's peak above baseline, measured earlier in the same run,
+with its decoder layers compiled once by torch.compile (``--eager`` to run them eagerly).
 Writes benchmarks/results/remat-<date>.md (tables), .json (every raw result) and .png
 (median step time against peak memory, the budgets as vertical lines).
 """
@@ -64,12 +65,13 @@ def run_peer(peers: Path, name: str, w: measure.Workload, timeout: float) -> dic
     return record
 
 
-def run_tierflow(w: measure.Workload, fraction: float, budget: int, timeout: float) -> dict[str, Any]:
+def run_tierflow(w: measure.Workload, fraction: float, budget: int, timeout: float,
+                 compile: bool) -> dict[str, Any]:
     record: dict[str, Any] = {"config": f"tierflow-{fraction:.0%}", "kind": "tierflow",
-                              "fraction": fraction, "budget_bytes": budget}
+                              "fraction": fraction, "budget_bytes": budget, "compiled": compile}
     start = time.perf_counter()
     try:
-        raw = measure.measure(w, "tierflow", ram=budget, timeout=timeout)
+        raw = measure.measure(w, "tierflow", ram=budget, timeout=timeout, compile=compile)
     except (measure.ChildError, measure.ChildUserError) as err:
         record.update(status="failed", error=str(err))
         return record
@@ -251,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"comma-separated peers not to run, of {','.join(PEERS[1:])} (plain always runs)")
     p.add_argument("--budgets", default="0.25,0.5,0.75,1.0",
                    help="tierflow budgets as fractions of plain's peak (default 0.25,0.5,0.75,1.0)")
+    p.add_argument("--eager", action="store_true",
+                   help="run tierflow's stages eagerly (default: decoder layers torch.compiled once)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per configuration")
     args = p.parse_args(argv)
@@ -281,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     for fraction in fractions:
         budget = int(fraction * plain["peak_above_baseline_bytes"])
         log(f"tierflow at {fraction:.0%} of plain's peak = {budget / GIB:.2f} GiB ...")
-        runs.append(run_tierflow(w, fraction, budget, args.timeout))
+        runs.append(run_tierflow(w, fraction, budget, args.timeout, not args.eager))
         _log_run(runs[-1])
 
     result = {"date": date, "quick": args.quick, "stem": stem, "workload": asdict(w) | {"tokens_per_step": w.tokens_per_step},

@@ -12,6 +12,7 @@ from .chain import to_chain
 from .chain.base import Chain
 from .config import FitConfig
 from .errors import TierflowError
+from .exec.compile import compile_chain
 from .exec.context import AutocastMode, untouched
 from .exec.memory import meter_for
 from .exec.optimizer import OwnedOptimizer, probe_optimizer
@@ -110,28 +111,37 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     log: list[str] = []
     say = (lambda m: (log.append(m), print(f"[tierflow] {m}", flush=True))) if verbose else log.append
     started = time.perf_counter()
+    meter = meter_for(device)
+    before = meter.current()
     chain = to_chain(model, sample, head_chunk_tokens=config.head_chunk_tokens)
+    if config.compile:
+        say(f"compiling {compile_chain(chain)} stages (the first profile round pays for it)")
     args, kwargs = _as_call(sample)
     x0, ctx = chain.split_inputs(*args, **kwargs)
     autocast = AutocastMode.capture(device.type)
-    meter = meter_for(device)
     with untouched(model, device):
         stage_costs, shared = profile_chain(chain, x0, ctx, autocast, meter,
                                             repeats=config.profile_repeats, log=say)
+    # what running the model left resident (kernel caches, compiled code, allocator slack):
+    # it stays for the whole run, so it is planned as static
+    runtime = max(0, meter.current() - before) if device.type == "cpu" else 0
     param_bytes = sum(p.nbytes for p in model.parameters())
+    state_bytes = 0
     owned = None
-    static = param_bytes
     if optimizer is not None:
         probe = probe_optimizer(optimizer, device, meter)
-        static += int(probe.state_per_byte * sum(p.nbytes for p in model.parameters()
-                                                 if p.requires_grad))
+        state_bytes = int(probe.state_per_byte * sum(p.nbytes for p in model.parameters()
+                                                     if p.requires_grad))
         largest = [max((p.nbytes for p in st.parameters()), default=0) for st in chain.stages]
         stage_costs = with_update_costs(stage_costs, probe.seconds_per_byte,
                                         probe.transient_per_byte, largest)
         owned = OwnedOptimizer(chain, optimizer)
-    costs = ChainCosts(stages=tuple(stage_costs), input_bytes=_bytes_of(x0), static_bytes=static,
+    costs = ChainCosts(stages=tuple(stage_costs), input_bytes=_bytes_of(x0),
+                       static_bytes=param_bytes + state_bytes + runtime,
                        optimizer_owned=optimizer is not None, shared_grad_bytes=shared,
-                       extra={"autocast": autocast.describe(), "device": str(device)})
+                       extra={"autocast": autocast.describe(), "device": str(device),
+                              "parameters": param_bytes, "optimizer states": state_bytes,
+                              "runtime": runtime})
     plan = make_plan(costs, budget, config, tier=tier)
     say(f"planned in {time.perf_counter() - started:.1f} s: {plan.strategy}")
     return TierflowModule(model, chain, plan, autocast, device, owned, log)

@@ -19,6 +19,7 @@ class FitConfig:
     profile_repeats: int = 2  # timed rounds per distinct stage, after one warm-up round
     head_chunk_tokens: int = 256  # tokens per chunk of the fused LM head + loss
     headroom: float = 0.0  # fraction of the budget kept free for what tierflow cannot see
+    compile: bool = False  # torch.compile stages that share a kernel (decoder layers), once
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:

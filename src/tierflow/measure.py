@@ -129,7 +129,8 @@ def _tail(text: str, lines: int = 25) -> str:
 
 
 def measure(workload: Workload, mode: str, *, ram: int | None = None, planner: str = "auto",
-            timeout: float | None = None, python: str | None = None) -> dict[str, Any]:
+            compile: bool = False, timeout: float | None = None,
+            python: str | None = None) -> dict[str, Any]:
     """Measure ``workload`` in ``mode`` ("plain" or "tierflow") in a fresh child process.
 
     Returns the child's JSON record. A child stopped by a tierflow budget error returns a
@@ -140,7 +141,7 @@ def measure(workload: Workload, mode: str, *, ram: int | None = None, planner: s
     if ram is not None:
         cmd += ["--ram", str(int(ram))]
     if mode == "tierflow":
-        cmd += ["--planner", planner]
+        cmd += ["--planner", planner] + (["--compile"] if compile else [])
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[1])  # the child imports this same tierflow
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -203,6 +204,7 @@ def child_main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--ram", type=int, default=None, help="tierflow's RAM budget, bytes")
     p.add_argument("--planner", default="auto")
+    p.add_argument("--compile", action="store_true", help="tierflow: torch.compile the decoder layers")
     args = p.parse_args(argv)
 
     import torch
@@ -239,10 +241,10 @@ def child_main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             with autocast():
-                extra = {} if args.planner == "auto" else {"planner": args.planner}
+                config = tierflow.FitConfig(planner=args.planner, compile=args.compile)
                 module = tierflow.fit(model, {"input_ids": tokens, "labels": tokens}, ram=args.ram,
                                       optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
-                                      **extra)
+                                      config=config)
         except tierflow.BudgetError as err:
             record.update(status="infeasible", error=str(err), smallest=_smallest(err))
             print(json.dumps(record), flush=True)
@@ -255,6 +257,7 @@ def child_main(argv: list[str] | None = None) -> int:
             return 0
         plan = module.plan
         record.update(fit_s=round(time.perf_counter() - start, 3), strategy=plan.strategy,
+                      compiled=args.compile,
                       predicted_peak_bytes=int(plan.predicted_peak),
                       predicted_step_s=float(plan.predicted_time), explain=plan.explain(),
                       peak_after_fit_bytes=maxrss_bytes() - base)

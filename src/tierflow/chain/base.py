@@ -46,6 +46,27 @@ class Chain:
         return self.wrap_output(x, ctx)
 
 
+class KernelStage(nn.Module):
+    """A stage whose work is a pure function of its module, x and side inputs read from ctx.
+
+    Stages of one signature share ``kernel``, so that compiling it once (see
+    ``tierflow.exec.compile``) serves every one of them: decoder layers differ only in their
+    parameters, which the compiled function takes as inputs.
+    """
+
+    def __init__(self, module: nn.Module, kernel: Callable[..., torch.Tensor]):
+        super().__init__()
+        self.module = module
+        self.kernel = kernel
+
+    def side_inputs(self, ctx: Context) -> tuple:
+        """What the kernel needs from ctx besides x."""
+        return ()
+
+    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        return self.kernel(self.module, x, *self.side_inputs(ctx))
+
+
 def module_signature(module: nn.Module, extra: str = "") -> str:
     """Identical computation => identical signature: class, structure and parameter shapes."""
     params = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"

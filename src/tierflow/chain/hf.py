@@ -35,7 +35,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .base import Chain, ChainError, Context, call_args, module_signature
+from .base import Chain, ChainError, Context, KernelStage, call_args, module_signature
 
 # Config fields of families whose head does more than norm + linear; checked up front so the
 # error names the feature. Anything else that differs is caught by the verification run.
@@ -90,18 +90,21 @@ class EmbedStage(nn.Module):
         return caught[0]
 
 
-class LayerStage(nn.Module):
+def call_decoder_layer(layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+    """One decoder layer on hidden states x with the side inputs the model gives it."""
+    out = layer(x, *args, **kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+class LayerStage(KernelStage):
     """Decoder layer ``index``: hidden -> hidden, its other arguments read from ctx."""
 
     def __init__(self, layer: nn.Module, index: int):
-        super().__init__()
-        self.layer = layer
+        super().__init__(layer, call_decoder_layer)
         self.index = index
 
-    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
-        args, kwargs = ctx["layer_inputs"][self.index]
-        out = self.layer(x, *args, **kwargs)
-        return out[0] if isinstance(out, tuple) else out
+    def side_inputs(self, ctx: Context) -> tuple:
+        return ctx["layer_inputs"][self.index]
 
 
 class HeadStage(nn.Module):

@@ -85,7 +85,7 @@ class Plan:
         lines = [f"Plan ({self.strategy}) for a chain of {c.length} stages"
                  + (f" under a budget of {format_bytes(self.budget)}" if self.budget else "") + ":",
                  f"  predicted peak {format_bytes(self.predicted_peak)} "
-                 f"= {format_bytes(c.static_bytes)} static (parameters, optimizer states, runtime)"
+                 f"= {format_bytes(c.static_bytes)} static ({_static_parts(c)})"
                  f" + {format_bytes(sim.peak)} activations, gradients and transients",
                  f"  predicted step time {sim.time * 1e3:.0f} ms "
                  f"({_overhead(sim.time, base)} over computing every stage once)"]
@@ -113,6 +113,13 @@ def _first_forward_tape(ops: tuple[Op, ...], length: int) -> list[bool]:
         if isinstance(op, Forward) and first[op.stage] is None:
             first[op.stage] = op.tape
     return [bool(t) for t in first]
+
+
+def _static_parts(costs: ChainCosts) -> str:
+    """The static bytes by kind, where the costs say (``extra``), else their kinds."""
+    kinds = ("parameters", "optimizer states", "runtime")
+    parts = [f"{kind} {format_bytes(costs.extra[kind])}" for kind in kinds if kind in costs.extra]
+    return ", ".join(parts) if parts else "parameters, optimizer states, runtime"
 
 
 def _names(items: list[str]) -> str:
