@@ -1,0 +1,284 @@
+"""Token files: a 64-byte header, then the tokens, little-endian, memory-mapped for reading.
+
+Header (little-endian): magic ``b"TFTOKENS"`` (8 bytes), format version (uint32), bytes per
+token (uint32: 2 or 4), token count (uint64), vocab size (uint64), zero padding to 64 bytes.
+Tokens are uint16 when the vocab has at most 65536 ids, else uint32. The header lets a reader
+refuse a truncated or foreign file with a clear message instead of training on garbage.
+
+nanoGPT's ``.bin`` files (raw uint16, no header) are read too: a file without the magic is
+taken as one, unless its first 8 bytes are printable text (another format's magic, or a text
+file), which is refused as a wrong magic; ``headerless=True`` forces the nanoGPT reading.
+"""
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ..errors import TierflowError
+
+MAGIC = b"TFTOKENS"
+VERSION = 1
+HEADER_BYTES = 64
+_HEADER = struct.Struct("<8sIIQQ")  # magic, version, bytes per token, token count, vocab size
+_CHUNK = 1 << 22  # tokens per chunk when scanning or buffering (8-16 MiB)
+_REWRITE = "rewrite it with 'tierflow tokenize'"
+
+
+def dtype_for_vocab(vocab_size: int | None) -> np.dtype:
+    """uint16 when every id fits (vocab <= 65536), else uint32: the smallest exact type."""
+    if vocab_size is not None and vocab_size > 1 << 16:
+        return np.dtype("<u4")
+    return np.dtype("<u2")
+
+
+# ---------------------------------------------------------------- writing
+
+class TokenWriter:
+    """Streams tokens to ``path`` through a temporary file; ``commit()`` makes it appear whole.
+
+    The file is written as ``.NAME.tmp-PID`` beside ``path``, the header is rewritten with the
+    final count, then fsync and rename: a reader never sees a half-written token file.
+    Use as a context manager: leaving the block normally commits, an exception discards.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], vocab_size: int):
+        if vocab_size < 1:
+            raise TierflowError(f"vocab size {vocab_size} for token file {path} must be at least 1")
+        self.path = Path(path)
+        self.vocab_size = int(vocab_size)
+        self.dtype = dtype_for_vocab(vocab_size)
+        self.count = 0
+        self._tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self._file = open(self._tmp, "wb")
+        self._file.write(self._header(0))
+
+    def _header(self, count: int) -> bytes:
+        head = _HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, count, self.vocab_size)
+        return head.ljust(HEADER_BYTES, b"\0")
+
+    def write(self, tokens: Sequence[int] | np.ndarray) -> None:
+        """Append ``tokens``, ids in [0, vocab size); an id out of range is a TierflowError."""
+        array = np.asarray(tokens)
+        if array.size == 0:
+            return
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high >= self.vocab_size:
+            bad = low if low < 0 else high
+            raise TierflowError(f"token id {bad} cannot be written to {self.path}: ids must be in "
+                                f"[0, {self.vocab_size}) for vocab size {self.vocab_size}; fix: "
+                                f"pass the tokenizer's full vocab size (added tokens included)")
+        self._file.write(array.astype(self.dtype, copy=False).tobytes())
+        self.count += int(array.size)
+
+    def commit(self) -> int:
+        """Write the final header, fsync, rename onto ``path``; returns the token count."""
+        self._file.seek(0)
+        self._file.write(self._header(self.count))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        os.replace(self._tmp, self.path)
+        _fsync_dir(self.path.parent)
+        return self.count
+
+    def discard(self) -> None:
+        """Close and delete the temporary file; ``path`` is left as it was."""
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "TokenWriter":
+        return self
+
+    def __exit__(self, exc_type: type | None, *rest: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.discard()
+
+
+def write_tokens(path: str | os.PathLike[str], tokens: np.ndarray | Iterable[int] |
+                 Iterable[Sequence[int]], vocab_size: int) -> int:
+    """Write a token file atomically; returns the token count.
+
+    ``tokens`` is an array, an iterable of ids, or an iterable of chunks (arrays or lists).
+    """
+    with TokenWriter(path, vocab_size) as writer:
+        for chunk in _chunks(tokens):
+            writer.write(chunk)
+    return writer.count
+
+
+def _chunks(tokens: np.ndarray | Iterable[int] | Iterable[Sequence[int]]) -> Iterable[np.ndarray]:
+    """Arrays of ids from an array, an iterable of ids or an iterable of chunks."""
+    if isinstance(tokens, np.ndarray):
+        yield tokens.reshape(-1)
+        return
+    pending: list[int] = []
+    for item in tokens:
+        if isinstance(item, (int, np.integer)):
+            pending.append(int(item))
+            if len(pending) >= _CHUNK:
+                yield np.asarray(pending, dtype=np.int64)
+                pending = []
+        else:
+            if pending:
+                yield np.asarray(pending, dtype=np.int64)
+                pending = []
+            yield np.asarray(item, dtype=np.int64).reshape(-1)
+    if pending:
+        yield np.asarray(pending, dtype=np.int64)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename durable; some file systems cannot open a directory, which is harmless."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- reading
+
+class TokenFile:
+    """A read-only, memory-mapped token file: ``len(f)`` tokens in ``f.tokens``.
+
+    ``vocab_size`` is None for a nanoGPT file unless the caller gave it. Open with
+    :meth:`open`, which validates the header and the size against the count.
+    """
+
+    def __init__(self, path: Path, tokens: np.ndarray, vocab_size: int | None, headerless: bool):
+        self.path = path
+        self.tokens = tokens
+        self.vocab_size = vocab_size
+        self.headerless = headerless
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], *, vocab_size: int | None = None,
+             headerless: bool | None = None) -> "TokenFile":
+        """Map ``path``. ``headerless``: None detects, True forces nanoGPT's raw uint16.
+
+        ``vocab_size`` names the vocab of a headerless file; a tierflow file's comes from its
+        header (check ids against a model's vocab with :meth:`check_vocab`). Each problem is a
+        TierflowError naming the file, what is wrong and the fix.
+        """
+        path = Path(path)
+        size = _file_size(path)
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+        if headerless is None:
+            headerless = not head.startswith(MAGIC)
+            if headerless and _looks_like_text(head):
+                raise TierflowError(
+                    f"token file {path} has the wrong magic {head[:8]!r} (expected {MAGIC!r}): it "
+                    f"is not a tierflow token file; fix: {_REWRITE}, or open a nanoGPT uint16 "
+                    f".bin with headerless=True")
+        if headerless:
+            return cls._open_headerless(path, size, vocab_size)
+        return cls._open_tierflow(path, size, head)
+
+    @classmethod
+    def _open_headerless(cls, path: Path, size: int, vocab_size: int | None) -> "TokenFile":
+        if size % 2:
+            raise TierflowError(f"token file {path} is truncated: {size} bytes is not a whole "
+                                f"number of uint16 tokens (nanoGPT format, no header); fix: "
+                                f"regenerate the file")
+        return cls(path, _map(path, np.dtype("<u2"), 0, size // 2), vocab_size, headerless=True)
+
+    @classmethod
+    def _open_tierflow(cls, path: Path, size: int, head: bytes) -> "TokenFile":
+        if len(head) < _HEADER.size:
+            raise TierflowError(f"token file {path} is truncated: {size} bytes, shorter than its "
+                                f"{HEADER_BYTES}-byte header; fix: {_REWRITE}")
+        _, version, width, count, header_vocab = _HEADER.unpack_from(head)
+        if version != VERSION:
+            raise TierflowError(f"token file {path} has format version {version}, but this "
+                                f"tierflow reads version {VERSION}; fix: {_REWRITE} (or use the "
+                                f"tierflow that wrote it)")
+        if width not in (2, 4) or width != dtype_for_vocab(header_vocab).itemsize:
+            raise TierflowError(f"token file {path} has a corrupt header: {width} bytes per token "
+                                f"for vocab size {header_vocab}; fix: {_REWRITE}")
+        expected = HEADER_BYTES + count * width
+        if size != expected:
+            what = "is truncated" if size < expected else "has trailing bytes"
+            raise TierflowError(f"token file {path} {what}: its header promises {count} tokens "
+                                f"({expected} bytes) but it holds {size} bytes; fix: {_REWRITE}")
+        tokens = _map(path, np.dtype(f"<u{width}"), HEADER_BYTES, count)
+        return cls(path, tokens, int(header_vocab), headerless=False)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def bytes_per_token(self) -> int:
+        return int(self.tokens.dtype.itemsize)
+
+    def max_token(self) -> int | None:
+        """The largest id in the file (None when empty), scanned in chunks to bound memory."""
+        if len(self) == 0:
+            return None
+        return max(int(self.tokens[i:i + _CHUNK].max()) for i in range(0, len(self), _CHUNK))
+
+    def check_vocab(self, vocab_size: int | None = None) -> None:
+        """Raise TierflowError if an id is >= ``vocab_size`` (default: the file's own vocab).
+
+        Cheap insurance before training: an out-of-range id would otherwise index past the
+        embedding table (an opaque crash or, on some devices, silent garbage).
+        """
+        limit = self.vocab_size if vocab_size is None else vocab_size
+        if limit is None:
+            raise TierflowError(f"token file {self.path} has no header, so its vocab size is "
+                                f"unknown; fix: give the vocab size of the tokenizer that wrote it")
+        top = self.max_token()
+        if top is not None and top >= limit:
+            raise TierflowError(f"token file {self.path} holds token id {top}, which is >= the "
+                                f"vocab size {limit}; fix: tokenize with the model's tokenizer "
+                                f"or use a model whose vocab has at least {top + 1} ids")
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` as a fresh int64 array (not a view of the map)."""
+        if start < 0 or length < 0 or start + length > len(self):
+            raise TierflowError(f"token file {self.path} holds {len(self)} tokens; the window "
+                                f"[{start}, {start + length}) is outside it; fix: use a shorter "
+                                f"sequence length or more data")
+        return np.array(self.tokens[start:start + length], dtype=np.int64)
+
+    def __repr__(self) -> str:
+        kind = "nanoGPT uint16" if self.headerless else f"v{VERSION}"
+        return (f"TokenFile({str(self.path)!r}, {len(self)} tokens, {kind}, "
+                f"vocab_size={self.vocab_size})")
+
+
+def _file_size(path: Path) -> int:
+    """The size of a regular, readable file, or a TierflowError saying what is wrong."""
+    try:
+        if not path.is_file():
+            what = "is a directory" if path.is_dir() else "does not exist"
+            raise TierflowError(f"token file {path} {what}; fix: give the path of a .bin file "
+                                f"written by 'tierflow tokenize'")
+        if not os.access(path, os.R_OK):
+            raise TierflowError(f"token file {path} is not readable; fix: check its permissions")
+        return path.stat().st_size
+    except OSError as err:
+        raise TierflowError(f"cannot read token file {path}: {err.strerror}") from None
+
+
+def _map(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
+    """A read-only memmap of ``count`` tokens; numpy cannot map zero bytes, so empty is an array."""
+    if count == 0:
+        return np.empty(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+
+
+def _looks_like_text(head: bytes) -> bool:
+    """True when the first 8 bytes are printable ASCII: a magic or a text file, not uint16 ids."""
+    return len(head) >= 8 and all(32 <= b < 127 or b in b"\t\r\n" for b in head[:8])

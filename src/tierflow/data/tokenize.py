@@ -1,0 +1,414 @@
+"""``tierflow tokenize``: a corpus in, token files, a tokenizer and a summary out.
+
+Steps: collect the INPUT files (:mod:`tierflow.data.corpus`) and count their documents, which
+also validates every JSONL line before any slow work; load a tokenizer or train a byte-level
+BPE on the corpus; encode every document followed by an end-of-text token, sending a seeded
+random ``eval_fraction`` of the documents to ``eval.bin`` and the rest to ``train.bin``.
+``DIR/meta.json`` is written last and the old one removed first, so its presence means the
+token files beside it are complete and belong together.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Sequence, TextIO
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from ..errors import TierflowError
+from . import DEFAULT_EVAL_FRACTION, DEFAULT_VOCAB_SIZE, STDLIB
+from .corpus import Corpus, collect
+from .tokenfile import TokenWriter, dtype_for_vocab
+
+EOT = "<|endoftext|>"
+MIN_VOCAB_SIZE = 257  # 256 byte tokens + the end-of-text token
+MAX_VOCAB_SIZE = 1 << 20
+SPLIT_SEED = 0
+_EOS_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
+_BATCH_DOCS = 256
+_BATCH_CHARS = 4 << 20
+
+
+@dataclass
+class TokenizeResult:
+    """What ``tokenize`` wrote: counts per split, the vocab, the end-of-text token, timing."""
+
+    out: str
+    documents: int
+    train_documents: int
+    eval_documents: int
+    train_tokens: int
+    eval_tokens: int
+    vocab_size: int
+    bytes_per_token: int
+    eot_token: str
+    eot_id: int
+    files: int
+    skipped_files: int
+    seconds: float
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line for the end of the command's output."""
+        total = self.train_tokens + self.eval_tokens
+        return (f"tierflow tokenize: {self.documents:,} documents from {self.files:,} files"
+                f"{_skipped_note(self.skipped_files)} -> {total:,} tokens "
+                f"(train {self.train_tokens:,} in {self.train_documents:,} documents, eval "
+                f"{self.eval_tokens:,} in {self.eval_documents:,}), vocab {self.vocab_size:,}, "
+                f"{self.seconds:.1f} s -> {self.out}")
+
+
+def tokenize(inputs: Sequence[str | os.PathLike[str]], out: str | os.PathLike[str], *,
+             tokenizer: str | os.PathLike[str] | None = None, vocab_size: int | None = None,
+             eval_fraction: float = DEFAULT_EVAL_FRACTION, text_field: str = "text",
+             log: TextIO | None = None) -> TokenizeResult:
+    """Tokenize ``inputs`` into ``out``/{train.bin, eval.bin, tokenizer.json, meta.json}.
+
+    ``tokenizer`` is a ``tokenizer.json`` or a directory holding one; without it a byte-level
+    BPE of ``vocab_size`` (default 8192) ids is trained on the corpus. ``inputs`` may contain
+    ``"stdlib"``: the Python standard library's source. Progress goes to ``log`` (stderr).
+    """
+    start = time.perf_counter()
+    log = sys.stderr if log is None else log
+    _check_options(tokenizer, vocab_size, eval_fraction)
+    corpus = collect(inputs, text_field)
+    given = load_tokenizer(tokenizer) if tokenizer is not None else None
+    out = Path(out)
+    _check_out(out)
+    n_docs = _count_documents(corpus, log)
+    if given is None:
+        tok, origin = _train(corpus, n_docs, vocab_size, log)
+    else:
+        tok, origin = given, {"kind": "file", "path": str(Path(str(tokenizer)).resolve())}
+    try:
+        return _write_outputs(out, corpus, tok, origin, tokenizer, eval_fraction, n_docs, start,
+                              log)
+    except OSError as err:
+        raise TierflowError(f"cannot write {err.filename or out}: {err.strerror}; fix: free "
+                            f"disk space or choose another --out") from None
+
+
+def _count_documents(corpus: Corpus, log: TextIO) -> int:
+    """Count (and so validate) the documents; an all-empty corpus is an error."""
+    n_docs = corpus.count_documents()
+    if n_docs == 0:
+        raise TierflowError(f"the corpus is empty: {len(corpus.files)} files but no non-empty "
+                            f"document in {', '.join(corpus.inputs)}; fix: add text")
+    _note(log, f"read {len(corpus.files):,} files: {n_docs:,} documents"
+               + _skipped_note(len(corpus.skipped)))
+    return n_docs
+
+
+def _train(corpus: Corpus, n_docs: int, vocab_size: int | None,
+           log: TextIO) -> tuple[Tokenizer, dict[str, Any]]:
+    """Train the default tokenizer on the corpus; returns it and its origin for meta.json."""
+    size = DEFAULT_VOCAB_SIZE if vocab_size is None else vocab_size
+    _note(log, f"training a byte-level BPE tokenizer (vocab {size:,}) ...")
+    tok = train_tokenizer(corpus.documents(), size, n_docs, progress=_isatty(log))
+    return tok, {"kind": "trained", "algorithm": "byte-level BPE", "vocab_size_requested": size}
+
+
+def _write_outputs(out: Path, corpus: Corpus, tok: Tokenizer, origin: dict[str, Any],
+                   source: str | os.PathLike[str] | None, eval_fraction: float, n_docs: int,
+                   start: float, log: TextIO) -> TokenizeResult:
+    """Write the tokenizer, the token files and, last, meta.json."""
+    eot, eot_id, added = end_of_text(tok, source)
+    origin["eot_added"] = added
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "meta.json").unlink(missing_ok=True)
+    _save_tokenizer(tok, out, source, eot, added)
+    eval_docs = eval_indices(n_docs, eval_fraction)
+    single_fraction = eval_fraction if n_docs == 1 else 0.0
+    counts = _encode(corpus, tok, eot_id, eval_docs, single_fraction, n_docs, out, log)
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    result = TokenizeResult(
+        out=str(out), documents=n_docs, train_documents=n_docs - len(eval_docs),
+        eval_documents=len(eval_docs), train_tokens=counts[0], eval_tokens=counts[1],
+        vocab_size=vocab, bytes_per_token=dtype_for_vocab(vocab).itemsize, eot_token=eot,
+        eot_id=eot_id, files=len(corpus.files), skipped_files=len(corpus.skipped),
+        seconds=time.perf_counter() - start, tokenizer=origin)
+    _write_json(out / "meta.json", _meta(result, corpus, eval_fraction, bool(single_fraction)))
+    return result
+
+
+# ---------------------------------------------------------------- checks
+
+def _check_options(tokenizer: object, vocab_size: int | None, eval_fraction: float) -> None:
+    """Reject contradictory or out-of-range options before reading anything."""
+    if tokenizer is not None and vocab_size is not None:
+        raise TierflowError("--tokenizer and --vocab-size exclude each other: a given tokenizer "
+                            "has its own vocab; fix: drop one of them")
+    if vocab_size is not None and not MIN_VOCAB_SIZE <= vocab_size <= MAX_VOCAB_SIZE:
+        raise TierflowError(f"--vocab-size {vocab_size} is outside [{MIN_VOCAB_SIZE}, "
+                            f"{MAX_VOCAB_SIZE}] (256 bytes + end-of-text at least); fix: pick "
+                            f"a size in that range, e.g. {DEFAULT_VOCAB_SIZE}")
+    if not 0 <= eval_fraction < 1:
+        raise TierflowError(f"--eval-fraction {eval_fraction} is outside [0, 1); fix: a fraction "
+                            f"of the documents such as {DEFAULT_EVAL_FRACTION}")
+
+
+def _check_out(out: Path) -> None:
+    """``out`` is a writable directory or can be created as one, checked before any work."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise TierflowError(f"--out {out} cannot be a directory: {existing} is a file; fix: "
+                            f"choose another --out")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise TierflowError(f"--out {out} is not writable ({existing} denies writing); fix: "
+                            f"choose a directory you can write to")
+
+
+# ---------------------------------------------------------------- tokenizers
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
+    """A ``tokenizers`` Tokenizer from a ``tokenizer.json`` or a directory holding one."""
+    file = _tokenizer_file(Path(path))
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as err:  # the Rust side raises a bare Exception for any bad file
+        reason = " ".join(str(err).split())[:200]
+        raise TierflowError(f"--tokenizer {file} cannot be loaded ({reason}); fix: give a "
+                            f"tokenizer.json saved by the Hugging Face tokenizers "
+                            f"library") from None
+
+
+def _tokenizer_file(path: Path) -> Path:
+    """The tokenizer.json that ``path`` names: itself, or the one inside a model directory."""
+    if path.is_dir():
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise TierflowError(f"--tokenizer {path} has no tokenizer.json (slow tokenizers such "
+                                f"as tokenizer.model are not supported); fix: give a directory "
+                                f"or file with a fast tokenizer.json")
+        return file
+    if not path.is_file():
+        raise TierflowError(f"--tokenizer {path} does not exist; fix: give a tokenizer.json file "
+                            f"or a Hugging Face model directory")
+    return path
+
+
+def train_tokenizer(documents: Iterable[str], vocab_size: int, n_documents: int | None = None,
+                    progress: bool = False) -> Tokenizer:
+    """A byte-level BPE (GPT-2 style: any text encodes, no unknown token) trained on ``documents``.
+
+    The end-of-text token is id 0. On a small corpus the vocab may end smaller than asked,
+    when no pair is left to merge twice.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=progress)
+    tok.train_from_iterator(documents, trainer, length=n_documents)
+    return tok
+
+
+def end_of_text(tok: Tokenizer, source: str | os.PathLike[str] | None) -> tuple[str, int, bool]:
+    """The token put between documents, its id, and whether it had to be added.
+
+    A model directory's ``tokenizer_config.json`` names its ``eos_token``; otherwise the usual
+    names are tried. A tokenizer with none gets ``<|endoftext|>`` added (a new id at the end).
+    """
+    for name in (*_config_eos(source), *_EOS_NAMES):
+        token_id = tok.token_to_id(name)
+        if token_id is not None:
+            return name, token_id, False
+    tok.add_special_tokens([EOT])
+    return EOT, tok.token_to_id(EOT), True
+
+
+def _config_eos(source: str | os.PathLike[str] | None) -> list[str]:
+    """The ``eos_token`` of the tokenizer_config.json beside ``source``, if there is one."""
+    config = _config_beside(source)
+    if config is None:
+        return []
+    try:
+        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+    except (OSError, ValueError, AttributeError):
+        return []
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    return [eos] if isinstance(eos, str) else []
+
+
+def _config_beside(source: str | os.PathLike[str] | None) -> Path | None:
+    if source is None:
+        return None
+    path = Path(source)
+    config = (path if path.is_dir() else path.parent) / "tokenizer_config.json"
+    return config if config.is_file() else None
+
+
+def _save_tokenizer(tok: Tokenizer, out: Path, source: str | os.PathLike[str] | None,
+                    eot: str, added: bool) -> None:
+    """``tokenizer.json`` and a ``tokenizer_config.json`` that transformers' AutoTokenizer reads.
+
+    A given model directory's config is copied (chat template and all) unless the end-of-text
+    token had to be added, in which case it would not describe the saved tokenizer.
+    """
+    _write_atomic(out / "tokenizer.json", tok.to_str())
+    config = _config_beside(source)
+    if config is not None and not added:
+        shutil.copyfile(config, out / "tokenizer_config.json")
+    else:
+        _write_json(out / "tokenizer_config.json", {
+            "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "bos_token": eot,
+            "unk_token": eot, "clean_up_tokenization_spaces": False})
+
+
+# ---------------------------------------------------------------- encoding
+
+def eval_indices(n_documents: int, fraction: float, seed: int = SPLIT_SEED) -> set[int]:
+    """Which documents go to eval: a seeded random ``fraction``, at least one, never all.
+
+    With a single document none is chosen; :func:`_encode` then splits its tokens instead.
+    """
+    if fraction <= 0 or n_documents < 2:
+        return set()
+    count = min(n_documents - 1, max(1, round(n_documents * fraction)))
+    rng = np.random.default_rng(seed)
+    return {int(i) for i in rng.choice(n_documents, size=count, replace=False)}
+
+
+def _encode(corpus: Corpus, tok: Tokenizer, eot_id: int, eval_docs: set[int],
+            single_fraction: float, n_docs: int, out: Path, log: TextIO) -> tuple[int, int]:
+    """Encode every document into train.bin and eval.bin; returns their token counts.
+
+    ``single_fraction`` > 0 splits a lone document: its last tokens go to eval.
+    """
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    progress = Progress("encoding", n_docs, log)
+    tokens = 0
+    with TokenWriter(out / "train.bin", vocab) as train, TokenWriter(out / "eval.bin", vocab) as ev:
+        for index, ids in enumerate(_encoded(corpus.documents(), tok, eot_id)):
+            if single_fraction:
+                cut = len(ids) - max(1, round(len(ids) * single_fraction))
+                train.write(ids[:cut])
+                ev.write(ids[cut:])
+            else:
+                (ev if index in eval_docs else train).write(ids)
+            tokens += len(ids)
+            progress.update(index + 1, tokens)
+        progress.close()
+    return train.count, ev.count
+
+
+def _encoded(documents: Iterator[str], tok: Tokenizer, eot_id: int) -> Iterator[np.ndarray]:
+    """Each document's ids followed by ``eot_id``, encoded in batches (in parallel, in Rust)."""
+    batch: list[str] = []
+    chars = 0
+    for text in documents:
+        batch.append(text)
+        chars += len(text)
+        if len(batch) >= _BATCH_DOCS or chars >= _BATCH_CHARS:
+            yield from _encode_batch(batch, tok, eot_id)
+            batch, chars = [], 0
+    yield from _encode_batch(batch, tok, eot_id)
+
+
+def _encode_batch(batch: list[str], tok: Tokenizer, eot_id: int) -> Iterator[np.ndarray]:
+    for encoding in tok.encode_batch_fast(batch, add_special_tokens=False):
+        ids = np.empty(len(encoding.ids) + 1, dtype=np.int64)
+        ids[:-1] = encoding.ids
+        ids[-1] = eot_id
+        yield ids
+
+
+# ---------------------------------------------------------------- output
+
+class Progress:
+    """Documents done out of a total, on ``stream``: a bar redrawn in place on a terminal,
+    otherwise one plain line at each quarter (logs stay short)."""
+
+    def __init__(self, label: str, total: int, stream: TextIO):
+        self.label, self.total, self.stream = label, max(total, 1), stream
+        self.tty = _isatty(stream)
+        self.start = self.last_draw = time.perf_counter()
+        self.quarter = 0
+
+    def update(self, done: int, tokens: int) -> None:
+        now = time.perf_counter()
+        if self.tty:
+            if now - self.last_draw >= 0.1 or done == self.total:
+                self.last_draw = now
+                self.stream.write("\r" + self._line(done, tokens, now, bar=True))
+                self.stream.flush()
+        elif done * 4 >= (self.quarter + 1) * self.total:
+            self.quarter = done * 4 // self.total
+            _note(self.stream, self._line(done, tokens, now, bar=False))
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _line(self, done: int, tokens: int, now: float, bar: bool) -> str:
+        fraction = done / self.total
+        shown = f"[{'#' * round(30 * fraction):<30}] " if bar else ""
+        elapsed = now - self.start
+        rate = f", {tokens / elapsed:,.0f} tok/s" if elapsed > 0 else ""
+        return (f"  {self.label} {shown}{fraction:4.0%} {done:,}/{self.total:,} documents, "
+                f"{tokens:,} tokens, {elapsed:.0f} s{rate}")
+
+
+def _skipped_note(count: int) -> str:
+    return f" ({count} non-text file{'s' if count != 1 else ''} skipped)" if count else ""
+
+
+def _isatty(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+def _note(stream: TextIO, line: str) -> None:
+    print(line, file=stream, flush=True)
+
+
+def _meta(result: TokenizeResult, corpus: Corpus, eval_fraction: float,
+          split_tokens: bool) -> dict[str, Any]:
+    """meta.json: everything a trainer or a person needs to know about the token files."""
+    return {
+        "format": "tierflow token files", "dtype": str(dtype_for_vocab(result.vocab_size)),
+        **asdict(result),
+        "train": "train.bin", "eval": "eval.bin", "tokenizer_file": "tokenizer.json",
+        "eval_fraction": eval_fraction,
+        "split": ("the last tokens of the single document" if split_tokens
+                  else f"random documents, seed {SPLIT_SEED}"),
+        "text_field": corpus.text_field,
+        "inputs": [_describe_input(i) for i in corpus.inputs],
+        "skipped_examples": [str(p) for p in corpus.skipped[:10]],
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _describe_input(raw: str) -> str:
+    """An INPUT as an absolute path, or ``stdlib (DIR)`` for the embedded corpus."""
+    if raw == STDLIB and not Path(raw).exists():
+        return f"{STDLIB} ({Path(os.__file__).resolve().parent})"
+    return str(Path(raw).resolve())
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    _write_atomic(path, json.dumps(data, indent=2) + "\n")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write through a temporary name, fsync, rename: the file is old or new, never half."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,0 +1,254 @@
+"""Build a causal LM from a preset (random init) or a local Hugging Face directory.
+
+A directory is loaded gpt-fast style: the model is built with its parameters on the meta device
+(nothing allocated, no random init), every tensor is checked against the safetensors headers
+before any is read, the tensors come memory-mapped from ``safe_open`` and go in with
+``load_state_dict(assign=True)``, and tied weights are tied again. Buffers that are not in a
+checkpoint (rotary ``inv_freq``) are built on the CPU by the model's own constructor, so they
+are exactly what ``from_pretrained`` computes. Only safetensors is read, never pickle.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ..errors import TierflowError
+from .presets import PRESETS, preset_config
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Inside, every parameter a module registers is moved to the meta device as it is
+    registered; buffers stay on the CPU (they are small and some, like rotary frequencies,
+    are computed in the constructor and not saved in checkpoints)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _random_init(name: str, vocab_size: int | None, dtype: torch.dtype, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    config = preset_config(name, vocab_size=vocab_size)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def read_safetensors_index(directory: Path) -> dict[str, Path]:
+    """Map each tensor name of the checkpoint in ``directory`` to its safetensors file:
+    ``model.safetensors``, or the shards ``model.safetensors.index.json`` names."""
+    index = directory / INDEX_NAME
+    single = directory / SINGLE_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (ValueError, KeyError, TypeError) as e:
+            raise TierflowError(f"{index} is not a valid safetensors index ({e}): save the model "
+                                "again with save_pretrained") from None
+        files = {}
+        for tensor, file in weight_map.items():
+            shard = directory / str(file)
+            if not shard.is_file():
+                raise TierflowError(f"{index} names shard {file} for {tensor} but {shard} does "
+                                    "not exist: copy all the shards into the directory")
+            files[tensor] = shard
+        return files
+    if single.is_file():
+        with _open_safetensors(single) as f:
+            return {k: single for k in f.keys()}
+    if any(directory.glob("*.bin")) or any(directory.glob("*.pt")) or any(directory.glob("*.pth")):
+        raise TierflowError(f"{directory} holds only pickle weights (.bin/.pt), which tierflow "
+                            "never loads: convert them to model.safetensors with save_pretrained("
+                            "..., safe_serialization=True) where you trust the file")
+    raise TierflowError(f"no weights in {directory}: expected {SINGLE_NAME} or {INDEX_NAME} "
+                        "with its shards (save the model with save_pretrained)")
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: Path):
+    from safetensors import safe_open
+    try:
+        handle = safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # SafetensorError, OSError: a corrupt header or a truncated file
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TierflowError(f"{path} is not a readable safetensors file ({detail}): the file is "
+                            "corrupt or truncated; copy or save it again") from None
+    with handle as f:
+        yield f
+
+
+def _read_config(directory: Path):
+    from transformers import AutoConfig
+
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        raise TierflowError(f"no config.json in {directory}: pass a directory written by "
+                            "save_pretrained (config.json and model.safetensors)")
+    try:
+        json.loads(config_file.read_text())
+    except ValueError as e:
+        raise TierflowError(f"{config_file} is not valid JSON ({e}): fix or rewrite it") from None
+    try:
+        return AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TierflowError(f"{config_file} is not a config transformers knows ({detail}): "
+                            "use a causal LM directory written by save_pretrained") from None
+
+
+def _tied_pairs(model: nn.Module) -> dict[str, str]:
+    """{target: source} of the weights the config ties (lm_head.weight -> embed_tokens)."""
+    getter = getattr(model, "get_expanded_tied_weights_keys", None)
+    return dict(getter(all_submodels=True)) if getter is not None else {}
+
+
+def _match_names(model: nn.Module, names: set[str]) -> dict[str, str]:
+    """{checkpoint name: model name}: names saved from the base model (GPT-2's ``h.0...``
+    without ``transformer.``) get the base model's prefix."""
+    expected = set(model.state_dict().keys())
+    prefix = getattr(model, "base_model_prefix", "")
+    mapping = {}
+    for name in names:
+        if name not in expected and prefix and f"{prefix}.{name}" in expected:
+            mapping[name] = f"{prefix}.{name}"
+        else:
+            mapping[name] = name
+    return mapping
+
+
+def _short(names: list[str], n: int = 3) -> str:
+    shown = ", ".join(sorted(names)[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float32):
+    """Load the causal LM saved in ``directory``. ``dtype=None`` keeps the checkpoint's."""
+    from transformers import AutoModelForCausalLM
+
+    config = _read_config(directory)
+    files = read_safetensors_index(directory)  # checks shard files before building anything
+    with params_on_meta():
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype or getattr(
+                config, "dtype", None) or torch.float32)
+        except ValueError as e:
+            raise TierflowError(f"{directory / 'config.json'} does not describe a causal LM "
+                                f"transformers can build ({str(e).splitlines()[0]}): use a "
+                                "causal LM checkpoint") from None
+    targets = model.state_dict(keep_vars=True)
+    tied = _tied_pairs(model)
+    rename = _match_names(model, set(files))
+
+    # Check every name and shape against the headers before reading any tensor.
+    ignore = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+                                      or [])] + [re.compile(r"rotary_emb\.inv_freq$")]
+    by_file: dict[Path, list[tuple[str, str]]] = {}
+    unexpected = []
+    for name, file in files.items():
+        target = rename[name]
+        if target in targets:
+            by_file.setdefault(file, []).append((name, target))
+        elif not any(p.search(name) for p in ignore):
+            unexpected.append(name)
+    present = {t for pairs in by_file.values() for _, t in pairs}
+    # One of a tied pair is enough; when only the target was saved it becomes the source.
+    pairs = {}
+    for target, source in tied.items():
+        if source not in present and target in present:
+            target, source = source, target
+        pairs[target] = source
+    tied = pairs
+    missing = [k for k in targets if k not in present and not (k in tied and tied[k] in present)]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} tensors missing ({_short(missing)})")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected ({_short(unexpected)})")
+        raise TierflowError(f"the weights in {directory} do not match its config.json "
+                            f"({model.config.model_type}): {'; '.join(parts)}: use the "
+                            "config.json saved with these weights")
+
+    state: dict[str, torch.Tensor] = {}
+    for file, pairs in by_file.items():
+        with _open_safetensors(file) as f:
+            for name, target in pairs:
+                shape = tuple(f.get_slice(name).get_shape())
+                want = tuple(targets[target].shape)
+                if shape != want:
+                    raise TierflowError(f"tensor {name} in {file} has shape {list(shape)} but "
+                                        f"config.json needs {list(want)}: use the config.json "
+                                        "saved with these weights")
+                tensor = f.get_tensor(name)  # memory-mapped: read when first touched
+                want_dtype = targets[target].dtype
+                if tensor.dtype != want_dtype and tensor.is_floating_point():
+                    tensor = tensor.to(want_dtype)
+                state[target] = tensor
+
+    # A tied target the checkpoint also holds must equal its source; it is then re-tied.
+    for target, source in list(tied.items()):
+        if target in state and source in state:
+            if not torch.equal(state[target], state[source]):
+                raise TierflowError(f"config.json of {directory} ties {target} to {source} but "
+                                    "the checkpoint holds different values: set "
+                                    "tie_word_embeddings to false in config.json")
+            del state[target]
+    for target, source in tied.items():  # the tied target is not loaded: point it at the source
+        if source in state:
+            state.setdefault(target, state[source])
+    model.load_state_dict(state, strict=True, assign=True)
+    if tied:
+        model.tie_weights()
+    leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+                if t.device.type == "meta"]
+    if leftover:
+        raise TierflowError(f"the weights in {directory} leave {_short(leftover)} unset: use "
+                            "the config.json saved with these weights")
+    model.eval()
+    return model
+
+
+def load_model(spec: str | Path, *, vocab_size: int | None = None,
+               dtype: torch.dtype | None = torch.float32, seed: int = 0):
+    """A causal LM from ``spec``: a preset name (random init from ``seed``, the vocabulary
+    ``vocab_size`` when given) or a local directory with ``config.json`` and
+    ``model.safetensors`` (or shards and ``model.safetensors.index.json``); for a directory
+    ``vocab_size`` is the tokenizer's, checked against the model's. Preset models are in
+    training mode, loaded ones in eval mode (as ``from_pretrained`` returns them)."""
+    if isinstance(spec, str) and spec in PRESETS:
+        return _random_init(spec, vocab_size, dtype or torch.float32, seed)
+    directory = Path(spec)
+    if not directory.exists():
+        raise TierflowError(f"model {str(spec)!r} is neither a preset ({', '.join(PRESETS)}) nor "
+                            "an existing directory: pass a preset name or a directory with "
+                            "config.json and model.safetensors")
+    if not directory.is_dir():
+        raise TierflowError(f"model {str(spec)!r} is a file: pass the directory that holds "
+                            "config.json and model.safetensors")
+    model = load_pretrained(directory, dtype=dtype)
+    if vocab_size is not None and vocab_size > model.config.vocab_size:
+        raise TierflowError(f"the tokenizer's vocabulary ({vocab_size}) is larger than the "
+                            f"model's ({model.config.vocab_size} in {directory / 'config.json'}): "
+                            "tokenize with the model's own tokenizer")
+    return model

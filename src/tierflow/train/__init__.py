@@ -1,0 +1,1 @@
+"""Training: crash-safe checkpoints (``tierflow.train.checkpoint``)."""

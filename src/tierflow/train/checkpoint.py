@@ -1,0 +1,514 @@
+"""Crash-safe training checkpoints that ``transformers`` loads as they are.
+
+``save_checkpoint(out, step, model, ...)`` writes ``out/step_N/``:
+
+- ``config.json`` and ``model.safetensors``: what ``save_pretrained`` writes (tied weights
+  saved once, under the name the model expects), so ``AutoModelForCausalLM.from_pretrained``
+  and ``tierflow.models.load_model`` read the directory as it is;
+- ``tokenizer.json``: a copy of the run's tokenizer, when given;
+- ``optimizer.safetensors``: every tensor of the optimizer states, named by
+  ``flatten_optimizer_states`` (``opt.<stage>.state.<param_index>.<state_name>``, e.g.
+  ``opt.0.state.3.exp_avg``); the rest of the state dicts (param_groups, non-tensor values)
+  is JSON in the file's metadata under ``tierflow.optimizer``;
+- ``trainer_state.json``: ``{"format": "tierflow-trainer-state", "version": 1, "step": N,
+  "state": ...}`` with the trainer's dict; tensors in it (``torch.get_rng_state()``) are stored
+  inline as base64, tuples and non-string keys are tagged so they come back as they went in.
+
+Everything is written into ``out/step_N.tmp-<pid>``; each file and the directory are fsynced,
+then the directory is renamed to ``step_N`` and ``out`` is fsynced. A failure at any point
+removes the temporary directory and leaves earlier checkpoints as they were. Only JSON and
+safetensors are ever read back, never pickle.
+"""
+from __future__ import annotations
+
+import base64
+import copy
+import errno
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..errors import TierflowError
+
+STATE_FORMAT = "tierflow-trainer-state"
+OPTIMIZER_FORMAT = "tierflow-optimizer"
+VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TEMP_DIR = re.compile(r"^step_(\d+)\.(?:tmp|replaced)-(\d+)$")
+
+# ---------------------------------------------------------------------------------------------
+# safetensors, written by streaming one tensor at a time (no second copy of the model)
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+              torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+              torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}
+
+
+def _write(f, data) -> None:
+    """Every byte of a checkpoint goes through here (tests make it fail like a full disk)."""
+    f.write(data)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        _write(f, data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _raw(t: torch.Tensor):
+    """The bytes of ``t`` (little-endian, row-major) as a buffer, without copying a CPU tensor."""
+    t = t.detach().to("cpu").contiguous().reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else b""
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` in the safetensors format, one tensor at a time, and fsync the file."""
+    header: dict[str, Any] = {}
+    offset = 0
+    names = sorted(tensors)
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in _ST_DTYPES:
+            raise TierflowError(f"tensor {name} has dtype {t.dtype}, which safetensors cannot "
+                                "store: convert it to a float or integer dtype")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        _write(f, struct.pack("<Q", len(raw)))
+        _write(f, raw)
+        for name in names:
+            _write(f, _raw(tensors[name]))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _open_safetensors(path: Path):
+    from safetensors import safe_open
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as e:  # a corrupt header or a truncated file
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TierflowError(f"{path} is not a readable safetensors file ({detail}): the "
+                            "checkpoint is damaged; resume from an earlier step_N") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON for nested Python values that hold tensors
+
+def _encode(value: Any, path: str, put: Callable[[str, torch.Tensor], Any]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return put(path, value)
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"__float__": repr(value)}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, f"{path}.{i}", put) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, f"{path}.{i}", put) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: _encode(v, f"{path}.{k}", put) for k, v in value.items()}
+        return {"__items__": [[_encode(k, f"{path}.key", put), _encode(v, f"{path}.{k}", put)]
+                              for k, v in value.items()]}
+    if type(value).__module__ == "numpy":
+        import numpy as np
+        if isinstance(value, np.ndarray):
+            return {"__ndarray__": base64.b64encode(np.ascontiguousarray(value).tobytes()).decode(),
+                    "dtype": value.dtype.str, "shape": list(value.shape)}
+        if isinstance(value, np.generic):
+            return _encode(value.item(), path, put)
+    raise TierflowError(f"cannot store a {type(value).__name__} at {path.lstrip('.')} in a "
+                        "checkpoint: use numbers, strings, lists, dicts, tuples or tensors")
+
+
+def _decode(value: Any, get: Callable[[Any], torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [_decode(v, get) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tuple__" in value:
+        return tuple(_decode(v, get) for v in value["__tuple__"])
+    if "__items__" in value:
+        return {_decode(k, get): _decode(v, get) for k, v in value["__items__"]}
+    if "__float__" in value:
+        return float(value["__float__"])
+    if "__tensor__" in value:
+        return get(value)
+    if "__ndarray__" in value:
+        import numpy as np
+        data = base64.b64decode(value["__ndarray__"])
+        return np.frombuffer(data, dtype=np.dtype(value["dtype"])).reshape(value["shape"]).copy()
+    return {k: _decode(v, get) for k, v in value.items()}
+
+
+def _inline_tensor(_path: str, t: torch.Tensor) -> dict:
+    t = t.detach().to("cpu").contiguous()
+    return {"__tensor__": base64.b64encode(bytes(_raw(t))).decode(),
+            "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+
+
+def _inline_decode(value: dict) -> torch.Tensor:
+    dtype = getattr(torch, value["dtype"])
+    data = base64.b64decode(value["__tensor__"])
+    if not data:
+        return torch.empty(value["shape"], dtype=dtype)
+    stored = torch.uint8 if dtype == torch.bool else dtype
+    return torch.frombuffer(bytearray(data), dtype=stored).reshape(value["shape"]).to(dtype)
+
+
+def to_json(value: Any) -> Any:
+    """``value`` as plain JSON data, tensors inline as base64 (``from_json`` inverts it)."""
+    return _encode(value, "", _inline_tensor)
+
+
+def from_json(data: Any) -> Any:
+    return _decode(data, _inline_decode)
+
+
+def config_hash(value: Any) -> str:
+    """A stable hash of a configuration (dicts, lists, numbers, strings, tensors): resume
+    compares it to refuse a checkpoint of a different run."""
+    text = json.dumps(to_json(value), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# optimizer states <-> (tensors, JSON)
+
+def flatten_optimizer_states(states: Sequence[dict | None]) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a list of torch optimizer ``state_dict()``s (one per stage; None for a stage
+    without parameters) into a flat ``{name: tensor}`` dict and a JSON structure holding
+    everything else. Names are ``opt.<stage>.<path>``: ``opt.0.state.3.exp_avg`` is the
+    first moment of parameter 3 of stage 0; tensors in param_groups are named the same way."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def put(path: str, t: torch.Tensor) -> dict:
+        name = path.lstrip(".")
+        while name in tensors:
+            name += "_"
+        tensors[name] = t.detach()
+        return {"__tensor__": name}
+
+    structure = [_encode(s, f"opt.{i}", put) for i, s in enumerate(states)]
+    return tensors, structure
+
+
+def unflatten_optimizer_states(tensors: dict[str, torch.Tensor],
+                               structure: Any) -> list[dict | None]:
+    """Inverse of ``flatten_optimizer_states``: the list of state dicts to hand to each
+    stage's ``optimizer.load_state_dict``."""
+    def get(ref: dict) -> torch.Tensor:
+        name = ref["__tensor__"]
+        if name not in tensors:
+            raise TierflowError(f"optimizer state names tensor {name}, which is not in the "
+                                "optimizer file: the checkpoint is damaged; resume from an "
+                                "earlier step_N")
+        return tensors[name]
+
+    return [_decode(s, get) for s in structure]
+
+
+# ---------------------------------------------------------------------------------------------
+# RNG
+
+def capture_rng() -> dict:
+    """The state of every random generator a training step may draw from."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    try:
+        import numpy as np
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    return state
+
+
+def restore_rng(state: dict) -> None:
+    """Put back what ``capture_rng`` returned (after a trip through a checkpoint)."""
+    if "python" in state:
+        random.setstate(state["python"])
+    if "torch" in state:
+        torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        for i, s in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
+    if "numpy" in state:
+        import numpy as np
+        np.random.set_state(state["numpy"])
+
+
+# ---------------------------------------------------------------------------------------------
+# the model as save_pretrained writes it
+
+def _tied_targets(model) -> set[str]:
+    getter = getattr(model, "get_expanded_tied_weights_keys", None)
+    return set(getter(all_submodels=True)) if getter is not None else set()
+
+
+def model_state_for_saving(model) -> dict[str, torch.Tensor]:
+    """The model's state dict with each tied weight once, under the name ``from_pretrained``
+    expects (the source, e.g. ``model.embed_tokens.weight``); other aliases are cloned."""
+    state = model.state_dict()
+    ignore = getattr(model, "_keys_to_ignore_on_save", None) or ()
+    for key in list(state):
+        if any(re.search(p, key) for p in ignore):
+            del state[key]
+    tied = _tied_targets(model)
+    by_storage: dict[tuple, list[str]] = {}
+    for name, t in state.items():
+        if t.device.type == "meta":
+            raise TierflowError(f"parameter {name} is on the meta device (never loaded): load "
+                                "the weights before saving a checkpoint")
+        if t.numel():
+            key = (t.untyped_storage().data_ptr(), t.device.type)
+            by_storage.setdefault(key, []).append(name)
+    for names in by_storage.values():
+        if len(names) < 2:
+            continue
+        keep = [n for n in names if n not in tied] or names[:1]
+        first = state[keep[0]]
+        for n in names:
+            if n == keep[0]:
+                continue
+            same = (state[n].data_ptr() == first.data_ptr() and state[n].shape == first.shape
+                    and state[n].stride() == first.stride())
+            if n in tied and same:
+                del state[n]
+            else:
+                state[n] = state[n].clone()
+    return state
+
+
+def _config_json(model) -> str:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_json_string"):
+        raise TierflowError(f"cannot checkpoint a {type(model).__name__}: pass the transformers "
+                            "model (a PreTrainedModel with a .config)")
+    config = copy.deepcopy(config)
+    config.architectures = [type(model).__name__]
+    floats = [p.dtype for p in model.parameters() if p.is_floating_point()]
+    if floats:
+        config.dtype = str(floats[0]).removeprefix("torch.")
+    return config.to_json_string(use_diff=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove_stale_temps(out_dir: Path) -> None:
+    """Temporary directories left by a process that died mid-save (kill -9). A replaced
+    checkpoint whose successor never got its name is put back instead."""
+    for entry in out_dir.iterdir():
+        m = _TEMP_DIR.match(entry.name)
+        pid = int(m.group(2)) if m else 0
+        if m and entry.is_dir() and pid != os.getpid() and not _pid_alive(pid):
+            final = out_dir / f"step_{m.group(1)}"
+            if ".replaced-" in entry.name and not final.exists():
+                entry.rename(final)
+            else:
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _steps(out_dir: Path) -> list[tuple[int, Path]]:
+    found = []
+    if out_dir.is_dir():
+        for entry in out_dir.iterdir():
+            m = _STEP_DIR.match(entry.name)
+            if m and (entry / "trainer_state.json").is_file():
+                found.append((int(m.group(1)), entry))
+    return sorted(found)
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in ``out_dir`` (None when there is none).
+    Temporary directories of interrupted saves are never returned."""
+    found = _steps(Path(out_dir))
+    return found[-1][1] if found else None
+
+
+def _intact(out_dir: Path) -> str:
+    previous = latest_checkpoint(out_dir)
+    return (f"the previous checkpoint {previous.name} is intact" if previous is not None
+            else "no earlier checkpoint existed")
+
+
+def save_checkpoint(out_dir: str | Path, step: int, model, *,
+                    tokenizer_file: str | Path | None = None,
+                    optimizer_state: Sequence[dict | None] | None = None,
+                    trainer_state: dict | None = None) -> Path:
+    """Write ``out_dir/step_<step>/`` (see the module docstring) and return its path.
+
+    ``optimizer_state`` is a list of torch optimizer ``state_dict()``s (one per stage, None
+    where a stage has none), or one state dict. ``trainer_state`` is any JSON-like dict
+    (tensors allowed): the data position, ``capture_rng()``, the run's ``config_hash``.
+    Saving a step that exists replaces it only once the new one is complete."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise TierflowError(f"checkpoint step {step!r} is not a non-negative integer")
+    out_dir = Path(out_dir)
+    final = out_dir / f"step_{step}"
+    if tokenizer_file is not None and not Path(tokenizer_file).is_file():
+        raise TierflowError(f"tokenizer file {tokenizer_file} does not exist: pass the "
+                            "tokenizer.json the run was tokenized with")
+    if isinstance(optimizer_state, dict):
+        optimizer_state = [optimizer_state]
+    # Everything that can fail without touching the disk is done first.
+    config_text = _config_json(model)
+    model_state = model_state_for_saving(model)
+    opt_tensors, opt_structure = (flatten_optimizer_states(optimizer_state)
+                                  if optimizer_state is not None else ({}, None))
+    state_json = json.dumps({"format": STATE_FORMAT, "version": VERSION, "step": step,
+                             "state": to_json(dict(trainer_state or {}))}, indent=1)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TierflowError(f"cannot create checkpoint directory {out_dir} ({e.strerror}): use "
+                            "--out with a writable directory") from None
+    temp = out_dir / f"step_{step}.tmp-{os.getpid()}"
+    replaced = out_dir / f"step_{step}.replaced-{os.getpid()}"
+    try:
+        _remove_stale_temps(out_dir)
+        if temp.exists():
+            shutil.rmtree(temp)
+        temp.mkdir()
+        _write_bytes(temp / "config.json", config_text.encode())
+        write_safetensors(temp / "model.safetensors", model_state, {"format": "pt"})
+        if tokenizer_file is not None:
+            with open(tokenizer_file, "rb") as src, open(temp / "tokenizer.json", "wb") as dst:
+                while chunk := src.read(1 << 20):
+                    _write(dst, chunk)
+                dst.flush()
+                os.fsync(dst.fileno())
+        if opt_structure is not None:
+            write_safetensors(temp / "optimizer.safetensors", opt_tensors,
+                              {"format": OPTIMIZER_FORMAT, "version": str(VERSION),
+                               "tierflow.optimizer": json.dumps(opt_structure)})
+        _write_bytes(temp / "trainer_state.json", state_json.encode())  # last: marks complete
+        _fsync_dir(temp)
+        if final.exists():
+            final.rename(replaced)
+        temp.rename(final)
+        _fsync_dir(out_dir)
+    except OSError as e:
+        shutil.rmtree(temp, ignore_errors=True)
+        if replaced.exists() and not final.exists():
+            replaced.rename(final)
+        intact = _intact(out_dir)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise TierflowError(f"no space left on device writing checkpoint to {final}: free "
+                                f"space or use --out elsewhere; {intact}") from None
+        raise TierflowError(f"cannot write checkpoint to {final} ({e.strerror or e}): check the "
+                            f"permissions or use --out elsewhere; {intact}") from None
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        if replaced.exists() and not final.exists():
+            replaced.rename(final)
+        raise
+    shutil.rmtree(replaced, ignore_errors=True)
+    return final
+
+
+@dataclass
+class Checkpoint:
+    """What ``load_checkpoint`` read. The weights stay on disk: load them with
+    ``tierflow.models.load_model(checkpoint.path)`` (memory-mapped)."""
+    path: Path
+    step: int
+    trainer_state: dict
+    optimizer_state: list[dict | None] | None  # one state dict per stage, as saved
+    config: dict  # config.json
+    has_tokenizer: bool
+
+
+def load_checkpoint(path: str | Path) -> Checkpoint:
+    """Read and check the checkpoint ``path`` (a ``step_N`` directory, or a run's ``--out``
+    directory, meaning its latest checkpoint). Any damage is one ``TierflowError`` line."""
+    path = Path(path)
+    if not path.is_dir():
+        raise TierflowError(f"checkpoint {path} does not exist: pass a step_N directory "
+                            "written by tierflow train, or the run's --out directory")
+    if not (path / "trainer_state.json").is_file():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise TierflowError(f"{path} is not a tierflow checkpoint (no trainer_state.json) and "
+                                "holds no step_N checkpoint: pass a step_N directory written "
+                                "by tierflow train")
+        path = latest
+    try:
+        data = json.loads((path / "trainer_state.json").read_text())
+        if data.get("format") != STATE_FORMAT:
+            raise ValueError(f"format is {data.get('format')!r}, not {STATE_FORMAT!r}")
+        if data.get("version") != VERSION:
+            raise ValueError(f"version {data.get('version')!r}; this tierflow reads {VERSION}")
+        step = int(data["step"])
+        trainer_state = from_json(data["state"])
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise TierflowError(f"{path / 'trainer_state.json'} is not a valid trainer state ({e}): "
+                            "resume from an earlier step_N") from None
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise TierflowError(f"no config.json in {path}: the checkpoint is incomplete; resume "
+                            "from an earlier step_N") from None
+    except ValueError as e:
+        raise TierflowError(f"{path / 'config.json'} is not valid JSON ({e}): resume from an "
+                            "earlier step_N") from None
+    from ..models.load import read_safetensors_index
+    read_safetensors_index(path)  # the weights are there and their headers parse
+    optimizer_state = None
+    opt_file = path / "optimizer.safetensors"
+    if opt_file.is_file():
+        with _open_safetensors(opt_file) as f:
+            meta = f.metadata() or {}
+            try:
+                if meta.get("format") != OPTIMIZER_FORMAT:
+                    raise ValueError(f"format is {meta.get('format')!r}")
+                structure = json.loads(meta["tierflow.optimizer"])
+            except (ValueError, KeyError) as e:
+                raise TierflowError(f"{opt_file} is not a tierflow optimizer state ({e}): resume "
+                                    "from an earlier step_N") from None
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        optimizer_state = unflatten_optimizer_states(tensors, structure)
+    return Checkpoint(path, step, trainer_state, optimizer_state, config,
+                      (path / "tokenizer.json").is_file())
