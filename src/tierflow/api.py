@@ -90,8 +90,8 @@ class TierflowModule(nn.Module):
 
 def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         gpu: int | str | None = None, planner: str = "auto",
-        optimizer: OptimizerFactory | None = None, config: FitConfig | None = None,
-        verbose: bool = False) -> TierflowModule:
+        optimizer: OptimizerFactory | None = None, reserve: int | str = 0,
+        config: FitConfig | None = None, verbose: bool = False) -> TierflowModule:
     """Plan ``model``'s training step for ``sample`` under the budgets and return a drop-in.
 
     ``sample`` is what you call the model with: a tensor, a tuple of arguments or a dict of
@@ -100,7 +100,9 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     tier: parameters, gradients, optimizer states (when tierflow owns the optimizer) and
     activations. Call ``fit`` under the same autocast mode you will train with.
     ``optimizer`` is a factory such as ``lambda ps: torch.optim.AdamW(ps, lr=1e-4)``; it is
-    called once per stage, and updates then happen during ``backward()``.
+    called once per stage, and updates then happen during ``backward()``. Without it, step
+    your own optimizer and give the bytes it keeps (AdamW: 2x the fp32 parameter bytes) as
+    ``reserve``: the plan leaves them free on the compute tier.
     """
     config = config or FitConfig(planner=planner)
     if planner != "auto" and config.planner != planner:
@@ -108,6 +110,7 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
                             f"{config.planner!r}: give one or the other")
     device = _device_of(model)
     tier, budget = _compute_budget(device, ram=ram, gpu=gpu)
+    reserved = parse_bytes(reserve, what="reserve") if reserve else 0
     log: list[str] = []
     say = (lambda m: (log.append(m), print(f"[tierflow] {m}", flush=True))) if verbose else log.append
     started = time.perf_counter()
@@ -137,11 +140,11 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
                                         probe.transient_per_byte, largest)
         owned = OwnedOptimizer(chain, optimizer)
     costs = ChainCosts(stages=tuple(stage_costs), input_bytes=_bytes_of(x0),
-                       static_bytes=param_bytes + state_bytes + runtime,
+                       static_bytes=param_bytes + state_bytes + runtime + reserved,
                        optimizer_owned=optimizer is not None, shared_grad_bytes=shared,
                        extra={"autocast": autocast.describe(), "device": str(device),
                               "parameters": param_bytes, "optimizer states": state_bytes,
-                              "runtime": runtime})
+                              "reserved": reserved, "runtime": runtime})
     plan = make_plan(costs, budget, config, tier=tier)
     say(f"planned in {time.perf_counter() - started:.1f} s: {plan.strategy}")
     return TierflowModule(model, chain, plan, autocast, device, owned, log)
