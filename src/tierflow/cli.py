@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a tiny model and short sequences: a smoke test in seconds")
     demo.set_defaults(func=cmd_demo)
     _add_tokenize(sub)
+    _add_train(sub)
+    _add_generate(sub)
+    _add_plot(sub)
     return parser
 
 
@@ -204,6 +207,107 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
                       eval_fraction=args.eval_fraction, text_field=args.text_field)
     print(result.summary(), flush=True)
     return 0
+
+
+# ---------------------------------------------------------------- generate
+
+def _bounded_number(kind: type, what: str, minimum: float, *, above: bool = False) -> Any:
+    """An argparse type: a ``kind`` number >= ``minimum`` (> with ``above``), finite."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            name = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}") from None
+        if value != value or value in (float("inf"), float("-inf")) or value < minimum or (
+                above and value == minimum):
+            raise argparse.ArgumentTypeError(
+                f"{text} must be {'above' if above else 'at least'} {minimum} ({what})")
+        return value
+    return parse
+
+
+def _add_generate(sub: Any) -> None:
+    """Register ``tierflow generate`` (the work is in tierflow.generate)."""
+    from .generate import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
+    gen = sub.add_parser(
+        "generate", help="sample text from a checkpoint with a KV cache",
+        description="Load a causal LM directory (config.json, model.safetensors, tokenizer.json; "
+                    "e.g. OUT/step_N from tierflow train), print the prompt and stream the "
+                    "continuation, sampled token by token with a KV cache, then a line with "
+                    "tokens/s.")
+    gen.add_argument("--model", required=True, type=Path, metavar="DIR",
+                     help="checkpoint directory with config.json and model.safetensors")
+    gen.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    gen.add_argument("--max-new-tokens", type=_bounded_number(int, "tokens to generate", 1),
+                     default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                     help=f"tokens to generate at most (default {DEFAULT_MAX_NEW_TOKENS})")
+    gen.add_argument("--temperature", type=_bounded_number(float, "0 is greedy", 0.0),
+                     default=DEFAULT_TEMPERATURE, metavar="F",
+                     help=f"sampling temperature; 0 picks the most likely token "
+                          f"(default {DEFAULT_TEMPERATURE})")
+    gen.add_argument("--top-k", type=_bounded_number(int, "the K most likely tokens", 1), default=None,
+                     metavar="K", help="sample among the K most likely tokens only")
+    gen.add_argument("--seed", type=_bounded_number(int, "a random seed", 0), default=None, metavar="N",
+                     help="random seed: the same seed gives the same text (default: random)")
+    gen.add_argument("--tokenizer", type=Path, default=None, metavar="PATH",
+                     help="tokenizer.json or a directory holding one (default DIR/tokenizer.json)")
+    gen.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                     help="weights and compute dtype (auto: bf16 where the CPU has native bf16)")
+    gen.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Stream the prompt and its continuation to stdout, then the tokens/s line."""
+    from .generate import run
+    run(args.model, args.prompt, tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, seed=args.seed, dtype=args.dtype)
+    return 0
+
+
+# ---------------------------------------------------------------- plot
+
+def _add_plot(sub: Any) -> None:
+    """Register ``tierflow plot`` (the work is in tierflow.plot)."""
+    plot = sub.add_parser(
+        "plot", help="draw a training log: loss, tokens/s, memory per tier",
+        description="Read the JSONL log of tierflow train (--log) and draw train and eval loss "
+                    "against steps and tokens, tokens/s, and memory per tier into one image.")
+    plot.add_argument("log", type=Path, metavar="LOG.jsonl", help="the training log")
+    plot.add_argument("-o", "--out", type=Path, default=None, metavar="FILE",
+                      help="image to write: .png, .pdf, .svg, ... (default LOG with .png)")
+    plot.set_defaults(func=cmd_plot)
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Read the log, write the figure, print a one-line summary."""
+    from .plot import plot_run, read_log
+    log = read_log(args.log)
+    out = args.out if args.out is not None else args.log.with_suffix(".png")
+    plot_run(log, out)
+    print(log.summary(out), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- train
+
+def _add_train(sub: Any) -> None:
+    """Register ``tierflow train`` (options in tierflow.train.options, the loop in .loop)."""
+    from .train.options import add_arguments
+    train = sub.add_parser(
+        "train", help="train a causal LM on token files inside a memory budget",
+        description="Train a preset (random init) or a local Hugging Face model on the token "
+                    "files of 'tierflow tokenize', planned by tierflow under --ram; evaluate, "
+                    "checkpoint (every --save-every steps, at the end, on Ctrl-C) and resume "
+                    "exactly. Any flag can also come from --config FILE.toml; flags win.")
+    add_arguments(train)
+    train.set_defaults(func=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .train.loop import train
+    from .train.options import from_args
+    return train(from_args(args))
 
 
 # ---------------------------------------------------------------- entry point

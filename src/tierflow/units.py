@@ -1,6 +1,8 @@
 """Byte strings: ``"4GiB"``, ``"500MB"``, ``"0.5TiB"``, or a plain integer of bytes. No torch."""
 from __future__ import annotations
 
+import math
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
           "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -32,10 +34,12 @@ def parse_bytes(value: int | float | str, *, what: str = "budget") -> int:
     return int(number * scale)
 
 
-def format_bytes(n: int | float) -> str:
-    """Human-readable binary size: ``format_bytes(3 * 2**30) == '3.00 GiB'``."""
+def format_bytes(n: int | float, *, round_up: bool = False) -> str:
+    """Human-readable binary size: ``format_bytes(3 * 2**30) == '3.00 GiB'``. With
+    ``round_up`` the figure is never below ``n`` (for "at least" messages a user copies)."""
     n = float(n)
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+            value = math.ceil(n / scale * 100) / 100 if round_up else n / scale
+            return f"{value:.2f} {unit}"
+    return f"{math.ceil(n) if round_up else int(n)} B"

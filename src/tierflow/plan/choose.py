@@ -31,7 +31,7 @@ def make_plan(costs: ChainCosts, budget: int | None, config: FitConfig, *,
         if peak > usable:
             _raise(tier, budget, costs, peak, config,
                    hint=f"or use planner='rotor', which needs at least "
-                        f"{format_bytes(_total(costs, smallest_budget(costs), config))}")
+                        f"{format_bytes(_total(costs, smallest_budget(costs), config), round_up=True)}")
         return Plan(config.planner, tuple(ops), costs, budget,
                     (f"planner '{config.planner}' was asked for",))
     if config.planner == "auto" and keep_peak <= usable:
@@ -61,9 +61,10 @@ def _total(costs: ChainCosts, activations: int, config: FitConfig) -> int:
 def _raise(tier: str, budget: int, costs: ChainCosts, activations: int, config: FitConfig,
            hint: str = "") -> None:
     smallest = _total(costs, activations, config)
+    at_least = format_bytes(smallest, round_up=True)
     raise BudgetError(
-        f"{tier} budget {format_bytes(budget)} is below the smallest that works, "
-        f"{format_bytes(smallest)} ({format_bytes(costs.static_bytes)} parameters and optimizer "
-        f"states + {format_bytes(activations)} activations): raise {tier} to at least "
-        f"{format_bytes(smallest)}" + (f", {hint}" if hint else ""),
+        f"{tier} budget {format_bytes(budget)} is below the smallest that works, {at_least} "
+        f"({format_bytes(costs.static_bytes)} static: parameters, optimizer states, runtime; "
+        f"+ {format_bytes(activations)} activations and gradients): raise {tier} to at least "
+        f"{at_least}" + (f", {hint}" if hint else ""),
         tier=tier, budget=budget, smallest=smallest)

@@ -1,0 +1,301 @@
+"""``tierflow generate``: sample text from a causal LM with a KV cache, streamed as it comes.
+
+``generate(model, tokenizer, prompt, ...)`` returns the continuation (the prompt not included);
+``sample_ids(model, prompt_ids, ...)`` is the token-level loop underneath, a generator of ids.
+The loop is ours, not ``model.generate``: one forward pass over the prompt fills the KV cache
+(``use_cache=True``), then one pass per new token feeds only that token with
+``past_key_values``. Each step takes the last position's logits in fp32, masks the ids the
+tokenizer cannot decode, and picks the argmax (``temperature=0``) or samples from
+``softmax(logits / temperature)`` restricted to the ``top_k`` largest, with a seeded
+``torch.Generator`` so a seed gives the same text every time. Generation stops after
+``max_new_tokens`` or at an end-of-sequence id (the model config's ``eos_token_id`` and the
+tokenizer's end-of-text token).
+
+Text is streamed by decoding all generated ids and printing what was not printed yet, holding
+back a trailing partial UTF-8 character (a byte-level token can end mid-character).
+
+The model runs entirely in RAM (weights memory-mapped by ``load_model``); a RAM budget with
+weight streaming is not implemented, so there is no ``--ram`` option yet.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence, TextIO
+
+import torch
+
+from .errors import TierflowError
+
+DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_TEMPERATURE = 0.8
+_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
+
+
+@dataclass
+class GenerateStats:
+    """Counts and times of one generation (prefill = the pass over the prompt)."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stopped_at_eos: bool = False
+
+    @property
+    def tok_s(self) -> float:
+        """New tokens per second of the whole generation (prefill included)."""
+        total = self.prefill_s + self.decode_s
+        return self.new_tokens / total if total > 0 else 0.0
+
+    def summary(self) -> str:
+        end = "end-of-sequence token" if self.stopped_at_eos else "max new tokens"
+        return (f"[generate] {self.new_tokens} tokens in {self.prefill_s + self.decode_s:.2f} s: "
+                f"{self.tok_s:.1f} tok/s (prompt {self.prompt_tokens} tokens in "
+                f"{self.prefill_s * 1000:.0f} ms; stopped at {end})")
+
+
+def check_options(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """Reject out-of-range sampling options with a one-line error naming the fix."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise TierflowError(f"--max-new-tokens {max_new_tokens!r} must be a whole number of at "
+                            "least 1")
+    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+        raise TierflowError(f"--temperature {temperature!r} must be a finite number >= 0 "
+                            "(0 picks the most likely token)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise TierflowError(f"--top-k {top_k!r} must be a whole number of at least 1 (or left "
+                            "out to sample from the whole vocabulary)")
+
+
+def max_positions(model: Any) -> int | None:
+    """The longest sequence the model's config allows, when it says."""
+    config = model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def stop_ids(model: Any, tokenizer: Any = None) -> set[int]:
+    """End-of-sequence ids: the config's ``eos_token_id`` (int or list) and the tokenizer's
+    end-of-text token when it has one of the usual names."""
+    ids: set[int] = set()
+    for config in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(config, "eos_token_id", None) if config is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(i) for i in eos)
+    if tokenizer is not None:
+        for name in _EOS_NAMES:
+            token_id = tokenizer.token_to_id(name)
+            if token_id is not None:
+                ids.add(token_id)
+    return ids
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
+          generator: torch.Generator) -> int:
+    """One id from the fp32 logits of the last position (shape (vocab,))."""
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.inference_mode()
+def sample_ids(model: Any, prompt_ids: Sequence[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+               temperature: float = DEFAULT_TEMPERATURE, top_k: int | None = None,
+               seed: int | None = None, stop: set[int] | None = None,
+               allowed_vocab: int | None = None,
+               stats: GenerateStats | None = None) -> Iterator[int]:
+    """Yield up to ``max_new_tokens`` new ids after ``prompt_ids``, using a KV cache.
+
+    ``stop``: ids that end generation (the stop id is yielded, then the loop ends).
+    ``allowed_vocab``: ids at or above it are never picked (a model vocabulary padded beyond
+    the tokenizer's). ``seed=None`` draws a fresh seed. ``stats`` is filled in as it goes.
+    """
+    check_options(max_new_tokens, temperature, top_k)
+    if len(prompt_ids) == 0:
+        raise TierflowError("the prompt encodes to no tokens: give a non-empty --prompt")
+    limit = max_positions(model)
+    if limit is not None and len(prompt_ids) + max_new_tokens > limit:
+        raise TierflowError(f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens "
+                            f"{max_new_tokens} is {len(prompt_ids) + max_new_tokens} tokens, above "
+                            f"the model's {limit} positions: shorten the prompt or lower "
+                            f"--max-new-tokens to {max(limit - len(prompt_ids), 0)}")
+    stats = stats if stats is not None else GenerateStats()
+    stats.prompt_tokens = len(prompt_ids)
+    stop = stop or set()
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    model.config.use_cache = True
+    if model.training:
+        model.eval()
+    device = next(model.parameters()).device
+
+    start = time.perf_counter()
+    ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
+    out = model(input_ids=ids, use_cache=True)
+    cache = out.past_key_values
+    logits = out.logits[0, -1].float()
+    stats.prefill_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    for i in range(max_new_tokens):
+        if allowed_vocab is not None and allowed_vocab < logits.numel():
+            logits[allowed_vocab:] = float("-inf")
+        token = _pick(logits, temperature, top_k, generator)
+        stats.new_tokens = i + 1
+        stats.decode_s = time.perf_counter() - start
+        yield token
+        if token in stop:
+            stats.stopped_at_eos = True
+            break
+        if i + 1 == max_new_tokens:
+            break
+        ids = torch.tensor([[token]], dtype=torch.long, device=device)
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        logits = out.logits[0, -1].float()
+    stats.decode_s = time.perf_counter() - start
+
+
+class _Streamer:
+    """Turns ids into text pieces: decode everything, emit what is new, hold back a trailing
+    replacement character (an incomplete multi-byte character)."""
+
+    def __init__(self, tokenizer: Any, prompt_ids: Sequence[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids)
+        self.start = len(self._decode())
+        self.printed = self.start
+
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self._decode()
+        if text.endswith("\ufffd"):
+            return ""
+        piece, self.printed = text[self.printed:], max(len(text), self.printed)
+        return piece
+
+    def finish(self) -> str:
+        text = self._decode()
+        piece, self.printed = text[self.printed:], max(len(text), self.printed)
+        return piece
+
+    def text(self) -> str:
+        return self._decode()[self.start:]
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    if not isinstance(prompt, str) or not prompt:
+        raise TierflowError("the prompt is empty: give some text with --prompt")
+    ids = tokenizer.encode(prompt).ids
+    if not ids:
+        raise TierflowError(f"the prompt {prompt[:40]!r} encodes to no tokens: give text the "
+                            "tokenizer knows")
+    return ids
+
+
+def generate(model: Any, tokenizer: Any, prompt: str, *,
+             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+             temperature: float = DEFAULT_TEMPERATURE, top_k: int | None = None,
+             seed: int | None = None, stream: TextIO | Callable[[str], Any] | None = None,
+             stats: GenerateStats | None = None) -> str:
+    """The text ``model`` writes after ``prompt`` (a ``tokenizers.Tokenizer`` encodes and
+    decodes). ``temperature=0`` is greedy; ``stream`` (a text file or a function) receives
+    the text piece by piece as it is generated; ``stats`` receives counts and times."""
+    check_options(max_new_tokens, temperature, top_k)
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    streamer = _Streamer(tokenizer, prompt_ids)
+    emit = _emitter(stream)
+    for token in sample_ids(model, prompt_ids, max_new_tokens=max_new_tokens,
+                            temperature=temperature, top_k=top_k, seed=seed,
+                            stop=stop_ids(model, tokenizer),
+                            allowed_vocab=tokenizer.get_vocab_size(with_added_tokens=True),
+                            stats=stats):
+        emit(streamer.push(token))
+    emit(streamer.finish())
+    return streamer.text()
+
+
+def _emitter(stream: TextIO | Callable[[str], Any] | None) -> Callable[[str], None]:
+    if stream is None:
+        return lambda piece: None
+    if callable(stream) and not hasattr(stream, "write"):
+        return lambda piece: piece and stream(piece)  # type: ignore[misc]
+
+    def write(piece: str) -> None:
+        if piece:
+            stream.write(piece)  # type: ignore[union-attr]
+            stream.flush()  # type: ignore[union-attr]
+    return write
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``auto``: bf16 where the CPU computes it natively (or on a GPU), else fp32."""
+    if name == "bf16":
+        return torch.bfloat16
+    if name == "fp32":
+        return torch.float32
+    if name != "auto":
+        raise TierflowError(f"--dtype {name!r} is not one of auto, bf16, fp32")
+    from .measure import fast_bf16
+    return torch.bfloat16 if fast_bf16() else torch.float32
+
+
+def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = None,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
+        top_k: int | None = None, seed: int | None = None, dtype: str = "auto",
+        out: TextIO | None = None) -> GenerateStats:
+    """What ``tierflow generate`` does: check everything, load, stream the prompt and the
+    continuation to ``out`` (stdout), then a line with tokens/s."""
+    from .data.tokenize import load_tokenizer
+    from .models.load import load_model
+
+    out = out if out is not None else sys.stdout
+    check_options(max_new_tokens, temperature, top_k)
+    if not prompt:
+        raise TierflowError("the prompt is empty: give some text with --prompt")
+    directory = Path(model_dir)
+    if not directory.is_dir():
+        what = "does not exist" if not directory.exists() else "is not a directory"
+        raise TierflowError(f"--model {directory} {what}: pass a checkpoint directory with "
+                            "config.json and model.safetensors (e.g. OUT/step_N from tierflow "
+                            "train)")
+    tok_path = Path(tokenizer) if tokenizer is not None else directory / "tokenizer.json"
+    if tokenizer is None and not tok_path.is_file():
+        raise TierflowError(f"no tokenizer.json in {directory}: pass --tokenizer PATH (the "
+                            "tokenizer.json the model was trained with)")
+    tok = load_tokenizer(tok_path)
+    torch_dtype = resolve_dtype(dtype)
+    model = load_model(directory, vocab_size=tok.get_vocab_size(with_added_tokens=True),
+                       dtype=torch_dtype)
+    stats = GenerateStats()
+    out.write(prompt)
+    out.flush()
+    generate(model, tok, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+             top_k=top_k, seed=seed, stream=out, stats=stats)
+    out.write("\n" + stats.summary() + f", {_dtype_name(torch_dtype)}\n")
+    out.flush()
+    return stats
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))

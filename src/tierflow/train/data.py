@@ -1,0 +1,56 @@
+"""Training batches from token files.
+
+``Batches`` draws random windows of ``seq_len + 1`` tokens from ``train.bin``. Batch ``k``
+comes from a numpy generator seeded with ``(seed, k)``, so the whole stream position is one
+integer (``index``), saved in checkpoints and restored on resume: batch ``k`` is the same in
+every run with the same seed. ``eval_batches`` are fixed, consecutive windows of ``eval.bin``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..data.tokenfile import TokenFile
+from ..errors import TierflowError
+
+
+class Batches:
+    def __init__(self, tokens: TokenFile, seq_len: int, batch_size: int, seed: int,
+                 index: int = 0):
+        if len(tokens) < seq_len + 1:
+            raise TierflowError(f"{tokens.path} holds {len(tokens)} tokens, fewer than one "
+                                f"window of --seq-len {seq_len} + 1; fix: use a smaller "
+                                f"--seq-len or more text")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.seed = seed
+        self.index = index  # batches drawn so far
+
+    def next(self) -> torch.Tensor:
+        """The next (batch_size, seq_len + 1) int64 tensor."""
+        rng = np.random.default_rng([self.seed, self.index])
+        self.index += 1
+        high = len(self.tokens) - self.seq_len - 1
+        starts = rng.integers(0, high + 1, size=self.batch_size)
+        rows = [self.tokens.window(int(s), self.seq_len + 1) for s in starts]
+        return torch.from_numpy(np.stack(rows))
+
+    def state(self) -> dict:
+        return {"index": self.index, "seed": self.seed}
+
+
+def eval_batches(tokens: TokenFile, seq_len: int, batch_size: int, steps: int) -> list[torch.Tensor]:
+    """Up to ``steps`` batches of consecutive, non-overlapping windows from the start of
+    ``tokens`` (fewer when the file is short; none when it holds less than one window)."""
+    n_windows = (len(tokens) - 1) // seq_len
+    out = []
+    w = 0
+    while len(out) < steps and w + batch_size <= n_windows:
+        rows = [tokens.window((w + i) * seq_len, seq_len + 1) for i in range(batch_size)]
+        out.append(torch.from_numpy(np.stack(rows)))
+        w += batch_size
+    if not out and n_windows > 0:
+        rows = [tokens.window(i * seq_len, seq_len + 1) for i in range(n_windows)]
+        out.append(torch.from_numpy(np.stack(rows)))
+    return out

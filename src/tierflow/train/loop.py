@@ -1,0 +1,498 @@
+"""``tierflow train``: the training loop around ``tierflow.fit``.
+
+One run: check the options, the data and the output directory (cheap, before anything slow);
+build or load the model; plan the step with ``tierflow.fit`` (gradients accumulate in
+``.grad``, the AdamW state is ``reserve``d in the plan); then per optimizer step:
+``grad_accum`` micro-batches forward and backward, global-norm clipping, AdamW with the
+warmup + cosine schedule, one ``[T]`` line and one JSON record. ``[V]`` evaluations every
+``--eval-every`` steps; checkpoints every ``--save-every`` steps, at the end and on Ctrl-C.
+
+Resuming restores the weights, the AdamW state, the data stream position and every RNG, so
+the resumed steps are bit-identical (fp32) to an uninterrupted run's.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import TierflowError
+from ..units import format_bytes, parse_bytes
+from .options import RECOMPUTE, TrainOptions
+
+INTERRUPTED = 130
+DEFAULT_STEPS = 100
+
+
+# ---------------------------------------------------------------- data directory
+
+@dataclass
+class DataDir:
+    path: Path
+    train: Any  # TokenFile
+    eval: Any | None
+    vocab_size: int
+    tokenizer_file: Path | None
+    max_token: int
+
+    def identity(self) -> dict[str, Any]:
+        tok = None
+        if self.tokenizer_file is not None:
+            import hashlib
+            tok = hashlib.sha256(self.tokenizer_file.read_bytes()).hexdigest()[:16]
+        return {"train_tokens": len(self.train), "eval_tokens": len(self.eval) if self.eval else 0,
+                "vocab_size": self.vocab_size, "tokenizer": tok}
+
+
+def open_data(path: str | Path) -> DataDir:
+    from ..data.tokenfile import TokenFile
+    path = Path(path)
+    if not path.is_dir():
+        what = "is a file" if path.exists() else "does not exist"
+        raise TierflowError(f"--data {path} {what}: give a directory written by 'tierflow "
+                            "tokenize' (train.bin, eval.bin, tokenizer.json)")
+    if not (path / "train.bin").is_file():
+        raise TierflowError(f"--data {path} has no train.bin: run 'tierflow tokenize INPUT... "
+                            f"--out {path}' first")
+    train = TokenFile.open(path / "train.bin")
+    if len(train) == 0:
+        raise TierflowError(f"{path / 'train.bin'} holds no tokens: tokenize a non-empty corpus")
+    evalf = TokenFile.open(path / "eval.bin") if (path / "eval.bin").is_file() else None
+    tokenizer_file = path / "tokenizer.json"
+    tokenizer_file = tokenizer_file if tokenizer_file.is_file() else None
+    vocab = None
+    meta = path / "meta.json"
+    if meta.is_file():
+        try:
+            vocab = int(json.loads(meta.read_text())["vocab_size"])
+        except (ValueError, KeyError, TypeError):
+            vocab = None
+    if vocab is None and tokenizer_file is not None:
+        try:
+            from tokenizers import Tokenizer
+            vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)
+        except Exception:
+            vocab = None
+    if vocab is None:
+        vocab = train.vocab_size
+    top = max(train.max_token() or 0, (evalf.max_token() or 0) if evalf is not None else 0)
+    if vocab is None:
+        vocab = top + 1
+    if top >= vocab:
+        raise TierflowError(f"--data {path} holds token id {top}, but its vocab size is {vocab}: "
+                            "the token files and tokenizer do not belong together; tokenize again")
+    return DataDir(path, train, evalf, int(vocab), tokenizer_file, top)
+
+
+def check_out(out: Path) -> None:
+    """Create ``out`` and prove it writable, before any slow work."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise TierflowError(f"--out {out} is not writable ({e.strerror or e}): choose a "
+                            "directory you can write to") from None
+
+
+# ---------------------------------------------------------------- the machine
+
+def _cache_dir() -> Path:
+    base = os.environ.get("TIERFLOW_CACHE")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tierflow"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def peak_matmul_flops(dtype_name: str) -> float:
+    """This machine's peak matmul FLOP/s for ``dtype_name`` (fp32 or bf16) at the current
+    thread count: measured once with square matmuls, cached in calibration.json."""
+    import torch
+    key = f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype_name}"
+    cache = _cache_dir() / "calibration.json"
+    data: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        data = json.loads(cache.read_text())
+    entry = data.get("matmul", {}).get(key) if isinstance(data, dict) else None
+    if isinstance(entry, (int, float)) and entry > 0:
+        return float(entry)
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    n = 1024
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
+    a @ b  # warm-up
+    best = math.inf
+    spent = 0.0
+    for _ in range(20):
+        t = time.perf_counter()
+        a @ b
+        dt = time.perf_counter() - t
+        best, spent = min(best, dt), spent + dt
+        if spent > 0.5:
+            break
+    flops = 2 * n ** 3 / best
+    with contextlib.suppress(OSError):
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        data = data if isinstance(data, dict) else {}
+        data.setdefault("matmul", {})[key] = flops
+        tmp = cache.with_name(f".calibration.json.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, cache)
+    return flops
+
+
+def model_flops_per_token(model, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x the parameters used in matmuls (the input embedding is a
+    lookup; a tied head counts once, as the head) + attention, 12 x layers x width x seq."""
+    config = model.config
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    emb = model.get_input_embeddings()
+    out = model.get_output_embeddings()
+    if emb is not None and (out is None or out.weight is not emb.weight):
+        total -= emb.weight.numel()
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
+    width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
+    return 6.0 * total + 12.0 * layers * width * seq_len
+
+
+# ---------------------------------------------------------------- identity of a run
+
+def _model_arch(model) -> dict[str, Any]:
+    config = model.config.to_dict()
+    keep = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer",
+            "intermediate_size", "n_inner", "num_attention_heads", "n_head",
+            "num_key_value_heads", "tie_word_embeddings")
+    return {k: config[k] for k in keep if k in config}
+
+
+def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    diffs = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [f"{key} {d}" for d in _differences(a, b)]
+        elif a != b:
+            diffs.append(f"{key}: checkpoint {a!r}, now {b!r}")
+    return diffs
+
+
+# ---------------------------------------------------------------- the run
+
+class _Interrupt:
+    """SIGINT sets a flag the loop checks between steps; a second one interrupts at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> "_Interrupt":
+        with contextlib.suppress(ValueError):  # not the main thread
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def train(opts: TrainOptions) -> int:
+    """Run ``tierflow train`` with validated ``opts``; returns the exit code."""
+    import torch
+    import transformers  # noqa: F401  (imports are part of the RSS baseline)
+    from transformers import AutoModelForCausalLM  # noqa: F401
+    from .. import measure
+    from ..api import fit
+    from ..config import FitConfig
+    from ..models.load import load_model
+    from .checkpoint import (capture_rng, config_hash, latest_checkpoint, load_checkpoint,
+                             restore_rng, save_checkpoint)
+    from .data import Batches, eval_batches
+    from .logger import Logger, eval_line, section, train_line
+    from .schedule import lr_at
+
+    baseline = measure.maxrss_bytes()
+
+    # --- everything cheap first: resume state, data, output directory
+    ckpt = load_checkpoint(opts.resume) if opts.resume else None
+    if ckpt is not None:
+        saved_opts = ckpt.trainer_state.get("options", {})
+        opts.model = opts.model or saved_opts.get("model")
+        opts.data = opts.data or saved_opts.get("data")
+    opts.validate()
+    data = open_data(opts.data)
+    out = Path(opts.out) if opts.out else (ckpt.path.parent if ckpt is not None else Path("out"))
+    opts.out = str(out)
+    check_out(out)
+    log_path = Path(opts.log) if opts.log else out / "log.jsonl"
+    budget = parse_bytes(opts.ram, what="--ram") if opts.ram else None
+    dtype_name = opts.dtype if opts.dtype != "auto" else ("bf16" if measure.fast_bf16() else "fp32")
+
+    # --- the model
+    spec = opts.model
+    if ckpt is not None:
+        model = load_model(ckpt.path, dtype=torch.float32)
+    elif Path(spec).exists() or "/" in spec or spec.startswith("."):
+        model = load_model(spec, dtype=torch.float32)
+    else:
+        model = load_model(spec, vocab_size=data.vocab_size, dtype=torch.float32, seed=opts.seed)
+    model_vocab = int(model.config.vocab_size)
+    if data.max_token >= model_vocab:
+        raise TierflowError(f"--data {data.path} holds token id {data.max_token} but the model "
+                            f"{spec} has vocab size {model_vocab}: use a model whose vocab has at "
+                            f"least {data.max_token + 1} ids, or tokenize with its tokenizer")
+    config = model.config
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if positions is not None and opts.seq_len > positions:
+        raise TierflowError(f"--seq-len {opts.seq_len} is above the model's maximum positions "
+                            f"({positions}): use --seq-len {positions} or less")
+    model.train()
+
+    identity = {"model": _model_arch(model), "data": data.identity(), "seq_len": opts.seq_len,
+                "batch_size": opts.batch_size, "grad_accum": opts.grad_accum, "seed": opts.seed}
+    run_hash = config_hash(identity)
+    if ckpt is not None:
+        saved = ckpt.trainer_state.get("identity")
+        if ckpt.trainer_state.get("config_hash") != run_hash:
+            diffs = _differences(saved, identity) if isinstance(saved, dict) else ["unknown run"]
+            raise TierflowError(f"checkpoint {ckpt.path} is of a different run ("
+                                f"{'; '.join(diffs[:4])}): resume with the model, data and "
+                                "--seq-len/--batch-size/--grad-accum/--seed it was trained with, "
+                                "or start a new run without --resume")
+
+    tokens_per_step = opts.batch_size * opts.grad_accum * opts.seq_len
+    if opts.steps is not None:
+        total = opts.steps
+    elif opts.epochs is not None:
+        total = max(1, math.ceil(opts.epochs * len(data.train) / tokens_per_step))
+    else:
+        total = DEFAULT_STEPS
+    warmup = opts.warmup if opts.warmup is not None else (total * 5) // 100
+    min_lr = opts.min_lr if opts.min_lr is not None else opts.lr / 10
+
+    logger = Logger(log_path, append=ckpt is not None)
+    try:
+        return _run(**locals())
+    finally:
+        logger.close()
+
+
+def _run(*, opts, data, out, logger, budget, dtype_name, spec, model, identity, run_hash, ckpt,
+         total, warmup, min_lr, tokens_per_step, baseline, **names) -> int:
+    import torch
+    from .. import measure
+    from ..api import fit
+    from ..config import FitConfig
+    from .checkpoint import capture_rng, latest_checkpoint, restore_rng, save_checkpoint
+    from .data import Batches, eval_batches
+    from .logger import eval_line, section, train_line
+    from .schedule import lr_at
+
+    # [Options]
+    shown = opts.as_dict()
+    shown.update({"steps": total, "warmup": warmup, "min_lr": min_lr, "dtype": dtype_name,
+                  "out": str(out), "log": str(logger.path)})
+    logger.print(section("Options", [(k.replace("_", "-"), "-" if v is None else v)
+                                     for k, v in shown.items()]))
+    logger.record("options", **shown)
+
+    # [System]
+    peak = peak_matmul_flops(dtype_name)
+    system = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model(),
+              "bf16 native": measure.fast_bf16(), "dtype": dtype_name,
+              "peak matmul": f"{peak / 1e9:.1f} GFLOP/s ({dtype_name}, measured)"}
+    logger.print()
+    logger.print(section("System", list(system.items())))
+    logger.record("system", **system, peak_matmul_flops=peak)
+
+    # [Dataset]
+    eval_tokens = len(data.eval) if data.eval is not None else 0
+    dataset = [("train", f"{len(data.train):,} tokens ({data.path / 'train.bin'})"),
+               ("eval", f"{eval_tokens:,} tokens" + (f" ({data.path / 'eval.bin'})" if data.eval
+                                                     is not None else " (no eval.bin)")),
+               ("vocab", f"{data.vocab_size:,} (model {model.config.vocab_size:,})"),
+               ("seq len", opts.seq_len),
+               ("tokens per step", f"{tokens_per_step:,} ({opts.batch_size} x {opts.grad_accum} x "
+                                   f"{opts.seq_len})"),
+               ("epochs", f"{total * tokens_per_step / len(data.train):.2f} over {total} steps")]
+    logger.print()
+    logger.print(section("Dataset", dataset))
+    logger.record("dataset", train_tokens=len(data.train), eval_tokens=eval_tokens,
+                  vocab_size=data.vocab_size, seq_len=opts.seq_len,
+                  tokens_per_step=tokens_per_step, steps=total)
+
+    # [Plan]
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype_name == "bf16" \
+        else contextlib.nullcontext
+    params = list(model.parameters())
+    param_bytes = sum(p.numel() * 4 for p in params if p.requires_grad)
+    sample_batch = torch.zeros(opts.batch_size, opts.seq_len + 1, dtype=torch.long)
+    sample = {"input_ids": sample_batch[:, :-1], "shift_labels": sample_batch[:, 1:]}
+    with torch.random.fork_rng(devices=[]), autocast():
+        module = fit(model, sample, ram=budget, reserve=2 * param_bytes,
+                     config=FitConfig(planner=RECOMPUTE[opts.recompute], compile=opts.compile))
+    plan = module.plan
+    extra = plan.costs.extra
+    grads = sum(p.nbytes for p in params if p.requires_grad)
+    activations = max(0, plan.simulation.peak - grads)
+    kinds = [("parameters", extra.get("parameters", 0)), ("gradients", grads),
+             ("optimizer states (reserved)", extra.get("reserved", 0)),
+             ("activations", activations), ("runtime", extra.get("runtime", 0))]
+    rows = [(k, format_bytes(v)) for k, v in kinds]
+    rows.append(("total (predicted peak)", format_bytes(plan.predicted_peak)))
+    rows.append(("free", format_bytes(budget - plan.predicted_peak) + f" of the "
+                 f"{format_bytes(budget)} budget" if budget else "- (no --ram budget)"))
+    rows.append(("strategy", plan.strategy))
+    rows.append(("predicted step", f"{plan.predicted_time * opts.grad_accum * 1e3:.0f} ms "
+                                   f"({opts.grad_accum} x {plan.predicted_time * 1e3:.0f} ms "
+                                   "forward+backward, optimizer not included)"))
+    logger.print()
+    logger.print(section("Plan", rows))
+    logger.print(plan.explain())
+    logger.record("plan", **{k: int(v) for k, v in kinds}, predicted_peak=int(plan.predicted_peak),
+                  budget=budget, strategy=plan.strategy,
+                  predicted_step_s=plan.predicted_time * opts.grad_accum)
+
+    # optimizer: decay on matrices only
+    decay = [p for p in params if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in params if p.requires_grad and p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=opts.lr, betas=(0.9, 0.95), eps=1e-8)
+    batches = Batches(data.train, opts.seq_len, opts.batch_size, opts.seed)
+    start = 0
+    if ckpt is not None:
+        state = ckpt.trainer_state
+        if ckpt.optimizer_state:
+            optimizer.load_state_dict(ckpt.optimizer_state[0])
+        batches.index = int(state["data"]["index"])
+        restore_rng(state["rng"])
+        start = ckpt.step
+        logger.print(f"\nresumed from {ckpt.path} at step {start}")
+        logger.record("resume", path=str(ckpt.path), step=start)
+    else:
+        torch.manual_seed(opts.seed)
+    evals = []
+    if opts.eval_every and data.eval is not None:
+        evals = eval_batches(data.eval, opts.seq_len, opts.batch_size, opts.eval_steps)
+        if not evals:
+            logger.print(f"note: eval.bin holds {len(data.eval)} tokens, less than one window of "
+                         f"{opts.seq_len + 1}: evaluation is off")
+
+    flops_per_step = model_flops_per_token(model, opts.seq_len) * tokens_per_step
+
+    def save(step: int) -> Path:
+        path = save_checkpoint(out, step, model, tokenizer_file=data.tokenizer_file,
+                               optimizer_state=[optimizer.state_dict()],
+                               trainer_state={"step": step, "data": batches.state(),
+                                              "rng": capture_rng(), "identity": identity,
+                                              "config_hash": run_hash, "options": opts.as_dict(),
+                                              "total_steps": total,
+                                              "tokens": step * tokens_per_step})
+        logger.record("checkpoint", step=step, path=str(path))
+        return path
+
+    def evaluate(step: int) -> None:
+        t0 = time.perf_counter()
+        model.eval()
+        with torch.no_grad(), autocast():
+            losses = [float(module(input_ids=b[:, :-1], shift_labels=b[:, 1:]).loss) for b in evals]
+        model.train()
+        loss = sum(losses) / len(losses)
+        ms = (time.perf_counter() - t0) * 1e3
+        ppl = math.exp(min(loss, 700.0))
+        logger.print(eval_line(step=step, loss=loss, ppl=ppl, ms=ms))
+        logger.record("eval", step=step, loss=loss, ppl=ppl, ms=ms, tokens=step * tokens_per_step)
+
+    if start >= total:
+        logger.print(f"\nthe checkpoint is at step {start}, the run has {total} steps: nothing "
+                     "to do (raise --steps to train further)")
+        return 0
+    logger.print()
+    last_saved = start if ckpt is not None else None
+    step = start
+    step_s = 0.0
+    with _Interrupt() as interrupt:
+        for step in range(start + 1, total + 1):
+            t0 = time.perf_counter()
+            lr = lr_at(step - 1, lr=opts.lr, warmup=warmup, total=total, min_lr=min_lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            micro = []
+            for _ in range(opts.grad_accum):
+                batch = batches.next()
+                with autocast():
+                    loss = module(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
+                (loss / opts.grad_accum).backward()
+                micro.append(loss.detach().float())
+            loss_value = float(torch.stack(micro).mean())
+            norm = torch.nn.utils.clip_grad_norm_(params, opts.clip if opts.clip > 0 else math.inf)
+            norm_value = float(norm)
+            if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
+                what = (f"loss is {loss_value}" if not math.isfinite(loss_value)
+                        else f"gradient norm is {norm_value}")
+                logger.record("error", step=step, loss=loss_value, norm=norm_value)
+                good = latest_checkpoint(out)
+                raise TierflowError(f"the {what} at step {step}: training stopped, nothing saved "
+                                    f"for this step; the last good checkpoint is "
+                                    f"{good if good else 'none (no checkpoint was written)'}; fix: "
+                                    "lower --lr, raise --warmup or set --clip")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step_s = time.perf_counter() - t0
+            ram = measure.maxrss_bytes() - baseline
+            sol = flops_per_step / (step_s * peak) if peak > 0 else None
+            tok_s = tokens_per_step / step_s
+            logger.print(train_line(step=step, total=total, ms=step_s * 1e3, norm=norm_value,
+                                    loss=loss_value, tok_s=tok_s, sol=sol, ram_bytes=ram,
+                                    budget=budget))
+            logger.record("train", step=step, total=total, loss=loss_value, norm=norm_value, lr=lr,
+                          ms=step_s * 1e3, tok_s=tok_s, sol=sol, ram_bytes=ram, budget=budget,
+                          tokens=step * tokens_per_step)
+            if evals and opts.eval_every and step % opts.eval_every == 0:
+                evaluate(step)
+            if opts.save_every and step % opts.save_every == 0 and step != total:
+                save(step)
+                last_saved = step
+            if interrupt.requested and step != total:
+                path = save(step)
+                logger.print(f"interrupted: saved step {step} to {path}; continue with "
+                             f"--resume {path}")
+                logger.record("interrupted", step=step, path=str(path))
+                return INTERRUPTED
+            logger.bar(step, total, step_s)
+    if evals and opts.eval_every and total % opts.eval_every != 0:
+        evaluate(total)
+    path = save(total) if last_saved != total else out / f"step_{total}"
+    logger.print(f"done: {total} steps; saved {path}")
+    logger.record("done", step=total, path=str(path))
+    return 0

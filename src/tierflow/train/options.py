@@ -1,0 +1,208 @@
+"""The options of ``tierflow train``: a typed dataclass, its argparse flags, TOML merging.
+
+Every flag can also come from a TOML file (``--config FILE``): keys are the option names
+with ``-`` or ``_`` (``seq-len = 512`` or ``seq_len = 512``). Flags given on the command line
+win over the file, the file over the defaults. ``TrainOptions.validate`` checks every value
+whatever its source, so a bad value in the file is the same one-line error as a bad flag.
+"""
+from __future__ import annotations
+
+import argparse
+import tomllib
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from ..errors import TierflowError
+from ..units import parse_bytes
+
+RECOMPUTE = {"auto": "auto", "none": "keep-all", "all": "checkpoint-all"}
+DTYPES = ("auto", "fp32", "bf16")
+
+
+@dataclass
+class TrainOptions:
+    model: str | None = None  # a preset name or a local Hugging Face directory
+    data: str | None = None  # a directory written by tierflow tokenize
+    ram: str | None = None  # RAM budget, e.g. "4GiB"; None: no budget
+    seq_len: int = 256
+    batch_size: int = 4
+    grad_accum: int = 1
+    steps: int | None = None  # optimizer steps; default from --epochs, else 100
+    epochs: float | None = None
+    lr: float = 3e-4
+    warmup: int | None = None  # default: 5% of the steps
+    min_lr: float | None = None  # default: lr / 10
+    weight_decay: float = 0.1
+    clip: float = 1.0  # 0 disables clipping
+    seed: int = 0
+    eval_every: int = 100  # 0 disables evaluation
+    eval_steps: int = 10
+    save_every: int = 0  # 0: save only at the end and on Ctrl-C
+    out: str = "out"
+    resume: str | None = None
+    log: str | None = None  # default OUT/log.jsonl
+    dtype: str = "auto"  # auto: bf16 autocast where the CPU has native bf16, else fp32
+    compile: bool = False
+    recompute: str = "auto"
+    config: str | None = None
+
+    def validate(self) -> "TrainOptions":
+        if not self.model and not self.resume:
+            raise TierflowError("--model is missing: give a preset name (e.g. llama-20m) or a "
+                                "directory with config.json and model.safetensors")
+        if not self.data and not self.resume:
+            raise TierflowError("--data is missing: give a directory written by "
+                                "'tierflow tokenize' (train.bin, eval.bin, tokenizer.json)")
+        for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_steps"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("warmup", "seed", "eval_every", "save_every"):
+            _check_int(name, getattr(self, name), minimum=0)
+        for name in ("lr", "min_lr", "weight_decay", "clip", "epochs"):
+            _check_float(name, getattr(self, name), positive=name in ("lr", "epochs"))
+        if self.steps is not None and self.epochs is not None:
+            raise TierflowError("--steps and --epochs were both given: give one of them")
+        if self.min_lr is not None and self.min_lr > self.lr:
+            raise TierflowError(f"--min-lr {self.min_lr} is above --lr {self.lr}: give a "
+                                "--min-lr at most --lr")
+        if self.dtype not in DTYPES:
+            raise TierflowError(f"--dtype {self.dtype!r} is unknown: use fp32, bf16 or auto")
+        if self.recompute not in RECOMPUTE:
+            raise TierflowError(f"--recompute {self.recompute!r} is unknown: use auto, none "
+                                "or all")
+        if self.ram is not None:
+            parse_bytes(self.ram, what="--ram")
+        if not isinstance(self.compile, bool):
+            raise TierflowError(f"compile = {self.compile!r} in the config file is not a "
+                                "boolean: use true or false")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TierflowError(f"{_flag(name)} {value!r} is not a whole number: give e.g. "
+                            f"{_flag(name)} {max(minimum, 1)}")
+    if value < minimum:
+        raise TierflowError(f"{_flag(name)} {value} must be at least {minimum}")
+
+
+def _check_float(name: str, value: Any, *, positive: bool) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value \
+            or value in (float("inf"), float("-inf")):
+        raise TierflowError(f"{_flag(name)} {value!r} is not a finite number")
+    if value < 0 or (positive and value == 0):
+        raise TierflowError(f"{_flag(name)} {value} must be {'positive' if positive else 'at least 0'}"
+                            f"{', e.g. 3e-4' if name == 'lr' else ''}")
+
+
+# ---------------------------------------------------------------- argparse
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+_HELP = {
+    "model": ("SPEC", "a preset (llama-20m, llama-134m, gpt2-124m, ...) or a local Hugging Face "
+                      "directory (config.json + model.safetensors)"),
+    "data": ("DIR", "a directory written by 'tierflow tokenize'"),
+    "ram": ("SIZE", "RAM budget for the training step, e.g. 4GiB (default: none)"),
+    "seq_len": ("N", "tokens per sequence (default 256)"),
+    "batch_size": ("N", "sequences per micro-batch (default 4)"),
+    "grad_accum": ("N", "micro-batches per optimizer step (default 1)"),
+    "steps": ("N", "optimizer steps (default 100, or from --epochs)"),
+    "epochs": ("F", "passes over train.bin, in tokens (instead of --steps)"),
+    "lr": ("F", "peak learning rate (default 3e-4)"),
+    "warmup": ("N", "linear warmup steps (default 5%% of the steps)"),
+    "min_lr": ("F", "learning rate at the end of the cosine decay (default lr/10)"),
+    "weight_decay": ("F", "AdamW weight decay on matrices (default 0.1)"),
+    "clip": ("F", "clip the global gradient norm to F; 0 disables (default 1.0)"),
+    "seed": ("N", "seed of the init and the batches (default 0)"),
+    "eval_every": ("N", "evaluate every N steps; 0 disables (default 100)"),
+    "eval_steps": ("N", "eval batches per evaluation (default 10)"),
+    "save_every": ("N", "checkpoint every N steps; 0: only at the end (default 0)"),
+    "out": ("DIR", "where checkpoints and the log go (default ./out)"),
+    "resume": ("DIR", "continue from a checkpoint (a step_N directory or a run's --out)"),
+    "log": ("FILE", "the JSONL log (default OUT/log.jsonl)"),
+    "dtype": (None, "bf16 autocast or fp32 (auto: bf16 where the CPU has native bf16)"),
+    "compile": (None, "torch.compile the decoder layers"),
+    "recompute": (None, "activation recomputation: auto (the planner), none or all"),
+    "config": ("FILE", "a TOML file of options; flags win over it"),
+}
+_TYPES = {"seq_len": _int, "batch_size": _int, "grad_accum": _int, "steps": _int,
+          "epochs": _float, "lr": _float, "warmup": _int, "min_lr": _float,
+          "weight_decay": _float, "clip": _float, "seed": _int, "eval_every": _int,
+          "eval_steps": _int, "save_every": _int}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every option as a flag; defaults are None so that the merge knows what was given."""
+    for f in fields(TrainOptions):
+        metavar, help_text = _HELP[f.name]
+        if f.name == "compile":
+            parser.add_argument("--compile", action="store_true", default=None, help=help_text)
+        elif f.name == "dtype":
+            parser.add_argument("--dtype", choices=DTYPES, default=None, help=help_text)
+        elif f.name == "recompute":
+            parser.add_argument("--recompute", choices=tuple(RECOMPUTE), default=None,
+                                help=help_text)
+        else:
+            parser.add_argument(_flag(f.name), dest=f.name, type=_TYPES.get(f.name, str),
+                                default=None, metavar=metavar, help=help_text)
+
+
+def from_args(args: argparse.Namespace) -> TrainOptions:
+    """Defaults, then the TOML file of ``--config``, then the flags given; validated."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(read_toml(Path(args.config)))
+    for f in fields(TrainOptions):
+        given = getattr(args, f.name, None)
+        if given is not None:
+            values[f.name] = given
+    return TrainOptions(**values).validate()
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TierflowError(f"--config {path} does not exist: give a TOML file") from None
+    except OSError as e:
+        raise TierflowError(f"cannot read --config {path} ({e.strerror})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise TierflowError(f"--config {path} is not valid TOML ({e})") from None
+    known = {f.name for f in fields(TrainOptions)} - {"config"}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise TierflowError(f"--config {path} has an unknown option {key!r}: known options "
+                                f"are {', '.join(sorted(k.replace('_', '-') for k in known))}")
+        if name in ("ram", "model", "data", "out", "resume", "log") and value is not None:
+            value = str(value)
+        if name in ("epochs", "lr", "min_lr", "weight_decay", "clip") and isinstance(value, int) \
+                and not isinstance(value, bool):
+            value = float(value)
+        out[name] = value
+    return out
