@@ -9,7 +9,8 @@ Every configuration runs in a fresh process (peak RSS is a per-process high-wate
 the peers of ../shared/peers/peers.py (``train --mode plain``, ``hf-ckpt`` and ``compile`` with
 activation_memory_budget 1.0/0.5/0.1) with this project's Python, then tierflow at RAM budgets
 of 25/50/75/100% of the plain peer's peak above baseline, measured earlier in the same run,
-with its decoder layers compiled once by torch.compile (``--eager`` to run them eagerly).
+with its decoder layers compiled once by torch.compile (``--eager`` to run them eagerly) and
+a temporary directory as its disk tier (used only where the optimizer states do not fit).
 Writes benchmarks/results/remat-<date>.md (tables), .json (every raw result) and .png
 (median step time against peak memory, the budgets as vertical lines).
 """
@@ -21,6 +22,7 @@ import json
 import os
 import platform
 import subprocess
+import tempfile
 import sys
 import time
 from dataclasses import asdict
@@ -71,7 +73,9 @@ def run_tierflow(w: measure.Workload, fraction: float, budget: int, timeout: flo
                               "fraction": fraction, "budget_bytes": budget, "compiled": compile}
     start = time.perf_counter()
     try:
-        raw = measure.measure(w, "tierflow", ram=budget, timeout=timeout, compile=compile)
+        with tempfile.TemporaryDirectory(prefix="tierflow-disk-") as disk:
+            raw = measure.measure(w, "tierflow", ram=budget, timeout=timeout, compile=compile,
+                                  disk=disk)
     except (measure.ChildError, measure.ChildUserError) as err:
         record.update(status="failed", error=str(err))
         return record

@@ -137,3 +137,45 @@ def test_bad_budget_strings():
         tierflow.fit(model, mlp_sample(), ram="2 parsecs")
     with pytest.raises(tierflow.BudgetError, match="at least"):
         tierflow.fit(model, mlp_sample(), ram=1000)
+
+
+def test_optimizer_states_on_disk_match_plain_adamw(tmp_path):
+    """A budget that cannot hold the AdamW states beside the rest puts them on disk; the
+    parameters still follow plain AdamW, and the disk tier's files hold the states."""
+    model = tiny_hf("gpt2", layers=3, dropout=0.1)
+    reference = copy.deepcopy(model)
+    sample = hf_sample()
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    tierflow.fit(model, sample, optimizer=make)  # warm: the runtime's first-use bytes are paid
+    resident = tierflow.fit(model, sample, optimizer=make).plan
+    states = resident.costs.extra["optimizer states"]
+    budget = resident.predicted_peak - states * 9 // 10
+    with pytest.raises(tierflow.BudgetError):
+        tierflow.fit(model, sample, optimizer=make, ram=budget)
+    module = tierflow.fit(model, sample, optimizer=make, ram=budget, disk=tmp_path)
+    assert module.plan.costs.extra["optimizer states on disk"] == states
+    assert module.plan.predicted_peak <= budget
+    plain = make(reference.parameters())
+    for step in range(3):
+        torch.manual_seed(step)
+        loss = module(**sample).loss
+        loss.backward()
+        torch.manual_seed(step)
+        expected = reference(**sample).loss
+        expected.backward()
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss, expected)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
+    assert module.optimizer.disk.bytes == states
+    assert sum(f.stat().st_size for f in tmp_path.glob("optimizer-*.bin")) == states
+
+
+def test_disk_directory_errors(tmp_path):
+    model = sequential_mlp()
+    make = lambda ps: torch.optim.AdamW(ps)  # noqa: E731
+    with pytest.raises(tierflow.TierflowError, match="does not exist"):
+        tierflow.fit(model, mlp_sample(), optimizer=make, disk=tmp_path / "missing")
+    with pytest.raises(tierflow.TierflowError, match="pass optimizer="):
+        tierflow.fit(model, mlp_sample(), disk=tmp_path)

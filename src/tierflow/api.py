@@ -3,6 +3,8 @@ parameters with the same gradients inside the budget out."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 import torch
@@ -11,8 +13,9 @@ from torch import nn
 from .chain import to_chain
 from .chain.base import Chain
 from .config import FitConfig
-from .errors import TierflowError
+from .errors import BudgetError, TierflowError
 from .exec.compile import compile_chain
+from .exec.disk import DiskStore, measure_bandwidth
 from .exec.context import AutocastMode, untouched
 from .exec.memory import meter_for
 from .exec.optimizer import OwnedOptimizer, probe_optimizer
@@ -23,7 +26,7 @@ from .plan.choose import make_plan
 from .plan.costs import ChainCosts
 from .plan.plan import Plan
 from .profile.profiler import profile_chain, with_update_costs
-from .units import parse_bytes
+from .units import format_bytes, parse_bytes
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -90,7 +93,8 @@ class TierflowModule(nn.Module):
 
 def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         gpu: int | str | None = None, planner: str = "auto",
-        optimizer: OptimizerFactory | None = None, reserve: int | str = 0,
+        optimizer: OptimizerFactory | None = None, disk: str | Path | None = None,
+        reserve: int | str = 0,
         config: FitConfig | None = None, verbose: bool = False) -> TierflowModule:
     """Plan ``model``'s training step for ``sample`` under the budgets and return a drop-in.
 
@@ -102,7 +106,9 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     ``optimizer`` is a factory such as ``lambda ps: torch.optim.AdamW(ps, lr=1e-4)``; it is
     called once per stage, and updates then happen during ``backward()``. Without it, step
     your own optimizer and give the bytes it keeps (AdamW: 2x the fp32 parameter bytes) as
-    ``reserve``: the plan leaves them free on the compute tier.
+    ``reserve``: the plan leaves them free on the compute tier. ``disk`` is a directory for
+    the disk tier: when the optimizer's states do not fit the budget beside the rest, they
+    live there between updates.
     """
     config = config or FitConfig(planner=planner)
     if planner != "auto" and config.planner != planner:
@@ -111,6 +117,10 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     device = _device_of(model)
     tier, budget = _compute_budget(device, ram=ram, gpu=gpu)
     reserved = parse_bytes(reserve, what="reserve") if reserve else 0
+    if disk is not None and optimizer is None:
+        raise TierflowError("disk= holds optimizer states, which tierflow keeps only when it "
+                            "owns the optimizer: pass optimizer= too, or leave disk out")
+    store = DiskStore(disk) if disk is not None else None
     log: list[str] = []
     say = (lambda m: (log.append(m), print(f"[tierflow] {m}", flush=True))) if verbose else log.append
     started = time.perf_counter()
@@ -129,25 +139,73 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     # it stays for the whole run, so it is planned as static
     runtime = max(0, meter.current() - before) if device.type == "cpu" else 0
     param_bytes = sum(p.nbytes for p in model.parameters())
-    state_bytes = 0
-    owned = None
-    if optimizer is not None:
-        probe = probe_optimizer(optimizer, device, meter)
-        state_bytes = int(probe.state_per_byte * sum(p.nbytes for p in model.parameters()
-                                                     if p.requires_grad))
-        largest = [max((p.nbytes for p in st.parameters()), default=0) for st in chain.stages]
-        stage_costs = with_update_costs(stage_costs, probe.seconds_per_byte,
-                                        probe.transient_per_byte, largest)
-        owned = OwnedOptimizer(chain, optimizer)
+    extra = {"autocast": autocast.describe(), "device": str(device), "parameters": param_bytes,
+             "reserved": reserved, "runtime": runtime}
     costs = ChainCosts(stages=tuple(stage_costs), input_bytes=_bytes_of(x0),
-                       static_bytes=param_bytes + state_bytes + runtime + reserved,
-                       optimizer_owned=optimizer is not None, shared_grad_bytes=shared,
-                       extra={"autocast": autocast.describe(), "device": str(device),
-                              "parameters": param_bytes, "optimizer states": state_bytes,
-                              "reserved": reserved, "runtime": runtime})
-    plan = make_plan(costs, budget, config, tier=tier)
+                       static_bytes=param_bytes + runtime + reserved, shared_grad_bytes=shared,
+                       extra=extra)
+    if optimizer is None:
+        plan = make_plan(costs, budget, config, tier=tier)
+    else:
+        plan, store = _plan_with_optimizer(costs, chain, optimizer, device, meter, budget,
+                                           config, tier, store)
+    owned = OwnedOptimizer(chain, optimizer, store) if optimizer is not None else None
     say(f"planned in {time.perf_counter() - started:.1f} s: {plan.strategy}")
     return TierflowModule(model, chain, plan, autocast, device, owned, log)
+
+
+def _plan_with_optimizer(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory,
+                         device: torch.device, meter: Any, budget: int | None, config: FitConfig,
+                         tier: str, disk: DiskStore | None) -> tuple[Plan, DiskStore | None]:
+    """Plan with the optimizer's states on the compute tier and, when a disk directory is
+    given, with the states on disk (read and written around each stage's update): the
+    faster of the plans that fit wins."""
+    probe = probe_optimizer(optimizer, device, meter)
+    largest = [max((p.nbytes for p in st.parameters()), default=0) for st in chain.stages]
+    stages = with_update_costs(list(costs.stages), probe.seconds_per_byte,
+                               probe.transient_per_byte, largest)
+    trainable = sum(p.nbytes for p in chain_parameters(chain) if p.requires_grad)
+    state_bytes = int(probe.state_per_byte * trainable)
+    resident = replace(costs, stages=tuple(stages), optimizer_owned=True,
+                       static_bytes=costs.static_bytes + state_bytes,
+                       extra={**costs.extra, "optimizer states": state_bytes})
+    candidates = [(resident, None, ())]
+    if disk is not None and device.type == "cpu":
+        bandwidth = measure_bandwidth(disk.directory)
+        offloaded = []
+        for i, stage in enumerate(stages):
+            owned = stage.param_bytes + (costs.shared_grad_bytes if i == 0 else 0)
+            state = int(probe.state_per_byte * owned)
+            offloaded.append(replace(stage, update_transient=stage.update_transient + state,
+                                     update_time=stage.update_time + 2 * state / bandwidth))
+        on_disk = replace(resident, stages=tuple(offloaded), static_bytes=costs.static_bytes,
+                          extra={**costs.extra, "optimizer states on disk": state_bytes})
+        note = (f"the optimizer states ({format_bytes(state_bytes)}) live on disk in "
+                f"{disk.directory}, read before each stage's update and written back after "
+                f"({format_bytes(bandwidth)}/s measured there), as that is faster or fits "
+                f"where keeping them in {tier} does not")
+        candidates.append((on_disk, disk, (note,)))
+    plans, error = [], None
+    for candidate, store, notes in candidates:
+        try:
+            plan = make_plan(candidate, budget, config, tier=tier)
+        except BudgetError as e:
+            error = e
+            continue
+        plans.append((plan.predicted_time, replace(plan, notes=plan.notes + notes), store))
+    if not plans:
+        raise error
+    _, plan, store = min(plans, key=lambda entry: entry[0])
+    return plan, store
+
+
+def chain_parameters(chain: Chain) -> list[nn.Parameter]:
+    """Every parameter of the chain once, in stage order."""
+    seen: dict[int, nn.Parameter] = {}
+    for stage in chain.stages:
+        for p in stage.parameters():
+            seen.setdefault(storage_key(p), p)
+    return list(seen.values())
 
 
 def _as_call(sample: Any) -> tuple[tuple, dict]:

@@ -81,6 +81,17 @@ def max_positions(model: Any) -> int | None:
     return None
 
 
+def check_length(model: Any, prompt_tokens: int, max_new_tokens: int) -> None:
+    """The prompt and the new tokens must fit in the model's positions."""
+    limit = max_positions(model)
+    if limit is not None and prompt_tokens + max_new_tokens > limit:
+        fix = (f"lower --max-new-tokens to {limit - prompt_tokens}" if prompt_tokens < limit
+               else f"shorten the prompt to fewer than {limit} tokens")
+        raise TierflowError(f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens "
+                            f"{max_new_tokens} is {prompt_tokens + max_new_tokens} tokens, above "
+                            f"the model's {limit} positions: {fix}")
+
+
 def stop_ids(model: Any, tokenizer: Any = None) -> set[int]:
     """End-of-sequence ids: the config's ``eos_token_id`` (int or list) and the tokenizer's
     end-of-text token when it has one of the usual names."""
@@ -127,12 +138,7 @@ def sample_ids(model: Any, prompt_ids: Sequence[int], *, max_new_tokens: int = D
     check_options(max_new_tokens, temperature, top_k)
     if len(prompt_ids) == 0:
         raise TierflowError("the prompt encodes to no tokens: give a non-empty --prompt")
-    limit = max_positions(model)
-    if limit is not None and len(prompt_ids) + max_new_tokens > limit:
-        raise TierflowError(f"the prompt ({len(prompt_ids)} tokens) plus --max-new-tokens "
-                            f"{max_new_tokens} is {len(prompt_ids) + max_new_tokens} tokens, above "
-                            f"the model's {limit} positions: shorten the prompt or lower "
-                            f"--max-new-tokens to {max(limit - len(prompt_ids), 0)}")
+    check_length(model, len(prompt_ids), max_new_tokens)
     stats = stats if stats is not None else GenerateStats()
     stats.prompt_tokens = len(prompt_ids)
     stop = stop or set()
@@ -287,6 +293,7 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
     torch_dtype = resolve_dtype(dtype)
     model = load_model(directory, vocab_size=tok.get_vocab_size(with_added_tokens=True),
                        dtype=torch_dtype)
+    check_length(model, len(encode_prompt(tok, prompt)), max_new_tokens)
     stats = GenerateStats()
     out.write(prompt)
     out.flush()

@@ -129,7 +129,7 @@ def _tail(text: str, lines: int = 25) -> str:
 
 
 def measure(workload: Workload, mode: str, *, ram: int | None = None, planner: str = "auto",
-            compile: bool = False, timeout: float | None = None,
+            compile: bool = False, disk: str | None = None, timeout: float | None = None,
             python: str | None = None) -> dict[str, Any]:
     """Measure ``workload`` in ``mode`` ("plain" or "tierflow") in a fresh child process.
 
@@ -142,6 +142,7 @@ def measure(workload: Workload, mode: str, *, ram: int | None = None, planner: s
         cmd += ["--ram", str(int(ram))]
     if mode == "tierflow":
         cmd += ["--planner", planner] + (["--compile"] if compile else [])
+        cmd += ["--disk", disk] if disk else []
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[1])  # the child imports this same tierflow
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -205,6 +206,7 @@ def child_main(argv: list[str] | None = None) -> int:
     p.add_argument("--ram", type=int, default=None, help="tierflow's RAM budget, bytes")
     p.add_argument("--planner", default="auto")
     p.add_argument("--compile", action="store_true", help="tierflow: torch.compile the decoder layers")
+    p.add_argument("--disk", default=None, help="tierflow: a directory for the disk tier")
     args = p.parse_args(argv)
 
     import torch
@@ -244,7 +246,7 @@ def child_main(argv: list[str] | None = None) -> int:
                 config = tierflow.FitConfig(planner=args.planner, compile=args.compile)
                 module = tierflow.fit(model, {"input_ids": tokens, "labels": tokens}, ram=args.ram,
                                       optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
-                                      config=config)
+                                      disk=args.disk, config=config)
         except tierflow.BudgetError as err:
             record.update(status="infeasible", error=str(err), smallest=_smallest(err))
             print(json.dumps(record), flush=True)
@@ -257,7 +259,7 @@ def child_main(argv: list[str] | None = None) -> int:
             return 0
         plan = module.plan
         record.update(fit_s=round(time.perf_counter() - start, 3), strategy=plan.strategy,
-                      compiled=args.compile,
+                      compiled=args.compile, disk_bytes=plan.costs.extra.get("optimizer states on disk", 0),
                       predicted_peak_bytes=int(plan.predicted_peak),
                       predicted_step_s=float(plan.predicted_time), explain=plan.explain(),
                       peak_after_fit_bytes=maxrss_bytes() - base)

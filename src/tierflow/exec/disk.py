@@ -1,0 +1,100 @@
+"""The disk tier: tensors kept in files under a directory and read back into fresh buffers.
+
+Written data is synced and then dropped from the page cache (``posix_fadvise``), and so is
+read data, so that the disk tier never holds RAM behind the budget's back: the page cache is
+not in the process's RSS, but it is the machine's memory all the same.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..errors import TierflowError
+from ..units import format_bytes
+
+
+class DiskStore:
+    """Flat files of raw tensor bytes, one per key, in ``directory``."""
+
+    def __init__(self, directory: str | Path):
+        self.directory = Path(directory)
+        _check_directory(self.directory)
+        self.sizes: dict[str, int] = {}
+
+    @property
+    def bytes(self) -> int:
+        """What the tier holds now: the bytes of its files."""
+        return sum(self.sizes.values())
+
+    def write(self, key: str, tensors: list[torch.Tensor]) -> None:
+        """Store ``tensors`` (CPU, contiguous) back to back under ``key``, durably."""
+        path = self.directory / f"{key}.bin"
+        try:
+            with open(path, "wb", buffering=0) as f:
+                for t in tensors:
+                    f.write(_as_bytes(t))
+                os.fdatasync(f.fileno())
+                _drop_cache(f.fileno())
+        except OSError as e:
+            raise _disk_error(e, self.directory) from None
+        self.sizes[key] = sum(t.nbytes for t in tensors)
+
+    def read(self, key: str, tensors: list[torch.Tensor]) -> None:
+        """Fill ``tensors`` (shaped as they were written) from the file under ``key``."""
+        path = self.directory / f"{key}.bin"
+        try:
+            with open(path, "rb", buffering=0) as f:
+                for t in tensors:
+                    view = _as_bytes(t)
+                    if f.readinto(view) != len(view):
+                        raise TierflowError(f"{path} is shorter than the tensors written to it: "
+                                            f"the offload directory was changed during the run")
+                _drop_cache(f.fileno())
+        except OSError as e:
+            raise _disk_error(e, self.directory) from None
+
+
+def measure_bandwidth(directory: str | Path, nbytes: int = 64 << 20) -> float:
+    """Bytes per second of a synced write followed by a read of ``nbytes`` in ``directory``."""
+    store = DiskStore(directory)
+    probe = torch.ones(nbytes // 4, dtype=torch.float32)
+    start = time.perf_counter()
+    store.write("bandwidth-probe", [probe])
+    store.read("bandwidth-probe", [probe])
+    elapsed = time.perf_counter() - start
+    (store.directory / "bandwidth-probe.bin").unlink()
+    return 2 * nbytes / max(elapsed, 1e-9)
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("disk tensors must be contiguous CPU tensors")
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def _drop_cache(fd: int) -> None:
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def _check_directory(directory: Path) -> None:
+    if not directory.is_dir():
+        raise TierflowError(f"disk directory {directory} does not exist: create it or give "
+                            f"another directory for the disk tier")
+    if not os.access(directory, os.W_OK):
+        raise TierflowError(f"disk directory {directory} is not writable: give a directory "
+                            f"you can write to for the disk tier")
+
+
+def _disk_error(e: OSError, directory: Path) -> TierflowError:
+    if e.errno == errno.ENOSPC:
+        free = os.statvfs(directory)
+        return TierflowError(f"the disk tier {directory} is full "
+                             f"({format_bytes(free.f_bavail * free.f_frsize)} free): free space "
+                             f"there or give another directory for the disk tier")
+    return TierflowError(f"disk tier {directory}: {e.strerror or e}: check the directory or give "
+                         f"another one for the disk tier")

@@ -1,0 +1,234 @@
+"""``tierflow generate`` (our KV-cache sampling loop against transformers' greedy generate,
+seeded sampling, the command line) and ``tierflow plot`` (a synthetic log to a PNG, errors)."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierflow import cli
+from tierflow.data.tokenize import EOT, train_tokenizer
+from tierflow.errors import TierflowError
+from tierflow.generate import GenerateStats, encode_prompt, generate, sample_ids, stop_ids
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TEXTS = ["def add(a, b):\n    return a + b\n", "the quick brown fox jumps over the lazy dog. " * 4,
+         "import os\nprint(os.getcwd())\n", "héllo wörld, ünïcode ✓ 日本語 text"] * 3
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(TEXTS, 300)
+
+
+def tiny_lm(family: str, vocab: int, eos: int):
+    import transformers
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4,
+                                         n_positions=96, bos_token_id=eos, eos_token_id=eos)
+        cls = transformers.GPT2LMHeadModel
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+            bos_token_id=None, eos_token_id=eos, pad_token_id=None)
+        cls = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    return cls(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tok):
+    """A tiny Llama saved with save_pretrained plus its tokenizer.json."""
+    directory = tmp_path_factory.mktemp("gen") / "model"
+    model = tiny_lm("llama", tok.get_vocab_size(), tok.token_to_id(EOT))
+    model.save_pretrained(directory)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("prompt", ["def add", "the quick brown"])
+def test_greedy_equals_transformers_generate(tok, family, prompt):
+    eos = tok.token_to_id(EOT)
+    model = tiny_lm(family, tok.get_vocab_size(), eos)
+    ids = encode_prompt(tok, prompt)
+    ours = list(sample_ids(model, ids, max_new_tokens=40, temperature=0, stop={eos}))
+    ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=40,
+                         pad_token_id=eos, eos_token_id=eos)[0, len(ids):].tolist()
+    assert ours == ref
+    assert len(ours) >= 10  # the comparison covers many cached steps
+
+
+def test_loaded_checkpoint_greedy_matches_and_text_streams(model_dir, tok):
+    from tierflow.models.load import load_model
+    model = load_model(model_dir, dtype=torch.float32)
+    pieces: list[str] = []
+    stats = GenerateStats()
+    text = generate(model, tok, "def add", max_new_tokens=30, temperature=0, stream=pieces.append,
+                    stats=stats)
+    assert "".join(pieces) == text
+    ids = encode_prompt(tok, "def add")
+    ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=30,
+                         pad_token_id=0)[0].tolist()
+    assert text == tok.decode(ref)[len(tok.decode(ids)):]
+    assert stats.new_tokens == len(ref) - len(ids) and stats.tok_s > 0
+
+
+def test_seeded_sampling_is_reproducible(model_dir, tok):
+    from tierflow.models.load import load_model
+    model = load_model(model_dir, dtype=torch.float32)
+    kw = dict(max_new_tokens=25, temperature=1.0, stop=set())
+    a = list(sample_ids(model, [5, 6, 7], seed=1, **kw))
+    b = list(sample_ids(model, [5, 6, 7], seed=1, **kw))
+    c = list(sample_ids(model, [5, 6, 7], seed=2, **kw))
+    assert a == b and a != c and len(a) == 25
+    # top-k 1 is greedy whatever the temperature
+    greedy = list(sample_ids(model, [5, 6, 7], temperature=0, **{**kw, "temperature": 0}))
+    assert list(sample_ids(model, [5, 6, 7], seed=3, top_k=1, **kw)) == greedy
+    buf = io.StringIO()
+    assert generate(model, tok, "x = ", seed=4, stream=buf) == generate(model, tok, "x = ", seed=4)
+
+
+def test_ids_beyond_the_tokenizer_are_never_picked(tok):
+    eos = tok.token_to_id(EOT)
+    model = tiny_lm("llama", tok.get_vocab_size() + 64, eos)
+    with torch.no_grad():  # make the padded ids the most likely ones
+        model.lm_head.weight[tok.get_vocab_size():] *= 50
+    ids = list(sample_ids(model, [5, 6], max_new_tokens=20, temperature=0,
+                          allowed_vocab=tok.get_vocab_size()))
+    assert all(i < tok.get_vocab_size() for i in ids)
+
+
+def test_api_errors(tok):
+    model = tiny_lm("llama", tok.get_vocab_size(), 0)
+    with pytest.raises(TierflowError, match="empty"):
+        generate(model, tok, "")
+    with pytest.raises(TierflowError, match="positions"):
+        generate(model, tok, "hi", max_new_tokens=500)
+    with pytest.raises(TierflowError, match="temperature"):
+        generate(model, tok, "hi", temperature=-0.5)
+    with pytest.raises(TierflowError, match="top-k"):
+        generate(model, tok, "hi", top_k=0)
+    assert 0 in stop_ids(model, tok)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
+    env.pop("TIERFLOW_TRACEBACK", None)
+    return subprocess.run([sys.executable, "-m", "tierflow", *args], capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+def test_cli_generate_prints_text_and_speed(model_dir):
+    proc = run_cli("generate", "--model", str(model_dir), "--prompt", "def add",
+                   "--max-new-tokens", "12", "--seed", "0", "--top-k", "20", "--dtype", "fp32")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("def add")
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("[generate] ") and "tok/s" in last and "fp32" in last
+
+
+def one_line_error(capsys, args, *fragments):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(args)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tierflow: error: "), captured.err
+    assert "Traceback" not in captured.err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+    return captured
+
+
+@pytest.mark.parametrize("extra, fragments", [
+    (["--prompt", ""], ["prompt is empty"]),
+    (["--prompt", "x", "--max-new-tokens", "abc"], ["--max-new-tokens", "'abc'"]),
+    (["--prompt", "x", "--max-new-tokens", "0"], ["--max-new-tokens"]),
+    (["--prompt", "x", "--temperature", "-1"], ["--temperature"]),
+    (["--prompt", "x", "--temperature", "nan"], ["--temperature"]),
+    (["--prompt", "x", "--top-k", "0"], ["--top-k"]),
+    (["--prompt", "x", "--max-new-tokens", "1000"], ["positions", "--max-new-tokens"]),
+    (["--prompt", "x", "--tokenizer", "/nonexistent/tokenizer.json"], ["does not exist"]),
+])
+def test_cli_generate_errors(capsys, model_dir, extra, fragments):
+    captured = one_line_error(capsys, ["generate", "--model", str(model_dir), *extra], *fragments)
+    assert captured.out == ""  # nothing printed before the error
+
+
+def test_cli_generate_missing_model_and_tokenizer(capsys, tmp_path):
+    one_line_error(capsys, ["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"],
+                   "does not exist")
+    one_line_error(capsys, ["generate", "--model", str(tmp_path), "--prompt", "x"],
+                   "no tokenizer.json", "--tokenizer")
+
+
+# ---------------------------------------------------------------- plot
+
+def write_log(path: Path, steps: int = 30) -> None:
+    lines = [json.dumps({"kind": "config", "budget": {"ram": 3 << 29}})]
+    for s in range(1, steps + 1):
+        lines.append(json.dumps({"kind": "train", "step": s, "tokens": 512 * s,
+                                 "loss": 5.0 / (1 + s / 10), "tok_s": 1000.0 + s, "ms": 500.0,
+                                 "ram_bytes": (1 << 30) + s * 1000, "mem": {"disk": 1 << 20}}))
+        if s % 10 == 0:
+            lines.append(json.dumps({"kind": "eval", "step": s, "eval_loss": 5.2 / (1 + s / 10)}))
+    lines.append(lines[5])  # a resumed run repeats a step
+    lines.append('{"kind": "train", "step": 31, "lo')  # cut short by a kill
+    path.write_text("\n".join(lines) + "\n\n")
+
+
+def test_read_log_is_tolerant(tmp_path):
+    from tierflow.plot import read_log
+    path = tmp_path / "run.jsonl"
+    write_log(path)
+    log = read_log(path)
+    assert [r["step"] for r in log.train] == list(range(1, 31))
+    assert [r["step"] for r in log.eval] == [10, 20, 30]
+    assert log.eval[0]["tokens"] == 5120  # taken from the train record of the same step
+    assert log.train[0]["mem"] == {"ram": (1 << 30) + 1000, "disk": 1 << 20}
+    assert log.budgets == {"ram": 3 << 29}
+    assert log.skipped_lines == 1
+
+
+def test_cli_plot_writes_a_png(tmp_path, capsys):
+    import matplotlib.image
+    log = tmp_path / "run.jsonl"
+    write_log(log)
+    out = tmp_path / "run.png"
+    assert cli.main(["plot", str(log), "-o", str(out)]) == 0
+    assert "30 train and 3 eval records" in capsys.readouterr().out
+    assert out.stat().st_size > 0
+    image = matplotlib.image.imread(str(out))
+    assert image.shape[0] > 100 and image.shape[1] > 100
+    assert not list(tmp_path.glob(".*tmp*"))
+
+
+def test_plot_minimal_records(tmp_path):
+    """Only step and loss: the panels without data say so; the default output is LOG.png."""
+    log = tmp_path / "min.jsonl"
+    log.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)))
+    assert cli.main(["plot", str(log)]) == 0
+    assert (tmp_path / "min.png").stat().st_size > 0
+
+
+def test_plot_errors(tmp_path, capsys):
+    one_line_error(capsys, ["plot", str(tmp_path / "missing.jsonl")], "does not exist")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    one_line_error(capsys, ["plot", str(empty)], "is empty")
+    no_train = tmp_path / "eval_only.jsonl"
+    no_train.write_text(json.dumps({"kind": "eval", "step": 1, "eval_loss": 2.0}) + "\nnot json\n")
+    one_line_error(capsys, ["plot", str(no_train)], "no train records", "eval")
+    log = tmp_path / "run.jsonl"
+    write_log(log, steps=3)
+    one_line_error(capsys, ["plot", str(log), "-o", str(tmp_path / "run.xyz")], ".png")
+    one_line_error(capsys, ["plot", str(log), "-o", str(tmp_path / "no" / "run.png")],
+                   "does not exist")

@@ -1,0 +1,274 @@
+"""tierflow train: the output, checkpoints that transformers loads, exact resume after kill -9,
+one-line errors, the options (TOML merging) and the LR schedule."""
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tierflow import cli
+from tierflow.train import checkpoint as ckpt_module
+from tierflow.train.options import TrainOptions, from_args
+from tierflow.train.schedule import lr_at
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+T_LINE = re.compile(r"^\[T\] step \d+ \[ ?\d+\.\d%\] \| \d+ ms \| norm \d+\.\d\d \| loss \d+\.\d{3} \| "
+                    r"[\d.]+[kM]? tok/s \| sol (\d+\.\d%|-) \| ram \d+\.\d/(\d+\.\d|-) GiB$")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A tiny tokenized corpus (vocab 300) and a tiny Llama saved with save_pretrained."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from tierflow.data.tokenize import tokenize
+    root = tmp_path_factory.mktemp("train")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    stdlib = Path(os.__file__).parent
+    for i, name in enumerate(["textwrap.py", "bisect.py", "colorsys.py", "keyword.py",
+                              "heapq.py", "abc.py", "fnmatch.py", "glob.py"]):
+        (corpus / f"doc{i}.txt").write_text((stdlib / name).read_text())
+    tokenize([str(corpus)], root / "data", vocab_size=300, eval_fraction=0.2, log=io.StringIO())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=304, hidden_size=48, intermediate_size=96,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=128)
+        LlamaForCausalLM(config).save_pretrained(root / "model")
+    return {"root": root, "data": str(root / "data"), "model": str(root / "model")}
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch, tmp_path_factory):
+    """Two shared cores: one thread each avoids oversubscription; calibration cached per run."""
+    monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_main(*args, capsys):
+    try:
+        code = cli.main(list(args))
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def train_args(env, out, *extra):
+    return ["train", "--model", env["model"], "--data", env["data"], "--seq-len", "32",
+            "--batch-size", "2", "--dtype", "fp32", "--lr", "1e-2", "--out", str(out), *extra]
+
+
+def records(path: Path, kind: str | None = None) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        if kind is None or r["kind"] == kind:
+            out.append(r)
+    return out
+
+
+def test_train_prints_logs_and_saves_a_loadable_checkpoint(env, tmp_path, capsys, monkeypatch):
+    from transformers import AutoModelForCausalLM
+    saved = []
+    original = ckpt_module.save_checkpoint
+
+    def spy(out_dir, step, model, **kw):
+        saved.append(model)
+        return original(out_dir, step, model, **kw)
+    monkeypatch.setattr(ckpt_module, "save_checkpoint", spy)
+    code, out, err = run_main(*train_args(env, tmp_path / "run", "--steps", "4", "--eval-every",
+                                          "2", "--eval-steps", "2", "--ram", "1GiB"), capsys=capsys)
+    assert code == 0, err
+    for title in ("[Options]", "[System]", "[Dataset]", "[Plan]"):
+        assert title in out
+    for word in ("seq-len", "grad-accum", "recompute", "torch", "threads", "cpu", "bf16",
+                 "tokens per step", "parameters", "gradients", "optimizer states",
+                 "activations", "free", "predicted step"):
+        assert word in out, word
+    t_lines = [line for line in out.splitlines() if line.startswith("[T]")]
+    assert len(t_lines) == 4 and all(T_LINE.match(line) for line in t_lines), t_lines
+    assert t_lines[0].startswith("[T] step 1 [25.0%]")
+    assert len([line for line in out.splitlines() if line.startswith("[V] step")]) == 2
+    log = tmp_path / "run" / "log.jsonl"
+    kinds = [r["kind"] for r in records(log)]
+    assert kinds[:4] == ["options", "system", "dataset", "plan"]
+    assert kinds.count("train") == 4 and kinds.count("eval") == 2 and kinds[-1] == "done"
+    train = records(log, "train")
+    assert all(math.isfinite(r["loss"]) and r["sol"] > 0 for r in train)
+    assert train[-1]["tokens"] == 4 * 64
+
+    path = tmp_path / "run" / "step_4"
+    assert sorted(p.name for p in path.iterdir()) == [
+        "config.json", "model.safetensors", "optimizer.safetensors", "tokenizer.json",
+        "trainer_state.json"]
+    theirs = AutoModelForCausalLM.from_pretrained(path)
+    trained = saved[-1]
+    trained.eval()
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(theirs(input_ids=tokens).logits, trained(input_ids=tokens).logits)
+
+
+def _cmd(env, out, *extra):
+    return [sys.executable, "-m", "tierflow", "train", "--model", env["model"], "--data",
+            env["data"], "--seq-len", "128", "--batch-size", "6", "--dtype", "fp32", "--lr", "1e-2",
+            "--warmup", "3", "--steps", "20", "--eval-every", "0", "--out", str(out), *extra]
+
+
+def test_resume_after_kill_matches_an_uninterrupted_run(env, tmp_path):
+    child_env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
+    child_env.pop("TIERFLOW_TRACEBACK", None)
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env)
+    full = subprocess.Popen(_cmd(env, tmp_path / "full"), **quiet)
+    killed = subprocess.Popen(_cmd(env, tmp_path / "a", "--save-every", "10"), **quiet)
+    log = tmp_path / "a" / "log.jsonl"
+    deadline = time.monotonic() + 80
+    while not any(r["step"] == 10 for r in records(log, "checkpoint")):
+        assert killed.poll() is None, killed.stderr.read().decode()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(random.uniform(0.0, 0.2))
+    killed.send_signal(signal.SIGKILL)
+    assert killed.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    assert full.wait(timeout=80) == 0, full.stderr.read().decode()
+
+    resumed = subprocess.run(_cmd(env, tmp_path / "a", "--resume", str(tmp_path / "a" / "step_10"),
+                                  "--log", str(tmp_path / "resumed.jsonl")),
+                             capture_output=True, text=True, env=child_env, timeout=80)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    want = {r["step"]: (r["loss"], r["norm"]) for r in records(tmp_path / "full" / "log.jsonl", "train")}
+    got = {r["step"]: (r["loss"], r["norm"]) for r in records(tmp_path / "resumed.jsonl", "train")}
+    assert sorted(got) == list(range(11, 21))
+    assert [got[s] for s in range(11, 21)] == [want[s] for s in range(11, 21)]  # bit for bit
+    a = load_state(tmp_path / "a" / "step_20")
+    b = load_state(tmp_path / "full" / "step_20")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_ctrl_c_saves_and_exits_130(env, tmp_path):
+    child_env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(_cmd(env, tmp_path / "run", "--steps", "500"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=child_env)
+    log = tmp_path / "run" / "log.jsonl"
+    deadline = time.monotonic() + 60
+    while len(records(log, "train")) < 3:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    step = records(log, "interrupted")[-1]["step"]
+    path = tmp_path / "run" / f"step_{step}"
+    assert f"interrupted: saved step {step} to {path}; continue with --resume {path}" in out
+    assert json.loads((path / "trainer_state.json").read_text())["step"] == step
+    assert [r["step"] for r in records(log, "train")][-1] == step
+
+
+def load_state(path: Path) -> dict:
+    from safetensors.torch import load_file
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_resume_refuses_a_different_run(env, tmp_path, capsys):
+    code, _, err = run_main(*train_args(env, tmp_path / "run", "--steps", "1", "--eval-every", "0"),
+                            capsys=capsys)
+    assert code == 0, err
+    code, _, err = run_main(*train_args(env, tmp_path / "run", "--steps", "2", "--eval-every", "0",
+                                        "--seq-len", "16", "--resume", str(tmp_path / "run")),
+                            capsys=capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "different run" in lines[0] and "seq_len: checkpoint 32, now 16" in lines[0]
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(env, tmp_path, capsys):
+    code, out, err = run_main(*train_args(env, tmp_path / "run", "--steps", "6", "--save-every", "1",
+                                          "--lr", "1e20", "--clip", "0", "--warmup", "0",
+                                          "--eval-every", "0"), capsys=capsys)
+    assert code == 2
+    line = err.strip()
+    assert "\n" not in line and re.search(r"loss is (nan|inf) at step (\d+)", line), line
+    bad = int(re.search(r"at step (\d+)", line).group(1))
+    assert f"last good checkpoint is {tmp_path / 'run' / f'step_{bad - 1}'}" in line
+    assert not (tmp_path / "run" / f"step_{bad}").exists()
+
+
+def test_bad_inputs_are_one_line_exit_2(env, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cases = [
+        (["train", "--model", env["model"]], "--data is missing"),
+        (["train", "--model", env["model"], "--data", str(empty)], "has no train.bin"),
+        (["train", "--model", env["model"], "--data", str(tmp_path / "nope")], "does not exist"),
+        (train_args(env, tmp_path / "o", "--seq-len", "256"), "--seq-len 256 is above the model's "
+                                                              "maximum positions (128)"),
+        (train_args(env, tmp_path / "o", "--lr", "-0.1"), "--lr -0.1 must be positive"),
+        (train_args(env, tmp_path / "o", "--lr", "abc"), "'abc' is not a number"),
+        (train_args(env, blocker / "run"), f"--out {blocker / 'run'} is not writable"),
+        (train_args(env, tmp_path / "o", "--batch-size", "0"), "--batch-size 0 must be at least 1"),
+    ]
+    for args, fragment in cases:
+        code, _, err = run_main(*args, capsys=capsys)
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (args, err)
+        assert lines[0].startswith("tierflow: error: ") and fragment in lines[0], (fragment, lines)
+
+
+def test_small_model_vocab_is_refused(env, tmp_path, capsys):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=16, intermediate_size=32,
+                                 num_hidden_layers=1, num_attention_heads=2)).save_pretrained(
+        tmp_path / "small")
+    args = train_args(env, tmp_path / "o")
+    args[2] = str(tmp_path / "small")
+    code, _, err = run_main(*args, capsys=capsys)
+    assert code == 2 and "has vocab size 100" in err and "holds token id 29" in err, err
+
+
+def test_toml_config_merges_with_flags_winning(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text('model = "llama-20m"\ndata = "d"\nseq-len = 128\nbatch_size = 8\nlr = 1\n'
+                      'compile = true\nram = "2GiB"\n')
+    parser = cli.build_parser()
+    opts = from_args(parser.parse_args(["train", "--config", str(config), "--seq-len", "64"]))
+    assert (opts.model, opts.data, opts.seq_len, opts.batch_size, opts.lr, opts.compile,
+            opts.ram) == ("llama-20m", "d", 64, 8, 1.0, True, "2GiB")
+    assert opts.grad_accum == TrainOptions.grad_accum
+    config.write_text('model = "m"\ndata = "d"\nseq_len = "long"\n')
+    with pytest.raises(ValueError, match="--seq-len 'long' is not a whole number"):
+        from_args(parser.parse_args(["train", "--config", str(config)]))
+    config.write_text('model = "m"\nbogus = 1\n')
+    with pytest.raises(ValueError, match="unknown option 'bogus'"):
+        from_args(parser.parse_args(["train", "--config", str(config)]))
+
+
+def test_schedule_warmup_then_cosine():
+    kw = dict(lr=1.0, warmup=4, total=14, min_lr=0.1)
+    assert [lr_at(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(4, **kw) == 1.0 and lr_at(13, **kw) == pytest.approx(0.1)
+    values = [lr_at(s, **kw) for s in range(4, 14)]
+    assert all(a > b for a, b in zip(values, values[1:]))
+    assert lr_at(0, lr=1.0, warmup=0, total=1, min_lr=0.0) == 1.0
