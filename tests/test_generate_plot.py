@@ -90,7 +90,7 @@ def test_seeded_sampling_is_reproducible(model_dir, tok):
     c = list(sample_ids(model, [5, 6, 7], seed=2, **kw))
     assert a == b and a != c and len(a) == 25
     # top-k 1 is greedy whatever the temperature
-    greedy = list(sample_ids(model, [5, 6, 7], temperature=0, **{**kw, "temperature": 0}))
+    greedy = list(sample_ids(model, [5, 6, 7], **{**kw, "temperature": 0}))
     assert list(sample_ids(model, [5, 6, 7], seed=3, top_k=1, **kw)) == greedy
     buf = io.StringIO()
     assert generate(model, tok, "x = ", seed=4, stream=buf) == generate(model, tok, "x = ", seed=4)
@@ -180,7 +180,7 @@ def write_log(path: Path, steps: int = 30) -> None:
                                  "ram_bytes": (1 << 30) + s * 1000, "mem": {"disk": 1 << 20}}))
         if s % 10 == 0:
             lines.append(json.dumps({"kind": "eval", "step": s, "eval_loss": 5.2 / (1 + s / 10)}))
-    lines.append(lines[5])  # a resumed run repeats a step
+    lines.append(lines[2])  # a resumed run repeats a step
     lines.append('{"kind": "train", "step": 31, "lo')  # cut short by a kill
     path.write_text("\n".join(lines) + "\n\n")
 
@@ -232,3 +232,22 @@ def test_plot_errors(tmp_path, capsys):
     one_line_error(capsys, ["plot", str(log), "-o", str(tmp_path / "run.xyz")], ".png")
     one_line_error(capsys, ["plot", str(log), "-o", str(tmp_path / "no" / "run.png")],
                    "does not exist")
+
+
+def test_trainer_shaped_log(tmp_path):
+    """The records tierflow train writes: budget as a bare int (RAM), eval with ``loss``."""
+    from tierflow.plot import plot_run, read_log
+    records = [{"kind": "options", "ram": 1 << 30},
+               {"kind": "plan", "weights": 1000, "predicted_peak": 1 << 28, "budget": 1 << 30},
+               *({"kind": "train", "step": s, "total": 4, "loss": 3.0 - s / 10, "norm": 1.0,
+                  "ms": 10.0, "tok_s": 500.0, "ram_bytes": 1 << 27, "budget": 1 << 30,
+                  "tokens": 256 * s} for s in range(1, 5)),
+               {"kind": "eval", "step": 4, "loss": 2.9, "ppl": 18.2, "tokens": 1024},
+               {"kind": "checkpoint", "step": 4, "path": "out/step_4"}]
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    log = read_log(path)
+    assert log.budgets == {"ram": 1 << 30} and log.predicted_peak == 1 << 28
+    assert [(r["step"], r["loss"]) for r in log.eval] == [(4, 2.9)]
+    assert log.other_records == 3
+    assert plot_run(log, tmp_path / "log.svg").stat().st_size > 0

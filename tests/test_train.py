@@ -152,8 +152,9 @@ def test_resume_after_kill_matches_an_uninterrupted_run(env, tmp_path):
     assert killed.wait() == -signal.SIGKILL, "the run ended before it could be killed"
     assert full.wait(timeout=80) == 0, full.stderr.read().decode()
 
-    resumed = subprocess.run(_cmd(env, tmp_path / "a", "--resume", str(tmp_path / "a" / "step_10"),
-                                  "--log", str(tmp_path / "resumed.jsonl")),
+    # the other options (model, data, steps, lr, ...) come from the checkpoint's run
+    resumed = subprocess.run([sys.executable, "-m", "tierflow", "train", "--resume",
+                              str(tmp_path / "a" / "step_10"), "--log", str(tmp_path / "resumed.jsonl")],
                              capture_output=True, text=True, env=child_env, timeout=80)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
@@ -229,12 +230,26 @@ def test_bad_inputs_are_one_line_exit_2(env, tmp_path, capsys):
         (train_args(env, tmp_path / "o", "--lr", "abc"), "'abc' is not a number"),
         (train_args(env, blocker / "run"), f"--out {blocker / 'run'} is not writable"),
         (train_args(env, tmp_path / "o", "--batch-size", "0"), "--batch-size 0 must be at least 1"),
+        (train_args(env, tmp_path / "o", "--steps", "2", "--epochs", "1"), "give one of them"),
+        (train_args(env, tmp_path / "o", "--ram", "lots"), "--ram 'lots'"),
+        (train_args(env, tmp_path / "o", "--ram", "64KiB", "--steps", "1"), "budget"),
+        (train_args(env, tmp_path / "o", "--resume", str(tmp_path / "nope")), "does not exist"),
     ]
     for args, fragment in cases:
         code, _, err = run_main(*args, capsys=capsys)
         lines = err.strip().splitlines()
         assert code == 2 and len(lines) == 1, (args, err)
         assert lines[0].startswith("tierflow: error: ") and fragment in lines[0], (fragment, lines)
+
+
+def test_preset_takes_the_data_vocab(env, tmp_path, capsys):
+    code, out, err = run_main("train", "--model", "llama-20m", "--data", env["data"], "--seq-len",
+                              "16", "--batch-size", "1", "--epochs", "0.0001", "--eval-every", "0",
+                              "--dtype", "fp32", "--out", str(tmp_path / "run"), capsys=capsys)
+    assert code == 0, err
+    assert "vocab           : 300 (model 300)" in out
+    assert len([line for line in out.splitlines() if line.startswith("[T]")]) == 1  # ceil(0.0001 x train tokens / 16)
+    assert json.loads((tmp_path / "run" / "step_1" / "config.json").read_text())["vocab_size"] == 300
 
 
 def test_small_model_vocab_is_refused(env, tmp_path, capsys):
@@ -263,6 +278,30 @@ def test_toml_config_merges_with_flags_winning(tmp_path):
     config.write_text('model = "m"\nbogus = 1\n')
     with pytest.raises(ValueError, match="unknown option 'bogus'"):
         from_args(parser.parse_args(["train", "--config", str(config)]))
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path):
+    from tierflow.train.logger import Logger
+
+    class Stream(io.StringIO):
+        def __init__(self, tty):
+            super().__init__()
+            self.tty = tty
+
+        def isatty(self):
+            return self.tty
+    for tty in (False, True):
+        out = io.StringIO()
+        logger = Logger(tmp_path / f"log{tty}.jsonl", out=out)
+        logger.bar_stream = bar = Stream(tty)
+        logger.tty = bar.isatty()
+        logger.bar(5, 10, 0.5)
+        logger.print("[T] step 6")
+        logger.record("train", step=6, loss=1.5)
+        logger.close()
+        assert ("5/10 eta 2 s" in bar.getvalue()) == tty
+        assert out.getvalue() == "[T] step 6\n"
+        assert records(tmp_path / f"log{tty}.jsonl")[0]["loss"] == 1.5
 
 
 def test_schedule_warmup_then_cosine():

@@ -44,6 +44,7 @@ class GenerateStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     stopped_at_eos: bool = False
+    seed: int | None = None  # the sampling seed used (drawn when none was given)
 
     @property
     def tok_s(self) -> float:
@@ -53,9 +54,10 @@ class GenerateStats:
 
     def summary(self) -> str:
         end = "end-of-sequence token" if self.stopped_at_eos else "max new tokens"
+        seed = f"; seed {self.seed}" if self.seed is not None else ""
         return (f"[generate] {self.new_tokens} tokens in {self.prefill_s + self.decode_s:.2f} s: "
                 f"{self.tok_s:.1f} tok/s (prompt {self.prompt_tokens} tokens in "
-                f"{self.prefill_s * 1000:.0f} ms; stopped at {end})")
+                f"{self.prefill_s * 1000:.0f} ms; stopped at {end}{seed})")
 
 
 def check_options(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
@@ -143,10 +145,9 @@ def sample_ids(model: Any, prompt_ids: Sequence[int], *, max_new_tokens: int = D
     stats.prompt_tokens = len(prompt_ids)
     stop = stop or set()
     generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
+    if temperature > 0:
+        stats.seed = generator.seed() if seed is None else seed
+        generator.manual_seed(stats.seed)
     model.config.use_cache = True
     if model.training:
         model.eval()
@@ -156,6 +157,9 @@ def sample_ids(model: Any, prompt_ids: Sequence[int], *, max_new_tokens: int = D
     ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=device)
     out = model(input_ids=ids, use_cache=True)
     cache = out.past_key_values
+    if cache is None:
+        raise TierflowError(f"{type(model).__name__} returned no KV cache (past_key_values) "
+                            "with use_cache=True: generation needs a causal LM that caches")
     logits = out.logits[0, -1].float()
     stats.prefill_s = time.perf_counter() - start
 

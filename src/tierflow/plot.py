@@ -20,8 +20,10 @@ as one):
 - memory in bytes, any of: ``"mem": {"ram": int, "gpu": int, "disk": int, ...}`` (any tier
   name), or top-level ``ram_bytes``, ``gpu_bytes``, ... (``<tier>_bytes``); the value
   plotted is what the step used or held at its peak in that tier;
-- budgets in bytes, any of: ``"budget": {"ram": int, ...}`` or ``<tier>_budget_bytes``
-  (also read from records of any other kind, e.g. the run's ``config`` record).
+- budgets in bytes, any of: ``"budget": {"ram": int, ...}``, ``"budget": int`` (the RAM
+  budget; ``null`` or 0 for none) or ``<tier>_budget_bytes``, also read from records of any
+  other kind (the run's ``plan`` record); the ``plan`` record's ``predicted_peak`` (bytes,
+  RAM) is drawn as a dotted line.
 
 Eval records, ``{"kind": "eval", ...}`` (a record without ``kind`` that has ``eval_loss``
 counts as one):
@@ -64,6 +66,7 @@ class RunLog:
     budgets: dict[str, int] = field(default_factory=dict)
     skipped_lines: int = 0  # blank lines not counted
     other_records: int = 0
+    predicted_peak: int | None = None  # the plan's predicted RAM peak, bytes
 
     def summary(self, out: str | os.PathLike[str]) -> str:
         skipped = f", {self.skipped_lines} unreadable lines skipped" if self.skipped_lines else ""
@@ -91,6 +94,9 @@ def _memory(record: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]]
             budget[key[: -len("_budget_bytes")]] = number
         else:
             mem[key[: -len("_bytes")]] = number
+    single = _number(record.get("budget"))
+    if single is not None and single > 0:
+        budget["ram"] = single
     for name, target in (("mem", mem), ("budget", budget)):
         nested = record.get(name)
         if isinstance(nested, dict):
@@ -146,6 +152,9 @@ def read_log(path: str | os.PathLike[str]) -> RunLog:
             continue
         mem, budget = _memory(record)
         log.budgets.update({k: int(v) for k, v in budget.items()})
+        predicted = _number(record.get("predicted_peak"))
+        if record.get("kind") == "plan" and predicted is not None and predicted > 0:
+            log.predicted_peak = int(predicted)
         kind = _kind(record)
         step = record.get("step")
         if kind is None:
@@ -270,8 +279,10 @@ def figure(log: RunLog):
     speed.grid(alpha=0.3)
 
     tiers = sorted({t for r in log.train for t in r["mem"]})
+    predicted = log.predicted_peak if "ram" in tiers else None
     peak = max([v for r in log.train for v in r["mem"].values()]
-               + [float(log.budgets[t]) for t in tiers if t in log.budgets] + [0.0])
+               + [float(log.budgets[t]) for t in tiers if t in log.budgets]
+               + [float(predicted or 0)])
     unit, scale = _byte_unit(peak)
     colors = ["tab:purple", "tab:red", "tab:brown", "tab:cyan", "tab:olive", "tab:pink"]
     for i, tier in enumerate(tiers):
@@ -282,6 +293,9 @@ def figure(log: RunLog):
         if tier in log.budgets:
             memory.axhline(log.budgets[tier] / scale, color=color, linestyle="--", linewidth=1,
                            label=f"{tier} budget")
+        if tier == "ram" and predicted:
+            memory.axhline(predicted / scale, color=color, linestyle=":", linewidth=1,
+                           label="ram predicted peak (plan)")
     if tiers:
         memory.legend()
         memory.set_ylim(bottom=0)

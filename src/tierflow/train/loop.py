@@ -228,26 +228,21 @@ class _Interrupt:
 def train(opts: TrainOptions) -> int:
     """Run ``tierflow train`` with validated ``opts``; returns the exit code."""
     import torch
-    import transformers  # noqa: F401  (imports are part of the RSS baseline)
-    from transformers import AutoModelForCausalLM  # noqa: F401
-    from .. import measure
-    from ..api import fit
-    from ..config import FitConfig
+    from transformers import AutoModelForCausalLM  # noqa: F401  (part of the RSS baseline)
+    from .. import api, measure  # noqa: F401
     from ..models.load import load_model
-    from .checkpoint import (capture_rng, config_hash, latest_checkpoint, load_checkpoint,
-                             restore_rng, save_checkpoint)
-    from .data import Batches, eval_batches
-    from .logger import Logger, eval_line, section, train_line
-    from .schedule import lr_at
+    from ..models.presets import PRESETS
+    from .checkpoint import config_hash, load_checkpoint
+    from .logger import Logger
 
     baseline = measure.maxrss_bytes()
 
     # --- everything cheap first: resume state, data, output directory
     ckpt = load_checkpoint(opts.resume) if opts.resume else None
     if ckpt is not None:
-        saved_opts = ckpt.trainer_state.get("options", {})
-        opts.model = opts.model or saved_opts.get("model")
-        opts.data = opts.data or saved_opts.get("data")
+        saved_opts = ckpt.trainer_state.get("options")
+        if isinstance(saved_opts, dict):
+            opts.inherit(saved_opts)
     opts.validate()
     data = open_data(opts.data)
     out = Path(opts.out) if opts.out else (ckpt.path.parent if ckpt is not None else Path("out"))
@@ -261,10 +256,10 @@ def train(opts: TrainOptions) -> int:
     spec = opts.model
     if ckpt is not None:
         model = load_model(ckpt.path, dtype=torch.float32)
-    elif Path(spec).exists() or "/" in spec or spec.startswith("."):
-        model = load_model(spec, dtype=torch.float32)
-    else:
+    elif spec in PRESETS:
         model = load_model(spec, vocab_size=data.vocab_size, dtype=torch.float32, seed=opts.seed)
+    else:
+        model = load_model(spec, dtype=torch.float32)
     model_vocab = int(model.config.vocab_size)
     if data.max_token >= model_vocab:
         raise TierflowError(f"--data {data.path} holds token id {data.max_token} but the model "
@@ -301,13 +296,17 @@ def train(opts: TrainOptions) -> int:
 
     logger = Logger(log_path, append=ckpt is not None)
     try:
-        return _run(**locals())
+        return _run(opts=opts, data=data, out=out, logger=logger, budget=budget,
+                    dtype_name=dtype_name, model=model, identity=identity, run_hash=run_hash,
+                    ckpt=ckpt, total=total, warmup=warmup, min_lr=min_lr,
+                    tokens_per_step=tokens_per_step, baseline=baseline)
     finally:
         logger.close()
 
 
-def _run(*, opts, data, out, logger, budget, dtype_name, spec, model, identity, run_hash, ckpt,
-         total, warmup, min_lr, tokens_per_step, baseline, **names) -> int:
+def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | None,
+         dtype_name: str, model, identity: dict, run_hash: str, ckpt, total: int, warmup: int,
+         min_lr: float, tokens_per_step: int, baseline: int) -> int:
     import torch
     from .. import measure
     from ..api import fit

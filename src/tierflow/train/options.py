@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import tomllib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -39,13 +39,15 @@ class TrainOptions:
     eval_every: int = 100  # 0 disables evaluation
     eval_steps: int = 10
     save_every: int = 0  # 0: save only at the end and on Ctrl-C
-    out: str = "out"
+    out: str | None = None  # default ./out, or the checkpoint's run directory with --resume
     resume: str | None = None
     log: str | None = None  # default OUT/log.jsonl
     dtype: str = "auto"  # auto: bf16 autocast where the CPU has native bf16, else fp32
     compile: bool = False
     recompute: str = "auto"
     config: str | None = None
+    # the options given by a flag or the config file (the rest may come from a checkpoint)
+    given: frozenset = field(default=frozenset(), repr=False, compare=False)
 
     def validate(self) -> "TrainOptions":
         if not self.model and not self.resume:
@@ -78,7 +80,17 @@ class TrainOptions:
         return self
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        del data["given"]
+        return data
+
+    def inherit(self, saved: dict[str, Any]) -> None:
+        """With --resume: the options of the checkpoint's run for those not given now
+        (--out, --log, --resume and --config are never inherited)."""
+        for f in fields(self):
+            if f.name in saved and f.name not in self.given and f.name not in (
+                    "given", "out", "log", "resume", "config"):
+                setattr(self, f.name, saved[f.name])
 
 
 def _flag(name: str) -> str:
@@ -141,8 +153,10 @@ _HELP = {
     "eval_every": ("N", "evaluate every N steps; 0 disables (default 100)"),
     "eval_steps": ("N", "eval batches per evaluation (default 10)"),
     "save_every": ("N", "checkpoint every N steps; 0: only at the end (default 0)"),
-    "out": ("DIR", "where checkpoints and the log go (default ./out)"),
-    "resume": ("DIR", "continue from a checkpoint (a step_N directory or a run's --out)"),
+    "out": ("DIR", "where checkpoints and the log go (default ./out; with --resume, the "
+                   "checkpoint's run directory)"),
+    "resume": ("DIR", "continue from a checkpoint (a step_N directory or a run's --out); "
+                      "options not given are the checkpoint's run's"),
     "log": ("FILE", "the JSONL log (default OUT/log.jsonl)"),
     "dtype": (None, "bf16 autocast or fp32 (auto: bf16 where the CPU has native bf16)"),
     "compile": (None, "torch.compile the decoder layers"),
@@ -158,6 +172,8 @@ _TYPES = {"seq_len": _int, "batch_size": _int, "grad_accum": _int, "steps": _int
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every option as a flag; defaults are None so that the merge knows what was given."""
     for f in fields(TrainOptions):
+        if f.name == "given":
+            continue
         metavar, help_text = _HELP[f.name]
         if f.name == "compile":
             parser.add_argument("--compile", action="store_true", default=None, help=help_text)
@@ -180,7 +196,7 @@ def from_args(args: argparse.Namespace) -> TrainOptions:
         given = getattr(args, f.name, None)
         if given is not None:
             values[f.name] = given
-    return TrainOptions(**values).validate()
+    return TrainOptions(**values, given=frozenset(values)).validate()
 
 
 def read_toml(path: Path) -> dict[str, Any]:
@@ -192,7 +208,7 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise TierflowError(f"cannot read --config {path} ({e.strerror})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise TierflowError(f"--config {path} is not valid TOML ({e})") from None
-    known = {f.name for f in fields(TrainOptions)} - {"config"}
+    known = {f.name for f in fields(TrainOptions)} - {"config", "given"}
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = key.replace("-", "_")
