@@ -201,6 +201,18 @@ def test_resume_refuses_a_different_run(env, tmp_path, capsys):
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "different run" in lines[0] and "seq_len: checkpoint 32, now 16" in lines[0]
+    code, _, err = run_main("train", "--model", "llama-20m", "--resume", str(tmp_path / "run"),
+                            "--steps", "2", capsys=capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "different run (model hidden_size: checkpoint 48, now 256" in err, err
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "train.bin").write_bytes((Path(env["data"]) / "eval.bin").read_bytes())
+    code, _, err = run_main("train", "--data", str(other), "--resume", str(tmp_path / "run"),
+                            "--steps", "2", capsys=capsys)
+    assert code == 2 and "different run (data" in err and "train_tokens: checkpoint" in err, err
+    code, out, err = run_main("train", "--resume", str(tmp_path / "run"), "--steps", "2", capsys=capsys)
+    assert code == 0 and "[T] step 2 [100.0%]" in out, err
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(env, tmp_path, capsys):
@@ -244,11 +256,13 @@ def test_bad_inputs_are_one_line_exit_2(env, tmp_path, capsys):
 
 def test_preset_takes_the_data_vocab(env, tmp_path, capsys):
     code, out, err = run_main("train", "--model", "llama-20m", "--data", env["data"], "--seq-len",
-                              "16", "--batch-size", "1", "--epochs", "0.0001", "--eval-every", "0",
-                              "--dtype", "fp32", "--out", str(tmp_path / "run"), capsys=capsys)
+                              "16", "--batch-size", "1", "--grad-accum", "2", "--epochs", "0.0001",
+                              "--eval-every", "0", "--dtype", "fp32", "--out", str(tmp_path / "run"), capsys=capsys)
     assert code == 0, err
     assert "vocab           : 300 (model 300)" in out
-    assert len([line for line in out.splitlines() if line.startswith("[T]")]) == 1  # ceil(0.0001 x train tokens / 16)
+    steps = [line for line in out.splitlines() if line.startswith("[T]")]
+    assert len(steps) == 1  # ceil(0.0001 x train tokens / 32 tokens per step)
+    assert "tokens per step : 32 (1 x 2 x 16)" in out
     assert json.loads((tmp_path / "run" / "step_1" / "config.json").read_text())["vocab_size"] == 300
 
 

@@ -182,8 +182,25 @@ def model_flops_per_token(model, seq_len: int) -> float:
 
 # ---------------------------------------------------------------- identity of a run
 
+def _spec_arch(spec: str, vocab_size: int) -> dict[str, Any]:
+    """The architecture ``--model spec`` names, read without loading any weight."""
+    from ..models.load import _read_config
+    from ..models.presets import PRESETS, preset_config
+    if spec in PRESETS:
+        return _config_arch(preset_config(spec, vocab_size=vocab_size))
+    path = Path(spec)
+    if not path.is_dir():
+        raise TierflowError(f"--model {spec!r} is neither a preset nor a directory: pass the "
+                            "model the checkpoint was trained from, or leave --model out")
+    return _config_arch(_read_config(path))
+
+
 def _model_arch(model) -> dict[str, Any]:
-    config = model.config.to_dict()
+    return _config_arch(model.config)
+
+
+def _config_arch(config) -> dict[str, Any]:
+    config = config.to_dict()
     keep = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer",
             "intermediate_size", "n_inner", "num_attention_heads", "n_head",
             "num_key_value_heads", "tie_word_embeddings")
@@ -272,7 +289,10 @@ def train(opts: TrainOptions) -> int:
                             f"({positions}): use --seq-len {positions} or less")
     model.train()
 
-    identity = {"model": _model_arch(model), "data": data.identity(), "seq_len": opts.seq_len,
+    arch = _model_arch(model)
+    if ckpt is not None and "model" in opts.given:  # the checkpoint's weights, the given model
+        arch = _spec_arch(spec, data.vocab_size)
+    identity = {"model": arch, "data": data.identity(), "seq_len": opts.seq_len,
                 "batch_size": opts.batch_size, "grad_accum": opts.grad_accum, "seed": opts.seed}
     run_hash = config_hash(identity)
     if ckpt is not None:
