@@ -17,7 +17,7 @@ from .errors import BudgetError, TierflowError
 from .exec.compile import compile_chain
 from .exec.disk import DiskStore, measure_bandwidth
 from .exec.context import AutocastMode, untouched
-from .exec.memory import meter_for
+from .exec.memory import configure_host_allocator, meter_for
 from .exec.optimizer import OwnedOptimizer, probe_optimizer
 from .exec.function import RunPlan
 from .exec.runner import Ledger, StepRun
@@ -121,6 +121,8 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         raise TierflowError("disk= holds optimizer states, which tierflow keeps only when it "
                             "owns the optimizer: pass optimizer= too, or leave disk out")
     store = DiskStore(disk) if disk is not None else None
+    if budget is not None and device.type == "cpu":
+        configure_host_allocator()  # so that freed memory leaves the RSS the budget is about
     log: list[str] = []
     say = (lambda m: (log.append(m), print(f"[tierflow] {m}", flush=True))) if verbose else log.append
     started = time.perf_counter()
