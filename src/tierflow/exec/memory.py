@@ -14,6 +14,8 @@ import ctypes.util
 import os
 import resource
 import sys
+import threading
+import time
 
 import torch
 
@@ -52,29 +54,41 @@ def rss_bytes() -> int:
 
 
 class HostMeter:
-    """Current and peak RSS, with a resettable peak where Linux allows it (clear_refs)."""
+    """Current RSS, and its peak over an interval sampled by a background thread.
 
-    def __init__(self) -> None:
-        self._can_reset = _try_reset_peak()
-        self._floor = 0
+    The process's own high-water mark (VmHWM, ``ru_maxrss``) is left alone: resetting it
+    would hide earlier peaks from whoever measures this process. The sampler reads
+    /proc/self/statm every ``interval`` seconds while torch works (kernels release the GIL);
+    a transient shorter than that may be missed.
+    """
+
+    def __init__(self, interval: float = 0.0005) -> None:
+        self.interval = interval
+        self._peak = 0
+        self._sampling = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def current(self) -> int:
         return rss_bytes()
 
     def reset_peak(self) -> None:
-        if self._can_reset:
-            _try_reset_peak()
-        self._floor = rss_bytes()
+        self._peak = rss_bytes()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._sample, name="tierflow-rss", daemon=True)
+            self._thread.start()
+        self._sampling.set()
 
     def peak(self) -> int:
-        """Peak RSS since the last reset (the current RSS where the peak cannot be reset)."""
-        if not self._can_reset:
-            return max(self._floor, rss_bytes())
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-        return rss_bytes()
+        """The highest RSS seen since ``reset_peak``; sampling stops until the next reset."""
+        self._sampling.clear()
+        self._peak = max(self._peak, rss_bytes())
+        return self._peak
+
+    def _sample(self) -> None:
+        while True:
+            self._sampling.wait()
+            self._peak = max(self._peak, rss_bytes())
+            time.sleep(self.interval)
 
 
 class DeviceMeter:
@@ -96,15 +110,14 @@ class DeviceMeter:
         return int(self.module.max_memory_allocated(self.device))
 
 
+_HOST_METER: HostMeter | None = None
+
+
 def meter_for(device: torch.device) -> HostMeter | DeviceMeter:
-    return HostMeter() if device.type == "cpu" else DeviceMeter(device)
-
-
-def _try_reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
+    """The meter of the tier ``device`` computes in (one host meter per process)."""
+    global _HOST_METER
+    if device.type != "cpu":
+        return DeviceMeter(device)
+    if _HOST_METER is None:
+        _HOST_METER = HostMeter()
+    return _HOST_METER

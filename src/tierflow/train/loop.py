@@ -488,7 +488,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step_s = time.perf_counter() - t0
-            ram = measure.maxrss_bytes() - baseline
+            ram = max(0, measure.maxrss_bytes() - baseline)
             sol = flops_per_step / (step_s * peak) if peak > 0 else None
             tok_s = tokens_per_step / step_s
             logger.print(train_line(step=step, total=total, ms=step_s * 1e3, norm=norm_value,
