@@ -2,6 +2,7 @@
 parameters with the same gradients inside the budget out."""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +18,8 @@ from .errors import BudgetError, TierflowError
 from .exec.compile import compile_chain
 from .exec.disk import DiskStore, measure_bandwidth
 from .exec.context import AutocastMode, untouched
-from .exec.memory import configure_host_allocator, meter_for
+from .exec.memory import (CACHING_SLACK, CACHING_THRESHOLD, EXACT_THRESHOLD,
+                          configure_host_allocator, meter_for)
 from .exec.optimizer import OwnedOptimizer, probe_optimizer
 from .exec.function import RunPlan
 from .exec.runner import Ledger, StepRun
@@ -121,19 +123,59 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         raise TierflowError("disk= holds optimizer states, which tierflow keeps only when it "
                             "owns the optimizer: pass optimizer= too, or leave disk out")
     store = DiskStore(disk) if disk is not None else None
-    if budget is not None and device.type == "cpu":
-        configure_host_allocator()  # so that freed memory leaves the RSS the budget is about
+    exact_host = budget is not None and device.type == "cpu"
+    if exact_host:
+        configure_host_allocator(EXACT_THRESHOLD)  # freed memory leaves the RSS at once
     log: list[str] = []
     say = (lambda m: (log.append(m), print(f"[tierflow] {m}", flush=True))) if verbose else log.append
     started = time.perf_counter()
+    autocast = AutocastMode.capture(device.type)
+    attempt = functools.partial(_profile_and_plan, model, sample, device, autocast, budget, tier,
+                                reserved, optimizer, store, config, say)
+    if config.head_chunk_tokens is not None:
+        chain, plan, store = attempt(config.head_chunk_tokens)
+    else:
+        chain, plan, store = _auto_head_chunk(attempt)
+    owned = OwnedOptimizer(chain, optimizer, store) if optimizer is not None else None
+    if exact_host and plan.predicted_peak * CACHING_SLACK <= budget:
+        configure_host_allocator(CACHING_THRESHOLD)  # room for malloc's caches: faster steps
+        plan = replace(plan, notes=plan.notes + (
+            f"the budget leaves room for malloc's caching (x{CACHING_SLACK} of the predicted "
+            f"peak), so freed memory is kept for reuse instead of returned at once",))
+    say(f"planned in {time.perf_counter() - started:.1f} s: {plan.strategy}")
+    return TierflowModule(model, chain, plan, autocast, device, owned, log)
+
+
+def _auto_head_chunk(attempt: Callable[[int], tuple[Chain, Plan, DiskStore | None]]
+                     ) -> tuple[Chain, Plan, DiskStore | None]:
+    """Large LM-head chunks are faster, small ones need less memory: take the large one when
+    memory does not bind (nothing recomputed or offloaded), else the faster of the two."""
+    try:
+        large = attempt(1024)
+    except BudgetError:
+        return attempt(256)
+    if not large[1].recomputed_stages() and large[2] is None:
+        return large
+    try:
+        small = attempt(256)
+    except BudgetError:
+        return large
+    return min(large, small, key=lambda result: result[1].predicted_time)
+
+
+def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
+                      autocast: AutocastMode, budget: int | None, tier: str, reserved: int,
+                      optimizer: OptimizerFactory | None, store: DiskStore | None,
+                      config: FitConfig, say: Callable[[str], Any], head_chunk_tokens: int
+                      ) -> tuple[Chain, Plan, DiskStore | None]:
+    """Cut the model into a chain, measure its stages and plan the step under the budget."""
     meter = meter_for(device)
     before = meter.current()
-    chain = to_chain(model, sample, head_chunk_tokens=config.head_chunk_tokens)
+    chain = to_chain(model, sample, head_chunk_tokens=head_chunk_tokens)
     if config.compile:
         say(f"compiling {compile_chain(chain)} stages (the first profile round pays for it)")
     args, kwargs = _as_call(sample)
     x0, ctx = chain.split_inputs(*args, **kwargs)
-    autocast = AutocastMode.capture(device.type)
     with untouched(model, device):
         stage_costs, shared = profile_chain(chain, x0, ctx, autocast, meter,
                                             repeats=config.profile_repeats, log=say)
@@ -147,13 +189,10 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
                        static_bytes=param_bytes + runtime + reserved, shared_grad_bytes=shared,
                        extra=extra)
     if optimizer is None:
-        plan = make_plan(costs, budget, config, tier=tier)
-    else:
-        plan, store = _plan_with_optimizer(costs, chain, optimizer, device, meter, budget,
-                                           config, tier, store)
-    owned = OwnedOptimizer(chain, optimizer, store) if optimizer is not None else None
-    say(f"planned in {time.perf_counter() - started:.1f} s: {plan.strategy}")
-    return TierflowModule(model, chain, plan, autocast, device, owned, log)
+        return chain, make_plan(costs, budget, config, tier=tier), None
+    plan, used = _plan_with_optimizer(costs, chain, optimizer, device, meter, budget, config,
+                                      tier, store)
+    return chain, plan, used
 
 
 def _plan_with_optimizer(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory,

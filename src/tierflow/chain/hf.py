@@ -116,6 +116,9 @@ class HeadStage(nn.Module):
         self.head = head
         self.chunk_tokens = chunk_tokens
 
+    def extra_repr(self) -> str:
+        return f"chunk_tokens={self.chunk_tokens}"  # part of the signature: profiled per size
+
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         for module in self.post:
             x = module(x)

@@ -265,6 +265,9 @@ def train(opts: TrainOptions) -> int:
     out = Path(opts.out) if opts.out else (ckpt.path.parent if ckpt is not None else Path("out"))
     opts.out = str(out)
     check_out(out)
+    if opts.tensorboard:
+        from .tensorboard import check_dir
+        check_dir(opts.tensorboard)
     log_path = Path(opts.log) if opts.log else out / "log.jsonl"
     budget = parse_bytes(opts.ram, what="--ram") if opts.ram else None
     dtype_name = opts.dtype if opts.dtype != "auto" else ("bf16" if measure.fast_bf16() else "fp32")
@@ -315,16 +318,22 @@ def train(opts: TrainOptions) -> int:
     min_lr = opts.min_lr if opts.min_lr is not None else opts.lr / 10
 
     logger = Logger(log_path, append=ckpt is not None)
+    board = None
     try:
-        return _run(opts=opts, data=data, out=out, logger=logger, budget=budget,
+        if opts.tensorboard:
+            from .tensorboard import EventWriter
+            board = EventWriter(opts.tensorboard)
+        return _run(opts=opts, data=data, out=out, logger=logger, budget=budget, board=board,
                     dtype_name=dtype_name, model=model, identity=identity, run_hash=run_hash,
                     ckpt=ckpt, total=total, warmup=warmup, min_lr=min_lr,
                     tokens_per_step=tokens_per_step, baseline=baseline)
     finally:
+        if board is not None:
+            board.close()
         logger.close()
 
 
-def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | None,
+def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | None, board,
          dtype_name: str, model, identity: dict, run_hash: str, ckpt, total: int, warmup: int,
          min_lr: float, tokens_per_step: int, baseline: int) -> int:
     import torch
@@ -451,6 +460,8 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
         ppl = math.exp(min(loss, 700.0))
         logger.print(eval_line(step=step, loss=loss, ppl=ppl, ms=ms))
         logger.record("eval", step=step, loss=loss, ppl=ppl, ms=ms, tokens=step * tokens_per_step)
+        if board is not None:
+            board.scalars(step, {"eval/loss": loss})
 
     if start >= total:
         logger.print(f"\nthe checkpoint is at step {start}, the run has {total} steps: nothing "
@@ -497,6 +508,10 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
             logger.record("train", step=step, total=total, loss=loss_value, norm=norm_value, lr=lr,
                           ms=step_s * 1e3, tok_s=tok_s, sol=sol, ram_bytes=ram, budget=budget,
                           tokens=step * tokens_per_step)
+            if board is not None:
+                board.scalars(step, {"train/loss": loss_value, "train/grad_norm": norm_value,
+                                     "train/lr": lr, "train/tok_s": tok_s,
+                                     "memory/ram_bytes": ram})
             if evals and opts.eval_every and step % opts.eval_every == 0:
                 evaluate(step)
             if opts.save_every and step % opts.save_every == 0 and step != total:

@@ -45,6 +45,7 @@ class TrainOptions:
     dtype: str = "auto"  # auto: bf16 autocast where the CPU has native bf16, else fp32
     compile: bool = False
     recompute: str = "auto"
+    tensorboard: str | None = None  # a directory for TensorBoard event files
     config: str | None = None
     # the options given by a flag or the config file (the rest may come from a checkpoint)
     given: frozenset = field(default=frozenset(), repr=False, compare=False)
@@ -161,6 +162,8 @@ _HELP = {
     "dtype": (None, "bf16 autocast or fp32 (auto: bf16 where the CPU has native bf16)"),
     "compile": (None, "torch.compile the decoder layers"),
     "recompute": (None, "activation recomputation: auto (the planner), none or all"),
+    "tensorboard": ("DIR", "also write TensorBoard event files (loss, grad norm, lr, tok/s, "
+                           "RAM, eval loss) to DIR"),
     "config": ("FILE", "a TOML file of options; flags win over it"),
 }
 _TYPES = {"seq_len": _int, "batch_size": _int, "grad_accum": _int, "steps": _int,
@@ -215,7 +218,7 @@ def read_toml(path: Path) -> dict[str, Any]:
         if name not in known:
             raise TierflowError(f"--config {path} has an unknown option {key!r}: known options "
                                 f"are {', '.join(sorted(k.replace('_', '-') for k in known))}")
-        if name in ("ram", "model", "data", "out", "resume", "log") and value is not None:
+        if name in ("ram", "model", "data", "out", "resume", "log", "tensorboard") and value is not None:
             value = str(value)
         if name in ("epochs", "lr", "min_lr", "weight_decay", "clip") and isinstance(value, int) \
                 and not isinstance(value, bool):
