@@ -1,5 +1,5 @@
-"""The command line: user errors are one line with exit code 2; the demo runs end to end.
-Also the measurement helpers the demo and the benchmarks share (tierflow.measure)."""
+"""The command line: user errors are one line with exit code 2; `tierflow compare` runs end to
+end. Also the measurement helpers compare and the benchmarks share (tierflow.measure)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tierflow import cli, measure
+from tierflow import cli, demo, measure
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -33,9 +33,11 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) ->
 
 
 @pytest.mark.parametrize("args, fragments", [
+    (["compare", "--ram", "lots"], ["--ram", "'lots'", "GiB"]),
+    (["compare", "--ram", "0"], ["--ram", "positive"]),
+    (["compare", "--bogus"], ["--bogus"]),
+    (["compare", "--steps", "0"], ["--steps"]),
     (["demo", "--ram", "lots"], ["--ram", "'lots'", "GiB"]),
-    (["demo", "--ram", "0"], ["--ram", "positive"]),
-    (["demo", "--bogus"], ["--bogus"]),
     (["demo", "--steps", "0"], ["--steps"]),
     ([], ["COMMAND"]),
     (["frobnicate"], ["frobnicate"]),
@@ -50,7 +52,7 @@ def test_user_errors_are_one_line_exit_2(args, fragments, capsys):
 
 
 def test_bad_ram_from_python_dash_m():
-    assert_one_line_error(run_cli("demo", "--ram", "lots"), "--ram", "'lots'")
+    assert_one_line_error(run_cli("compare", "--ram", "lots"), "--ram", "'lots'")
 
 
 def test_tierflow_value_error_is_one_line(monkeypatch, capsys):
@@ -59,9 +61,9 @@ def test_tierflow_value_error_is_one_line(monkeypatch, capsys):
     def infeasible(args):
         raise BudgetError("ram budget 1.00 MiB is too small:\nthe smallest plan needs 9.00 MiB",
                           tier="ram", budget=2**20, smallest=9 * 2**20)
-    monkeypatch.setattr(cli, "cmd_demo", infeasible)
+    monkeypatch.setattr(cli, "cmd_compare", infeasible)
     with pytest.raises(SystemExit) as exc:
-        cli.main(["demo"])
+        cli.main(["compare"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err == "tierflow: error: ram budget 1.00 MiB is too small: the smallest plan needs 9.00 MiB\n"
@@ -70,9 +72,9 @@ def test_tierflow_value_error_is_one_line(monkeypatch, capsys):
 def test_bugs_keep_their_traceback(monkeypatch):
     def bug(args):
         raise ValueError("not tierflow's")  # raised here, in a test file: a bug, not a user error
-    monkeypatch.setattr(cli, "cmd_demo", bug)
+    monkeypatch.setattr(cli, "cmd_compare", bug)
     with pytest.raises(ValueError, match="not tierflow's"):
-        cli.main(["demo"])
+        cli.main(["compare"])
 
 
 def test_version():
@@ -86,7 +88,7 @@ def test_comparison_table():
     fitted = {"peak_above_baseline_bytes": 2**30, "step_s_median": 1.2, "tok_s": 1706.7,
               "losses": [10.5, 10.4], "predicted_peak_bytes": int(1.1 * 2**30),
               "predicted_step_s": 1.1, "fit_s": 3.0}
-    text = cli.comparison_table(plain, fitted, budget=2**30)
+    text = demo.comparison_table(plain, fitted, budget=2**30)
     assert "plain PyTorch" in text and "tierflow" in text
     assert "100% of the 1.00 GiB budget" in text
     assert "+10.0% vs measured" in text
@@ -123,8 +125,8 @@ def test_run_json_reports_crashes():
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tierflow.api") is None, reason="tierflow.fit not built yet")
-def test_demo_quick_runs_end_to_end():
-    proc = run_cli("demo", "--quick", timeout=240)
+def test_compare_quick_runs_end_to_end():
+    proc = run_cli("compare", "--quick", timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert "Plan (" in out and "plain PyTorch" in out and "tierflow" in out
@@ -133,8 +135,8 @@ def test_demo_quick_runs_end_to_end():
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tierflow.api") is None, reason="tierflow.fit not built yet")
-def test_demo_infeasible_ram_is_one_line():
-    proc = run_cli("demo", "--quick", "--ram", "1KiB", timeout=240)
+def test_compare_infeasible_ram_is_one_line():
+    proc = run_cli("compare", "--quick", "--ram", "1KiB", timeout=240)
     assert_one_line_error(proc, "smallest")
 
 

@@ -175,3 +175,19 @@ def test_disk_directory_errors(tmp_path):
         tierflow.fit(model, mlp_sample(), optimizer=make, disk=tmp_path / "missing")
     with pytest.raises(tierflow.TierflowError, match="pass optimizer="):
         tierflow.fit(model, mlp_sample(), disk=tmp_path)
+
+
+@pytest.mark.parametrize("planner", PLANNERS)
+@pytest.mark.parametrize("source", [SOURCES[0], SOURCES[3]], ids=[SOURCES[0][0], SOURCES[3][0]])
+def test_ledger_holds_exactly_what_the_simulator_predicts(source, planner):
+    """The executor's byte ledger (activations, tapes, input gradients it holds) peaks at
+    the simulator's resident peak, byte for byte, once parameter gradients are left out."""
+    _, build, args, kwargs, loss_of = source
+    model = build()
+    module = _fit(model, args, kwargs, planner)
+    costs = module.plan.costs
+    bare = replace(costs, static_bytes=0, shared_grad_bytes=0,
+                   stages=tuple(replace(s, param_bytes=0) for s in costs.stages))
+    expected = max(event.resident for event in simulate(bare, module.plan.ops).timeline)
+    loss_of(module(*args, **kwargs)).backward()
+    assert module.ledger.peak == expected

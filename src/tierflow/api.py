@@ -23,7 +23,7 @@ from .exec.memory import (CACHING_SLACK, CACHING_THRESHOLD, EXACT_THRESHOLD,
 from .exec.optimizer import OwnedOptimizer, probe_optimizer
 from .exec.function import RunPlan
 from .exec.runner import Ledger, StepRun
-from .exec.stage_call import storage_key
+from .exec.stage_call import context_tensors, storage_key
 from .plan.choose import make_plan
 from .plan.costs import ChainCosts
 from .plan.plan import Plan
@@ -185,7 +185,13 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
     param_bytes = sum(p.nbytes for p in model.parameters())
     extra = {"autocast": autocast.describe(), "device": str(device), "parameters": param_bytes,
              "reserved": reserved, "runtime": runtime}
-    costs = ChainCosts(stages=tuple(stage_costs), input_bytes=_bytes_of(x0),
+    inputs = [x0] if isinstance(x0, torch.Tensor) else []
+    x0_keys = {storage_key(t) for t in inputs}
+    context = {storage_key(t): t.untyped_storage().nbytes() for t in context_tensors(ctx)
+               if storage_key(t) not in x0_keys}
+    costs = ChainCosts(stages=tuple(stage_costs),
+                       input_bytes=sum(t.untyped_storage().nbytes() for t in inputs),
+                       context_bytes=sum(context.values()),
                        static_bytes=param_bytes + runtime + reserved, shared_grad_bytes=shared,
                        extra=extra)
     if optimizer is None:
@@ -277,7 +283,3 @@ def _compute_budget(device: torch.device, *, ram: int | str | None,
         raise TierflowError(f"ram={ram!r} was given with the model on {device}: offloading to "
                             f"host RAM is not built yet; give gpu= only")
     return "gpu", None if gpu is None else parse_bytes(gpu, what="gpu budget")
-
-
-def _bytes_of(x: torch.Tensor) -> int:
-    return x.untyped_storage().nbytes() if isinstance(x, torch.Tensor) else 0

@@ -1,4 +1,4 @@
-"""Measure one training configuration in a fresh child process; used by the demo and benchmarks.
+"""Measure one training configuration in a fresh child process (tierflow compare, benchmarks).
 
     python -m tierflow.measure --mode plain|tierflow --arch llama-20m --seq 512 --batch 4 \\
         --steps 3 --dtype bf16 [--ram 600MiB] [--planner auto]

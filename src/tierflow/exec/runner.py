@@ -11,7 +11,8 @@ from ..chain.base import Chain
 from ..plan.ops import Backward, Forward, Free, Op, Update
 from ..chain.base import stateful_modules
 from .context import AutocastMode, BufferState, RngState, replay_buffers, replay_rng
-from .stage_call import Taped, backward_taped, forward_plain, forward_taped, storage_key
+from .stage_call import (Taped, backward_taped, context_tensors, forward_plain, forward_taped,
+                         storage_key)
 
 
 class Ledger:
@@ -115,6 +116,7 @@ class StepRun:
     def _account(self) -> None:
         length = len(self.chain)  # grad[L] is the caller's, not ours
         held = list(self.x.values()) + [g for i, g in self.grads.items() if i < length]
+        held += context_tensors(self.ctx)
         saved: dict[int, int] = {}
         for taped in self.tapes.values():
             held += [taped.xin, taped.y]

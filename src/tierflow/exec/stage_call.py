@@ -47,6 +47,17 @@ class _SavedRecorder:
         return t
 
 
+def context_tensors(ctx: Any) -> list[torch.Tensor]:
+    """The tensors in a (nested) context: held for the whole step, never part of a tape."""
+    if isinstance(ctx, torch.Tensor):
+        return [ctx]
+    if isinstance(ctx, dict):
+        return [t for value in ctx.values() for t in context_tensors(value)]
+    if isinstance(ctx, (list, tuple)):
+        return [t for value in ctx for t in context_tensors(value)]
+    return []
+
+
 def as_leaf(x: torch.Tensor, needs_grad: bool) -> torch.Tensor:
     """The stage input as a fresh autograd leaf, so the stage's graph ends at it."""
     leaf = x.detach()

@@ -49,6 +49,7 @@ class ChainCosts:
 
     stages: tuple[StageCost, ...]
     input_bytes: int  # x[0], held by the caller for the whole step
+    context_bytes: int = 0  # the step's side inputs (masks, rotary tables), held throughout
     static_bytes: int = 0
     optimizer_owned: bool = False  # updates run inside the backward, freeing gradients
     shared_grad_bytes: int = 0  # gradients of parameters used by several stages (tied)
@@ -64,6 +65,7 @@ class ChainCosts:
 
     def to_dict(self) -> dict:
         return {"stages": [asdict(s) for s in self.stages], "input_bytes": self.input_bytes,
+                "context_bytes": self.context_bytes,
                 "static_bytes": self.static_bytes, "optimizer_owned": self.optimizer_owned,
                 "shared_grad_bytes": self.shared_grad_bytes, "extra": dict(self.extra)}
 
@@ -71,6 +73,7 @@ class ChainCosts:
     def from_dict(cls, data: dict) -> "ChainCosts":
         stages = tuple(StageCost(**s) for s in data["stages"])
         return cls(stages=stages, input_bytes=data["input_bytes"],
+                   context_bytes=data.get("context_bytes", 0),
                    static_bytes=data.get("static_bytes", 0),
                    optimizer_owned=data.get("optimizer_owned", False),
                    shared_grad_bytes=data.get("shared_grad_bytes", 0),

@@ -53,7 +53,8 @@ class _State:
 
     def resident(self) -> int:
         c = self.costs
-        total = sum(c.x_bytes(i) for i in range(c.length + 1) if self.x_resident(i))
+        total = c.context_bytes
+        total += sum(c.x_bytes(i) for i in range(c.length + 1) if self.x_resident(i))
         total += sum(c.stages[i].tape for i in self.tapes)
         total += sum(c.x_bytes(i) for i in self.grads)
         total += sum(c.stages[i].param_bytes for i in self.param_grads)

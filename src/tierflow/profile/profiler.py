@@ -17,7 +17,8 @@ from torch import nn
 from ..chain.base import Chain
 from ..exec.context import AutocastMode
 from ..exec.memory import HostMeter, DeviceMeter
-from ..exec.stage_call import forward_plain, forward_taped, storage_key, tape_bytes
+from ..exec.stage_call import (context_tensors, forward_plain, forward_taped, storage_key,
+                               tape_bytes)
 from ..plan.costs import StageCost
 
 
@@ -47,7 +48,9 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
     gradients of parameters shared between stages (tied embeddings)."""
     owners = _parameter_users(chain)
     shared = {key for key, users in owners.items() if len(users) > 1}
-    all_params = {storage_key(p) for stage in chain.stages for p in stage.parameters()}
+    # parameters and the step's context (masks, rotary tables) are held anyway: not tape
+    held = {storage_key(p) for stage in chain.stages for p in stage.parameters()}
+    held |= {storage_key(t) for t in context_tensors(ctx)}
     shared_bytes = 0
     counted: set[int] = set()
     costs: list[StageCost] = []
@@ -58,7 +61,7 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
         fresh = key not in _CACHE
         if fresh:
             started = time.perf_counter()
-            _CACHE[key] = _measure(stage, x, ctx, autocast, meter, all_params, input_grad, repeats)
+            _CACHE[key] = _measure(stage, x, ctx, autocast, meter, held, input_grad, repeats)
             if log is not None:
                 log(f"profiled {chain.names[i]} in {time.perf_counter() - started:.1f} s")
         m = _CACHE[key]
@@ -91,7 +94,7 @@ def with_update_costs(costs: list[StageCost], seconds_per_byte: float,
 
 
 def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
-             meter: HostMeter | DeviceMeter, all_params: set[int], input_grad: bool,
+             meter: HostMeter | DeviceMeter, held: set[int], input_grad: bool,
              repeats: int) -> _Measured:
     params = stage_parameters(stage)
     fwd_times, fwd_plain_times, bwd_times = [], [], []
@@ -114,7 +117,7 @@ def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: A
         start = time.perf_counter()
         taped = forward_taped(stage, x, ctx, autocast, input_grad=input_grad)
         fwd_times.append(time.perf_counter() - start)
-        tape = tape_bytes(taped, all_params)
+        tape = tape_bytes(taped, held)
         output_in_tape = storage_key(taped.y) in taped.saved
         if rep:
             tape_transient = max(tape_transient, meter.peak() - base - out_bytes - tape)

@@ -244,6 +244,15 @@ class _Interrupt:
 
 def train(opts: TrainOptions) -> int:
     """Run ``tierflow train`` with validated ``opts``; returns the exit code."""
+    try:
+        return _train(opts)
+    except PermissionError as e:  # a file or directory the user may not read or write
+        name = e.filename or "a file"
+        raise TierflowError(f"cannot read {name} (permission denied): check its permissions "
+                            "or copy it somewhere you can read") from None
+
+
+def _train(opts: TrainOptions) -> int:
     import torch
     from transformers import AutoModelForCausalLM  # noqa: F401  (part of the RSS baseline)
     from .. import api, measure  # noqa: F401

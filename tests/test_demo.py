@@ -1,0 +1,72 @@
+"""`tierflow demo --quick`: the LLM workflow end to end on a subset of the stdlib, offline."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def run_demo(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("TIERFLOW_TRACEBACK", None)
+    return subprocess.run([sys.executable, "-m", "tierflow", "demo", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.slow
+def test_demo_quick_end_to_end(tmp_path):
+    out = tmp_path / "demo"
+    start = time.perf_counter()
+    proc = run_demo("--quick", "--out", str(out))
+    elapsed = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert elapsed < 90, f"the quick demo took {elapsed:.0f} s"
+    text = proc.stdout
+    for number in range(1, 6):
+        assert f"=== [{number}/5]" in text, text
+    assert "[Plan]" in text and "[T] step 1 " in text and "[V] step" in text
+
+    # token files, a checkpoint that transformers can load, the plot, the sample
+    assert (out / "data" / "meta.json").is_file() and (out / "data" / "train.bin").is_file()
+    steps = [p for p in out.glob("step_*") if p.is_dir()]
+    assert len(steps) == 1, steps
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "trainer_state.json"):
+        assert (steps[0] / name).is_file(), name
+    png = out / "run.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    sample = (out / "sample.txt").read_text(encoding="utf-8")
+    assert sample.startswith("def ") and len(sample.split("[generate]")[0]) > len("def ") + 5
+    assert "[generate]" in text and str(png) in text
+
+    # eval loss falls
+    evals = [r["loss"] for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())
+             if r["kind"] == "eval"]
+    assert len(evals) >= 2, evals
+    assert evals[-1] < evals[0], evals
+
+
+@pytest.mark.slow
+def test_demo_reuses_its_token_files(tmp_path):
+    """A second run finds the token files of the first (meta.json with the same inputs and vocab)
+    and does not tokenize again."""
+    out = tmp_path / "demo"
+    first = run_demo("--quick", "--out", str(out), "--steps", "2")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "tierflow tokenize:" in first.stdout
+    second = run_demo("--quick", "--out", str(out), "--steps", "2")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"reusing {out / 'data'}" in second.stdout
+    assert "tierflow tokenize:" not in second.stdout
+
+
+def test_demo_bad_flags_are_one_line(tmp_path):
+    proc = run_demo("--ram", "lots", timeout=60)
+    assert proc.returncode == 2 and proc.stderr.startswith("tierflow: error: ")
+    assert len(proc.stderr.strip().splitlines()) == 1 and "--ram" in proc.stderr
