@@ -310,3 +310,13 @@ def test_planner_imports_no_torch() -> None:
     code = ("import sys; sys.path.insert(0, 'src'); import tierflow.plan.rotor; "
             "assert 'torch' not in sys.modules, 'tierflow.plan.rotor imported torch'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_context_bytes_are_part_of_every_budget() -> None:
+    """The step's context (masks, rotary tables) is resident throughout: the smallest budget
+    grows by exactly its size, and every plan made for a budget still fits it."""
+    costs = random_chain(random.Random(11), 6, scale=MiB)
+    with_context = replace(costs, context_bytes=3 * MiB)
+    assert smallest_budget(with_context) == smallest_budget(costs) + 3 * MiB
+    for budget in (smallest_budget(with_context), smallest_budget(with_context) + 5 * MiB):
+        assert simulate(with_context, rotor(with_context, budget)).peak <= budget

@@ -322,7 +322,7 @@ def smallest_budget(costs: ChainCosts) -> int:
     """The least activation budget (bytes, static excluded) any rotor schedule fits in;
     ``rotor(costs, smallest_budget(costs))`` succeeds whatever ``slots``."""
     _check_chain(costs)
-    return _min_memory(costs)[0]
+    return _min_memory(costs)[0] + costs.context_bytes
 
 
 def rotor(costs: ChainCosts, budget: int, *, slots: int | None = 500) -> list[Op]:
@@ -342,11 +342,12 @@ def rotor(costs: ChainCosts, budget: int, *, slots: int | None = 500) -> list[Op
     if slots is not None and slots < 1:
         raise ValueError(f"slots={slots} must be a positive number of memory units, or None")
     smallest, least_time, least_ops = _min_memory(costs)
-    if budget < smallest:
-        raise Infeasible(budget, smallest)
+    if budget < smallest + costs.context_bytes:
+        raise Infeasible(budget, smallest + costs.context_bytes)
     everything = _all_tape(costs)
     if simulate(costs, everything).peak <= budget:
         return everything  # every forward runs once: nothing can be faster
+    budget -= costs.context_bytes  # resident for the whole step; the table counts the rest
     unit = 1 if slots is None else max(1, -(-budget // slots))
     units = budget // unit
     segments = costs.length * (costs.length + 1) // 2
