@@ -250,7 +250,6 @@ def test_full_disk_while_checkpointing_keeps_the_previous_one(root, tmp_path, mo
     """Steps 1-4 with --save-every 1: the disk fills while step 3 is being saved. Step 2's
     checkpoint stays byte for byte, the error is one line, nothing of step 3 is left."""
     monkeypatch.setenv("TIERFLOW_CACHE", str(root / "cache"))
-    monkeypatch.setattr(torch, "get_num_threads", torch.get_num_threads)
     out = tmp_path / "run"
     original_save = ckpt_module.save_checkpoint
     original_write = ckpt_module._write
@@ -286,6 +285,7 @@ def test_full_disk_while_checkpointing_keeps_the_previous_one(root, tmp_path, mo
     assert sorted(p.name for p in out.iterdir()) == ["log.jsonl", "step_1", "step_2"]
     assert {p.name: p.read_bytes() for p in (out / "step_2").iterdir()} == snapshot
     monkeypatch.setattr(ckpt_module, "_write", original_write)
+    monkeypatch.setattr(ckpt_module, "save_checkpoint", original_save)
     from tierflow.train.checkpoint import load_checkpoint
     assert load_checkpoint(out).step == 2
     # and the run continues from it once there is space again

@@ -130,8 +130,9 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     say = (lambda m: (log.append(m), print(f"[tierflow] {m}", flush=True))) if verbose else log.append
     started = time.perf_counter()
     autocast = AutocastMode.capture(device.type)
+    before = meter_for(device).current()  # what the first runs leave resident counts from here
     attempt = functools.partial(_profile_and_plan, model, sample, device, autocast, budget, tier,
-                                reserved, optimizer, store, config, say)
+                                reserved, optimizer, store, config, say, before)
     if config.head_chunk_tokens is not None:
         chain, plan, store = attempt(config.head_chunk_tokens)
     else:
@@ -166,11 +167,11 @@ def _auto_head_chunk(attempt: Callable[[int], tuple[Chain, Plan, DiskStore | Non
 def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                       autocast: AutocastMode, budget: int | None, tier: str, reserved: int,
                       optimizer: OptimizerFactory | None, store: DiskStore | None,
-                      config: FitConfig, say: Callable[[str], Any], head_chunk_tokens: int
-                      ) -> tuple[Chain, Plan, DiskStore | None]:
-    """Cut the model into a chain, measure its stages and plan the step under the budget."""
+                      config: FitConfig, say: Callable[[str], Any], before: int,
+                      head_chunk_tokens: int) -> tuple[Chain, Plan, DiskStore | None]:
+    """Cut the model into a chain, measure its stages and plan the step under the budget.
+    ``before`` is the RSS when fit began: growth since then is the runtime's resident share."""
     meter = meter_for(device)
-    before = meter.current()
     chain = to_chain(model, sample, head_chunk_tokens=head_chunk_tokens)
     if config.compile:
         say(f"compiling {compile_chain(chain)} stages (the first profile round pays for it)")
