@@ -161,9 +161,10 @@ def _cases(root: Path) -> dict[str, tuple[list[str], list[str]]]:
                                      "not a readable safetensors file"]),
         "resume a missing checkpoint": (b("--resume", str(root / "nope")),
                                         [f"checkpoint {root / 'nope'} does not exist"]),
-        "non-finite loss": (with_model("poisoned"),
-                            ["loss is nan at step 1", "training stopped", "none (no checkpoint "
-                             "was written)", "lower --lr"]),
+        "non-finite weights": (with_model("poisoned"),
+                               [f"the weights of {root / 'poisoned'} hold inf or nan in "
+                                "model.embed_tokens.weight (96 values)", "every loss would be "
+                                "nan", "use a checkpoint saved before"]),
         "empty corpus": (["tokenize", str(root / "empty-corpus"), "--out", out],
                          ["corpus is empty"]),
         "tokenize missing input": (["tokenize", str(root / "nope.txt"), "--out", out],
@@ -318,3 +319,70 @@ def test_nan_keeps_the_last_good_checkpoint_through_the_cli(root, tmp_path):
     if bad > 1:
         from tierflow.train.checkpoint import load_checkpoint
         assert load_checkpoint(out).path == good
+
+
+# ---------------------------------------------------------------- generate --ram
+
+@pytest.fixture(scope="module")
+def gen_dir(tmp_path_factory):
+    """A tiny tied Qwen2 (GQA: 2 kv heads of 4) with a tokenizer.json beside it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from tierflow.data.tokenize import train_tokenizer
+    directory = tmp_path_factory.mktemp("gen") / "model"
+    tok = train_tokenizer(["def add(a, b):\n    return a + b\n" * 3, "hello world " * 5], 300)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=32,
+                                 intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2, tie_word_embeddings=True,
+                                 max_position_embeddings=128)).save_pretrained(directory)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory, tok
+
+
+def test_generate_memory_need_is_weights_kv_cache_and_a_margin(gen_dir):
+    from tierflow.generate import memory_needed
+    from tierflow.models import load_model
+    directory, tok = gen_dir
+    model = load_model(directory)
+    unique = {p.data_ptr(): p.numel() for p in model.parameters()}
+    assert len(unique) < len(list(model.named_parameters(remove_duplicate=False)))  # tied
+    for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2)):
+        need = memory_needed(directory, dtype, 5, 20)
+        assert need.weights == sum(unique.values()) * size
+        assert need.kv_cache == 2 * 3 * 2 * 8 * (5 + 20) * size
+        vocab = model.config.vocab_size
+        assert need.activations == 5 * vocab * 4 + 5 * (4 * 32 + 2 * 64) * size + 4 * 25 * 4
+        assert need.total == need.weights + need.kv_cache + need.activations
+
+
+def test_generate_ram_refuses_below_the_need_and_runs_at_it(gen_dir, tmp_path):
+    from tierflow.data.tokenize import load_tokenizer
+    from tierflow.generate import memory_needed
+    directory, _ = gen_dir
+    tok = load_tokenizer(directory / "tokenizer.json")
+    prompt = "def add"
+    need = memory_needed(directory, torch.float32, len(tok.encode(prompt).ids), 16).total
+    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
+    base = [sys.executable, "-m", "tierflow", "generate", "--model", str(directory), "--prompt",
+            prompt, "--max-new-tokens", "16", "--dtype", "fp32", "--temperature", "0"]
+    low = subprocess.run([*base, "--ram", str(need - 1)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    lines = low.stderr.strip().splitlines()
+    assert low.returncode == 2 and len(lines) == 1 and not low.stdout, low.stderr
+    assert lines[0].startswith(f"tierflow: error: --ram {need - 1} is too small to generate 16 "
+                               "tokens after a"), lines[0]
+    for fragment in ("weights", "KV cache", "activations", "streaming weights from disk is not "
+                                                           "built yet"):
+        assert fragment in lines[0]
+    import re
+    smallest = re.search(r"give --ram (\S+ \S+|\d+ B) or more", lines[0]).group(1)
+    from tierflow.units import parse_bytes
+    assert need <= parse_bytes(smallest.replace(" ", "")) <= need * 1.01 + 1
+    ok = subprocess.run([*base, "--ram", smallest.replace(" ", "")], capture_output=True,
+                        text=True, env=env, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.startswith(prompt) and "[generate] " in ok.stdout
+    bad = subprocess.run([*base, "--ram", "lots"], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert bad.returncode == 2 and "--ram 'lots'" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

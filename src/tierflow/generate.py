@@ -14,8 +14,12 @@ tokenizer's end-of-text token).
 Text is streamed by decoding all generated ids and printing what was not printed yet, holding
 back a trailing partial UTF-8 character (a byte-level token can end mid-character).
 
-The model runs entirely in RAM (weights memory-mapped by ``load_model``); a RAM budget with
-weight streaming is not implemented, so there is no ``--ram`` option yet.
+The model runs entirely in RAM (weights memory-mapped by ``load_model``). ``--ram`` is a
+check, not a plan: ``memory_needed`` adds the weights (from the safetensors headers, in the
+compute dtype), the KV cache (2 x layers x kv heads x head dim x (prompt + new tokens) x dtype
+bytes) and a margin for the prefill's activations; above the budget generation is refused with
+the smallest budget that works. Streaming weights from disk to fit a smaller budget is a later
+issue.
 """
 from __future__ import annotations
 
@@ -258,6 +262,82 @@ def _emitter(stream: TextIO | Callable[[str], Any] | None) -> Callable[[str], No
     return write
 
 
+@dataclass
+class MemoryNeed:
+    """What generation holds at its peak, in bytes (the Python and torch runtime not counted)."""
+
+    weights: int
+    kv_cache: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations
+
+
+def _config_int(config: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def memory_needed(directory: str | Path, dtype: torch.dtype, prompt_tokens: int,
+                  max_new_tokens: int) -> MemoryNeed:
+    """The bytes generating ``max_new_tokens`` after ``prompt_tokens`` needs, read from the
+    directory's config.json and safetensors headers without loading a weight:
+
+    - weights: every stored tensor's elements x ``dtype`` bytes (a tied head is stored once);
+    - KV cache: 2 x layers x kv heads x head dim x (prompt + new tokens) x ``dtype`` bytes;
+    - activations (the stated margin): the prefill's fp32 logits (prompt x vocab x 4), one
+      layer's working set (prompt x (4 x hidden + 2 x intermediate) x ``dtype`` bytes) and
+      the attention scores (heads x prompt^2 x 4 bytes)."""
+    from safetensors import safe_open
+
+    from .models.load import _read_config, read_safetensors_index
+    directory = Path(directory)
+    config = _read_config(directory)
+    files = read_safetensors_index(directory)
+    size = torch.empty(0, dtype=dtype).element_size()
+    weights = 0
+    by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in names:
+                weights += math.prod(f.get_slice(name).get_shape()) * size
+    layers = _config_int(config, "num_hidden_layers", "n_layer") or 0
+    heads = _config_int(config, "num_attention_heads", "n_head") or 1
+    kv_heads = _config_int(config, "num_key_value_heads") or heads
+    hidden = _config_int(config, "hidden_size", "n_embd") or 0
+    head_dim = _config_int(config, "head_dim") or hidden // heads
+    inner = _config_int(config, "intermediate_size", "n_inner") or 4 * hidden
+    vocab = _config_int(config, "vocab_size") or 0
+    tokens = prompt_tokens + max_new_tokens
+    kv = 2 * layers * kv_heads * head_dim * tokens * size
+    activations = (prompt_tokens * vocab * 4 + prompt_tokens * (4 * hidden + 2 * inner) * size
+                   + heads * prompt_tokens * prompt_tokens * 4)
+    return MemoryNeed(int(weights), int(kv), int(activations))
+
+
+def check_budget(need: MemoryNeed, budget: int, *, ram_text: str, prompt_tokens: int,
+                 max_new_tokens: int, dtype: torch.dtype) -> None:
+    """One-line refusal when ``need`` is above ``budget``, naming the smallest budget."""
+    from .units import format_bytes
+    if need.total <= budget:
+        return
+    raise TierflowError(
+        f"--ram {ram_text} is too small to generate {max_new_tokens} tokens after a "
+        f"{prompt_tokens}-token prompt in {_dtype_name(dtype)}: it needs weights "
+        f"{format_bytes(need.weights, round_up=True)} + KV cache "
+        f"{format_bytes(need.kv_cache, round_up=True)} + activations "
+        f"{format_bytes(need.activations, round_up=True)}; give --ram "
+        f"{format_bytes(need.total, round_up=True)} or more, or lower --max-new-tokens "
+        "(streaming weights from disk is not built yet)")
+
+
 def resolve_dtype(name: str) -> torch.dtype:
     """``auto``: bf16 where the CPU computes it natively (or on a GPU), else fp32."""
     if name == "bf16":
@@ -273,7 +353,7 @@ def resolve_dtype(name: str) -> torch.dtype:
 def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = None,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
         top_k: int | None = None, seed: int | None = None, dtype: str = "auto",
-        out: TextIO | None = None) -> GenerateStats:
+        ram: str | int | None = None, out: TextIO | None = None) -> GenerateStats:
     """What ``tierflow generate`` does: check everything, load, stream the prompt and the
     continuation to ``out`` (stdout), then a line with tokens/s."""
     from .data.tokenize import load_tokenizer
@@ -293,8 +373,17 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
     if tokenizer is None and not tok_path.is_file():
         raise TierflowError(f"no tokenizer.json in {directory}: pass --tokenizer PATH (the "
                             "tokenizer.json the model was trained with)")
+    budget = None
+    if ram is not None:
+        from .units import parse_bytes
+        budget = parse_bytes(ram, what="--ram")
     tok = load_tokenizer(tok_path)
     torch_dtype = resolve_dtype(dtype)
+    if budget is not None:
+        prompt_tokens = len(encode_prompt(tok, prompt))
+        check_budget(memory_needed(directory, torch_dtype, prompt_tokens, max_new_tokens), budget,
+                     ram_text=str(ram), prompt_tokens=prompt_tokens,
+                     max_new_tokens=max_new_tokens, dtype=torch_dtype)
     model = load_model(directory, vocab_size=tok.get_vocab_size(with_added_tokens=True),
                        dtype=torch_dtype)
     check_length(model, len(encode_prompt(tok, prompt)), max_new_tokens)

@@ -289,6 +289,17 @@ def _train(opts: TrainOptions) -> int:
         model = load_model(spec, vocab_size=data.vocab_size, dtype=torch.float32, seed=opts.seed)
     else:
         model = load_model(spec, dtype=torch.float32)
+    with torch.no_grad():  # a sum is inf or nan when an element is (no mask of the model's size)
+        bad = [(name, int((~torch.isfinite(p)).sum())) for name, p in model.named_parameters()
+               if p.is_floating_point() and not math.isfinite(float(p.sum()))]
+        bad = [(name, k) for name, k in bad if k]  # an overflowing sum of finite values
+    if bad:
+        where = ", ".join(f"{n} ({k} values)" for n, k in bad[:3])
+        source = ckpt.path if ckpt is not None else spec
+        raise TierflowError(f"the weights of {source} hold inf or nan in {where}"
+                            f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}: every loss "
+                            "would be nan; use a checkpoint saved before the loss diverged or "
+                            "the original model")
     model_vocab = int(model.config.vocab_size)
     if data.max_token >= model_vocab:
         raise TierflowError(f"--data {data.path} holds token id {data.max_token} but the model "
