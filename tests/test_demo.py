@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tierflow.demo import PROMPT
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 
@@ -42,7 +44,7 @@ def test_demo_quick_end_to_end(tmp_path):
     png = out / "run.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     sample = (out / "sample.txt").read_text(encoding="utf-8")
-    assert sample.startswith("def ") and len(sample.split("[generate]")[0]) > len("def ") + 5
+    assert sample.startswith(PROMPT) and len(sample.split("[generate]")[0]) > len(PROMPT) + 5
     assert "[generate]" in text and str(png) in text
 
     # eval loss falls

@@ -83,7 +83,7 @@ def _add_demo(sub: Any) -> None:
         "demo", help="the LLM workflow on the Python standard library, offline, in minutes",
         description="Tokenize the Python standard library's source (a byte-level BPE trained on "
                     "it), train a small Llama on it under a RAM budget with evaluation, save the "
-                    "checkpoint, generate a sample from the prompt 'def ' and plot the run. "
+                    "checkpoint, sample from it after a prompt ending in 'def ' and plot the run. "
                     "Everything goes to --out; token files already there are reused.")
     demo.add_argument("--out", type=Path, default=Path("runs/demo"), metavar="DIR",
                       help="where the token files, checkpoint, log, plot and sample go "
@@ -221,6 +221,10 @@ def _add_generate(sub: Any) -> None:
                      help="tokenizer.json or a directory holding one (default DIR/tokenizer.json)")
     gen.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                      help="weights and compute dtype (auto: bf16 where the CPU has native bf16)")
+    gen.add_argument("--ram", default=None, metavar="SIZE",
+                     help="RAM budget, e.g. 2GiB: refuse, naming the smallest budget, when the "
+                          "weights + KV cache + an activation margin do not fit (a check only: "
+                          "streaming weights from disk to fit less is a later issue)")
     gen.set_defaults(func=cmd_generate)
 
 
@@ -228,7 +232,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """Stream the prompt and its continuation to stdout, then the tokens/s line."""
     from .generate import run
     run(args.model, args.prompt, tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, seed=args.seed, dtype=args.dtype)
+        temperature=args.temperature, top_k=args.top_k, seed=args.seed, dtype=args.dtype,
+        ram=args.ram)
     return 0
 
 
