@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import tierflow
-from tierflow import FitConfig
 from tierflow.plan import Plan
 from tierflow.plan.rotor import rotor, smallest_budget
 from tierflow.plan.simulate import simulate

@@ -108,7 +108,6 @@ def root(tmp_path_factory):
 def _cases(root: Path) -> dict[str, tuple[list[str], list[str]]]:
     """name -> (arguments, fragments the error line holds). {out} is a fresh directory."""
     out = "{out}"
-    model, data = str(root / "model"), str(root / "data")
     b = lambda *extra: _base(root, Path(out), *extra)  # noqa: E731
 
     def with_data(name):
