@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Con
 from tierflow import TierflowError
 from tierflow.models import load_model
 from tierflow.train import checkpoint as ckpt
-from tierflow.train.checkpoint import (capture_rng, config_hash, flatten_optimizer_states,
-                                       latest_checkpoint, load_checkpoint, restore_rng,
-                                       save_checkpoint, unflatten_optimizer_states)
+from tierflow.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tierflow.train.codec import (capture_rng, config_hash, flatten_optimizer_states, restore_rng,
+                                  unflatten_optimizer_states)
 
 CONFIGS = {
     "llama": lambda: LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,

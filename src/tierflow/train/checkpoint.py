@@ -7,7 +7,7 @@
   and ``tierflow.models.load_model`` read the directory as it is;
 - ``tokenizer.json``: a copy of the run's tokenizer, when given;
 - ``optimizer.safetensors``: every tensor of the optimizer states, named by
-  ``flatten_optimizer_states`` (``opt.<stage>.state.<param_index>.<state_name>``, e.g.
+  ``codec.flatten_optimizer_states`` (``opt.<stage>.state.<param_index>.<state_name>``, e.g.
   ``opt.0.state.3.exp_avg``); the rest of the state dicts (param_groups, non-tensor values)
   is JSON in the file's metadata under ``tierflow.optimizer``;
 - ``trainer_state.json``: ``{"format": "tierflow-trainer-state", "version": 1, "step": N,
@@ -21,24 +21,22 @@ safetensors are ever read back, never pickle.
 """
 from __future__ import annotations
 
-import base64
 import copy
 import errno
-import hashlib
 import json
-import math
 import os
-import random
 import re
 import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ..errors import TierflowError
+from .codec import (flatten_optimizer_states, from_json, raw_bytes, to_json,
+                    unflatten_optimizer_states)
 
 STATE_FORMAT = "tierflow-trainer-state"
 OPTIMIZER_FORMAT = "tierflow-optimizer"
@@ -76,14 +74,6 @@ def _write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _raw(t: torch.Tensor):
-    """The bytes of ``t`` (little-endian, row-major) as a buffer, without copying a CPU tensor."""
-    t = t.detach().to("cpu").contiguous().reshape(-1)
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
-    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else b""
-
-
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
                       metadata: dict[str, str] | None = None) -> None:
     """Write ``tensors`` in the safetensors format, one tensor at a time, and fsync the file."""
@@ -107,7 +97,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
         _write(f, struct.pack("<Q", len(raw)))
         _write(f, raw)
         for name in names:
-            _write(f, _raw(tensors[name]))
+            _write(f, raw_bytes(tensors[name]))
         f.flush()
         os.fsync(f.fileno())
 
@@ -120,153 +110,6 @@ def _open_safetensors(path: Path):
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise TierflowError(f"{path} is not a readable safetensors file ({detail}): the "
                             "checkpoint is damaged; resume from an earlier step_N") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# JSON for nested Python values that hold tensors
-
-def _encode(value: Any, path: str, put: Callable[[str, torch.Tensor], Any]) -> Any:
-    if isinstance(value, torch.Tensor):
-        return put(path, value)
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"__float__": repr(value)}
-    if isinstance(value, tuple):
-        return {"__tuple__": [_encode(v, f"{path}.{i}", put) for i, v in enumerate(value)]}
-    if isinstance(value, list):
-        return [_encode(v, f"{path}.{i}", put) for i, v in enumerate(value)]
-    if isinstance(value, dict):
-        if all(isinstance(k, str) and not k.startswith("__") for k in value):
-            return {k: _encode(v, f"{path}.{k}", put) for k, v in value.items()}
-        return {"__items__": [[_encode(k, f"{path}.key", put), _encode(v, f"{path}.{k}", put)]
-                              for k, v in value.items()]}
-    if type(value).__module__ == "numpy":
-        import numpy as np
-        if isinstance(value, np.ndarray):
-            return {"__ndarray__": base64.b64encode(np.ascontiguousarray(value).tobytes()).decode(),
-                    "dtype": value.dtype.str, "shape": list(value.shape)}
-        if isinstance(value, np.generic):
-            return _encode(value.item(), path, put)
-    raise TierflowError(f"cannot store a {type(value).__name__} at {path.lstrip('.')} in a "
-                        "checkpoint: use numbers, strings, lists, dicts, tuples or tensors")
-
-
-def _decode(value: Any, get: Callable[[Any], torch.Tensor]) -> Any:
-    if isinstance(value, list):
-        return [_decode(v, get) for v in value]
-    if not isinstance(value, dict):
-        return value
-    if "__tuple__" in value:
-        return tuple(_decode(v, get) for v in value["__tuple__"])
-    if "__items__" in value:
-        return {_decode(k, get): _decode(v, get) for k, v in value["__items__"]}
-    if "__float__" in value:
-        return float(value["__float__"])
-    if "__tensor__" in value:
-        return get(value)
-    if "__ndarray__" in value:
-        import numpy as np
-        data = base64.b64decode(value["__ndarray__"])
-        return np.frombuffer(data, dtype=np.dtype(value["dtype"])).reshape(value["shape"]).copy()
-    return {k: _decode(v, get) for k, v in value.items()}
-
-
-def _inline_tensor(_path: str, t: torch.Tensor) -> dict:
-    t = t.detach().to("cpu").contiguous()
-    return {"__tensor__": base64.b64encode(bytes(_raw(t))).decode(),
-            "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-
-
-def _inline_decode(value: dict) -> torch.Tensor:
-    dtype = getattr(torch, value["dtype"])
-    data = base64.b64decode(value["__tensor__"])
-    if not data:
-        return torch.empty(value["shape"], dtype=dtype)
-    stored = torch.uint8 if dtype == torch.bool else dtype
-    return torch.frombuffer(bytearray(data), dtype=stored).reshape(value["shape"]).to(dtype)
-
-
-def to_json(value: Any) -> Any:
-    """``value`` as plain JSON data, tensors inline as base64 (``from_json`` inverts it)."""
-    return _encode(value, "", _inline_tensor)
-
-
-def from_json(data: Any) -> Any:
-    return _decode(data, _inline_decode)
-
-
-def config_hash(value: Any) -> str:
-    """A stable hash of a configuration (dicts, lists, numbers, strings, tensors): resume
-    compares it to refuse a checkpoint of a different run."""
-    text = json.dumps(to_json(value), sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-# ---------------------------------------------------------------------------------------------
-# optimizer states <-> (tensors, JSON)
-
-def flatten_optimizer_states(states: Sequence[dict | None]) -> tuple[dict[str, torch.Tensor], Any]:
-    """Split a list of torch optimizer ``state_dict()``s (one per stage; None for a stage
-    without parameters) into a flat ``{name: tensor}`` dict and a JSON structure holding
-    everything else. Names are ``opt.<stage>.<path>``: ``opt.0.state.3.exp_avg`` is the
-    first moment of parameter 3 of stage 0; tensors in param_groups are named the same way."""
-    tensors: dict[str, torch.Tensor] = {}
-
-    def put(path: str, t: torch.Tensor) -> dict:
-        name = path.lstrip(".")
-        while name in tensors:
-            name += "_"
-        tensors[name] = t.detach()
-        return {"__tensor__": name}
-
-    structure = [_encode(s, f"opt.{i}", put) for i, s in enumerate(states)]
-    return tensors, structure
-
-
-def unflatten_optimizer_states(tensors: dict[str, torch.Tensor],
-                               structure: Any) -> list[dict | None]:
-    """Inverse of ``flatten_optimizer_states``: the list of state dicts to hand to each
-    stage's ``optimizer.load_state_dict``."""
-    def get(ref: dict) -> torch.Tensor:
-        name = ref["__tensor__"]
-        if name not in tensors:
-            raise TierflowError(f"optimizer state names tensor {name}, which is not in the "
-                                "optimizer file: the checkpoint is damaged; resume from an "
-                                "earlier step_N")
-        return tensors[name]
-
-    return [_decode(s, get) for s in structure]
-
-
-# ---------------------------------------------------------------------------------------------
-# RNG
-
-def capture_rng() -> dict:
-    """The state of every random generator a training step may draw from."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
-    try:
-        import numpy as np
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    return state
-
-
-def restore_rng(state: dict) -> None:
-    """Put back what ``capture_rng`` returned (after a trip through a checkpoint)."""
-    if "python" in state:
-        random.setstate(state["python"])
-    if "torch" in state:
-        torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        for i, s in enumerate(state["cuda"][:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(s, i)
-    if "numpy" in state:
-        import numpy as np
-        np.random.set_state(state["numpy"])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -261,7 +261,8 @@ def _train(opts: TrainOptions) -> int:
     from .. import api, measure  # noqa: F401
     from ..models.load import load_model
     from ..models.presets import PRESETS
-    from .checkpoint import config_hash, load_checkpoint
+    from .checkpoint import load_checkpoint
+    from .codec import config_hash
     from .logger import Logger
 
     baseline = measure.maxrss_bytes()
@@ -363,7 +364,8 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     from .. import measure
     from ..api import fit
     from ..config import FitConfig
-    from .checkpoint import capture_rng, latest_checkpoint, restore_rng, save_checkpoint
+    from .checkpoint import latest_checkpoint, save_checkpoint
+    from .codec import capture_rng, restore_rng
     from .data import Batches, eval_batches
     from .logger import eval_line, section, train_line
     from .schedule import lr_at
