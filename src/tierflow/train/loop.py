@@ -16,7 +16,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import signal
 import time
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from typing import Any
 from ..errors import TierflowError
 from ..units import format_bytes, parse_bytes
 from .options import RECOMPUTE, TrainOptions
+from .sol import cpu_model, model_flops_per_token, peak_matmul_flops
 
 INTERRUPTED = 130
 DEFAULT_STEPS = 100
@@ -101,86 +101,6 @@ def check_out(out: Path) -> None:
     except OSError as e:
         raise TierflowError(f"--out {out} is not writable ({e.strerror or e}): choose a "
                             "directory you can write to") from None
-
-
-# ---------------------------------------------------------------- the machine
-
-def _cache_dir() -> Path:
-    base = os.environ.get("TIERFLOW_CACHE")
-    if base:
-        return Path(base)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "tierflow"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def peak_matmul_flops(dtype_name: str) -> float:
-    """This machine's peak matmul FLOP/s for ``dtype_name`` (fp32 or bf16) at the current
-    thread count: the best of timed square matmuls, cached in calibration.json, unless other
-    processes were keeping the CPUs busy (a figure measured then would be too low for good)."""
-    import torch
-    key = f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype_name}"
-    cache = _cache_dir() / "calibration.json"
-    data: dict[str, Any] = {}
-    with contextlib.suppress(OSError, ValueError):
-        data = json.loads(cache.read_text())
-    entry = data.get("matmul", {}).get(key) if isinstance(data, dict) else None
-    if isinstance(entry, (int, float)) and entry > 0:
-        return float(entry)
-    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    n = 2048
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        a = torch.randn(n, n, dtype=dtype)
-        b = torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up
-    best = math.inf
-    spent = 0.0
-    for _ in range(20):
-        t = time.perf_counter()
-        a @ b
-        dt = time.perf_counter() - t
-        best, spent = min(best, dt), spent + dt
-        if spent > 1.0:
-            break
-    flops = 2 * n ** 3 / best
-    if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
-        return flops
-    with contextlib.suppress(OSError):
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        data = data if isinstance(data, dict) else {}
-        data.setdefault("matmul", {})[key] = flops
-        tmp = cache.with_name(f".calibration.json.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, cache)
-    return flops
-
-
-def model_flops_per_token(model, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x the parameters used in matmuls (the input embedding is a
-    lookup; a tied head counts once, as the head) + attention, 12 x layers x width x seq."""
-    config = model.config
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    emb = model.get_input_embeddings()
-    out = model.get_output_embeddings()
-    if emb is not None and (out is None or out.weight is not emb.weight):
-        total -= emb.weight.numel()
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 0)
-    width = getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0)
-    return 6.0 * total + 12.0 * layers * width * seq_len
 
 
 # ---------------------------------------------------------------- identity of a run
