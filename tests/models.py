@@ -169,3 +169,22 @@ def sequential_mlp(*, seed: int = 0, dropout: float = 0.1, d_in: int = 16, d: in
         layers += [nn.Linear(d_in if i == 0 else d, d), nn.ReLU(), nn.Dropout(dropout)]
     layers.append(nn.Linear(d, 8))
     return nn.Sequential(*layers).train()
+
+
+# ---------------------------------------------------------------------------- save/load round trips
+
+def tiny_configs() -> dict:
+    """name -> a builder of a tiny config, one per family shape a checkpoint must handle:
+    separate head (Llama), tied head (Qwen2), GPT-2's own layout."""
+    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+
+    return {
+        "llama": lambda: LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2),
+        "qwen2-tied": lambda: Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, tie_word_embeddings=True),
+        "gpt2": lambda: GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4,
+                                   n_positions=64, bos_token_id=0, eos_token_id=0),
+    }

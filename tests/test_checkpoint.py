@@ -5,8 +5,9 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM
 
+from models import tiny_configs
 from tierflow import TierflowError
 from tierflow.models import load_model
 from tierflow.train import checkpoint as ckpt
@@ -14,16 +15,7 @@ from tierflow.train.checkpoint import latest_checkpoint, load_checkpoint, save_c
 from tierflow.train.codec import (capture_rng, config_hash, flatten_optimizer_states, restore_rng,
                                   unflatten_optimizer_states)
 
-CONFIGS = {
-    "llama": lambda: LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2),
-    "qwen2-tied": lambda: Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, tie_word_embeddings=True),
-    "gpt2": lambda: GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                               bos_token_id=0, eos_token_id=0),
-}
+CONFIGS = tiny_configs()
 TOKENS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
 
 

@@ -4,21 +4,13 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM
 
+from models import tiny_configs
 from tierflow import TierflowError
 from tierflow.models import PRESETS, count_parameters, load_model, preset_config
 
-TINY = {
-    "llama": lambda: LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
-                                 num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2),
-    "qwen2-tied": lambda: Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, tie_word_embeddings=True),
-    "gpt2": lambda: GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                               bos_token_id=0, eos_token_id=0),
-}
+TINY = tiny_configs()
 
 
 def tiny_model(kind: str, seed: int = 0):

@@ -49,16 +49,6 @@ def env(tmp_path_factory):
     return {"root": root, "data": str(root / "data"), "model": str(root / "model")}
 
 
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch, tmp_path_factory):
-    """Two shared cores: one thread each avoids oversubscription; calibration cached per run."""
-    monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def run_main(*args, capsys):
     try:
         code = cli.main(list(args))

@@ -31,15 +31,6 @@ CONFIGS = {
 PROBE = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(7))
 
 
-@pytest.fixture(autouse=True)
-def one_thread(monkeypatch, tmp_path_factory):
-    monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     root = tmp_path_factory.mktemp("rt-data")
