@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_support import assert_error_line
 from tierflow import cli, demo, measure
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -47,8 +48,7 @@ def test_user_errors_are_one_line_exit_2(args, fragments, capsys):
         cli.main(args)
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and err.startswith("tierflow: error: "), err
-    assert all(f in err for f in fragments), err
+    assert_error_line(err, fragments)
 
 
 def test_bad_ram_from_python_dash_m():

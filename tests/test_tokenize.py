@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cli_support import assert_error_line
 from tierflow import cli
 from tierflow.data import TokenFile, collect, stdlib_corpus, write_tokens
 from tierflow.data.tokenfile import HEADER_BYTES, MAGIC
@@ -293,8 +294,7 @@ def test_cli_user_errors(corpus_dir, tmp_path, capsys, extra, fragments):
         cli.main(args)
     assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and err.startswith("tierflow: error: "), err
-    assert all(f in err for f in fragments), err
+    assert_error_line(err, fragments)
     assert not (tmp_path / "o").exists()
 
 

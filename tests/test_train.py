@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_support import run_main
 from tierflow import cli
 from tierflow.train import checkpoint as ckpt_module
 from tierflow.train.options import TrainOptions, from_args
@@ -49,13 +50,6 @@ def env(tmp_path_factory):
     return {"root": root, "data": str(root / "data"), "model": str(root / "model")}
 
 
-def run_main(*args, capsys):
-    try:
-        code = cli.main(list(args))
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def train_args(env, out, *extra):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
-from tierflow import cli
+from cli_support import run_main
 from tierflow.data.tokenfile import write_tokens
 from tierflow.models import load_model
 from tierflow.train import checkpoint as ckpt_module
@@ -40,13 +40,6 @@ def data(tmp_path_factory):
     return root
 
 
-def run_main(*args, capsys):
-    try:
-        code = cli.main(list(args))
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def logits(model, tokens=PROBE):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TierflowError
+from ..paths import require_writable_dir
 from ..units import format_bytes, parse_bytes
 from .options import RECOMPUTE, TrainOptions
 from .sol import cpu_model, model_flops_per_token, peak_matmul_flops
@@ -89,18 +89,6 @@ def open_data(path: str | Path) -> DataDir:
         raise TierflowError(f"--data {path} holds token id {top}, but its vocab size is {vocab}: "
                             "the token files and tokenizer do not belong together; tokenize again")
     return DataDir(path, train, evalf, int(vocab), tokenizer_file, top)
-
-
-def check_out(out: Path) -> None:
-    """Create ``out`` and prove it writable, before any slow work."""
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise TierflowError(f"--out {out} is not writable ({e.strerror or e}): choose a "
-                            "directory you can write to") from None
 
 
 # ---------------------------------------------------------------- identity of a run
@@ -197,10 +185,9 @@ def _train(opts: TrainOptions) -> int:
     data = open_data(opts.data)
     out = Path(opts.out) if opts.out else (ckpt.path.parent if ckpt is not None else Path("out"))
     opts.out = str(out)
-    check_out(out)
+    require_writable_dir(out, "--out")
     if opts.tensorboard:
-        from .tensorboard import check_dir
-        check_dir(opts.tensorboard)
+        require_writable_dir(opts.tensorboard, "--tensorboard")
     log_path = Path(opts.log) if opts.log else out / "log.jsonl"
     budget = parse_bytes(opts.ram, what="--ram") if opts.ram else None
     dtype_name = opts.dtype if opts.dtype != "auto" else ("bf16" if measure.fast_bf16() else "fp32")

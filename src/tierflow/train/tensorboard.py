@@ -108,19 +108,6 @@ def record(data: bytes) -> bytes:
 
 # ---------------------------------------------------------------- the writer
 
-def check_dir(logdir: str | Path) -> None:
-    """Create ``logdir`` and prove it writable, before any slow work."""
-    logdir = Path(logdir)
-    try:
-        logdir.mkdir(parents=True, exist_ok=True)
-        probe = logdir / f".write-test-{socket.gethostname()}-{time.time_ns()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise TierflowError(f"--tensorboard {logdir} is not writable ({e.strerror or e}): "
-                            "choose a directory you can write to") from None
-
-
 class EventWriter:
     """Appends scalar events to a new ``events.out.tfevents.*`` file in ``logdir``."""
 
