@@ -16,19 +16,27 @@ from .chain.base import Chain
 from .config import FitConfig
 from .errors import BudgetError, TierflowError
 from .exec.compile import compile_chain
-from .exec.disk import DiskStore, measure_bandwidth
 from .exec.context import AutocastMode, untouched
-from .exec.memory import (CACHING_SLACK, CACHING_THRESHOLD, EXACT_THRESHOLD,
-                          configure_host_allocator, meter_for)
-from .exec.optimizer import OwnedOptimizer, probe_optimizer
+from .exec.disk import DiskStore
 from .exec.function import RunPlan
+from .exec.memory import (
+    CACHING_SLACK,
+    CACHING_THRESHOLD,
+    EXACT_THRESHOLD,
+    configure_host_allocator,
+    meter_for,
+)
+from .exec.optimizer import OwnedOptimizer
 from .exec.runner import Ledger, StepRun
-from .exec.stage_call import context_tensors, storage_key
+from .exec.stage_call import context_tensors, forward_plain, storage_key
+from .exec.weights import WeightStreamer, stage_parameters_to_stream
 from .plan.choose import make_plan
 from .plan.costs import ChainCosts
+from .plan.ops import Forward
 from .plan.plan import Plan
-from .profile.profiler import profile_chain, with_update_costs
-from .units import format_bytes, parse_bytes
+from .profile.profiler import profile_chain
+from .tiers import Placement, place
+from .units import parse_bytes
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -42,7 +50,8 @@ class TierflowModule(nn.Module):
     """
 
     def __init__(self, model: nn.Module, chain: Chain, plan: Plan, autocast: AutocastMode,
-                 device: torch.device, optimizer: OwnedOptimizer | None, log: list[str]):
+                 device: torch.device, optimizer: OwnedOptimizer | None, log: list[str],
+                 streamer: WeightStreamer | None = None):
         super().__init__()
         self.model = model
         self._chain = chain
@@ -50,6 +59,7 @@ class TierflowModule(nn.Module):
         self._autocast = autocast
         self._device = device
         self._optimizer = optimizer
+        self._streamer = streamer
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
         self._forward_count = len(plan.forward_ops)
         self.ledger = Ledger({storage_key(p) for p in model.parameters()})
@@ -76,21 +86,44 @@ class TierflowModule(nn.Module):
         if plan.costs.optimizer_owned != (self._optimizer is not None):
             raise TierflowError("the plan and this module disagree on who owns the optimizer: "
                                 "fit with the same optimizer= the plan was made with")
+        if plan.costs.extra.get("streamed stages", []) != self._plan.costs.extra.get(
+                "streamed stages", []):
+            raise TierflowError("the plan streams other stages' weights than this module: fit "
+                                "with the same budgets and disk= the plan was made with")
         return TierflowModule(self.model, self._chain, plan, self._autocast, self._device,
-                              self._optimizer, self.fit_log)
+                              self._optimizer, self.fit_log, self._streamer)
 
     def explain(self) -> str:
         return self._plan.explain()
 
+    @property
+    def streamer(self) -> WeightStreamer | None:
+        """The stage weights living on the disk tier (None when every weight is resident)."""
+        return self._streamer
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._streamer is not None:  # splitting the inputs may run the first stage's modules
+            self._streamer.before(Forward(0, tape=False))  # (the HF adapter's embedding)
         x0, ctx = self._chain.split_inputs(*args, **kwargs)
+        autocast = AutocastMode.capture(self._device.type)
         if not torch.is_grad_enabled():
-            return self._chain.run(*args, **kwargs)
+            return self._chain.wrap_output(self._run_without_grad(x0, ctx, autocast), ctx)
         update = self._optimizer.step_stage if self._optimizer is not None else None
-        run = StepRun(self._chain, self._plan.ops, self._forward_count, ctx,
-                      AutocastMode.capture(self._device.type), self._device, update, self.ledger)
+        run = StepRun(self._chain, self._plan.ops, self._forward_count, ctx, autocast,
+                      self._device, update, self.ledger, self._streamer)
         y = RunPlan.apply(run, x0, self._anchor)
         return self._chain.wrap_output(y, ctx)
+
+    def _run_without_grad(self, x: torch.Tensor, ctx: Any, autocast: AutocastMode) -> torch.Tensor:
+        """Evaluation: every stage once in order, streamed weights fetched around their use."""
+        ops = [Forward(i, tape=False) for i in range(len(self._chain))]
+        for i, op in enumerate(ops):
+            if self._streamer is not None:
+                self._streamer.before(op)
+            x = forward_plain(self._chain.stages[i], x, ctx, autocast)
+            if self._streamer is not None:
+                self._streamer.after(ops, i, set())
+        return x
 
 
 def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
@@ -120,8 +153,12 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     tier, budget = _compute_budget(device, ram=ram, gpu=gpu)
     reserved = parse_bytes(reserve, what="reserve") if reserve else 0
     if disk is not None and optimizer is None:
-        raise TierflowError("disk= holds optimizer states, which tierflow keeps only when it "
-                            "owns the optimizer: pass optimizer= too, or leave disk out")
+        raise TierflowError("disk= holds optimizer states and weights, which tierflow moves "
+                            "only when it owns the optimizer: pass optimizer= too, or leave "
+                            "disk out")
+    if config.stream == "all" and disk is None:
+        raise TierflowError("config.stream='all' streams weights from the disk tier: give "
+                            "disk=DIR too, or use stream='auto'")
     store = DiskStore(disk) if disk is not None else None
     exact_host = budget is not None and device.type == "cpu"
     if exact_host:
@@ -134,41 +171,48 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     attempt = functools.partial(_profile_and_plan, model, sample, device, autocast, budget, tier,
                                 reserved, optimizer, store, config, say, before)
     if config.head_chunk_tokens is not None:
-        chain, plan, store = attempt(config.head_chunk_tokens)
+        chain, placed = attempt(config.head_chunk_tokens)
     else:
-        chain, plan, store = _auto_head_chunk(attempt)
-    owned = OwnedOptimizer(chain, optimizer, store) if optimizer is not None else None
+        chain, placed = _auto_head_chunk(attempt)
+    plan = placed.plan
+    owned = OwnedOptimizer(chain, optimizer, placed.store) if optimizer is not None else None
+    streamer = None
+    if placed.streamed:
+        streamable = stage_parameters_to_stream(chain.stages)
+        streamer = WeightStreamer({i: streamable[i] for i in sorted(placed.streamed)},
+                                  placed.store, config.prefetch_depth)
+        streamer.prefetch(plan.ops)
     if exact_host and plan.predicted_peak * CACHING_SLACK <= budget:
         configure_host_allocator(CACHING_THRESHOLD)  # room for malloc's caches: faster steps
         plan = replace(plan, notes=plan.notes + (
             f"the budget leaves room for malloc's caching (x{CACHING_SLACK} of the predicted "
             f"peak), so freed memory is kept for reuse instead of returned at once",))
     say(f"planned in {time.perf_counter() - started:.1f} s: {plan.strategy}")
-    return TierflowModule(model, chain, plan, autocast, device, owned, log)
+    return TierflowModule(model, chain, plan, autocast, device, owned, log, streamer)
 
 
-def _auto_head_chunk(attempt: Callable[[int], tuple[Chain, Plan, DiskStore | None]]
-                     ) -> tuple[Chain, Plan, DiskStore | None]:
+def _auto_head_chunk(attempt: Callable[[int], tuple[Chain, Placement]]
+                     ) -> tuple[Chain, Placement]:
     """Large LM-head chunks are faster, small ones need less memory: take the large one when
     memory does not bind (nothing recomputed or offloaded), else the faster of the two."""
     try:
         large = attempt(1024)
     except BudgetError:
         return attempt(256)
-    if not large[1].recomputed_stages() and large[2] is None:
+    if not large[1].plan.recomputed_stages() and large[1].store is None:
         return large
     try:
         small = attempt(256)
     except BudgetError:
         return large
-    return min(large, small, key=lambda result: result[1].predicted_time)
+    return min(large, small, key=lambda result: result[1].plan.predicted_time)
 
 
 def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                       autocast: AutocastMode, budget: int | None, tier: str, reserved: int,
                       optimizer: OptimizerFactory | None, store: DiskStore | None,
                       config: FitConfig, say: Callable[[str], Any], before: int,
-                      head_chunk_tokens: int) -> tuple[Chain, Plan, DiskStore | None]:
+                      head_chunk_tokens: int) -> tuple[Chain, Placement]:
     """Cut the model into a chain, measure its stages and plan the step under the budget.
     ``before`` is the RSS when fit began: growth since then is the runtime's resident share."""
     meter = meter_for(device)
@@ -196,64 +240,8 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                        static_bytes=param_bytes + runtime + reserved, shared_grad_bytes=shared,
                        extra=extra)
     if optimizer is None:
-        return chain, make_plan(costs, budget, config, tier=tier), None
-    plan, used = _plan_with_optimizer(costs, chain, optimizer, device, meter, budget, config,
-                                      tier, store)
-    return chain, plan, used
-
-
-def _plan_with_optimizer(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory,
-                         device: torch.device, meter: Any, budget: int | None, config: FitConfig,
-                         tier: str, disk: DiskStore | None) -> tuple[Plan, DiskStore | None]:
-    """Plan with the optimizer's states on the compute tier and, when a disk directory is
-    given, with the states on disk (read and written around each stage's update): the
-    faster of the plans that fit wins."""
-    probe = probe_optimizer(optimizer, device, meter)
-    largest = [max((p.nbytes for p in st.parameters()), default=0) for st in chain.stages]
-    stages = with_update_costs(list(costs.stages), probe.seconds_per_byte,
-                               probe.transient_per_byte, largest)
-    trainable = sum(p.nbytes for p in chain_parameters(chain) if p.requires_grad)
-    state_bytes = int(probe.state_per_byte * trainable)
-    resident = replace(costs, stages=tuple(stages), optimizer_owned=True,
-                       static_bytes=costs.static_bytes + state_bytes,
-                       extra={**costs.extra, "optimizer states": state_bytes})
-    candidates = [(resident, None, ())]
-    if disk is not None and device.type == "cpu":
-        bandwidth = measure_bandwidth(disk.directory)
-        offloaded = []
-        for i, stage in enumerate(stages):
-            owned = stage.param_bytes + (costs.shared_grad_bytes if i == 0 else 0)
-            state = int(probe.state_per_byte * owned)
-            offloaded.append(replace(stage, update_transient=stage.update_transient + state,
-                                     update_time=stage.update_time + 2 * state / bandwidth))
-        on_disk = replace(resident, stages=tuple(offloaded), static_bytes=costs.static_bytes,
-                          extra={**costs.extra, "optimizer states on disk": state_bytes})
-        note = (f"the optimizer states ({format_bytes(state_bytes)}) live on disk in "
-                f"{disk.directory}, read before each stage's update and written back after "
-                f"({format_bytes(bandwidth)}/s measured there), as that is faster or fits "
-                f"where keeping them in {tier} does not")
-        candidates.append((on_disk, disk, (note,)))
-    plans, error = [], None
-    for candidate, store, notes in candidates:
-        try:
-            plan = make_plan(candidate, budget, config, tier=tier)
-        except BudgetError as e:
-            error = e
-            continue
-        plans.append((plan.predicted_time, replace(plan, notes=plan.notes + notes), store))
-    if not plans:
-        raise error
-    _, plan, store = min(plans, key=lambda entry: entry[0])
-    return plan, store
-
-
-def chain_parameters(chain: Chain) -> list[nn.Parameter]:
-    """Every parameter of the chain once, in stage order."""
-    seen: dict[int, nn.Parameter] = {}
-    for stage in chain.stages:
-        for p in stage.parameters():
-            seen.setdefault(storage_key(p), p)
-    return list(seen.values())
+        return chain, Placement(make_plan(costs, budget, config, tier=tier), None)
+    return chain, place(costs, chain, optimizer, device, meter, budget, config, tier, store)
 
 
 def _as_call(sample: Any) -> tuple[tuple, dict]:

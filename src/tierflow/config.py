@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 PLANNERS = ("auto", "keep-all", "checkpoint-all", "rotor")
+STREAMING = ("auto", "never", "all")
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,8 @@ class FitConfig:
     head_chunk_tokens: int | None = None  # tokens per chunk of the fused LM head + loss; None: auto
     headroom: float = 0.0  # fraction of the budget kept free for what tierflow cannot see
     compile: bool = False  # torch.compile stages that share a kernel (decoder layers), once
+    stream: str = "auto"  # stage weights on the disk tier: when needed / never / every stage
+    prefetch_depth: int = 2  # streamed stages read ahead of the one computing
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
@@ -30,6 +33,10 @@ class FitConfig:
             raise ValueError(f"profile_repeats={self.profile_repeats} must be at least 1")
         if self.head_chunk_tokens is not None and self.head_chunk_tokens < 1:
             raise ValueError(f"head_chunk_tokens={self.head_chunk_tokens} must be at least 1")
+        if self.stream not in STREAMING:
+            raise ValueError(f"stream {self.stream!r} is unknown: use one of {', '.join(STREAMING)}")
+        if self.prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth={self.prefetch_depth} must be at least 1")
         if not 0.0 <= self.headroom < 1.0:
             raise ValueError(f"headroom={self.headroom} must be in [0, 1)")
 

@@ -6,6 +6,7 @@ not in the process's RSS, but it is the machine's memory all the same.
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import time
@@ -71,9 +72,13 @@ def measure_bandwidth(directory: str | Path, nbytes: int = 64 << 20) -> float:
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes, in place. Not through numpy: exporting a storage to numpy marks it
+    not resizable for good, and streamed weights resize theirs (see exec/weights.py)."""
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("disk tensors must be contiguous CPU tensors")
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+    if t.nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
 
 
 def _drop_cache(fd: int) -> None:

@@ -7,12 +7,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..chain.base import Chain
+from ..chain.base import Chain, stateful_modules
 from ..plan.ops import Backward, Forward, Free, Op, Update
-from ..chain.base import stateful_modules
 from .context import AutocastMode, BufferState, RngState, replay_buffers, replay_rng
-from .stage_call import (Taped, backward_taped, context_tensors, forward_plain, forward_taped,
-                         storage_key)
+from .stage_call import (
+    Taped,
+    backward_taped,
+    context_tensors,
+    forward_plain,
+    forward_taped,
+    storage_key,
+)
+from .weights import WeightStreamer
 
 
 class Ledger:
@@ -37,7 +43,8 @@ class StepRun:
 
     def __init__(self, chain: Chain, ops: Sequence[Op], forward_count: int, ctx: dict[str, Any],
                  autocast: AutocastMode, device: torch.device,
-                 update: Callable[[int], None] | None = None, ledger: Ledger | None = None):
+                 update: Callable[[int], None] | None = None, ledger: Ledger | None = None,
+                 streamer: WeightStreamer | None = None):
         self.chain = chain
         self.ops = ops
         self.forward_count = forward_count
@@ -46,6 +53,7 @@ class StepRun:
         self.device = device
         self.update = update
         self.ledger = ledger
+        self.streamer = streamer
         self.x: dict[int, torch.Tensor] = {}
         self.tapes: dict[int, Taped] = {}
         self.grads: dict[int, torch.Tensor] = {}
@@ -57,19 +65,24 @@ class StepRun:
         """Run the ops up to the chain output; returns x[L]."""
         self.x[0] = x0
         self.input_requires_grad = x0.requires_grad
-        for op in self.ops[: self.forward_count]:
-            self._run(op)
+        for position in range(self.forward_count):
+            self._run(position)
         return self.x[len(self.chain)]
 
     def backward_phase(self, grad_out: torch.Tensor) -> torch.Tensor | None:
         """Run the remaining ops from the output's gradient; returns the input's gradient."""
         self.grads[len(self.chain)] = grad_out
-        for op in self.ops[self.forward_count:]:
-            self._run(op)
+        for position in range(self.forward_count, len(self.ops)):
+            self._run(position)
         self.x.clear()
+        if self.streamer is not None:
+            self.streamer.prefetch(self.ops)  # the next step runs the same plan
         return self.grads.pop(0, None)
 
-    def _run(self, op: Op) -> None:
+    def _run(self, position: int) -> None:
+        op = self.ops[position]
+        if self.streamer is not None:
+            self.streamer.before(op)
         if isinstance(op, Forward):
             self._forward(op.stage, op.tape)
         elif isinstance(op, Backward):
@@ -79,6 +92,8 @@ class StepRun:
         elif isinstance(op, Update):
             assert self.update is not None, "plan updates parameters but no optimizer is owned"
             self.update(op.stage)
+        if self.streamer is not None:
+            self.streamer.after(self.ops, position, set(self.tapes))
         if self.ledger is not None:
             self._account()
 

@@ -1,0 +1,168 @@
+"""Stage weights on the disk tier, fetched into the compute tier ahead of use.
+
+A streamed parameter keeps its ``nn.Parameter`` object, shape and optimizer-state identity;
+only its storage comes and goes (``untyped_storage().resize_``), so the model code and the
+optimizer never notice. One I/O thread reads the next ``depth`` streamed stages of the plan
+while the current one computes; another writes updated weights back after each update and
+frees them once they are on disk. A stage is read again only after its write-back is done.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Sequence
+
+from torch import nn
+
+from ..plan.ops import Backward, Forward, Op, Update
+from .disk import DiskStore
+
+
+class WeightStreamer:
+    """The weights of ``streamed`` stages of a chain, living in ``store`` between uses."""
+
+    def __init__(self, stage_params: dict[int, list[nn.Parameter]], store: DiskStore,
+                 depth: int):
+        for params in stage_params.values():
+            for p in params:
+                if not p.untyped_storage().resizable():  # e.g. memory from numpy or a file
+                    p.data = p.data.clone()
+        self.stage_params = stage_params
+        self.store = store
+        self.depth = depth
+        self._sizes = {i: [p.untyped_storage().nbytes() for p in ps]
+                       for i, ps in stage_params.items()}
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-write")
+        self._reads: dict[int, Future] = {}
+        self._writes: dict[int, Future] = {}
+        self._resident: set[int] = set(stage_params)
+        for i in stage_params:  # the weights move to disk now
+            self._write_back(i)
+        self.wait_writes()
+
+    @property
+    def streamed(self) -> set[int]:
+        return set(self.stage_params)
+
+    def resident_bytes(self) -> int:
+        return sum(sum(self._sizes[i]) for i in self._resident)
+
+    # ------------------------------------------------------------------ around plan ops
+
+    def before(self, op: Op) -> None:
+        """Make the weights ``op`` needs resident (waiting for, or starting, their read)."""
+        i = _stage_of(op)
+        if i in self.stage_params:
+            self._fetch(i)
+            self._reads.pop(i).result()
+
+    def after(self, ops: Sequence[Op], position: int, taped: set[int]) -> None:
+        """After ``ops[position]``: write back updated weights, drop weights nothing needs
+        before their next fetch, and start reading the next ``depth`` streamed stages."""
+        op = ops[position]
+        i = _stage_of(op)
+        if i in self.stage_params:
+            if isinstance(op, Update):
+                self._write_back(i)
+            elif i not in taped and _next_use(ops, position, i) != _next_streamed(
+                    ops, position, self.stage_params):
+                self._release(i)
+        self.prefetch(ops[position + 1:])
+
+    def prefetch(self, ops: Sequence[Op]) -> None:
+        """Start reading the first ``depth`` streamed stages that ``ops`` use (at the end of a
+        step, the next step's ops: the same plan runs again)."""
+        upcoming: list[int] = []
+        for op in ops:
+            j = _stage_of(op)
+            if j in self.stage_params and j not in upcoming:
+                upcoming.append(j)
+                if len(upcoming) == self.depth:
+                    break
+        for j in upcoming:
+            self._fetch(j)
+
+    def wait_writes(self) -> None:
+        for future in list(self._writes.values()):
+            future.result()
+
+    def close(self) -> None:
+        self.wait_writes()
+        self._reader.shutdown()
+        self._writer.shutdown()
+
+    # ------------------------------------------------------------------ transfers
+
+    def _fetch(self, i: int) -> None:
+        if i in self._reads or i in self._resident:
+            if i not in self._reads:
+                self._reads[i] = _done()
+            return
+        pending = self._writes.get(i)
+        self._reads[i] = self._reader.submit(self._read, i, pending)
+        self._resident.add(i)
+
+    def _read(self, i: int, pending: Future | None) -> None:
+        if pending is not None:
+            pending.result()
+        params = self.stage_params[i]
+        for p, nbytes in zip(params, self._sizes[i]):
+            p.untyped_storage().resize_(nbytes)
+        self.store.read(f"weights-{i}", [p.detach() for p in params])
+
+    def _write_back(self, i: int) -> None:
+        params = self.stage_params[i]
+        self._writes[i] = self._writer.submit(self._write_and_free, i, params)
+        self._resident.discard(i)
+
+    def _write_and_free(self, i: int, params: list[nn.Parameter]) -> None:
+        self.store.write(f"weights-{i}", [p.detach() for p in params])
+        for p in params:
+            p.untyped_storage().resize_(0)
+
+    def _release(self, i: int) -> None:
+        for p in self.stage_params[i]:
+            p.untyped_storage().resize_(0)
+        self._resident.discard(i)
+
+
+def _stage_of(op: Op) -> int | None:
+    return op.stage if isinstance(op, (Forward, Backward, Update)) else None
+
+
+def _next_use(ops: Sequence[Op], position: int, i: int) -> int | None:
+    for k in range(position + 1, len(ops)):
+        if _stage_of(ops[k]) == i:
+            return k
+    return None
+
+
+def _next_streamed(ops: Sequence[Op], position: int, streamed: dict) -> int | None:
+    for k in range(position + 1, len(ops)):
+        if _stage_of(ops[k]) in streamed:
+            return k
+    return None
+
+
+def _done() -> Future:
+    future: Future = Future()
+    future.set_result(None)
+    return future
+
+
+def stage_parameters_to_stream(stages: Sequence[nn.Module]) -> dict[int, list[nn.Parameter]]:
+    """Per stage, the parameters only that stage uses (shared ones, like tied embeddings,
+    stay resident): what streaming may move. Stages with none are left out."""
+    users: dict[int, set[int]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for i, stage in enumerate(stages):
+        for p in stage.parameters():
+            key = id(p)
+            users.setdefault(key, set()).add(i)
+            params[key] = p
+    out: dict[int, list[nn.Parameter]] = {}
+    for key, where in users.items():
+        p = params[key]
+        if len(where) == 1 and p.is_contiguous() and p.device.type == "cpu":
+            out.setdefault(next(iter(where)), []).append(p)
+    return {i: ps for i, ps in sorted(out.items())}

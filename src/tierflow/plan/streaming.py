@@ -1,0 +1,47 @@
+"""Costs of a chain whose chosen stages keep their weights on a lower tier (disk) and fetch
+them into the compute tier around their own operations.
+
+Pure data. A streamed stage's weights are not static any more: they are resident while the
+stage runs (a forward, a backward, the update after it) and while its tape lives, so they
+join the stage's tape and its transients; ``depth`` stages fetched ahead, plus one stage
+being written back after its update, are the buffers the streaming adds to the static bytes.
+Reads are overlapped with compute (a stage's forward costs the longer of the two); the
+write-back of updated weights runs beside the next backward, so only the part of it that
+outlasts the stage's own backward time is added.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .costs import ChainCosts, StageCost
+
+
+def streamed_costs(costs: ChainCosts, streamed: set[int], *, read_bytes_per_s: float,
+                   write_bytes_per_s: float, depth: int) -> ChainCosts:
+    """``costs`` with the weights of the ``streamed`` stages living on the lower tier."""
+    if not streamed:
+        return costs
+    if depth < 1:
+        raise ValueError(f"prefetch depth {depth} must be at least 1")
+    stages = list(costs.stages)
+    moved = 0
+    for i in sorted(streamed):
+        stages[i] = _streamed_stage(stages[i], read_bytes_per_s, write_bytes_per_s)
+        moved += stages[i].param_bytes
+    largest = max(costs.stages[i].param_bytes for i in streamed)
+    buffers = min(depth + 1, len(streamed)) * largest
+    extra = {**costs.extra, "streamed stages": sorted(streamed), "streamed bytes": moved,
+             "prefetch depth": depth, "stream buffers": buffers}
+    return replace(costs, stages=tuple(stages),
+                   static_bytes=costs.static_bytes - moved + buffers, extra=extra)
+
+
+def _streamed_stage(s: StageCost, read_bps: float, write_bps: float) -> StageCost:
+    read = s.param_bytes / read_bps
+    write = s.param_bytes / write_bps
+    return replace(s,
+                   fwd_time=max(s.fwd_time, read),
+                   tape=s.tape + s.param_bytes,
+                   fwd_transient_nograd=s.fwd_transient_nograd + s.param_bytes,
+                   update_transient=s.update_transient + s.param_bytes,
+                   update_time=s.update_time + max(0.0, write - s.bwd_time))

@@ -1,0 +1,126 @@
+"""Stage weights streamed from the disk tier: the same training as plain PyTorch, weights
+absent from RAM between their uses, and a budget that only streaming can meet."""
+import copy
+
+import pytest
+import torch
+
+import tierflow
+from tierflow.config import FitConfig
+from tierflow.plan.costs import ChainCosts, StageCost
+from tierflow.plan.streaming import streamed_costs
+
+from models import hf_sample, tiny_hf
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _train_side_by_side(module, reference, sample, steps=3):
+    plain = _adamw(reference.parameters())
+    for step in range(steps):
+        torch.manual_seed(step)
+        loss = module(**sample).loss
+        loss.backward()
+        torch.manual_seed(step)
+        expected = reference(**sample).loss
+        expected.backward()
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        torch.testing.assert_close(loss, expected)
+
+
+def _gathered(module):
+    """The model's parameters with streamed ones read back from disk (for comparing)."""
+    streamer = module.streamer
+    values = {}
+    for name, p in module.model.named_parameters():
+        values[name] = p
+    out = {}
+    for i, params in streamer.stage_params.items():
+        buffers = [torch.empty(p.shape, dtype=p.dtype) for p in params]
+        streamer.wait_writes()
+        streamer.store.read(f"weights-{i}", buffers)
+        for p, b in zip(params, buffers):
+            out[id(p)] = b
+    return {name: out.get(id(p), p) for name, p in values.items()}
+
+
+@pytest.mark.parametrize("planner", ["checkpoint-all", "keep-all"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_streamed_weights_train_like_plain_adamw(tmp_path, family, planner):
+    model = tiny_hf(family, layers=3, dropout=0.1)
+    reference = copy.deepcopy(model)
+    sample = hf_sample()
+    module = tierflow.fit(model, sample, optimizer=_adamw, disk=tmp_path,
+                          config=FitConfig(planner=planner, stream="all", prefetch_depth=1))
+    streamer = module.streamer
+    assert streamer is not None and len(streamer.streamed) >= 3  # the decoder layers at least
+    _train_side_by_side(module, reference, sample)
+    streamer.wait_writes()
+    # between steps only the prefetched first stage is back in RAM
+    absent = [i for i, ps in streamer.stage_params.items()
+              if all(p.untyped_storage().nbytes() == 0 for p in ps)]
+    assert len(absent) >= len(streamer.streamed) - 1
+    on_disk = sum(p.nbytes for ps in streamer.stage_params.values() for p in ps)
+    assert sum(f.stat().st_size for f in tmp_path.glob("weights-*.bin")) == on_disk
+    # Adam turns fp32 rounding on near-zero gradients into up to lr-sized steps: atol lr/100
+    gathered = _gathered(module)
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(gathered[name], q, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_evaluation_fetches_streamed_weights(tmp_path):
+    model = tiny_hf("llama", layers=2)
+    reference = copy.deepcopy(model)
+    sample = hf_sample()
+    module = tierflow.fit(model, sample, optimizer=_adamw, disk=tmp_path,
+                          config=FitConfig(stream="all"))
+    with torch.no_grad():
+        torch.testing.assert_close(module(**sample).loss, reference(**sample).loss)
+
+
+def test_a_budget_only_streaming_meets(tmp_path):
+    """Below the smallest plan with every weight resident (optimizer states on disk), the
+    planner streams the largest stages' weights and the plan fits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)  # decoder layers of 3 MiB: far above the noise of measured runtime bytes
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=640,
+                                         num_hidden_layers=8, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=64))
+    sample = hf_sample()
+    never = FitConfig(stream="never")
+    tierflow.fit(model, sample, optimizer=_adamw)  # warm: the runtime's first-use bytes are paid
+    weights = sum(p.nbytes for p in model.parameters())
+    with pytest.raises(tierflow.BudgetError) as error:
+        tierflow.fit(model, sample, optimizer=_adamw, disk=tmp_path, ram=1, config=never)
+    budget = error.value.smallest - weights // 3
+    with pytest.raises(tierflow.BudgetError):
+        tierflow.fit(model, sample, optimizer=_adamw, disk=tmp_path, ram=budget, config=never)
+    module = tierflow.fit(model, sample, optimizer=_adamw, disk=tmp_path, ram=budget,
+                          config=FitConfig(prefetch_depth=1))
+    assert module.streamer is not None
+    assert module.plan.predicted_peak <= budget
+    assert "live on disk too" in module.plan.explain()
+
+
+def test_stream_all_needs_a_disk_directory():
+    with pytest.raises(tierflow.TierflowError, match="disk=DIR"):
+        tierflow.fit(tiny_hf("llama"), hf_sample(), optimizer=_adamw,
+                     config=FitConfig(stream="all"))
+
+
+def test_streamed_costs_move_weights_out_of_the_static_bytes():
+    stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
+                      tape=30, update_time=0.5)
+    costs = ChainCosts(stages=(stage, stage, stage), input_bytes=10, static_bytes=1000)
+    moved = streamed_costs(costs, {1, 2}, read_bytes_per_s=50.0, write_bytes_per_s=25.0, depth=1)
+    # 200 bytes of weights leave the static bytes; two stage-sized buffers come in
+    assert moved.static_bytes == 1000 - 200 + 2 * 100
+    assert moved.stages[0] == stage
+    streamed = moved.stages[1]
+    assert streamed.tape == 130 and streamed.fwd_transient_nograd == 100
+    assert streamed.fwd_time == 2.0  # reading 100 bytes at 50 B/s outlasts the 1 s forward
+    assert streamed.update_time == 0.5 + (4.0 - 2.0)  # the write outlasts the backward by 2 s
