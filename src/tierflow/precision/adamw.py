@@ -1,0 +1,172 @@
+"""AdamW whose moments are stored in fp32, bf16 or blockwise int8, for fp32 or bf16 weights.
+
+The arithmetic of a step is ``torch.optim.AdamW``'s (single-tensor path, same hyper-parameters,
+decoupled weight decay and bias correction), done in float32 on float32 working copies:
+
+- fp32 weights and fp32 moments: the state tensors are updated in place, op for op as torch
+  does, so the result equals ``torch.optim.AdamW``;
+- bf16 weights with ``master="fp32"``: the state holds an fp32 master copy; the update goes
+  there and the weights get it rounded to nearest;
+- bf16 weights with ``master="none"``: the weights are read as fp32, updated and written back
+  with stochastic rounding (``rounding.py``);
+- bf16 moments are written back with stochastic rounding (round-to-nearest would freeze v: a
+  0.999 decay is below half a bf16 ulp); int8 moments are re-quantized (``quant.py``).
+
+``state_dict()`` holds only tensors and plain numbers: per parameter ``step`` (an int),
+``exp_avg``/``exp_avg_sq`` (fp32, bf16, or int8/uint8 codes with ``exp_avg_scale`` and
+``exp_avg_sq_scale`` float32 per block), ``master`` (fp32) when kept; and, when stochastic
+rounding is used, ``generator``: the random generator's state as a uint8 tensor. That fits the
+trainer's safetensors + JSON codec (``train/codec.py``). ``load_state_dict`` keeps every stored
+dtype (torch's own would cast codes and masters to the parameter's dtype).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .config import MASTERS, OPTIM_DTYPES, PrecisionError
+from .quant import SIGNED, UNSIGNED, dequantize, empty_codes, quantize_
+from .rounding import generator_for, stochastic_round_bf16
+
+_MAPPINGS = {"exp_avg": SIGNED, "exp_avg_sq": UNSIGNED}
+
+
+class AdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW`` with low-precision storage (see the module docstring).
+
+    moment_dtype: "fp32", "bf16" or "int8"; master: "fp32" or "none" (used for bf16 weights;
+    fp32 weights are their own master). seed: of the stochastic-rounding generator; None
+    draws it from torch's global generator once, at construction, so ``torch.manual_seed``
+    makes a run reproducible and each optimizer (one per tierflow stage) gets its own stream.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, moment_dtype: str = "fp32",
+                 master: str = "fp32", seed: int | None = None):
+        if moment_dtype not in OPTIM_DTYPES:
+            raise PrecisionError(f"moment_dtype={moment_dtype!r} is unknown: use one of "
+                                 f"{', '.join(OPTIM_DTYPES)}")
+        if master not in MASTERS:
+            raise PrecisionError(f"master={master!r} is unknown: use one of {', '.join(MASTERS)}")
+        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise PrecisionError(f"AdamW needs lr, eps, weight_decay >= 0 and betas in [0, 1), "
+                                 f"got lr={lr}, eps={eps}, weight_decay={weight_decay}, "
+                                 f"betas={betas}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
+                                  "weight_decay": weight_decay})
+        self.moment_dtype = moment_dtype
+        self.master = master
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        for p in all_params:
+            if p.dtype not in (torch.float32, torch.bfloat16):
+                raise PrecisionError(f"a parameter of shape {tuple(p.shape)} is {p.dtype}: this "
+                                     "AdamW updates float32 or bfloat16 weights; cast the model")
+        devices = {p.device for p in all_params}
+        if len(devices) > 1:
+            raise PrecisionError(f"parameters on {len(devices)} devices ({sorted(map(str, devices))}):"
+                                 " make one optimizer per device")
+        rounds = moment_dtype == "bf16" or (
+            master == "none" and any(p.dtype == torch.bfloat16 for p in all_params))
+        self._generator: torch.Generator | None = None
+        if rounds:
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
+            self._generator = generator_for(devices.pop(), seed)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, group)
+        return loss
+
+    def _update(self, p: torch.Tensor, group: dict) -> None:
+        if p.grad.is_sparse:
+            raise PrecisionError("AdamW does not support sparse gradients: use dense embeddings")
+        state = self.state[p]
+        if not state:
+            self._init_state(p, state)
+        lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        grad = p.grad.to(torch.float32)  # the gradient itself when it is float32
+        weights = p if p.dtype == torch.float32 else state.get("master", None)
+        if weights is None:
+            weights = p.to(torch.float32)  # a working copy, stochastically rounded back
+        state["step"] += 1
+        step = state["step"]
+        if weight_decay != 0:
+            weights.mul_(1 - lr * weight_decay)
+        exp_avg = self._load(p, state, "exp_avg")
+        exp_avg_sq = self._load(p, state, "exp_avg_sq")
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1 ** step
+        bias_correction2 = 1 - beta2 ** step
+        step_size = lr / bias_correction1
+        denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
+        weights.addcdiv_(exp_avg, denom, value=-step_size)
+        self._store(state, "exp_avg", exp_avg)
+        self._store(state, "exp_avg_sq", exp_avg_sq)
+        if weights is state.get("master"):
+            p.copy_(weights)  # round to nearest: the master keeps what bf16 cannot
+        elif weights is not p:
+            p.copy_(stochastic_round_bf16(weights, self._generator))
+
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        state["step"] = 0
+        for key, mapping in _MAPPINGS.items():
+            if self.moment_dtype == "int8":
+                state[key], state[f"{key}_scale"] = empty_codes(p.numel(), mapping, p.device)
+            else:
+                dtype = torch.float32 if self.moment_dtype == "fp32" else torch.bfloat16
+                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        if p.dtype == torch.bfloat16 and self.master == "fp32":
+            state["master"] = p.to(torch.float32)
+
+    def _load(self, p: torch.Tensor, state: dict, key: str) -> torch.Tensor:
+        """Moment ``key`` as float32 (the state tensor itself when it is stored in float32)."""
+        stored = state[key]
+        if self.moment_dtype == "int8":
+            return dequantize(stored, state[f"{key}_scale"], p.numel(), p.shape, _MAPPINGS[key])
+        return stored.to(torch.float32)
+
+    def _store(self, state: dict, key: str, value: torch.Tensor) -> None:
+        stored = state[key]
+        if self.moment_dtype == "int8":
+            quantize_(value, stored, state[f"{key}_scale"], _MAPPINGS[key])
+        elif self.moment_dtype == "bf16":
+            stored.copy_(stochastic_round_bf16(value, self._generator))
+        # fp32: ``value`` is the state tensor, updated in place
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self._generator is not None:
+            state["generator"] = self._generator.get_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a ``state_dict()`` exactly: stored dtypes, steps and the generator."""
+        saved = state_dict["state"]
+        super().load_state_dict({"state": {}, "param_groups": state_dict["param_groups"]})
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, p in zip(ids, params):
+            if index in saved:
+                self.state[p] = {k: v.to(p.device, copy=True) if isinstance(v, torch.Tensor)
+                                 else v for k, v in saved[index].items()}
+        generator = state_dict.get("generator")
+        if (generator is None) != (self._generator is None):
+            raise PrecisionError("the optimizer state and this optimizer disagree on stochastic "
+                                 "rounding: resume with the same model_dtype, master and "
+                                 "optim_dtype the state was saved with")
+        if generator is not None:
+            self._generator.set_state(generator.to(torch.uint8))
+

@@ -1,0 +1,38 @@
+"""Stochastic rounding from float32 to bfloat16, unbiased and reproducible from a Generator.
+
+bf16 is the upper half of a float32's bits. Adding a uniform random integer in [0, 2^16) to the
+low half and then truncating rounds the magnitude up with probability (low half) / 2^16, which
+is exactly the fractional position of the value between its two bf16 neighbours: the expected
+result is the float32 value itself. Round-to-nearest is biased for small updates: an update
+below half a bf16 ulp of the weight (2^-9 relative) is lost every time, so bf16 weights without
+a master copy, and bf16 moments decaying by 0.999, would stop moving.
+
+The random bits come from the caller's ``torch.Generator`` only (never the global RNG), so a
+training run that checkpoints ``generator.get_state()`` resumes bit for bit.
+"""
+from __future__ import annotations
+
+import torch
+
+_LOW_BITS = 1 << 16
+
+
+def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """``x`` (float32, any shape) rounded to bfloat16 up or down at random, unbiased:
+    E[result] == x for every finite x whose bf16 neighbours are finite. NaN stays NaN, +-inf
+    stays +-inf; a value within one bf16 ulp of bf16's largest finite may round to inf, as it
+    would in any stochastic-rounding hardware. ``generator`` lives on ``x``'s device."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"stochastic_round_bf16 takes float32, got {x.dtype}")
+    bits = x.contiguous().view(torch.int32)  # same bytes, read as int32
+    noise = torch.randint(0, _LOW_BITS, x.shape, dtype=torch.int32, device=x.device,
+                          generator=generator)
+    # sign-magnitude: adding to the bit pattern grows the magnitude, the mask truncates it
+    rounded = ((bits + noise) & -_LOW_BITS).view(torch.float32)  # low 16 bits now zero
+    rounded = torch.where(torch.isfinite(x), rounded, x)
+    return rounded.to(torch.bfloat16)  # exact: the low 16 bits are zero
+
+
+def generator_for(device: torch.device, seed: int) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed``."""
+    return torch.Generator(device=device).manual_seed(seed)
