@@ -2,6 +2,7 @@
 parameters with the same gradients inside the budget out."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import replace
@@ -26,6 +27,7 @@ from .exec.memory import (
     configure_host_allocator,
     meter_for,
 )
+from .exec.offload import OffloadedParameters, attach, offloaded_parameters
 from .exec.optimizer import OwnedOptimizer
 from .exec.runner import Ledger, StepRun
 from .exec.stage_call import context_tensors, forward_plain, storage_key
@@ -152,6 +154,9 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     device = _device_of(model)
     tier, budget = _compute_budget(device, ram=ram, gpu=gpu)
     reserved = parse_bytes(reserve, what="reserve") if reserve else 0
+    offloaded = offloaded_parameters(model)
+    if offloaded is not None and disk is None:
+        disk = offloaded.store.directory  # the model's own disk tier
     if disk is not None and optimizer is None:
         raise TierflowError("disk= holds optimizer states and weights, which tierflow moves "
                             "only when it owns the optimizer: pass optimizer= too, or leave "
@@ -176,12 +181,7 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         chain, placed = _auto_head_chunk(attempt)
     plan = placed.plan
     owned = OwnedOptimizer(chain, optimizer, placed.store) if optimizer is not None else None
-    streamer = None
-    if placed.streamed:
-        streamable = stage_parameters_to_stream(chain.stages)
-        streamer = WeightStreamer({i: streamable[i] for i in sorted(placed.streamed)},
-                                  placed.store, config.prefetch_depth)
-        streamer.prefetch(plan.ops)
+    streamer = _stream(model, chain, placed, config.prefetch_depth)
     if exact_host and plan.predicted_peak * CACHING_SLACK <= budget:
         configure_host_allocator(CACHING_THRESHOLD)  # room for malloc's caches: faster steps
         plan = replace(plan, notes=plan.notes + (
@@ -189,6 +189,27 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
             f"peak), so freed memory is kept for reuse instead of returned at once",))
     say(f"planned in {time.perf_counter() - started:.1f} s: {plan.strategy}")
     return TierflowModule(model, chain, plan, autocast, device, owned, log, streamer)
+
+
+def _stream(model: nn.Module, chain: Chain, placed: Placement,
+            depth: int) -> WeightStreamer | None:
+    """Hand the streamed stages' weights to a streamer and bring every other weight of a model
+    that starts on disk into memory for good."""
+    offloaded = offloaded_parameters(model)
+    streamable = stage_parameters_to_stream(chain.stages)
+    streamed = {i: streamable[i] for i in sorted(placed.streamed)}
+    moving = {id(p) for params in streamed.values() for p in params}
+    if offloaded is not None:
+        offloaded.acquire(p for p in model.parameters() if p in offloaded and id(p) not in moving)
+    if not streamed:
+        return None
+    if offloaded is None:
+        offloaded = OffloadedParameters(placed.store)
+        attach(model, offloaded)
+    names = {id(p): name for name, p in model.named_parameters()}
+    streamer = WeightStreamer(streamed, offloaded, depth, names)
+    streamer.prefetch(placed.plan.ops)
+    return streamer
 
 
 def _auto_head_chunk(attempt: Callable[[int], tuple[Chain, Placement]]
@@ -216,13 +237,16 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
     """Cut the model into a chain, measure its stages and plan the step under the budget.
     ``before`` is the RSS when fit began: growth since then is the runtime's resident share."""
     meter = meter_for(device)
-    chain = to_chain(model, sample, head_chunk_tokens=head_chunk_tokens)
+    offloaded = offloaded_parameters(model)
+    args, kwargs = _as_call(sample)
+    with offloaded.on_demand(model) if offloaded else contextlib.nullcontext():
+        chain = to_chain(model, sample, head_chunk_tokens=head_chunk_tokens)
+        x0, ctx = chain.split_inputs(*args, **kwargs)
     if config.compile:
         say(f"compiling {compile_chain(chain)} stages (the first profile round pays for it)")
-    args, kwargs = _as_call(sample)
-    x0, ctx = chain.split_inputs(*args, **kwargs)
     with untouched(model, device):
         stage_costs, shared = profile_chain(chain, x0, ctx, autocast, meter,
+                                            resident=offloaded.resident if offloaded else None,
                                             repeats=config.profile_repeats, log=say)
     # what running the model left resident (kernel caches, compiled code, allocator slack):
     # it stays for the whole run, so it is planned as static

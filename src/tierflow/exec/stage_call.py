@@ -14,8 +14,10 @@ from .context import AutocastMode
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage (views and detached aliases share it)."""
-    return t.untyped_storage().data_ptr()
+    """Identity of a tensor's storage (views and detached aliases share it). The storage
+    object, not its data pointer: a streamed weight's storage is emptied and refilled (see
+    exec/weights.py) and stays the same storage, while all empty storages share pointer 0."""
+    return t.untyped_storage()._cdata
 
 
 def storage_bytes(t: torch.Tensor) -> int:

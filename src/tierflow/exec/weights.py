@@ -14,38 +14,30 @@ from typing import Sequence
 from torch import nn
 
 from ..plan.ops import Backward, Forward, Op, Update
-from .disk import DiskStore
+from .offload import OffloadedParameters
 
 
 class WeightStreamer:
-    """The weights of ``streamed`` stages of a chain, living in ``store`` between uses."""
+    """The weights of the streamed stages of a chain, living in ``offloaded`` between uses."""
 
-    def __init__(self, stage_params: dict[int, list[nn.Parameter]], store: DiskStore,
-                 depth: int):
-        for params in stage_params.values():
-            for p in params:
-                if not p.untyped_storage().resizable():  # e.g. memory from numpy or a file
-                    p.data = p.data.clone()
+    def __init__(self, stage_params: dict[int, list[nn.Parameter]],
+                 offloaded: OffloadedParameters, depth: int, names: dict[int, str]):
         self.stage_params = stage_params
-        self.store = store
+        self.offloaded = offloaded
         self.depth = depth
-        self._sizes = {i: [p.untyped_storage().nbytes() for p in ps]
-                       for i, ps in stage_params.items()}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-read")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-write")
         self._reads: dict[int, Future] = {}
         self._writes: dict[int, Future] = {}
-        self._resident: set[int] = set(stage_params)
-        for i in stage_params:  # the weights move to disk now
-            self._write_back(i)
-        self.wait_writes()
+        self._resident: set[int] = set()
+        for params in stage_params.values():  # the weights move to disk now (if not there)
+            for p in params:
+                if p not in offloaded:
+                    offloaded.offload(names[id(p)], p)
 
     @property
     def streamed(self) -> set[int]:
         return set(self.stage_params)
-
-    def resident_bytes(self) -> int:
-        return sum(sum(self._sizes[i]) for i in self._resident)
 
     # ------------------------------------------------------------------ around plan ops
 
@@ -105,24 +97,22 @@ class WeightStreamer:
     def _read(self, i: int, pending: Future | None) -> None:
         if pending is not None:
             pending.result()
-        params = self.stage_params[i]
-        for p, nbytes in zip(params, self._sizes[i]):
-            p.untyped_storage().resize_(nbytes)
-        self.store.read(f"weights-{i}", [p.detach() for p in params])
+        for p in self.stage_params[i]:
+            self.offloaded.read(p)
 
     def _write_back(self, i: int) -> None:
         params = self.stage_params[i]
-        self._writes[i] = self._writer.submit(self._write_and_free, i, params)
+        self._writes[i] = self._writer.submit(self._write_and_empty, params)
         self._resident.discard(i)
 
-    def _write_and_free(self, i: int, params: list[nn.Parameter]) -> None:
-        self.store.write(f"weights-{i}", [p.detach() for p in params])
+    def _write_and_empty(self, params: list[nn.Parameter]) -> None:
         for p in params:
-            p.untyped_storage().resize_(0)
+            self.offloaded.write(p)
+            self.offloaded.empty(p)
 
     def _release(self, i: int) -> None:
         for p in self.stage_params[i]:
-            p.untyped_storage().resize_(0)
+            self.offloaded.empty(p)
         self._resident.discard(i)
 
 

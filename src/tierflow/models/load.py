@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 from ..errors import TierflowError
+from ..exec.offload import OffloadedParameters
+from .init import initialize
 from .presets import PRESETS, preset_config
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -44,13 +46,15 @@ def params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def _random_init(name: str, vocab_size: int | None, dtype: torch.dtype, seed: int):
+def _random_init(name: str, vocab_size: int | None, dtype: torch.dtype, seed: int,
+                 offload: OffloadedParameters | None):
     from transformers import AutoModelForCausalLM
 
     config = preset_config(name, vocab_size=vocab_size)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with params_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    initialize(model, seed, dtype, offload)
+    return model
 
 
 def read_safetensors_index(directory: Path) -> dict[str, Path]:
@@ -230,14 +234,22 @@ def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float3
 
 
 def load_model(spec: str | Path, *, vocab_size: int | None = None,
-               dtype: torch.dtype | None = torch.float32, seed: int = 0):
+               dtype: torch.dtype | None = torch.float32, seed: int = 0,
+               offload: OffloadedParameters | None = None):
     """A causal LM from ``spec``: a preset name (random init from ``seed``, the vocabulary
     ``vocab_size`` when given) or a local directory with ``config.json`` and
     ``model.safetensors`` (or shards and ``model.safetensors.index.json``); for a directory
     ``vocab_size`` is the tokenizer's, checked against the model's. Preset models are in
-    training mode, loaded ones in eval mode (as ``from_pretrained`` returns them)."""
+    training mode, loaded ones in eval mode (as ``from_pretrained`` returns them).
+
+    ``offload`` (presets only) builds the model straight onto the disk tier: its weights live
+    there and visit RAM only when used (see ``models/init.py``), so ``tierflow.fit`` can train
+    a model larger than the RAM budget."""
     if isinstance(spec, str) and spec in PRESETS:
-        return _random_init(spec, vocab_size, dtype or torch.float32, seed)
+        return _random_init(spec, vocab_size, dtype or torch.float32, seed, offload)
+    if offload is not None:
+        raise TierflowError(f"building {spec} onto the disk tier is only supported for presets "
+                            f"({', '.join(PRESETS)}): load it into memory")
     directory = Path(spec)
     if not directory.exists():
         raise TierflowError(f"model {str(spec)!r} is neither a preset ({', '.join(PRESETS)}) nor "

@@ -6,8 +6,10 @@ measured, in this run or earlier in this process, is not measured again.
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -16,9 +18,8 @@ from torch import nn
 
 from ..chain.base import Chain
 from ..exec.context import AutocastMode
-from ..exec.memory import HostMeter, DeviceMeter
-from ..exec.stage_call import (context_tensors, forward_plain, forward_taped, storage_key,
-                               tape_bytes)
+from ..exec.memory import DeviceMeter, HostMeter
+from ..exec.stage_call import context_tensors, forward_plain, forward_taped, storage_key, tape_bytes
 from ..plan.costs import StageCost
 
 
@@ -43,9 +44,13 @@ def stage_parameters(stage: nn.Module) -> list[nn.Parameter]:
 
 def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
                   meter: HostMeter | DeviceMeter, *, repeats: int = 2,
-                  log: Any = None) -> tuple[list[StageCost], int]:
+                  log: Any = None, resident: Callable[[list[nn.Parameter]], Any] | None = None
+                  ) -> tuple[list[StageCost], int]:
     """Costs of every stage (parameter bytes are those the stage alone uses) and the bytes of
-    gradients of parameters shared between stages (tied embeddings)."""
+    gradients of parameters shared between stages (tied embeddings). ``resident(params)``,
+    when given, is a context that holds a stage's weights while it runs (a model whose
+    weights start on disk)."""
+    resident = resident or (lambda params: contextlib.nullcontext())
     owners = _parameter_users(chain)
     shared = {key for key, users in owners.items() if len(users) > 1}
     # parameters and the step's context (masks, rotary tables) are held anyway: not tape
@@ -61,7 +66,9 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
         fresh = key not in _CACHE
         if fresh:
             started = time.perf_counter()
-            _CACHE[key] = _measure(stage, x, ctx, autocast, meter, held, input_grad, repeats)
+            with resident(stage_parameters(stage)):
+                _CACHE[key] = _measure(stage, x, ctx, autocast, meter, held, input_grad,
+                                       repeats)
             if log is not None:
                 log(f"profiled {chain.names[i]} in {time.perf_counter() - started:.1f} s")
         m = _CACHE[key]
@@ -81,7 +88,8 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
                                fwd_transient_nograd=m.fwd_transient_nograd,
                                bwd_transient=m.bwd_transient, input_grad=input_grad))
         if i + 1 < len(chain.stages):
-            x = forward_plain(stage, x, ctx, autocast)
+            with resident(stage_parameters(stage)):
+                x = forward_plain(stage, x, ctx, autocast)
     return costs, shared_bytes
 
 

@@ -1,0 +1,76 @@
+"""Random initialization of a preset, one module at a time, so that a model larger than the
+RAM budget can be built straight onto the disk tier.
+
+The model is built with its parameters on the meta device; then every module, children
+before parents (the order of Hugging Face's own initialization), gets its own parameters
+allocated and initialized by the model's ``_initialize_weights``, from a generator seeded by
+``(seed, module name)``: a module's values do not depend on what was built before it, so the
+model is the same whether it is built in memory or onto disk. With ``offload``, each decoder
+layer and each top-level module moves to disk as soon as it is complete; parameters shared by
+several modules (tied embeddings) stay in memory.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from ..exec.offload import OffloadedParameters, attach
+
+
+def initialize(model: nn.Module, seed: int, dtype: torch.dtype,
+               offload: OffloadedParameters | None = None) -> None:
+    """Allocate and initialize ``model``'s meta parameters in place (see the module doc)."""
+    users: dict[int, int] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)] = users.get(id(p), 0) + 1
+    for module in model.modules():
+        module._is_hf_initialized = False  # the meta build already "initialized" them
+    blocks = _offload_units(model)
+    built: dict[int, nn.Parameter] = {}  # meta parameter -> its allocated replacement
+    names = {id(m): name for name, m in model.named_modules()}
+    param_names: dict[int, str] = {}
+    shared: set[int] = set()  # allocated parameters used by several modules: never offloaded
+
+    def visit(module: nn.Module) -> None:
+        for child in module.children():
+            visit(child)
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in built:
+                fresh = nn.Parameter(torch.empty(p.shape, dtype=dtype),
+                                     requires_grad=p.requires_grad)
+                built[id(p)] = fresh
+                param_names[id(fresh)] = f"{names[id(module)]}.{name}".lstrip(".")
+                if users[id(p)] > 1:
+                    shared.add(id(fresh))
+            setattr(module, name, built[id(p)])
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(_module_seed(seed, names[id(module)]))
+            model._initialize_weights(module)
+        if offload is not None and id(module) in blocks:
+            for p in module.parameters():
+                if id(p) not in shared and p not in offload:
+                    offload.offload(param_names[id(p)], p)
+
+    visit(model)
+    if offload is not None:
+        attach(model, offload)
+
+
+def _offload_units(model: nn.Module) -> set[int]:
+    """Modules whose parameters may leave for disk once built: the decoder layers and the
+    top-level modules that hold no decoder layer (embeddings, final norm, LM head)."""
+    from ..chain.hf import _decoder_layers
+
+    base = getattr(model, "base_model", model)
+    _, layers = _decoder_layers(base)
+    holders = [m for m in model.modules() if any(x is layers for x in m.modules())]
+    held = {id(m) for m in holders}
+    return {id(child) for holder in holders for child in holder.children() if id(child) not in held}
+
+
+def _module_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
