@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Calibration: `tierflow plan --hardware cpu` against measured `tierflow train` runs.
+
+    ./run python benchmarks/calibration.py [--only NAME ...] [--steps 4]
+
+For each configuration, in fresh processes: `tierflow plan --hardware cpu --json` predicts
+the step time and the peak RAM, then `tierflow train` runs it on random tokens under the
+same `--ram` budget, and the table gives predicted vs measured and the error. The budget is
+1.1 x the predicted peak, so the trainer keeps malloc's thresholds pinned (see
+docs/architecture.md, "Memory on the CPU") and its RSS tracks its live bytes. Measured step:
+the median of the steps after the first; measured peak: the largest RAM figure the trainer
+logged (peak RSS above the RSS after imports). The issue's acceptance: step within 15%,
+peak RAM within 10%.
+
+Rows whose trainer feature is missing (`requires`: a flag `tierflow train --help` does not
+list yet) are reported as missing instead of run. Writes
+benchmarks/results/calibration-<date>.{md,json}. Run it on a quiet machine: the timings
+compare one process with a prediction, so other load on the CPU shows as error.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+from tierflow.data.tokenfile import write_tokens
+
+VOCAB = 32000
+GIB = 2 ** 30
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    model: str
+    seq: int
+    batch: int
+    accum: int = 1
+    ram: str | None = None  # a fixed budget; None: 1.1 x the predicted peak
+    train_flags: tuple[str, ...] = ()  # extra `tierflow train` flags
+    plan_flags: tuple[str, ...] = ()  # the same choices for `tierflow plan`
+    requires: tuple[str, str] | None = None  # (train flag, what provides it)
+    steps: int = 0  # 0: --steps of the command line
+    notes: str = field(default="")
+
+
+CONFIGS = [
+    Config("tiny", "llama-20m", 256, 4, notes="smoke test: seconds"),
+    Config("small", "llama-20m", 512, 8),
+    Config("small-accum4", "llama-20m", 512, 2, accum=4),
+    Config("W1", "llama-134m", 1024, 4),
+    Config("W1-accum4", "llama-134m", 1024, 4, accum=4),
+    Config("W1-bf16-moments", "llama-134m", 1024, 4, train_flags=("--optim-dtype", "bf16"),
+           plan_flags=("--optim-dtype", "bf16"),
+           requires=("--optim-dtype", "issue 5 (low-precision optimizer states)")),
+    *[Config(f"W2-{ram}", "tinyllama-1.1b", 1024, 1, ram=ram,
+             train_flags=("--disk", "{tmp}/offload"), plan_flags=("--disk", "{tmp}/offload"),
+             requires=("--disk", "issue 4 (weight streaming from disk)"))
+      for ram in ("2GiB", "4GiB", "8GiB")],
+]
+
+
+def _shell(cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run through /bin/sh so the child does not inherit our peak RSS (see remat.py)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    return subprocess.run(["/bin/sh", "-c", '"$@"', "sh", *cmd], env=env, capture_output=True,
+                          text=True, check=False)
+
+
+def trainer_flags() -> str:
+    return _shell([sys.executable, "-m", "tierflow", "train", "--help"]).stdout
+
+
+def random_data(directory: Path) -> Path:
+    """train.bin of uniformly random token ids: speed and memory do not depend on them."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    write_tokens(directory / "train.bin", rng.integers(0, VOCAB, 1 << 20, dtype=np.uint16), VOCAB)
+    return directory
+
+
+def predict(cfg: Config, ram: str | None, tmp: Path) -> dict:
+    cmd = [sys.executable, "-m", "tierflow", "plan", "--hardware", "cpu", "--model", cfg.model,
+           "--seq-len", str(cfg.seq), "--batch-size", str(cfg.batch), "--grad-accum",
+           str(cfg.accum), "--json", *[f.format(tmp=tmp) for f in cfg.plan_flags]]
+    cmd += ["--ram", ram] if ram else []
+    proc = _shell(cmd)
+    if proc.returncode != 0:
+        raise SystemExit(f"tierflow plan failed for {cfg.name}: {proc.stderr.strip()}")
+    data = json.loads(proc.stdout)
+    return {"step_s": data["step_time"], "peak_ram": data["placement"]["peaks"]["ram"]}
+
+
+def measure(cfg: Config, ram: str, data: Path, tmp: Path, steps: int) -> dict:
+    out = tmp / f"run-{cfg.name}"
+    cmd = [sys.executable, "-m", "tierflow", "train", "--model", cfg.model, "--data", str(data),
+           "--seq-len", str(cfg.seq), "--batch-size", str(cfg.batch), "--grad-accum",
+           str(cfg.accum), "--steps", str(steps + 1), "--dtype", "bf16", "--eval-every", "0",
+           "--ram", ram, "--out", str(out), *[f.format(tmp=tmp) for f in cfg.train_flags]]
+    proc = _shell(cmd)
+    if proc.returncode != 0:
+        raise SystemExit(f"tierflow train failed for {cfg.name}: {proc.stderr[-2000:]}")
+    records = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    train = [r for r in records if r.get("kind") == "train"]
+    return {"step_s": statistics.median(r["ms"] / 1e3 for r in train[1:]),
+            "peak_ram": max(r["ram_bytes"] for r in train)}
+
+
+def run(configs: list[Config], steps: int) -> list[dict]:
+    help_text = trainer_flags()
+    rows = []
+    with tempfile.TemporaryDirectory() as name:
+        tmp = Path(name)
+        (tmp / "offload").mkdir()
+        data = random_data(tmp / "data")
+        for cfg in configs:
+            if cfg.requires and cfg.requires[0] not in help_text:
+                rows.append({"config": cfg.name, "missing": f"tierflow train has no "
+                             f"{cfg.requires[0]} yet: needs {cfg.requires[1]}"})
+                continue
+            first = predict(cfg, cfg.ram, tmp)
+            ram = cfg.ram or f"{math.ceil(1.1 * first['peak_ram'] / 2 ** 20)}MiB"
+            predicted = predict(cfg, ram, tmp) if cfg.ram is None else first
+            measured = measure(cfg, ram, data, tmp, cfg.steps or steps)
+            rows.append({"config": cfg.name, "model": cfg.model, "seq": cfg.seq,
+                         "batch": cfg.batch, "accum": cfg.accum, "ram": ram,
+                         "predicted": predicted, "measured": measured,
+                         "step_error": predicted["step_s"] / measured["step_s"] - 1,
+                         "peak_error": predicted["peak_ram"] / measured["peak_ram"] - 1})
+            print(_line(rows[-1]), flush=True)
+    return rows
+
+
+def _line(r: dict) -> str:
+    if "missing" in r:
+        return f"| {r['config']} | missing: {r['missing']} |||||||"
+    p, m = r["predicted"], r["measured"]
+    return (f"| {r['config']} | {r['model']} {r['batch']}x{r['accum']}x{r['seq']} | {r['ram']} | "
+            f"{p['step_s']:.2f} | {m['step_s']:.2f} | {100 * r['step_error']:+.0f}% | "
+            f"{p['peak_ram'] / GIB:.2f} | {m['peak_ram'] / GIB:.2f} | "
+            f"{100 * r['peak_error']:+.0f}% |")
+
+
+def markdown(rows: list[dict]) -> str:
+    head = [("| config | run | --ram | predicted step (s) | measured step (s) | error | "
+             "predicted peak (GiB) | measured peak (GiB) | error |"),
+            "|---|---|---|---|---|---|---|---|---|"]
+    return "\n".join(head + [_line(r) for r in rows])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=None, metavar="NAME",
+                        help=f"configurations to run (default all: "
+                             f"{', '.join(c.name for c in CONFIGS)})")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps after one warm-up")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = parser.parse_args()
+    unknown = set(args.only or ()) - {c.name for c in CONFIGS}
+    if unknown:
+        parser.error(f"unknown configurations {sorted(unknown)}")
+    configs = [c for c in CONFIGS if args.only is None or c.name in args.only]
+    rows = run(configs, args.steps)
+    table = markdown(rows)
+    print(table)
+    date = dt.date.today().isoformat()
+    args.out.mkdir(parents=True, exist_ok=True)
+    suffix = "" if args.only is None else "-" + "-".join(args.only)
+    (args.out / f"calibration-{date}{suffix}.md").write_text(table + "\n")
+    (args.out / f"calibration-{date}{suffix}.json").write_text(
+        json.dumps({"date": date, "load_average": os.getloadavg(), "rows": rows}, indent=1)
+        + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""The planner as a simulator: predict a training run on hardware you may not have.
+
+``shapes`` reads a model's shape from a preset or ``config.json``; ``stages`` turns it into
+the ``ChainCosts`` the profiler would measure; ``hardware`` holds the published profiles and
+``calibrate`` measures the ``cpu`` one; ``predict`` runs the tier placement planner
+(``plan/placement.py``) on them; ``sweep`` repeats it over a grid. No torch is imported
+except by ``calibrate``.
+"""
+from .hardware import Hardware, hardware
+from .predict import Prediction, Setup, predict
+
+__all__ = ["Hardware", "Prediction", "Setup", "hardware", "predict"]

@@ -1,0 +1,116 @@
+"""The ``cpu`` hardware profile: this machine's matmul, memcpy and disk rates, measured once.
+
+The matmul peaks are the trainer's own speed-of-light figures (``train/sol.py``: the best of
+2048x2048 matmuls per dtype at the current thread count), so a predicted MFU and the
+trainer's printed SOL % share one denominator. The profile is cached as
+``hardware-cpu.json`` beside sol's ``calibration.json`` in the user's cache directory,
+keyed by CPU model, thread count and torch version; ``tierflow calibrate`` measures it
+again.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..train.sol import _cache_dir, cpu_model, peak_matmul_flops
+from .hardware import Hardware
+
+# What the cpu profile assumes beyond what it measures: eager PyTorch reaches this fraction
+# of the 2048x2048 matmul peak in a training step's matmuls (measured on W1: 0.85-0.95)
+CPU_MATMUL_EFFICIENCY = 0.9
+CPU_MEMORY_EFFICIENCY = 1.0
+_COPY_BYTES = 256 << 20
+_DISK_BYTES = 128 << 20
+
+
+def _key() -> str:
+    import torch
+    return f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+def _cache_file() -> Path:
+    return _cache_dir() / "hardware-cpu.json"
+
+
+def cached_profile() -> Hardware | None:
+    """The cached cpu profile of this machine and thread count, or None."""
+    with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
+        data = json.loads(_cache_file().read_text())
+        if data.get("key") == _key():
+            return Hardware.from_json(json.dumps(data["profile"]))
+    return None
+
+
+def cpu_profile() -> Hardware:
+    """The cached profile, or a new measurement (a few seconds, announced on stderr)."""
+    cached = cached_profile()
+    if cached is not None:
+        return cached
+    print("note: no calibration of this machine yet: measuring matmul, memcpy and disk rates "
+          "(a few seconds; 'tierflow calibrate' redoes it)", file=sys.stderr, flush=True)
+    return calibrate()
+
+
+def calibrate(disk_dir: str | Path | None = None) -> Hardware:
+    """Measure this machine and cache the profile. ``disk_dir``: where to time the disk
+    (default: the cache directory)."""
+    directory = Path(disk_dir) if disk_dir is not None else _cache_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    flops = {dtype: peak_matmul_flops(dtype) for dtype in ("fp32", "bf16")}
+    read, write = disk_bandwidth(directory)
+    copy = memcpy_bandwidth()
+    profile = Hardware(
+        name="cpu", about=f"measured on this machine: {cpu_model()}, {_threads()} threads",
+        gpu_bytes=None, peak_flops=flops, memory_bw=copy, host_link_bw=None,
+        host_memory_bw=copy, disk_read_bw=read, disk_write_bw=write,
+        matmul_efficiency=CPU_MATMUL_EFFICIENCY, memory_efficiency=CPU_MEMORY_EFFICIENCY,
+        ram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        notes=(f"matmul efficiency {CPU_MATMUL_EFFICIENCY} of the measured 2048x2048 peak",
+               "no GPU: RAM is the compute tier, the disk the offload tier"))
+    with contextlib.suppress(OSError):
+        cache = _cache_file()
+        tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps({"key": _key(), "profile": json.loads(profile.to_json())},
+                                  indent=1))
+        os.replace(tmp, cache)
+    return profile
+
+
+def _threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
+def memcpy_bandwidth(nbytes: int = _COPY_BYTES) -> float:
+    """Bytes copied per second by ``Tensor.copy_`` of ``nbytes``: the best of five."""
+    import torch
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    return nbytes / best
+
+
+def disk_bandwidth(directory: Path, nbytes: int = _DISK_BYTES) -> tuple[float, float]:
+    """(read, write) bytes/s of a synced write and an uncached read of ``nbytes`` in
+    ``directory``, through the disk tier's own store (``exec/disk.py``)."""
+    import torch
+
+    from ..exec.disk import DiskStore
+    with tempfile.TemporaryDirectory(dir=directory, prefix="tierflow-disk-probe-") as tmp:
+        store = DiskStore(tmp)
+        probe = torch.ones(nbytes // 4, dtype=torch.float32)
+        write = _timed(lambda: store.write("probe", [probe]))
+        read = _timed(lambda: store.read("probe", [probe]))
+    return nbytes / read, nbytes / write
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return max(time.perf_counter() - start, 1e-9)

@@ -1,0 +1,124 @@
+"""The flags ``tierflow plan`` and ``tierflow sweep`` share, and the Setup they describe.
+
+Memory sizes are byte strings (``24GiB``, ``500MB``) or bare numbers of GiB (``24``), as
+GPU memory is usually quoted. ``sweep`` takes comma-separated lists of them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ..errors import TierflowError
+from ..units import parse_bytes
+from .hardware import NAMES, Hardware, hardware
+from .precision import MASTERS, MATMUL_DTYPES, MODEL_DTYPES, OPTIM_DTYPES, RunPrecision
+from .predict import Setup
+from .shapes import ModelShape
+
+GIB = 2 ** 30
+
+
+def memory_size(text: str, flag: str) -> int:
+    """Bytes of ``text``: a bare number is GiB, else a byte string; one-line error if bad."""
+    try:
+        return int(float(text) * GIB) if _is_number(text) and float(text) > 0 else \
+            parse_bytes(text, what=flag)
+    except ValueError as e:
+        raise TierflowError(f"{e}; a bare number means GiB, e.g. {flag} 24") from None
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def positive_list(text: str, flag: str) -> list[int]:
+    """``4096,16384`` -> [4096, 16384]; one-line error for anything else."""
+    values = []
+    for part in text.split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            raise TierflowError(f"{flag} {text!r}: {part!r} is not a whole number; give e.g. "
+                                f"{flag} 4096,16384") from None
+        if value < 1:
+            raise TierflowError(f"{flag} {text!r}: {value} must be at least 1")
+        values.append(value)
+    return values
+
+
+def add_setup_arguments(parser: argparse.ArgumentParser, *, lists: bool) -> None:
+    """The flags of one configuration (``lists``: model, seq len, gpu and ram take
+    comma-separated lists, for sweep)."""
+    many = " (comma-separated list)" if lists else ""
+    parser.add_argument("--model", required=True, metavar="PRESET|DIR",
+                        help=f"a preset (llama3-8b, qwen2.5-0.5b, ...) or a directory with "
+                             f"config.json{many}")
+    parser.add_argument("--hardware", default="cpu", choices=NAMES,
+                        help="hardware profile (default cpu: this machine, calibrated)")
+    parser.add_argument("--gpu", metavar="SIZE", default=None,
+                        help=f"GPU memory budget, e.g. 24 (GiB) or 24GiB (default: the "
+                             f"profile's){many}")
+    parser.add_argument("--ram", metavar="SIZE", default=None,
+                        help=f"host RAM budget (default: unlimited){many}")
+    disk = parser.add_mutually_exclusive_group()
+    disk.add_argument("--disk", type=Path, metavar="DIR", default=None,
+                      help="a disk tier in DIR (its free space is the budget)")
+    disk.add_argument("--disk-bw", type=float, metavar="GB/S", default=None,
+                      help="a disk tier of unlimited size at this read and write rate, GB/s")
+    parser.add_argument("--seq-len", required=True, metavar="N",
+                        help=f"tokens per sequence{many}")
+    parser.add_argument("--batch-size", default="1", metavar="N",
+                        help="sequences per micro-batch (default 1)")
+    parser.add_argument("--grad-accum", default="1", metavar="N",
+                        help="micro-batches per optimizer step (default 1)")
+    parser.add_argument("--model-dtype", choices=MODEL_DTYPES, default=None,
+                        help="weights and gradients (default: bf16 on a GPU, fp32 on the cpu)")
+    parser.add_argument("--master", choices=MASTERS, default=None,
+                        help="fp32 master weights beside bf16 ones (default: fp32 on a GPU)")
+    parser.add_argument("--optim-dtype", choices=OPTIM_DTYPES, default=None,
+                        help="AdamW moments (default fp32)")
+    parser.add_argument("--matmul-dtype", choices=MATMUL_DTYPES, default=None,
+                        help="matmul dtype (default bf16)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def precision_from_args(args: argparse.Namespace, hw: Hardware) -> RunPrecision:
+    default = RunPrecision.default_for(hw.has_gpu)
+    prec = RunPrecision(args.model_dtype or default.model, args.master or default.master,
+                        args.optim_dtype or default.optim, args.matmul_dtype or default.matmul)
+    hw.flops(prec.matmul)  # a one-line error when the hardware lacks the dtype
+    return prec
+
+
+def hardware_from_args(args: argparse.Namespace) -> Hardware:
+    """The ``--hardware`` profile, after the flags that need no profile are checked (the
+    cpu profile may take seconds to measure on first use)."""
+    if args.gpu is not None and args.hardware == "cpu":
+        raise TierflowError(f"--gpu {args.gpu}: hardware cpu has no GPU (RAM is its compute "
+                            f"tier): leave --gpu out or pick a GPU profile")
+    return hardware(args.hardware)
+
+
+def base_setup(args: argparse.Namespace, hw: Hardware, shape: ModelShape) -> Setup:
+    """The configuration the flags describe, for the first model and sequence length."""
+    (batch,) = positive_list(args.batch_size, "--batch-size")
+    (accum,) = positive_list(args.grad_accum, "--grad-accum")
+    disk_budget = None
+    if args.disk is not None:
+        if not args.disk.is_dir():
+            raise TierflowError(f"--disk {args.disk} is not a directory: create it or give "
+                                f"another one")
+        stat = os.statvfs(args.disk)
+        disk_budget = stat.f_bavail * stat.f_frsize
+    if args.disk_bw is not None and not args.disk_bw > 0:
+        raise TierflowError(f"--disk-bw {args.disk_bw} must be a positive rate in GB/s, e.g. 7")
+    return Setup(shape=shape, hardware=hw, seq=1, batch=batch, grad_accum=accum,
+                 disk=args.disk is not None or args.disk_bw is not None,
+                 disk_budget=disk_budget,
+                 disk_bw=args.disk_bw * 1e9 if args.disk_bw is not None else None,
+                 precision=precision_from_args(args, hw))

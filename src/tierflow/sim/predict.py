@@ -1,0 +1,113 @@
+"""Predict a training run on some hardware: analytic costs -> placement -> step time, tok/s, MFU.
+
+``predict(Setup(...))`` is what ``tierflow plan`` prints and ``tierflow sweep`` repeats over
+a grid. Nothing is run: the model's shape comes from its config, the machine's rates from a
+hardware profile, and the step from the same planners that plan real runs.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from ..plan.placement import Link, Placement, Problem, Tier, place
+from .activations import activation_options, with_grad_bytes
+from .hardware import Hardware
+from .precision import RunPrecision
+from .shapes import ModelShape
+from .stages import StepShape, chain_costs, step_flops
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration to predict. Budgets in bytes; None: unlimited (the GPU's default is
+    the profile's memory). ``disk``: whether a disk tier exists; ``disk_bw`` overrides the
+    profile's disk read and write rates (bytes/s)."""
+
+    shape: ModelShape
+    hardware: Hardware
+    seq: int
+    batch: int
+    grad_accum: int = 1
+    gpu: int | None = None
+    ram: int | None = None
+    disk: bool = False
+    disk_budget: int | None = None
+    disk_bw: float | None = None
+    precision: RunPrecision | None = None
+
+    @property
+    def run_precision(self) -> RunPrecision:
+        return self.precision or RunPrecision.default_for(self.hardware.has_gpu)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    model: str
+    hardware: str
+    seq: int
+    batch: int
+    grad_accum: int
+    precision: str
+    params: int
+    tokens_per_step: int
+    flops_per_token: float  # model FLOPs (6 x matmul parameters + causal attention)
+    placement: Placement
+    step_time: float
+    tokens_per_second: float
+    mfu: float  # model FLOP/s over the dense peak of the matmul dtype
+    matmul_dtype: str
+    peak_flops: float  # the dense peak MFU is measured against
+
+    def to_json(self) -> str:
+        return json.dumps({"format": "tierflow-prediction", "predicted": True, **asdict(self)},
+                          indent=1)
+
+
+def problem_for(setup: Setup) -> Problem:
+    """The placement problem of ``setup``: per-stage sizes and times, tiers, links."""
+    hw, shape, prec = setup.hardware, setup.shape, setup.run_precision
+    per_param = prec.bytes_per_param()
+    step = StepShape(setup.seq, setup.batch)
+    costs = chain_costs(shape, step, prec, hw)
+    params = (shape.embed_params(), *[shape.layer_params()] * shape.layers, shape.head_params())
+    tied = shape.vocab * shape.hidden if shape.tied else 0
+    grads = tuple(int(p * per_param.grads) for p in (params[0] - tied, *params[1:]))
+    options = activation_options(with_grad_bytes(costs, (0,) * len(params), 0), with_grads=False)
+    if setup.grad_accum == 1:  # gradients appear during the backward, after the forward's peak
+        options += activation_options(with_grad_bytes(costs, grads,
+                                                      int(tied * per_param.grads)),
+                                      with_grads=True)
+    disk_read = setup.disk_bw or hw.disk_read_bw
+    disk_write = setup.disk_bw or hw.disk_write_bw
+    if hw.has_gpu:
+        tiers = [Tier("gpu", setup.gpu if setup.gpu is not None else hw.gpu_bytes),
+                 Tier("ram", setup.ram)]
+        links = [Link(hw.host_link_bw, hw.host_link_bw)]
+    else:
+        tiers, links = [Tier("ram", setup.ram)], []
+    if setup.disk:
+        tiers.append(Tier("disk", setup.disk_budget))
+        links.append(Link(disk_read, disk_write))
+    device_bw = hw.memory_bw * hw.memory_efficiency if hw.has_gpu else hw.host_memory_bw
+    return Problem(params=params, compute=tuple(s.fwd_time + s.bwd_time for s in costs.stages),
+                   precision=per_param, tiers=tuple(tiers), links=tuple(links),
+                   activations=options, grad_accum=setup.grad_accum,
+                   host_update_bw=hw.host_memory_bw, device_update_bw=device_bw,
+                   runtime_bytes=costs.extra["runtime"])
+
+
+def predict(setup: Setup) -> Prediction:
+    """Plan ``setup``; raises PlacementError (a BudgetError) when nothing fits."""
+    hw, prec = setup.hardware, setup.run_precision
+    placement = place(problem_for(setup))
+    step = StepShape(setup.seq, setup.batch)
+    tokens = step.tokens * setup.grad_accum
+    flops_token = step_flops(setup.shape, step) / step.tokens
+    tok_s = tokens / placement.step_time
+    return Prediction(model=setup.shape.name, hardware=hw.name, seq=setup.seq,
+                      batch=setup.batch, grad_accum=setup.grad_accum,
+                      precision=prec.describe(), params=setup.shape.total_params(),
+                      tokens_per_step=tokens, flops_per_token=flops_token,
+                      placement=placement, step_time=placement.step_time,
+                      tokens_per_second=tok_s, mfu=tok_s * flops_token / hw.flops(prec.matmul),
+                      matmul_dtype=prec.matmul, peak_flops=hw.flops(prec.matmul))

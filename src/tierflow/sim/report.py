@@ -1,0 +1,62 @@
+"""What ``tierflow plan`` prints: the predicted placement, peaks, time and bottleneck, in the
+trainer's ``[Section]`` style, every figure labelled PREDICTED."""
+from __future__ import annotations
+
+from ..train.logger import format_rate, section
+from ..units import format_bytes
+from .hardware import Hardware
+from .predict import Prediction
+
+
+def _budget(value: int | None) -> str:
+    return "unlimited" if value is None else format_bytes(value)
+
+
+def plan_text(pred: Prediction, hw: Hardware) -> str:
+    """The ``[Predicted plan]`` block of one prediction."""
+    pl = pred.placement
+    streamed = pl.weights.resident < pl.stages
+    below = list(pl.peaks)[1] if len(pl.peaks) > 1 else "-"
+    acts = {"keep": "kept (nothing recomputed)",
+            "recompute": f"rotor recomputes {pl.recomputed} stage forwards per micro-batch",
+            "offload": f"saved activations offloaded to {below} and fetched back",
+            "offload+recompute": f"stage boundaries offloaded to {below}, every stage "
+                                 f"recomputed"}
+    rows: list[tuple[str, object]] = [
+        ("model", f"{pred.model}: {pred.params / 1e9:.2f}B parameters, {pl.stages} stages"),
+        ("hardware", f"{hw.name}: {hw.about}"),
+        ("efficiency", "; ".join(hw.notes)),
+        ("precision", pred.precision),
+        ("tokens per step",
+         f"{pred.tokens_per_step:,} ({pred.batch} x {pred.grad_accum} x {pred.seq})"),
+        ("weights", pl.describe("weights")
+         + (f" (prefetched {pl.prefetch} stage(s) ahead)" if streamed else "")),
+        ("gradients", pl.describe("grads")),
+        ("optimizer states", pl.describe("optimizer")
+         + (", updated on the host" if pl.optimizer.resident < pl.stages and hw.has_gpu
+            else "")),
+        ("activations", acts[pl.activations]),
+    ]
+    rows += [(f"peak {tier}", f"{format_bytes(peak)} of {_budget(pl.budgets[tier])}")
+             for tier, peak in pl.peaks.items()]
+    rows += [("step time", f"{pred.step_time:.3g} s"),
+             ("tokens/s", f"{format_rate(pred.tokens_per_second)}"),
+             ("MFU", (f"{100 * pred.mfu:.1f}% of {pred.peak_flops / 1e12:.3g} TFLOP/s "
+                      f"({pred.matmul_dtype} peak), {pred.flops_per_token / 1e9:.3g} "
+                      f"GFLOP/token")),
+             ("busy per step", ", ".join(f"{k} {v:.3g} s" for k, v in pl.times.items()
+                                         if v > 0 or k == "compute")),
+             ("bottleneck", pl.bottleneck),
+             ("smallest budgets", smallest_text(pl.smallest, pl.budgets))]
+    rows += [("note", note) for note in pl.notes]
+    return section("Plan: PREDICTED, nothing was run", rows)
+
+
+def smallest_text(smallest: dict[str, int | None], budgets: dict[str, int | None]) -> str:
+    """``gpu 12.3 GiB (with ram 64 GiB); ram 20 GiB (with gpu 24 GiB)``."""
+    parts = []
+    for tier, value in smallest.items():
+        others = ", ".join(f"{t} {_budget(b)}" for t, b in budgets.items() if t != tier)
+        text = "none works" if value is None else format_bytes(value, round_up=True)
+        parts.append(f"{tier} {text}" + (f" (with {others})" if others else ""))
+    return "; ".join(parts)

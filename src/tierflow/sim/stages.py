@@ -1,0 +1,119 @@
+"""Analytic stage costs: the ChainCosts of a training step, from a model's shape alone.
+
+The chain is the one ``chain/hf.py`` cuts (embeddings, each decoder layer, final norm +
+chunked LM head + loss), so the same rotor and ``make_plan`` that plan a profiled run plan
+this one. FLOPs are matmul FLOPs, attention scores included and causal (half of the s x s
+products); the backward costs twice the forward. Activation bytes per token follow the
+precision regime (see ``ACTIVATION_COEFFS``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..plan.costs import ChainCosts, StageCost
+from .hardware import Hardware, effective_flops
+from .precision import RunPrecision
+from .shapes import ModelShape
+
+# Bytes per token a decoder layer keeps for backward beyond its input and output, as
+# (per hidden, per kv width, per MLP width) for a gated MLP; a plain MLP keeps half the MLP
+# term. fp32 and autocast (fp32 residual stream, bf16 matmuls) were measured with the
+# profiler's saved-tensor hooks on Llama layers (h = 256, kv = 64 and 256, i = 512 and 704):
+# fp32 28h + 8kv + 16i, autocast 26h + 4kv + 8i plus the bf16 copy of the layer's weights.
+# "low" (bf16 everywhere, fused kernels) is DESIGN's 12h + 4kv + 6i less the 2h input.
+ACTIVATION_COEFFS = {"fp32": (28, 8, 16), "autocast": (26, 4, 8), "low": (10, 4, 6)}
+# Element-wise traffic of a stage, as (forward, backward) multiples of the activation bytes
+# it keeps: eager PyTorch writes and reads them about twice in the forward and four times in
+# the backward; fused GPU kernels ("low") about half of that.
+TRAFFIC = {"fp32": (2.0, 4.0), "autocast": (2.0, 4.0), "low": (1.0, 2.0)}
+# The fused head's chunk logits (fp32) while a forward runs, as a multiple of chunk x vocab x
+# 4 bytes (measured: 1.34 with autocast, 0.84 in fp32; without tape 2.97 and 1.97)
+HEAD_TRANSIENT = {"fp32": (0.85, 2.0), "autocast": (1.35, 3.0), "low": (1.35, 3.0)}
+HEAD_CHUNK = 1024
+RUNTIME_BYTES = 64 << 20  # what the CPU runtime keeps resident (kernel caches, allocator)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """One micro-batch: ``batch`` sequences of ``seq`` tokens."""
+
+    seq: int
+    batch: int
+
+    @property
+    def tokens(self) -> int:
+        return self.seq * self.batch
+
+
+def layer_flops(shape: ModelShape, step: StepShape) -> float:
+    """Forward matmul FLOPs of one decoder layer: projections, MLP and causal attention."""
+    dense = 2.0 * step.tokens * shape.layer_matmul_params()
+    attention = 2.0 * step.batch * step.seq * step.seq * shape.q_width  # QK^T + AV, causal
+    return dense + attention
+
+
+def head_flops(shape: ModelShape, step: StepShape) -> float:
+    return 2.0 * step.tokens * shape.hidden * shape.vocab
+
+
+def step_flops(shape: ModelShape, step: StepShape) -> float:
+    """Training matmul FLOPs of one micro-batch (forward + backward = 3 x forward)."""
+    return 3.0 * (shape.layers * layer_flops(shape, step) + head_flops(shape, step))
+
+
+def layer_activation_bytes(shape: ModelShape, step: StepShape, regime: str) -> int:
+    """Bytes one decoder layer keeps for backward beyond its input and output."""
+    ch, ckv, ci = ACTIVATION_COEFFS[regime]
+    ci = ci if shape.gated else ci / 2
+    per_token = ch * shape.hidden + ckv * shape.kv_width + ci * shape.mlp + 4 * shape.heads + 8
+    weights_copy = 2 * shape.layer_matmul_params() if regime == "autocast" else 0
+    return int(per_token * step.tokens) + weights_copy
+
+
+def chain_costs(shape: ModelShape, step: StepShape, precision: RunPrecision, hw: Hardware, *,
+                reserved: int = 0) -> ChainCosts:
+    """The costs the profiler would measure for one micro-batch on ``hw``.
+
+    ``param_bytes`` are in the model dtype; ``static_bytes`` holds the parameters, the
+    runtime and ``reserved`` (e.g. the optimizer states the caller keeps on this tier).
+    """
+    regime = precision.regime
+    flops = effective_flops(hw, precision.matmul)
+    memory = hw.memory_bw * hw.memory_efficiency
+    act = 4 if regime == "fp32" or regime == "autocast" else 2  # residual stream width
+    width = 4 if precision.model == "fp32" else 2
+    x_bytes = step.tokens * shape.hidden * act
+
+    fwd_traffic, bwd_traffic = TRAFFIC[regime]
+
+    def timed(name: str, fwd_flops: float, tape: int, params: int, **kw) -> StageCost:
+        fwd = fwd_flops / flops + fwd_traffic * tape / memory
+        bwd = 2 * fwd_flops / flops + bwd_traffic * tape / memory
+        return StageCost(name, fwd, bwd, params * width, kw.pop("output_bytes", x_bytes), tape,
+                         **kw)
+
+    tied = shape.vocab * shape.hidden if shape.tied else 0  # its gradient is "shared"
+    embed = StageCost("embed", x_bytes / memory,
+                      (shape.embed_params() * width + x_bytes) / memory,
+                      (shape.embed_params() - tied) * width, x_bytes, 0, input_grad=False)
+    layer_tape = layer_activation_bytes(shape, step, regime)
+    layers = [timed(f"layers.{i}", layer_flops(shape, step), layer_tape, shape.layer_params())
+              for i in range(shape.layers)]
+    chunk = min(HEAD_CHUNK, step.tokens)
+    logits = chunk * shape.vocab * 4
+    tape_factor, nograd_factor = HEAD_TRANSIENT[regime]
+    head_tape = step.tokens * (2 * act * shape.hidden + 4) + shape.vocab * shape.hidden * 4
+    # the fused head computes its gradients during the forward: all its FLOPs are there
+    head = StageCost("head", 3 * head_flops(shape, step) / flops + 3 * logits / memory
+                     * (step.tokens / chunk), head_tape / memory,
+                     shape.head_params() * width, 4, head_tape,
+                     fwd_transient=int(tape_factor * logits),
+                     fwd_transient_nograd=int(nograd_factor * logits))
+    params = shape.total_params() * width
+    runtime = RUNTIME_BYTES if not hw.has_gpu else 0
+    return ChainCosts(stages=(embed, *layers, head), input_bytes=step.tokens * 8,
+                      context_bytes=step.seq * shape.head_dim * 4 * 2,
+                      static_bytes=params + runtime + reserved,
+                      shared_grad_bytes=tied * width,
+                      extra={"parameters": params, "reserved": reserved, "runtime": runtime,
+                             "source": "analytic", "regime": regime})
