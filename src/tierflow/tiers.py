@@ -59,16 +59,20 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
         candidates.append((resident, None, frozenset(), ()))
     if disk is not None and device.type == "cpu":
         bandwidth = measure_bandwidth(disk.directory)
-        offloaded = []
+        offloaded, largest_state = [], 0
         for i, stage in enumerate(stages):
             owned = stage.param_bytes + (costs.shared_grad_bytes if i == 0 else 0)
             state = int(probe.state_per_byte * owned)
+            largest_state = max(largest_state, state)
+            io = 2 * state / bandwidth  # read ahead during the backward, written back after
             offloaded.append(replace(stage, update_transient=stage.update_transient + state,
-                                     update_time=stage.update_time + 2 * state / bandwidth))
-        on_disk = replace(resident, stages=tuple(offloaded), static_bytes=costs.static_bytes,
+                                     update_time=stage.update_time + max(0.0, io - stage.bwd_time)))
+        # besides the stage updating: the next one's states read ahead, the last one's writing
+        on_disk = replace(resident, stages=tuple(offloaded),
+                          static_bytes=costs.static_bytes + 2 * largest_state,
                           extra={**costs.extra, "optimizer states on disk": state_bytes})
         note = (f"the optimizer states ({format_bytes(state_bytes)}) live on disk in "
-                f"{disk.directory}, read before each stage's update and written back after "
+                f"{disk.directory}, read ahead of each stage's update and written back after "
                 f"({format_bytes(bandwidth)}/s measured there)")
         if config.stream != "all":
             candidates.append((on_disk, disk, frozenset(), (note,)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -24,7 +25,9 @@ class OwnedOptimizer:
     backward: a parameter used by several stages (tied embeddings) belongs to the first.
 
     With a ``disk`` store, each stage's optimizer states live on the disk tier between
-    updates: read into fresh buffers just before the stage's update, written back after.
+    updates. Updates run in backward order (the last stage first), so while one stage is
+    updated the states of the next one to update are read on an I/O thread, and the states
+    just updated are written back on another: two stages' states besides the one updating.
     """
 
     def __init__(self, chain: Chain, factory: OptimizerFactory, disk: DiskStore | None = None):
@@ -44,6 +47,10 @@ class OwnedOptimizer:
         self.disk = disk
         self._offloaded: list[list[tuple[dict, str, torch.Size, torch.dtype]]] = [
             [] for _ in chain.stages]
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-state-read")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-state-write")
+        self._reads: dict[int, Future] = {}
+        self._writes: dict[int, Future] = {}
 
     def step_stage(self, i: int) -> None:
         opt = self.optimizers[i]
@@ -53,6 +60,14 @@ class OwnedOptimizer:
         opt.step()
         opt.zero_grad(set_to_none=True)
         self._evict(i)
+        self._prefetch(self._next_update(i))
+
+    def _next_update(self, i: int) -> int:
+        """The stage updated after stage i: the closest lower one with an optimizer, or after
+        the lowest, the next step's first (the highest)."""
+        owned = [j for j, opt in enumerate(self.optimizers) if opt is not None]
+        lower = [j for j in owned if j < i]
+        return lower[-1] if lower else owned[-1]
 
     def state_dict(self) -> list[dict | None]:
         """Every stage's optimizer state, read back from disk where it lives there."""
@@ -66,19 +81,35 @@ class OwnedOptimizer:
             self._evict(i)
         return states
 
+    def _prefetch(self, i: int) -> None:
+        """Start reading stage i's offloaded states (after their pending write, if any)."""
+        entries = self._offloaded[i]
+        if entries and i not in self._reads:
+            shapes = [(shape, dtype) for _, _, shape, dtype in entries]
+            self._reads[i] = self._reader.submit(self._read, i, shapes, self._writes.get(i))
+
+    def _read(self, i: int, shapes: list[tuple[torch.Size, torch.dtype]],
+              pending: Future | None) -> list[torch.Tensor]:
+        if pending is not None:
+            pending.result()
+        buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
+        self.disk.read(f"optimizer-{i}", buffers)
+        return buffers
+
     def _fetch(self, i: int) -> None:
         """Put stage i's offloaded states back in its optimizer, read from disk."""
         entries = self._offloaded[i]
         if not entries:
             return
-        buffers = [torch.empty(shape, dtype=dtype) for _, _, shape, dtype in entries]
-        self.disk.read(f"optimizer-{i}", buffers)
+        self._prefetch(i)
+        buffers = self._reads.pop(i).result()
         for (state, key, _, _), buffer in zip(entries, buffers):
             state[key] = buffer
         entries.clear()
 
     def _evict(self, i: int) -> None:
-        """Write stage i's state tensors to disk and drop them from RAM (a no-op without disk)."""
+        """Hand stage i's state tensors to the writer and drop them from the optimizer (a
+        no-op without disk); the writer frees them once they are on disk."""
         if self.disk is None:
             return
         entries = self._offloaded[i]
@@ -90,9 +121,14 @@ class OwnedOptimizer:
                 if isinstance(value, torch.Tensor) and value.numel() > 1:
                     entries.append((state, key, value.shape, value.dtype))
                     tensors.append(value.contiguous())
-        self.disk.write(f"optimizer-{i}", tensors)
         for state, key, _, _ in entries:
             state[key] = _EVICTED
+        self._writes[i] = self._writer.submit(self.disk.write, f"optimizer-{i}", tensors)
+
+    def wait(self) -> None:
+        """Until every state write has reached the disk (and raise a write's error)."""
+        for future in list(self._writes.values()):
+            future.result()
 
     def set_lr(self, lr: float) -> None:
         for opt in self.optimizers:
