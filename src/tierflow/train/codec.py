@@ -1,5 +1,6 @@
 """What a checkpoint's values become on disk: JSON with tagged tensors, tuples and odd keys;
-optimizer state dicts split into safetensors tensors and JSON; RNG states; run hashes.
+optimizer state dicts split into safetensors tensors and JSON; RNG states; run hashes and the
+run identity they hash (the architecture, read from a config without loading weights).
 
 Pure encoding, no files: ``checkpoint.py`` writes and reads the files. Nothing here is
 ever unpickled: tensors travel as base64 with dtype and shape, or as safetensors entries.
@@ -11,6 +12,7 @@ import hashlib
 import json
 import math
 import random
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -104,6 +106,47 @@ def config_hash(value: Any) -> str:
     compares it to refuse a checkpoint of a different run."""
     text = json.dumps(to_json(value), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# the identity of a run: what must match for a checkpoint to be resumed
+
+def spec_arch(spec: str, vocab_size: int) -> dict[str, Any]:
+    """The architecture ``--model spec`` names, read without loading any weight."""
+    from ..models.load import _read_config
+    from ..models.presets import PRESETS, preset_config
+    if spec in PRESETS:
+        return _config_arch(preset_config(spec, vocab_size=vocab_size))
+    path = Path(spec)
+    if not path.is_dir():
+        raise TierflowError(f"--model {spec!r} is neither a preset nor a directory: pass the "
+                            "model the checkpoint was trained from, or leave --model out")
+    return _config_arch(_read_config(path))
+
+
+def model_arch(model) -> dict[str, Any]:
+    """The architecture fields of a loaded model's config."""
+    return _config_arch(model.config)
+
+
+def _config_arch(config) -> dict[str, Any]:
+    config = config.to_dict()
+    keep = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer",
+            "intermediate_size", "n_inner", "num_attention_heads", "n_head",
+            "num_key_value_heads", "tie_word_embeddings")
+    return {k: config[k] for k in keep if k in config}
+
+
+def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """``key: checkpoint A, now B`` for every (nested) value that differs."""
+    diffs = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs += [f"{key} {d}" for d in differences(a, b)]
+        elif a != b:
+            diffs.append(f"{key}: checkpoint {a!r}, now {b!r}")
+    return diffs
 
 
 # ---------------------------------------------------------------------------------------------

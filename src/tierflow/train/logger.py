@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import TierflowError
+from ..units import format_bytes
 
 GIB = 2 ** 30
 
@@ -43,34 +44,79 @@ def section(title: str, rows: list[tuple[str, Any]]) -> str:
     return "\n".join([f"[{title}]"] + [f"  {k.ljust(width)} : {v}" for k, v in rows])
 
 
+def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
+                 dist: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
+    """The ``[Plan]`` table (bytes per kind, the strategy, the predicted step) and the fields
+    of its JSON record. Under torchrun ``dist`` holds ``world_size``, ``backend``,
+    ``bus_bandwidth`` (bytes/s), ``comm_bytes`` and ``predicted_comm_s``; every figure is
+    this rank's (budgets are per rank)."""
+    extra = plan.costs.extra
+    activations = max(0, plan.simulation.peak - grads)
+    kinds = [("parameters", extra.get("parameters", 0)), ("gradients", grads),
+             ("optimizer states (reserved)", extra.get("reserved", 0)),
+             ("activations", activations), ("runtime", extra.get("runtime", 0))]
+    rows: list[tuple[str, Any]] = [(k, format_bytes(v)) for k, v in kinds]
+    if dist is not None:
+        rows[2] = (f"optimizer states (reserved, 1/{dist['world_size']} shard)", rows[2][1])
+    rows.append(("total (predicted peak)", format_bytes(plan.predicted_peak)))
+    free = (f"{format_bytes(budget - plan.predicted_peak)} of the {format_bytes(budget)} "
+            "budget" if budget else "- (no --ram budget)")
+    step = (f"{plan.predicted_time * grad_accum * 1e3:.0f} ms ({grad_accum} x "
+            f"{plan.predicted_time * 1e3:.0f} ms forward+backward, optimizer not included)")
+    rows += [("free", free), ("strategy", plan.strategy), ("predicted step", step)]
+    fields: dict[str, Any] = {k: int(v) for k, v in kinds}
+    fields.update(predicted_peak=int(plan.predicted_peak), budget=budget,
+                  strategy=plan.strategy, predicted_step_s=plan.predicted_time * grad_accum)
+    if dist is not None:
+        n = dist["world_size"]
+        parallel = (f"{n} ranks ({dist['backend']}); ZeRO-2: AdamW moments and reduced "
+                    f"gradients sharded 1/{n}, parameters all-gathered after each update")
+        comm = (f"{dist['predicted_comm_s'] * 1e3:.2f} ms per step predicted "
+                f"({format_bytes(dist['comm_bytes'])} x {n - 1}/{n} at "
+                f"{format_bytes(dist['bus_bandwidth'])}/s bus bandwidth, measured at start)")
+        rows += [("data parallel", parallel), ("communication", comm)]
+        fields.update({k: v for k, v in dist.items() if k != "comm_bytes"})
+    return section("Plan", rows), fields
+
+
 class Logger:
     """Prints to ``out`` (stdout) and appends JSON records to ``log_path`` (flushed per line).
-    The progress bar goes to stderr and only when stderr is a terminal."""
+    The progress bar goes to stderr and only when stderr is a terminal. An inactive logger
+    (ranks other than 0 under torchrun) prints and writes nothing."""
 
-    def __init__(self, log_path: Path, *, out: TextIO | None = None, append: bool = False):
+    def __init__(self, log_path: Path, *, out: TextIO | None = None, append: bool = False,
+                 active: bool = True):
         self.out = out or sys.stdout
         self.bar_stream = sys.stderr
         self.tty = self.bar_stream.isatty()
         self._bar_shown = False
+        self.path = log_path
+        self.active = active
+        self.file = None
+        if not active:
+            return
         try:
             log_path.parent.mkdir(parents=True, exist_ok=True)
             self.file = open(log_path, "a" if append else "w", encoding="utf-8")
         except OSError as e:
             raise TierflowError(f"cannot write the log {log_path} ({e.strerror}): use --log or "
                                 "--out with a writable path") from None
-        self.path = log_path
 
     def record(self, kind: str, **fields: Any) -> None:
+        if self.file is None:
+            return
         fields = {"kind": kind, "time": round(time.time(), 3), **fields}
         self.file.write(json.dumps(fields, default=str) + "\n")
         self.file.flush()
 
     def print(self, text: str = "") -> None:
+        if not self.active:
+            return
         self._clear_bar()
         print(text, file=self.out, flush=True)
 
     def bar(self, step: int, total: int, seconds_per_step: float) -> None:
-        if not self.tty or total <= 0:
+        if not self.active or not self.tty or total <= 0:
             return
         width = 30
         done = int(width * step / total)
@@ -88,4 +134,5 @@ class Logger:
 
     def close(self) -> None:
         self._clear_bar()
-        self.file.close()
+        if self.file is not None:
+            self.file.close()

@@ -9,124 +9,31 @@ warmup + cosine schedule, one ``[T]`` line and one JSON record. ``[V]`` evaluati
 
 Resuming restores the weights, the AdamW state, the data stream position and every RNG, so
 the resumed steps are bit-identical (fp32) to an uninterrupted run's.
+
+Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank runs this loop on its rows of each global
+batch (``tierflow.dist``): gradients are reduce-scattered stage by stage during backward,
+the optimizer updates this rank's shard (ZeRO-2) and the parameters are all-gathered; rank 0
+prints, logs and writes checkpoints in the single-process format. The optimizer is built in
+``make_optimizer`` alone, for one process and for the shards alike.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import signal
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import TierflowError
 from ..paths import require_writable_dir
-from ..units import format_bytes, parse_bytes
+from ..units import parse_bytes
+from .data import DataDir, open_data
 from .options import RECOMPUTE, TrainOptions
 from .sol import cpu_model, model_flops_per_token, peak_matmul_flops
 
 INTERRUPTED = 130
 DEFAULT_STEPS = 100
-
-
-# ---------------------------------------------------------------- data directory
-
-@dataclass
-class DataDir:
-    path: Path
-    train: Any  # TokenFile
-    eval: Any | None
-    vocab_size: int
-    tokenizer_file: Path | None
-    max_token: int
-
-    def identity(self) -> dict[str, Any]:
-        tok = None
-        if self.tokenizer_file is not None:
-            import hashlib
-            tok = hashlib.sha256(self.tokenizer_file.read_bytes()).hexdigest()[:16]
-        return {"train_tokens": len(self.train), "eval_tokens": len(self.eval) if self.eval else 0,
-                "vocab_size": self.vocab_size, "tokenizer": tok}
-
-
-def open_data(path: str | Path) -> DataDir:
-    from ..data.tokenfile import TokenFile
-    path = Path(path)
-    if not path.is_dir():
-        what = "is a file" if path.exists() else "does not exist"
-        raise TierflowError(f"--data {path} {what}: give a directory written by 'tierflow "
-                            "tokenize' (train.bin, eval.bin, tokenizer.json)")
-    if not (path / "train.bin").is_file():
-        raise TierflowError(f"--data {path} has no train.bin: run 'tierflow tokenize INPUT... "
-                            f"--out {path}' first")
-    train = TokenFile.open(path / "train.bin")
-    if len(train) == 0:
-        raise TierflowError(f"{path / 'train.bin'} holds no tokens: tokenize a non-empty corpus")
-    evalf = TokenFile.open(path / "eval.bin") if (path / "eval.bin").is_file() else None
-    tokenizer_file = path / "tokenizer.json"
-    tokenizer_file = tokenizer_file if tokenizer_file.is_file() else None
-    vocab = None
-    meta = path / "meta.json"
-    if meta.is_file():
-        try:
-            vocab = int(json.loads(meta.read_text())["vocab_size"])
-        except (ValueError, KeyError, TypeError):
-            vocab = None
-    if vocab is None and tokenizer_file is not None:
-        try:
-            from tokenizers import Tokenizer
-            vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)
-        except Exception:
-            vocab = None
-    if vocab is None:
-        vocab = train.vocab_size
-    top = max(train.max_token() or 0, (evalf.max_token() or 0) if evalf is not None else 0)
-    if vocab is None:
-        vocab = top + 1
-    if top >= vocab:
-        raise TierflowError(f"--data {path} holds token id {top}, but its vocab size is {vocab}: "
-                            "the token files and tokenizer do not belong together; tokenize again")
-    return DataDir(path, train, evalf, int(vocab), tokenizer_file, top)
-
-
-# ---------------------------------------------------------------- identity of a run
-
-def _spec_arch(spec: str, vocab_size: int) -> dict[str, Any]:
-    """The architecture ``--model spec`` names, read without loading any weight."""
-    from ..models.load import _read_config
-    from ..models.presets import PRESETS, preset_config
-    if spec in PRESETS:
-        return _config_arch(preset_config(spec, vocab_size=vocab_size))
-    path = Path(spec)
-    if not path.is_dir():
-        raise TierflowError(f"--model {spec!r} is neither a preset nor a directory: pass the "
-                            "model the checkpoint was trained from, or leave --model out")
-    return _config_arch(_read_config(path))
-
-
-def _model_arch(model) -> dict[str, Any]:
-    return _config_arch(model.config)
-
-
-def _config_arch(config) -> dict[str, Any]:
-    config = config.to_dict()
-    keep = ("model_type", "vocab_size", "hidden_size", "n_embd", "num_hidden_layers", "n_layer",
-            "intermediate_size", "n_inner", "num_attention_heads", "n_head",
-            "num_key_value_heads", "tie_word_embeddings")
-    return {k: config[k] for k in keep if k in config}
-
-
-def _differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    diffs = []
-    for key in sorted(set(saved) | set(now)):
-        a, b = saved.get(key), now.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            diffs += [f"{key} {d}" for d in _differences(a, b)]
-        elif a != b:
-            diffs.append(f"{key}: checkpoint {a!r}, now {b!r}")
-    return diffs
 
 
 # ---------------------------------------------------------------- the run
@@ -154,7 +61,8 @@ class _Interrupt:
 
 
 def train(opts: TrainOptions) -> int:
-    """Run ``tierflow train`` with validated ``opts``; returns the exit code."""
+    """Run ``tierflow train`` with validated ``opts``; returns the exit code. Under torchrun
+    (``WORLD_SIZE`` > 1) every rank runs this, in the default process group."""
     try:
         return _train(opts)
     except PermissionError as e:  # a file or directory the user may not read or write
@@ -164,14 +72,12 @@ def train(opts: TrainOptions) -> int:
 
 
 def _train(opts: TrainOptions) -> int:
-    import torch
+    import torch  # noqa: F401  (part of the RSS baseline)
     from transformers import AutoModelForCausalLM  # noqa: F401  (part of the RSS baseline)
+
     from .. import api, measure  # noqa: F401
-    from ..models.load import load_model
-    from ..models.presets import PRESETS
+    from ..dist import join_from_env, world_size_from_env
     from .checkpoint import load_checkpoint
-    from .codec import config_hash
-    from .logger import Logger
 
     baseline = measure.maxrss_bytes()
 
@@ -181,7 +87,7 @@ def _train(opts: TrainOptions) -> int:
         saved_opts = ckpt.trainer_state.get("options")
         if isinstance(saved_opts, dict):
             opts.inherit(saved_opts)
-    opts.validate()
+    opts.validate(world_size_from_env())
     data = open_data(opts.data)
     out = Path(opts.out) if opts.out else (ckpt.path.parent if ckpt is not None else Path("out"))
     opts.out = str(out)
@@ -191,6 +97,30 @@ def _train(opts: TrainOptions) -> int:
     log_path = Path(opts.log) if opts.log else out / "log.jsonl"
     budget = parse_bytes(opts.ram, what="--ram") if opts.ram else None
     dtype_name = opts.dtype if opts.dtype != "auto" else ("bf16" if measure.fast_bf16() else "fp32")
+
+    world = join_from_env(opts.dist_timeout)
+    if world is None:
+        return _train_in_world(opts, ckpt, data, out, log_path, budget, dtype_name, None,
+                               baseline)
+    try:
+        code = _train_in_world(opts, ckpt, data, out, log_path, budget, dtype_name, world,
+                               baseline)
+    except BaseException:
+        world.close(finished=False)
+        raise
+    world.close(finished=True)
+    return code
+
+
+def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
+                    budget: int | None, dtype_name: str, world, baseline: int) -> int:
+    """Build or load the model, check the run's identity, then ``_run`` (every rank)."""
+    import torch
+
+    from ..models.load import load_model
+    from ..models.presets import PRESETS
+    from .codec import config_hash, differences, model_arch, spec_arch
+    from .logger import Logger
 
     # --- the model
     spec = opts.model
@@ -223,16 +153,16 @@ def _train(opts: TrainOptions) -> int:
                             f"({positions}): use --seq-len {positions} or less")
     model.train()
 
-    arch = _model_arch(model)
+    arch = model_arch(model)
     if ckpt is not None and "model" in opts.given:  # the checkpoint's weights, the given model
-        arch = _spec_arch(spec, data.vocab_size)
+        arch = spec_arch(spec, data.vocab_size)
     identity = {"model": arch, "data": data.identity(), "seq_len": opts.seq_len,
                 "batch_size": opts.batch_size, "grad_accum": opts.grad_accum, "seed": opts.seed}
     run_hash = config_hash(identity)
     if ckpt is not None:
         saved = ckpt.trainer_state.get("identity")
         if ckpt.trainer_state.get("config_hash") != run_hash:
-            diffs = _differences(saved, identity) if isinstance(saved, dict) else ["unknown run"]
+            diffs = differences(saved, identity) if isinstance(saved, dict) else ["unknown run"]
             raise TierflowError(f"checkpoint {ckpt.path} is of a different run ("
                                 f"{'; '.join(diffs[:4])}): resume with the model, data and "
                                 "--seq-len/--batch-size/--grad-accum/--seed it was trained with, "
@@ -248,16 +178,17 @@ def _train(opts: TrainOptions) -> int:
     warmup = opts.warmup if opts.warmup is not None else (total * 5) // 100
     min_lr = opts.min_lr if opts.min_lr is not None else opts.lr / 10
 
-    logger = Logger(log_path, append=ckpt is not None)
+    main = world is None or world.is_main
+    logger = Logger(log_path, append=ckpt is not None, active=main)
     board = None
     try:
-        if opts.tensorboard:
+        if opts.tensorboard and main:
             from .tensorboard import EventWriter
             board = EventWriter(opts.tensorboard)
         return _run(opts=opts, data=data, out=out, logger=logger, budget=budget, board=board,
                     dtype_name=dtype_name, model=model, identity=identity, run_hash=run_hash,
                     ckpt=ckpt, total=total, warmup=warmup, min_lr=min_lr,
-                    tokens_per_step=tokens_per_step, baseline=baseline)
+                    tokens_per_step=tokens_per_step, baseline=baseline, world=world)
     finally:
         if board is not None:
             board.close()
@@ -266,15 +197,17 @@ def _train(opts: TrainOptions) -> int:
 
 def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | None, board,
          dtype_name: str, model, identity: dict, run_hash: str, ckpt, total: int, warmup: int,
-         min_lr: float, tokens_per_step: int, baseline: int) -> int:
+         min_lr: float, tokens_per_step: int, baseline: int, world) -> int:
     import torch
+
     from .. import measure
     from ..api import fit
     from ..config import FitConfig
+    from ..dist import ShardedOptimizer, bus_bandwidth, step_seconds
     from .checkpoint import latest_checkpoint, save_checkpoint
     from .codec import capture_rng, restore_rng
     from .data import Batches, eval_batches
-    from .logger import eval_line, section, train_line
+    from .logger import eval_line, plan_section, section, train_line
     from .schedule import lr_at
 
     # [Options]
@@ -290,6 +223,8 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     system = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model(),
               "bf16 native": measure.fast_bf16(), "dtype": dtype_name,
               "peak matmul": f"{peak / 1e9:.1f} GFLOP/s ({dtype_name}, measured)"}
+    if world is not None:
+        system["ranks"] = f"{world.size} ({world.backend}); this machine's figures are rank 0's"
     logger.print()
     logger.print(section("System", list(system.items())))
     logger.record("system", **system, peak_matmul_flops=peak)
@@ -310,45 +245,42 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
                   vocab_size=data.vocab_size, seq_len=opts.seq_len,
                   tokens_per_step=tokens_per_step, steps=total)
 
-    # [Plan]
+    # [Plan]: per rank (budgets are per rank; each rank runs batch-size / ranks rows)
+    ranks = world.size if world is not None else 1
+    main = world is None or world.is_main
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype_name == "bf16" \
         else contextlib.nullcontext
     params = list(model.parameters())
     param_bytes = sum(p.numel() * 4 for p in params if p.requires_grad)
-    sample_batch = torch.zeros(opts.batch_size, opts.seq_len + 1, dtype=torch.long)
+    moments = 2 * -(-param_bytes // ranks)  # AdamW's two fp32 moments, this rank's shard
+    sample_batch = torch.zeros(opts.batch_size // ranks, opts.seq_len + 1, dtype=torch.long)
     sample = {"input_ids": sample_batch[:, :-1], "shift_labels": sample_batch[:, 1:]}
     with torch.random.fork_rng(devices=[]), autocast():
-        module = fit(model, sample, ram=budget, reserve=2 * param_bytes,
+        module = fit(model, sample, ram=budget, reserve=moments,
                      config=FitConfig(planner=RECOMPUTE[opts.recompute], compile=opts.compile))
-    plan = module.plan
-    extra = plan.costs.extra
     grads = sum(p.nbytes for p in params if p.requires_grad)
-    activations = max(0, plan.simulation.peak - grads)
-    kinds = [("parameters", extra.get("parameters", 0)), ("gradients", grads),
-             ("optimizer states (reserved)", extra.get("reserved", 0)),
-             ("activations", activations), ("runtime", extra.get("runtime", 0))]
-    rows = [(k, format_bytes(v)) for k, v in kinds]
-    rows.append(("total (predicted peak)", format_bytes(plan.predicted_peak)))
-    rows.append(("free", format_bytes(budget - plan.predicted_peak) + f" of the "
-                 f"{format_bytes(budget)} budget" if budget else "- (no --ram budget)"))
-    rows.append(("strategy", plan.strategy))
-    rows.append(("predicted step", f"{plan.predicted_time * opts.grad_accum * 1e3:.0f} ms "
-                                   f"({opts.grad_accum} x {plan.predicted_time * 1e3:.0f} ms "
-                                   "forward+backward, optimizer not included)"))
+    dist_figures = None
+    if world is not None:
+        bus = bus_bandwidth(world, torch.device("cpu"))
+        dist_figures = {"world_size": ranks, "backend": world.backend, "bus_bandwidth": bus,
+                        "comm_bytes": grads + param_bytes,
+                        "predicted_comm_s": step_seconds(ranks, grads, param_bytes, bus)}
+    table, fields = plan_section(module.plan, grads=grads, budget=budget,
+                                 grad_accum=opts.grad_accum, dist=dist_figures)
     logger.print()
-    logger.print(section("Plan", rows))
-    logger.print(plan.explain())
-    logger.record("plan", **{k: int(v) for k, v in kinds}, predicted_peak=int(plan.predicted_peak),
-                  budget=budget, strategy=plan.strategy,
-                  predicted_step_s=plan.predicted_time * opts.grad_accum)
+    logger.print(table)
+    logger.print(module.plan.explain())
+    logger.record("plan", **fields)
 
-    # optimizer: decay on matrices only
-    decay = [p for p in params if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in params if p.requires_grad and p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": opts.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=opts.lr, betas=(0.9, 0.95), eps=1e-8)
-    batches = Batches(data.train, opts.seq_len, opts.batch_size, opts.seed)
+    groups = param_groups(params, opts)
+    if world is None:
+        optimizer: Any = _Local(make_optimizer(groups, opts), params)
+    else:
+        optimizer = ShardedOptimizer(world, [list(stage.parameters())
+                                             for stage in module.chain.stages],
+                                     groups, lambda shard: make_optimizer(shard, opts))
+    batches = Batches(data.train, opts.seq_len, opts.batch_size, opts.seed,
+                      part=(world.rank, ranks) if world is not None else (0, 1))
     start = 0
     if ckpt is not None:
         state = ckpt.trainer_state
@@ -371,8 +303,11 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     flops_per_step = model_flops_per_token(model, opts.seq_len) * tokens_per_step
 
     def save(step: int) -> Path:
+        optimizer_state = optimizer.state_dict()  # gathered on rank 0 (every rank calls it)
+        if not main:
+            return out / f"step_{step}"
         path = save_checkpoint(out, step, model, tokenizer_file=data.tokenizer_file,
-                               optimizer_state=[optimizer.state_dict()],
+                               optimizer_state=[optimizer_state],
                                trainer_state={"step": step, "data": batches.state(),
                                               "rng": capture_rng(), "identity": identity,
                                               "config_hash": run_hash, "options": opts.as_dict(),
@@ -384,10 +319,15 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     def evaluate(step: int) -> None:
         t0 = time.perf_counter()
         model.eval()
+        mine = evals if world is None else evals[world.rank::ranks]  # whole batches per rank
         with torch.no_grad(), autocast():
-            losses = [float(module(input_ids=b[:, :-1], shift_labels=b[:, 1:]).loss) for b in evals]
+            losses = [float(module(input_ids=b[:, :-1], shift_labels=b[:, 1:]).loss) for b in mine]
         model.train()
-        loss = sum(losses) / len(losses)
+        total_loss, count = sum(losses), len(losses)
+        if world is not None:
+            per_rank = world.all_gather([total_loss, count], "evaluation loss average")
+            total_loss, count = sum(r[0] for r in per_rank), sum(r[1] for r in per_rank)
+        loss = total_loss / count
         ms = (time.perf_counter() - t0) * 1e3
         ppl = math.exp(min(loss, 700.0))
         logger.print(eval_line(step=step, loss=loss, ppl=ppl, ms=ms))
@@ -406,19 +346,24 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     with _Interrupt() as interrupt:
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
+            if world is not None:
+                world.step = step
             lr = lr_at(step - 1, lr=opts.lr, warmup=warmup, total=total, min_lr=min_lr)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             micro = []
-            for _ in range(opts.grad_accum):
+            for k in range(opts.grad_accum):
+                optimizer.micro_batch(last=k == opts.grad_accum - 1)
                 batch = batches.next()
                 with autocast():
                     loss = module(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
                 (loss / opts.grad_accum).backward()
                 micro.append(loss.detach().float())
             loss_value = float(torch.stack(micro).mean())
-            norm = torch.nn.utils.clip_grad_norm_(params, opts.clip if opts.clip > 0 else math.inf)
-            norm_value = float(norm)
+            if world is not None:  # the ranks' means of equal row counts: the global mean
+                means = world.all_gather([loss_value], "loss average")
+                loss_value = sum(r[0] for r in means) / ranks
+            norm_value = optimizer.clip_grad_norm(opts.clip if opts.clip > 0 else math.inf)
             if not (math.isfinite(loss_value) and math.isfinite(norm_value)):
                 what = (f"loss is {loss_value}" if not math.isfinite(loss_value)
                         else f"gradient norm is {norm_value}")
@@ -429,27 +374,33 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
                                     f"{good if good else 'none (no checkpoint was written)'}; fix: "
                                     "lower --lr, raise --warmup or set --clip")
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
             step_s = time.perf_counter() - t0
             ram = max(0, measure.maxrss_bytes() - baseline)
-            sol = flops_per_step / (step_s * peak) if peak > 0 else None
+            per_rank = [[ram, optimizer.state_bytes(), interrupt.requested]]
+            if world is not None:
+                per_rank = world.all_gather(per_rank[0], "memory report")
+            ram_ranks = [int(r[0]) for r in per_rank]
+            stop = any(r[2] for r in per_rank)  # every rank saves, or none
+            sol = flops_per_step / (step_s * peak * ranks) if peak > 0 else None
             tok_s = tokens_per_step / step_s
             logger.print(train_line(step=step, total=total, ms=step_s * 1e3, norm=norm_value,
-                                    loss=loss_value, tok_s=tok_s, sol=sol, ram_bytes=ram,
-                                    budget=budget))
+                                    loss=loss_value, tok_s=tok_s, sol=sol,
+                                    ram_bytes=max(ram_ranks), budget=budget))
             logger.record("train", step=step, total=total, loss=loss_value, norm=norm_value, lr=lr,
-                          ms=step_s * 1e3, tok_s=tok_s, sol=sol, ram_bytes=ram, budget=budget,
+                          ms=step_s * 1e3, tok_s=tok_s, sol=sol, ram_bytes=max(ram_ranks),
+                          ram_bytes_per_rank=ram_ranks, budget=budget,
+                          optimizer_state_bytes_per_rank=[int(r[1]) for r in per_rank],
                           tokens=step * tokens_per_step)
             if board is not None:
                 board.scalars(step, {"train/loss": loss_value, "train/grad_norm": norm_value,
                                      "train/lr": lr, "train/tok_s": tok_s,
-                                     "memory/ram_bytes": ram})
+                                     "memory/ram_bytes": max(ram_ranks)})
             if evals and opts.eval_every and step % opts.eval_every == 0:
                 evaluate(step)
             if opts.save_every and step % opts.save_every == 0 and step != total:
                 save(step)
                 last_saved = step
-            if interrupt.requested and step != total:
+            if stop and step != total:
                 path = save(step)
                 logger.print(f"interrupted: saved step {step} to {path}; continue with "
                              f"--resume {path}")
@@ -459,6 +410,60 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     if evals and opts.eval_every and total % opts.eval_every != 0:
         evaluate(total)
     path = save(total) if last_saved != total else out / f"step_{total}"
+    if world is not None:
+        world.barrier("end of the run")  # rank 0 has written the last checkpoint
     logger.print(f"done: {total} steps; saved {path}")
     logger.record("done", step=total, path=str(path))
     return 0
+
+
+# ---------------------------------------------------------------- the optimizer
+
+def param_groups(params: list, opts: TrainOptions) -> list[dict[str, Any]]:
+    """AdamW's param groups: weight decay on matrices only."""
+    decay = [p for p in params if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in params if p.requires_grad and p.dim() < 2]
+    return [{"params": decay, "weight_decay": opts.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def make_optimizer(groups: list[dict[str, Any]], opts: TrainOptions):
+    """The one place the optimizer is built. Under torchrun the same call builds it over this
+    rank's shards of the parameters (``ShardedOptimizer``), so any element-wise optimizer
+    can take AdamW's place here."""
+    import torch
+    return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+class _Local:
+    """The single process: the optimizer over the full parameters and torch's global-norm
+    clipping, with the interface of ``tierflow.dist.ShardedOptimizer``."""
+
+    def __init__(self, optimizer, params: list) -> None:
+        self.optimizer = optimizer
+        self.params = params
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups  # load_state_dict replaces the list
+
+    def micro_batch(self, last: bool) -> None:
+        """Nothing to synchronise in one process."""
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        import torch
+        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_bytes(self) -> int:
+        return sum(t.nbytes for state in self.optimizer.state.values() for t in state.values()
+                   if hasattr(t, "nbytes"))
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

@@ -46,11 +46,13 @@ class TrainOptions:
     compile: bool = False
     recompute: str = "auto"
     tensorboard: str | None = None  # a directory for TensorBoard event files
+    dist_timeout: float = 300.0  # seconds a rank waits for the others (torchrun runs)
     config: str | None = None
     # the options given by a flag or the config file (the rest may come from a checkpoint)
     given: frozenset = field(default=frozenset(), repr=False, compare=False)
 
-    def validate(self) -> "TrainOptions":
+    def validate(self, world_size: int = 1) -> "TrainOptions":
+        """Check every value; ``world_size`` ranks (torchrun) split each global batch."""
         if not self.model and not self.resume:
             raise TierflowError("--model is missing: give a preset name (e.g. llama-20m) or a "
                                 "directory with config.json and model.safetensors")
@@ -61,8 +63,13 @@ class TrainOptions:
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup", "seed", "eval_every", "save_every"):
             _check_int(name, getattr(self, name), minimum=0)
-        for name in ("lr", "min_lr", "weight_decay", "clip", "epochs"):
-            _check_float(name, getattr(self, name), positive=name in ("lr", "epochs"))
+        for name in ("lr", "min_lr", "weight_decay", "clip", "epochs", "dist_timeout"):
+            _check_float(name, getattr(self, name),
+                         positive=name in ("lr", "epochs", "dist_timeout"))
+        if self.batch_size % world_size:
+            raise TierflowError(f"--batch-size {self.batch_size} is not divisible by the "
+                                f"{world_size} ranks: give a multiple of {world_size} (it is "
+                                "the global batch; each rank takes batch-size / ranks rows)")
         if self.steps is not None and self.epochs is not None:
             raise TierflowError("--steps and --epochs were both given: give one of them")
         if self.min_lr is not None and self.min_lr > self.lr:
@@ -141,7 +148,8 @@ _HELP = {
     "data": ("DIR", "a directory written by 'tierflow tokenize'"),
     "ram": ("SIZE", "RAM budget for the training step, e.g. 4GiB (default: none)"),
     "seq_len": ("N", "tokens per sequence (default 256)"),
-    "batch_size": ("N", "sequences per micro-batch (default 4)"),
+    "batch_size": ("N", "sequences per micro-batch over all ranks (the global batch): under "
+                        "torchrun each rank takes batch-size / ranks of them (default 4)"),
     "grad_accum": ("N", "micro-batches per optimizer step (default 1)"),
     "steps": ("N", "optimizer steps (default 100, or from --epochs)"),
     "epochs": ("F", "passes over train.bin, in tokens (instead of --steps)"),
@@ -164,12 +172,14 @@ _HELP = {
     "recompute": (None, "activation recomputation: auto (the planner), none or all"),
     "tensorboard": ("DIR", "also write TensorBoard event files (loss, grad norm, lr, tok/s, "
                            "RAM, eval loss) to DIR"),
+    "dist_timeout": ("S", "under torchrun: seconds a rank waits for the others before it "
+                          "stops with an error naming the rank that died (default 300)"),
     "config": ("FILE", "a TOML file of options; flags win over it"),
 }
 _TYPES = {"seq_len": _int, "batch_size": _int, "grad_accum": _int, "steps": _int,
           "epochs": _float, "lr": _float, "warmup": _int, "min_lr": _float,
           "weight_decay": _float, "clip": _float, "seed": _int, "eval_every": _int,
-          "eval_steps": _int, "save_every": _int}
+          "eval_steps": _int, "save_every": _int, "dist_timeout": _float}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -220,7 +230,8 @@ def read_toml(path: Path) -> dict[str, Any]:
                                 f"are {', '.join(sorted(k.replace('_', '-') for k in known))}")
         if name in ("ram", "model", "data", "out", "resume", "log", "tensorboard") and value is not None:
             value = str(value)
-        if name in ("epochs", "lr", "min_lr", "weight_decay", "clip") and isinstance(value, int) \
+        if name in ("epochs", "lr", "min_lr", "weight_decay", "clip", "dist_timeout") \
+                and isinstance(value, int) \
                 and not isinstance(value, bool):
             value = float(value)
         out[name] = value

@@ -1,0 +1,16 @@
+"""Multi-worker training on ``torch.distributed``: data parallel with ZeRO-2 sharding.
+
+- ``world.py``: joining the default process group from torchrun's environment (gloo for
+  CPU tensors, NCCL for CUDA ones) and turning a lost rank into one error line;
+- ``layout.py``: which rank owns which elements of each stage's parameters;
+- ``reducer.py``: each stage's gradients reduce-scattered as soon as its backward is done;
+- ``zero.py``: the optimizer over this rank's shard, then parameters all-gathered;
+- ``state.py``: the sharded optimizer state to and from the single-process checkpoint format;
+- ``comm.py``: measured bus bandwidth and the step's predicted communication time.
+"""
+from .comm import bus_bandwidth, step_seconds
+from .world import RankLostError, World, join_from_env, world_size_from_env
+from .zero import ShardedOptimizer
+
+__all__ = ["RankLostError", "ShardedOptimizer", "World", "bus_bandwidth", "join_from_env",
+           "step_seconds", "world_size_from_env"]

@@ -1,0 +1,260 @@
+"""tierflow train on 2 ranks (gloo, processes launched as torchrun would: RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT): the same losses as one process with the same global batch, half
+the optimizer states per rank, checkpoints that resume on either world size, and a killed
+rank that makes the other stop with one clear line."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from cli_support import assert_error_line, run_main
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+REL = 1e-5  # fp32: the two runs differ only in the order of additions
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The tiny corpus (vocab 300) and tiny Llama of tests/test_train.py."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tierflow.data.tokenize import tokenize
+    root = tmp_path_factory.mktemp("dist")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    stdlib = Path(os.__file__).parent
+    for i, name in enumerate(["textwrap.py", "bisect.py", "colorsys.py", "keyword.py"]):
+        (corpus / f"doc{i}.txt").write_text((stdlib / name).read_text())
+    tokenize([str(corpus)], root / "data", vocab_size=300, eval_fraction=0.2, log=io.StringIO())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=304, hidden_size=48, intermediate_size=96,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=128)
+        LlamaForCausalLM(config).save_pretrained(root / "model")
+    return {"root": root, "data": str(root / "data"), "model": str(root / "model")}
+
+
+def _args(env, out, *extra):
+    return ["train", "--model", env["model"], "--data", env["data"], "--seq-len", "32",
+            "--batch-size", "4", "--grad-accum", "2", "--dtype", "fp32", "--lr", "1e-2",
+            "--warmup", "1", "--out", str(out), *extra]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args, ranks: int) -> list[subprocess.Popen]:
+    """``python -m tierflow ARGS`` as ``ranks`` processes of one gloo world (1: no world),
+    each in a session of its own (kill one with ``os.killpg``) and forked by /bin/sh, so that
+    its peak RSS starts from its own, not from this test process's (see tierflow.measure)."""
+    base = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
+    for key in ("TIERFLOW_TRACEBACK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        base.pop(key, None)
+    port = _free_port()
+    procs = []
+    for rank in range(ranks):
+        child = dict(base) if ranks == 1 else dict(
+            base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(ranks),
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        cmd = ["/bin/sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-m", "tierflow", *args]
+        procs.append(subprocess.Popen(cmd, env=child, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True))
+    return procs
+
+
+def finish(procs, timeout: float = 120) -> list[tuple[str, str]]:
+    outputs = [p.communicate(timeout=timeout) for p in procs]
+    for rank, (p, (_, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank}: {err}"
+    return outputs
+
+
+def records(path: Path, kind: str) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        if r["kind"] == kind:
+            out.append(r)
+    return out
+
+
+def assert_close(a: float, b: float, what: str) -> None:
+    assert abs(a - b) <= REL * abs(b), f"{what}: {a} vs {b} (relative {abs(a - b) / abs(b):.2e})"
+
+
+@pytest.fixture(scope="module")
+def runs(env):
+    """5 steps on 1 process and on 2 ranks, side by side, each saving step 3 and step 5."""
+    root = env["root"]
+    extra = ("--steps", "5", "--save-every", "3", "--eval-every", "5", "--eval-steps", "3")
+    procs = launch(_args(env, root / "one", *extra), 1) + launch(_args(env, root / "two", *extra), 2)
+    outputs = finish(procs)
+    return {"one": root / "one", "two": root / "two", "stdout": [o for o, _ in outputs]}
+
+
+def test_two_ranks_match_one_process(runs):
+    one = records(runs["one"] / "log.jsonl", "train")
+    two = records(runs["two"] / "log.jsonl", "train")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3, 4, 5]
+    for a, b in zip(two, one):
+        assert_close(a["loss"], b["loss"], f"loss at step {a['step']}")
+        assert abs(a["norm"] - b["norm"]) <= 1e-4 * b["norm"], (a["norm"], b["norm"])
+    assert len({r["loss"] for r in one}) == 5  # the loss moves: the comparison can fail
+    assert_close(records(runs["two"] / "log.jsonl", "eval")[0]["loss"],
+                 records(runs["one"] / "log.jsonl", "eval")[0]["loss"], "eval loss")
+    # rank 0 alone prints and logs; every rank's memory is in each train record
+    rank0, rank1 = runs["stdout"][1:]
+    assert rank0.count("[T] step") == 5 and rank1 == ""
+    assert all(len(r["ram_bytes_per_rank"]) == 2 and min(r["ram_bytes_per_rank"]) > 0
+               for r in two)
+    plan = records(runs["two"] / "log.jsonl", "plan")[0]
+    assert plan["world_size"] == 2 and plan["predicted_comm_s"] > 0
+    assert "optimizer states (reserved, 1/2 shard)" in rank0 and "communication" in rank0
+
+
+def test_each_rank_holds_half_the_optimizer_states(runs):
+    single = records(runs["one"] / "log.jsonl", "train")[-1]["optimizer_state_bytes_per_rank"]
+    ranks = records(runs["two"] / "log.jsonl", "train")[-1]["optimizer_state_bytes_per_rank"]
+    assert len(single) == 1 and len(ranks) == 2
+    for rank_bytes in ranks:  # the moments split evenly; step counters per piece are 4 bytes
+        assert abs(rank_bytes - single[0] / 2) <= 0.01 * single[0] / 2, (ranks, single)
+    one_plan = records(runs["one"] / "log.jsonl", "plan")[0]
+    two_plan = records(runs["two"] / "log.jsonl", "plan")[0]
+    key = "optimizer states (reserved)"
+    assert two_plan[key] * 2 == one_plan[key]
+
+
+def test_checkpoints_resume_on_the_other_world_size(runs, tmp_path):
+    """step 3 of the 2-rank run on 1 process and step 3 of the 1-process run on 2 ranks, side
+    by side: both give the uninterrupted runs' losses at steps 4 and 5."""
+    logs = {name: tmp_path / f"{name}.jsonl" for name in ("two", "one")}
+    procs = []
+    for source, ranks in (("two", 1), ("one", 2)):
+        procs += launch(["train", "--resume", str(runs[source] / "step_3"), "--out",
+                         str(tmp_path / source), "--log", str(logs[source]), "--save-every",
+                         "0"], ranks)
+    finish(procs)
+    for source, log in logs.items():
+        resumed = records(log, "train")
+        assert [r["step"] for r in resumed] == [4, 5]
+        for name in ("one", "two"):
+            want = {r["step"]: r["loss"] for r in records(runs[name] / "log.jsonl", "train")}
+            for r in resumed:
+                assert_close(r["loss"], want[r["step"]], f"from {source}, vs {name}, "
+                                                         f"step {r['step']}")
+
+
+def test_checkpoint_has_the_single_process_format(runs):
+    from safetensors import safe_open
+    names = {}
+    for name in ("one", "two"):
+        with safe_open(str(runs[name] / "step_5" / "optimizer.safetensors"), "pt") as f:
+            names[name] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    assert names["one"] == names["two"] and any(k.endswith("exp_avg") for k in names["one"])
+
+
+def test_a_killed_rank_stops_the_other_with_one_line(env, tmp_path):
+    timeout = 20
+    procs = launch(_args(env, tmp_path / "run", "--steps", "1000", "--eval-every", "0",
+                         "--dist-timeout", str(timeout)), 2)
+    log = tmp_path / "run" / "log.jsonl"
+    deadline = time.monotonic() + 90
+    while len(records(log, "train")) < 2:
+        assert all(p.poll() is None for p in procs), procs[0].stderr.read()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    os.killpg(procs[1].pid, signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = procs[0].communicate(timeout=timeout + 30)
+    assert time.monotonic() - killed < timeout
+    assert procs[0].returncode == 2
+    assert_error_line(err, ["rank 0: rank 1 stopped", "of step", "nothing was saved",
+                            "--resume OUT"])
+    procs[1].wait()
+
+
+def test_batch_not_divisible_by_the_ranks_is_one_line(env, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    code, _, err = run_main(*_args(env, tmp_path / "run", "--steps", "1"), capsys=capsys)
+    assert code == 2
+    assert_error_line(err, ["--batch-size 4 is not divisible by the 3 ranks",
+                            "give a multiple of 3"])
+
+
+@pytest.fixture
+def world_of_one():
+    """A gloo process group of this process alone."""
+    import torch.distributed as dist
+
+    from tierflow.dist import World
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield World(0, 1, "gloo", 30.0, store)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: the head is tied
+def test_stages_are_reduced_during_backward_and_zero_matches_adamw(world_of_one, family):
+    """Each stage's reduction starts inside backward, last stage first, before the stages
+    below it have run their backward; none during a no-sync micro-batch. One rank's ZeRO
+    update equals torch's AdamW on the same two micro-batches (fitted the same way, so the
+    gradients are bit for bit the same; torch sums the clipping norm in fp32, so the clip
+    factors differ in the 7th digit: 1e-7 on updates of 1e-2)."""
+    import copy
+
+    from models import hf_sample, tiny_hf
+
+    import tierflow
+    from tierflow.dist import ShardedOptimizer
+
+    def adamw(groups):
+        return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+    model = tiny_hf(family).train()
+    reference = copy.deepcopy(model)
+    batches = [hf_sample(seed=k) for k in range(2)]
+    module = tierflow.fit(model, batches[0])
+    stages = [list(stage.parameters()) for stage in module.chain.stages]
+    zero = ShardedOptimizer(world_of_one, stages, [{"params": list(model.parameters())}], adamw)
+    launched = []
+    launch = zero.reducer._launch
+    first_layer = id(stages[1][0])  # its gradient arrives only in stage 1's backward
+    zero.reducer._launch = lambda s: (
+        launched.append((s, zero.reducer._arrivals.get(first_layer, 0))), launch(s))
+    for k, batch in enumerate(batches):
+        zero.micro_batch(last=k == 1)
+        (module(**batch).loss / 2).backward()
+        assert len(launched) == (0 if k == 0 else len(stages))
+    assert [s for s, _ in launched] == list(range(len(stages)))[::-1]
+    assert launched[0][1] == 0  # the head's reduction started before layer 0's backward
+    assert all(p.grad is None for p in model.parameters())  # packed and freed
+    norm = zero.clip_grad_norm(0.5)
+    zero.step()
+
+    optimizer = adamw(reference.parameters())
+    plain = tierflow.fit(reference, batches[0])  # the same gradients, bit for bit
+    for batch in batches:
+        (plain(**batch).loss / 2).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(list(reference.parameters()), 0.5))
+    optimizer.step()
+    assert abs(norm - want) <= 1e-6 * want
+    for (name, a), b in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
