@@ -26,6 +26,7 @@ from .exec.memory import (
     EXACT_THRESHOLD,
     configure_host_allocator,
     meter_for,
+    return_free_memory,
 )
 from .exec.offload import OffloadedParameters, attach, offloaded_parameters
 from .exec.optimizer import OwnedOptimizer
@@ -106,8 +107,9 @@ class TierflowModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._streamer is not None:  # splitting the inputs may run the first stage's modules
             self._streamer.before(Forward(0, tape=False))  # (the HF adapter's embedding)
-        x0, ctx = self._chain.split_inputs(*args, **kwargs)
         autocast = AutocastMode.capture(self._device.type)
+        with autocast():  # without the weight-cast cache, as every stage runs
+            x0, ctx = self._chain.split_inputs(*args, **kwargs)
         if not torch.is_grad_enabled():
             return self._chain.wrap_output(self._run_without_grad(x0, ctx, autocast), ctx)
         update = self._optimizer.step_stage if self._optimizer is not None else None
@@ -239,7 +241,9 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
     meter = meter_for(device)
     offloaded = offloaded_parameters(model)
     args, kwargs = _as_call(sample)
-    with offloaded.on_demand(model) if offloaded else contextlib.nullcontext():
+    # runs of the whole model, under the caller's autocast without its weight-cast cache
+    # (cached bf16 copies of every weight would stay until the caller's autocast block ends)
+    with offloaded.on_demand(model) if offloaded else contextlib.nullcontext(), autocast():
         chain = to_chain(model, sample, head_chunk_tokens=head_chunk_tokens)
         x0, ctx = chain.split_inputs(*args, **kwargs)
     if config.compile:
@@ -250,6 +254,8 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                                             repeats=config.profile_repeats, log=say)
     # what running the model left resident (kernel caches, compiled code, allocator slack):
     # it stays for the whole run, so it is planned as static
+    if device.type == "cpu":
+        return_free_memory()
     runtime = max(0, meter.current() - before) if device.type == "cpu" else 0
     param_bytes = sum(p.nbytes for p in model.parameters())
     extra = {"autocast": autocast.describe(), "device": str(device), "parameters": param_bytes,

@@ -27,18 +27,32 @@ CACHING_THRESHOLD = 32 << 20  # glibc's own steady state: freed blocks stay for 
 CACHING_SLACK = 1.25  # RSS over live bytes seen on W1 with caching (eager; ~1.0 compiled)
 
 
+def _glibc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    return libc if libc is not None and hasattr(libc, "mallopt") else None
+
+
 def configure_host_allocator(threshold: int = EXACT_THRESHOLD) -> bool:
     """Set glibc's mmap and trim thresholds (glibc only; a no-op elsewhere). With
     EXACT_THRESHOLD freed tensors leave the RSS at once; CACHING_THRESHOLD lets malloc keep
     them for reuse, which saves the page faults of fresh memory."""
-    if not sys.platform.startswith("linux"):
-        return False
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    if libc is None or not hasattr(libc, "mallopt"):
+    libc = _glibc()
+    if libc is None:
         return False
     ok = libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1
     return libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold) == 1 and ok
+
+
+def return_free_memory() -> None:
+    """Give the free memory every malloc arena holds back to the system (glibc's
+    ``malloc_trim``): small blocks freed by other threads stay in their arenas otherwise, and
+    would be mistaken for memory the runtime needs."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def rss_bytes() -> int:

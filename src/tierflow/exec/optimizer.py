@@ -15,6 +15,7 @@ from ..chain.base import Chain
 from .disk import DiskStore
 from .memory import DeviceMeter, HostMeter
 from .stage_call import storage_key
+from .trace import span
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 _EVICTED = torch.empty(0)  # stands in for a state tensor that lives on disk
@@ -92,8 +93,9 @@ class OwnedOptimizer:
               pending: Future | None) -> list[torch.Tensor]:
         if pending is not None:
             pending.result()
-        buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
-        self.disk.read(f"optimizer-{i}", buffers)
+        with span(f"read optimizer states {i}", "disk read"):
+            buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
+            self.disk.read(f"optimizer-{i}", buffers)
         return buffers
 
     def _fetch(self, i: int) -> None:
@@ -123,7 +125,11 @@ class OwnedOptimizer:
                     tensors.append(value.contiguous())
         for state, key, _, _ in entries:
             state[key] = _EVICTED
-        self._writes[i] = self._writer.submit(self.disk.write, f"optimizer-{i}", tensors)
+        self._writes[i] = self._writer.submit(self._write, i, tensors)
+
+    def _write(self, i: int, tensors: list[torch.Tensor]) -> None:
+        with span(f"write optimizer states {i}", "disk write"):
+            self.disk.write(f"optimizer-{i}", tensors)
 
     def wait(self) -> None:
         """Until every state write has reached the disk (and raise a write's error)."""

@@ -18,6 +18,7 @@ from .stage_call import (
     forward_taped,
     storage_key,
 )
+from .trace import span
 from .weights import WeightStreamer
 
 
@@ -82,16 +83,20 @@ class StepRun:
     def _run(self, position: int) -> None:
         op = self.ops[position]
         if self.streamer is not None:
-            self.streamer.before(op)
+            with span("wait for weights", "compute"):
+                self.streamer.before(op)
         if isinstance(op, Forward):
-            self._forward(op.stage, op.tape)
+            with span(str(op), "compute"):
+                self._forward(op.stage, op.tape)
         elif isinstance(op, Backward):
-            self._backward(op.stage)
+            with span(str(op), "compute"):
+                self._backward(op.stage)
         elif isinstance(op, Free):
             del self.x[op.index]
         elif isinstance(op, Update):
             assert self.update is not None, "plan updates parameters but no optimizer is owned"
-            self.update(op.stage)
+            with span(str(op), "optimizer"):
+                self.update(op.stage)
         if self.streamer is not None:
             self.streamer.after(self.ops, position, set(self.tapes))
         if self.ledger is not None:

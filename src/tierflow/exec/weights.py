@@ -15,6 +15,7 @@ from torch import nn
 
 from ..plan.ops import Backward, Forward, Op, Update
 from .offload import OffloadedParameters
+from .trace import span
 
 
 class WeightStreamer:
@@ -97,18 +98,20 @@ class WeightStreamer:
     def _read(self, i: int, pending: Future | None) -> None:
         if pending is not None:
             pending.result()
-        for p in self.stage_params[i]:
-            self.offloaded.read(p)
+        with span(f"read weights {i}", "disk read"):
+            for p in self.stage_params[i]:
+                self.offloaded.read(p)
 
     def _write_back(self, i: int) -> None:
         params = self.stage_params[i]
-        self._writes[i] = self._writer.submit(self._write_and_empty, params)
+        self._writes[i] = self._writer.submit(self._write_and_empty, i, params)
         self._resident.discard(i)
 
-    def _write_and_empty(self, params: list[nn.Parameter]) -> None:
-        for p in params:
-            self.offloaded.write(p)
-            self.offloaded.empty(p)
+    def _write_and_empty(self, i: int, params: list[nn.Parameter]) -> None:
+        with span(f"write weights {i}", "disk write"):
+            for p in params:
+                self.offloaded.write(p)
+                self.offloaded.empty(p)
 
     def _release(self, i: int) -> None:
         for p in self.stage_params[i]:

@@ -1,0 +1,74 @@
+"""What the executor did and when, per resource, as Chrome-trace JSON (open it in Perfetto or
+chrome://tracing) so that a user can see transfers overlapping compute.
+
+Resources are rows: ``compute`` (stage forwards, backwards and updates on the calling thread),
+``disk read`` and ``disk write`` (the I/O threads of weights and optimizer states). Recording
+is off unless a ``recording()`` block is open; ``span`` then costs one global lookup.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+_ROWS = ("compute", "optimizer", "disk read", "disk write")
+
+
+class Recorder:
+    """Complete events ("X") of one recording, from any thread."""
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self._lock = threading.Lock()
+        self._start = time.perf_counter()
+
+    def add(self, name: str, row: str, start: float, end: float, args: dict) -> None:
+        event = {"name": name, "ph": "X", "pid": os.getpid(), "tid": _ROWS.index(row),
+                 "ts": (start - self._start) * 1e6, "dur": (end - start) * 1e6}
+        if args:
+            event["args"] = args
+        with self._lock:
+            self.events.append(event)
+
+    def busy_seconds(self, row: str) -> float:
+        """Total time ``row`` was busy (a summary for logs and tests)."""
+        tid = _ROWS.index(row)
+        return sum(e["dur"] for e in self.events if e["tid"] == tid) / 1e6
+
+    def write(self, path: str | Path) -> None:
+        names = [{"name": "thread_name", "ph": "M", "pid": os.getpid(), "tid": i,
+                  "args": {"name": row}} for i, row in enumerate(_ROWS)]
+        Path(path).write_text(json.dumps({"traceEvents": names + self.events,
+                                          "displayTimeUnit": "ms"}))
+
+
+_active: Recorder | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Recorder]:
+    """Record every span until the block ends."""
+    global _active
+    previous, _active = _active, Recorder()
+    try:
+        yield _active
+    finally:
+        _active = previous
+
+
+@contextlib.contextmanager
+def span(name: str, row: str, **args: object) -> Iterator[None]:
+    """Time the block as ``name`` on ``row`` when a recording is open."""
+    recorder = _active
+    if recorder is None:
+        yield
+        return
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        recorder.add(name, row, start, time.perf_counter(), args)
