@@ -4,13 +4,12 @@ import copy
 
 import pytest
 import torch
+from models import VOCAB, hf_sample, tiny_hf
 
 import tierflow
 from tierflow.config import FitConfig
 from tierflow.plan.costs import ChainCosts, StageCost
 from tierflow.plan.streaming import streamed_costs
-
-from models import VOCAB, hf_sample, tiny_hf
 
 
 def _adamw(params):
@@ -150,3 +149,56 @@ def test_a_preset_built_on_disk_trains_like_the_same_preset_in_memory(tmp_path):
     _train_side_by_side(module, reference, sample, steps=2, rtol_after_update=1e-4)
     largest_stage = max(sum(p.nbytes for p in ps) for ps in module.streamer.stage_params.values())
     assert offloaded.peak_resident_bytes <= 4 * largest_stage < total
+
+
+def _train_accumulating(module, reference, samples, steps=3, clip=0.5):
+    """``steps`` optimizer steps of ``len(samples)`` micro-batches each, clipped by the
+    global norm: the module (updates deferred to after the last backward) against the
+    reference with plain AdamW and clip_grad_norm_."""
+    plain = _adamw(reference.parameters())
+    n = len(samples)
+    for step in range(steps):
+        for k, sample in enumerate(samples):
+            torch.manual_seed(step * n + k)
+            loss = module(**sample).loss
+            (loss / n).backward()
+            torch.manual_seed(step * n + k)
+            expected = reference(**sample).loss
+            (expected / n).backward()
+            tolerance = {} if step == 0 else dict(rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(loss, expected, **tolerance,
+                                       msg=lambda m, s=step, k=k: f"step {s}.{k}: {m}")
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        torch.testing.assert_close(module.last_grad_norm, float(norm), rtol=1e-4, atol=0.0)
+
+
+@pytest.mark.parametrize("stream", ["never", "all"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_accumulation_and_clipping_with_an_owned_optimizer(tmp_path, family, stream):
+    """grad_accum=4 and max_grad_norm move the updates after the last backward; with every
+    stage streamed, gradients wait on the disk tier between micro-batches."""
+    model = tiny_hf(family, layers=3, dropout=0.1)
+    reference = copy.deepcopy(model)
+    samples = [hf_sample(seed=k) for k in range(4)]
+    module = tierflow.fit(model, samples[0], optimizer=_adamw, grad_accum=4,
+                          max_grad_norm=0.5, disk=tmp_path if stream == "all" else None,
+                          config=FitConfig(planner="checkpoint-all", stream=stream))
+    assert (module.streamer is not None) == (stream == "all")
+    _train_accumulating(module, reference, samples)
+    streamer = module.streamer
+    if streamer is not None:
+        streamer.wait_writes()
+    gathered = _gathered(module) if streamer is not None else dict(model.named_parameters())
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(gathered[name], q, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+        assert dict(model.named_parameters())[name].grad is None
+
+
+def test_deferred_update_options_need_an_owned_optimizer():
+    with pytest.raises(tierflow.TierflowError, match="pass optimizer="):
+        tierflow.fit(tiny_hf("llama"), hf_sample(), grad_accum=2)
+    with pytest.raises(tierflow.TierflowError, match="max_grad_norm"):
+        tierflow.fit(tiny_hf("llama"), hf_sample(), optimizer=_adamw, max_grad_norm=0.0)

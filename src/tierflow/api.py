@@ -18,8 +18,10 @@ from .config import FitConfig
 from .errors import BudgetError, TierflowError
 from .exec.compile import compile_chain
 from .exec.context import AutocastMode, untouched
+from .exec.deferred import DeferredUpdates
 from .exec.disk import DiskStore
 from .exec.function import RunPlan
+from .exec.gradients import GradientStash
 from .exec.memory import (
     CACHING_SLACK,
     CACHING_THRESHOLD,
@@ -54,7 +56,8 @@ class TierflowModule(nn.Module):
 
     def __init__(self, model: nn.Module, chain: Chain, plan: Plan, autocast: AutocastMode,
                  device: torch.device, optimizer: OwnedOptimizer | None, log: list[str],
-                 streamer: WeightStreamer | None = None):
+                 streamer: WeightStreamer | None = None,
+                 deferred: DeferredUpdates | None = None):
         super().__init__()
         self.model = model
         self._chain = chain
@@ -63,6 +66,7 @@ class TierflowModule(nn.Module):
         self._device = device
         self._optimizer = optimizer
         self._streamer = streamer
+        self._deferred = deferred
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
         self._forward_count = len(plan.forward_ops)
         self.ledger = Ledger({storage_key(p) for p in model.parameters()})
@@ -94,10 +98,15 @@ class TierflowModule(nn.Module):
             raise TierflowError("the plan streams other stages' weights than this module: fit "
                                 "with the same budgets and disk= the plan was made with")
         return TierflowModule(self.model, self._chain, plan, self._autocast, self._device,
-                              self._optimizer, self.fit_log, self._streamer)
+                              self._optimizer, self.fit_log, self._streamer, self._deferred)
 
     def explain(self) -> str:
         return self._plan.explain()
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global gradient norm (before clipping) of the last deferred update, if any."""
+        return self._deferred.last_norm if self._deferred is not None else None
 
     @property
     def streamer(self) -> WeightStreamer | None:
@@ -113,8 +122,13 @@ class TierflowModule(nn.Module):
         if not torch.is_grad_enabled():
             return self._chain.wrap_output(self._run_without_grad(x0, ctx, autocast), ctx)
         update = self._optimizer.step_stage if self._optimizer is not None else None
+        deferred = self._deferred
+        if deferred is not None:
+            update = deferred.gradients_complete
         run = StepRun(self._chain, self._plan.ops, self._forward_count, ctx, autocast,
-                      self._device, update, self.ledger, self._streamer)
+                      self._device, update, self.ledger, self._streamer,
+                      before_backward=deferred.before_backward if deferred else None,
+                      backward_done=deferred.backward_done if deferred else None)
         y = RunPlan.apply(run, x0, self._anchor)
         return self._chain.wrap_output(y, ctx)
 
@@ -133,7 +147,7 @@ class TierflowModule(nn.Module):
 def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         gpu: int | str | None = None, planner: str = "auto",
         optimizer: OptimizerFactory | None = None, disk: str | Path | None = None,
-        reserve: int | str = 0,
+        reserve: int | str = 0, grad_accum: int = 1, max_grad_norm: float | None = None,
         config: FitConfig | None = None, verbose: bool = False) -> TierflowModule:
     """Plan ``model``'s training step for ``sample`` under the budgets and return a drop-in.
 
@@ -147,7 +161,12 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     your own optimizer and give the bytes it keeps (AdamW: 2x the fp32 parameter bytes) as
     ``reserve``: the plan leaves them free on the compute tier. ``disk`` is a directory for
     the disk tier: when the optimizer's states do not fit the budget beside the rest, they
-    live there between updates.
+    live there between updates, and so do the weights of the stages that do not fit
+    (streamed in ahead of their use).
+    With ``optimizer=``, ``grad_accum`` (micro-batches per update: call ``backward()`` that
+    many times, on losses divided by it as in plain PyTorch) and ``max_grad_norm`` (clip
+    by the global norm, as ``torch.nn.utils.clip_grad_norm_``) move the updates to one pass
+    after the last micro-batch's backward; ``last_grad_norm`` then gives the norm.
     """
     config = config or FitConfig(planner=planner)
     if planner != "auto" and config.planner != planner:
@@ -156,6 +175,15 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     device = _device_of(model)
     tier, budget = _compute_budget(device, ram=ram, gpu=gpu)
     reserved = parse_bytes(reserve, what="reserve") if reserve else 0
+    if grad_accum < 1:
+        raise TierflowError(f"grad_accum={grad_accum} must be at least 1")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise TierflowError(f"max_grad_norm={max_grad_norm} must be > 0 (None: no clipping)")
+    if optimizer is None and (grad_accum > 1 or max_grad_norm is not None):
+        raise TierflowError("grad_accum= and max_grad_norm= apply to an optimizer tierflow "
+                            "owns: pass optimizer= too, or accumulate and clip around your own "
+                            "optimizer as in plain PyTorch")
+    deferred = optimizer is not None and (grad_accum > 1 or max_grad_norm is not None)
     offloaded = offloaded_parameters(model)
     if offloaded is not None and disk is None:
         disk = offloaded.store.directory  # the model's own disk tier
@@ -176,25 +204,31 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     autocast = AutocastMode.capture(device.type)
     before = meter_for(device).current()  # what the first runs leave resident counts from here
     attempt = functools.partial(_profile_and_plan, model, sample, device, autocast, budget, tier,
-                                reserved, optimizer, store, config, say, before)
+                                reserved, optimizer, store, config, say, before, deferred)
     if config.head_chunk_tokens is not None:
         chain, placed = attempt(config.head_chunk_tokens)
     else:
         chain, placed = _auto_head_chunk(attempt)
     plan = placed.plan
     owned = OwnedOptimizer(chain, optimizer, placed.store) if optimizer is not None else None
-    streamer = _stream(model, chain, placed, config.prefetch_depth)
+    streamer = _stream(model, chain, placed, config.prefetch_depth,
+                       updates_in_backward=not deferred)
+    updates = None
+    if deferred:
+        stash = GradientStash(placed.store, streamer.stage_params) if streamer else None
+        updates = DeferredUpdates(owned, grad_accum, max_grad_norm, streamer, stash)
     if exact_host and plan.predicted_peak * CACHING_SLACK <= budget:
         configure_host_allocator(CACHING_THRESHOLD)  # room for malloc's caches: faster steps
         plan = replace(plan, notes=plan.notes + (
             f"the budget leaves room for malloc's caching (x{CACHING_SLACK} of the predicted "
             f"peak), so freed memory is kept for reuse instead of returned at once",))
     say(f"planned in {time.perf_counter() - started:.1f} s: {plan.strategy}")
-    return TierflowModule(model, chain, plan, autocast, device, owned, log, streamer)
+    return TierflowModule(model, chain, plan, autocast, device, owned, log, streamer,
+                          updates)
 
 
-def _stream(model: nn.Module, chain: Chain, placed: Placement,
-            depth: int) -> WeightStreamer | None:
+def _stream(model: nn.Module, chain: Chain, placed: Placement, depth: int, *,
+            updates_in_backward: bool) -> WeightStreamer | None:
     """Hand the streamed stages' weights to a streamer and bring every other weight of a model
     that starts on disk into memory for good."""
     offloaded = offloaded_parameters(model)
@@ -209,7 +243,7 @@ def _stream(model: nn.Module, chain: Chain, placed: Placement,
         offloaded = OffloadedParameters(placed.store)
         attach(model, offloaded)
     names = {id(p): name for name, p in model.named_parameters()}
-    streamer = WeightStreamer(streamed, offloaded, depth, names)
+    streamer = WeightStreamer(streamed, offloaded, depth, names, updates_in_backward)
     streamer.prefetch(placed.plan.ops)
     return streamer
 
@@ -228,14 +262,14 @@ def _auto_head_chunk(attempt: Callable[[int], tuple[Chain, Placement]]
         small = attempt(256)
     except BudgetError:
         return large
-    return min(large, small, key=lambda result: result[1].plan.predicted_time)
+    return min(large, small, key=lambda result: result[1].predicted_time)
 
 
 def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                       autocast: AutocastMode, budget: int | None, tier: str, reserved: int,
                       optimizer: OptimizerFactory | None, store: DiskStore | None,
                       config: FitConfig, say: Callable[[str], Any], before: int,
-                      head_chunk_tokens: int) -> tuple[Chain, Placement]:
+                      deferred: bool, head_chunk_tokens: int) -> tuple[Chain, Placement]:
     """Cut the model into a chain, measure its stages and plan the step under the budget.
     ``before`` is the RSS when fit began: growth since then is the runtime's resident share."""
     meter = meter_for(device)
@@ -271,7 +305,8 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                        extra=extra)
     if optimizer is None:
         return chain, Placement(make_plan(costs, budget, config, tier=tier), None)
-    return chain, place(costs, chain, optimizer, device, meter, budget, config, tier, store)
+    return chain, place(costs, chain, optimizer, device, meter, budget, config, tier, store,
+                        deferred)
 
 
 def _as_call(sample: Any) -> tuple[tuple, dict]:

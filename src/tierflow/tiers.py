@@ -31,20 +31,36 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
+class UpdatePass:
+    """The update pass after the backward when updates are deferred (gradient accumulation,
+    clipping): predicted seconds and compute-tier peak, static bytes included."""
+
+    seconds: float
+    peak: int
+
+
+@dataclass(frozen=True)
 class Placement:
-    """A plan and where it keeps things: the disk store (None: nothing on disk) and the
-    stages whose weights stream from it."""
+    """A plan and where it keeps things: the disk store (None: nothing on disk), the stages
+    whose weights stream from it and, with deferred updates, the update pass."""
 
     plan: Plan
     store: DiskStore | None
     streamed: frozenset[int] = frozenset()
+    update_pass: UpdatePass | None = None
+
+    @property
+    def predicted_time(self) -> float:
+        """Seconds per micro-batch, plus the update pass (once per step of the accumulation)."""
+        return self.plan.predicted_time + (self.update_pass.seconds if self.update_pass else 0.0)
 
 
 def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: torch.device,
           meter: Any, budget: int | None, config: FitConfig, tier: str,
-          disk: DiskStore | None) -> Placement:
+          disk: DiskStore | None, deferred: bool = False) -> Placement:
     """Plan with the optimizer's states on the compute tier; with a disk directory also with
-    the states on disk, and with the weights of the largest stages streamed from disk too."""
+    the states on disk, and with the weights of the largest stages streamed from disk too.
+    ``deferred``: updates run in a pass after the backward (see exec/deferred.py)."""
     probe = probe_optimizer(optimizer, device, meter)
     largest = [max((p.nbytes for p in st.parameters()), default=0) for st in chain.stages]
     stages = with_update_costs(list(costs.stages), probe.seconds_per_byte,
@@ -54,6 +70,9 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
     resident = replace(costs, stages=tuple(stages), optimizer_owned=True,
                        static_bytes=costs.static_bytes + state_bytes,
                        extra={**costs.extra, "optimizer states": state_bytes})
+    state_of = [int(probe.state_per_byte * (st.param_bytes + (costs.shared_grad_bytes
+                                                               if i == 0 else 0)))
+                for i, st in enumerate(costs.stages)]
     candidates: list[tuple[ChainCosts, DiskStore | None, frozenset[int], tuple[str, ...]]] = []
     if config.stream != "all":
         candidates.append((resident, None, frozenset(), ()))
@@ -86,17 +105,71 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
                        f"read {config.prefetch_depth} stages ahead of use and written back "
                        f"after each update")
                 candidates.append((moved, disk, frozenset(streamed), (note, why)))
+    bandwidth_or_none = bandwidth if disk is not None and device.type == "cpu" else None
     plans, error = [], None
     for candidate, store, streamed, notes in candidates:
+        update_pass = None
+        if deferred:
+            candidate, update_pass = _deferred(candidate, costs, streamed, store is not None,
+                                               state_of, probe.seconds_per_byte,
+                                               bandwidth_or_none, config.prefetch_depth)
         try:
             plan = make_plan(candidate, budget, config, tier=tier)
         except BudgetError as e:
             error = e if error is None or e.smallest < error.smallest else error
             continue
-        plans.append(Placement(replace(plan, notes=plan.notes + notes), store, streamed))
+        if update_pass is not None:
+            if budget is not None and update_pass.peak > budget:
+                smallest = update_pass.peak
+                if error is None or smallest < error.smallest:
+                    error = BudgetError(
+                        f"{tier} budget {format_bytes(budget)} is below what the update pass "
+                        f"after the backward needs, {format_bytes(smallest, round_up=True)}: "
+                        f"raise {tier} to at least {format_bytes(smallest, round_up=True)}",
+                        tier=tier, budget=budget, smallest=smallest)
+                continue
+            notes = notes + (f"updates run after the backward (gradient accumulation or "
+                             f"clipping): one pass over the stages, last first, predicted "
+                             f"{update_pass.seconds:.1f} s at a peak of "
+                             f"{format_bytes(update_pass.peak)}",)
+        plans.append(Placement(replace(plan, notes=plan.notes + notes), store, streamed,
+                               update_pass))
     if not plans:
         raise error
-    return min(plans, key=lambda placed: placed.plan.predicted_time)
+    return min(plans, key=lambda placed: placed.predicted_time)
+
+
+def _deferred(candidate: ChainCosts, base: ChainCosts, streamed: frozenset[int],
+              states_on_disk: bool, state_of: list[int], seconds_per_byte: float,
+              bandwidth: float | None, depth: int) -> tuple[ChainCosts, UpdatePass]:
+    """A candidate's costs when updates are deferred: the plan's Update(i) only hands a
+    streamed stage's gradients to the disk tier (written behind its backward); resident
+    stages' gradients stay for the whole step; the optimizer work moves to the update pass."""
+    stages, persistent, work, seconds = [], 0, 0, 0.0
+    for i, s in enumerate(candidate.stages):
+        grads = base.stages[i].param_bytes + (base.shared_grad_bytes if i == 0 else 0)
+        compute = seconds_per_byte * base.stages[i].param_bytes
+        moved = 2 * state_of[i] if states_on_disk else 0  # states read and written
+        if i in streamed:
+            write = grads / bandwidth
+            stages.append(replace(s, update_time=max(0.0, write - s.bwd_time),
+                                  update_transient=0))
+            moved += 3 * base.stages[i].param_bytes + grads  # weights in and out, grads in
+            work = max(work, base.stages[i].param_bytes + grads)
+        else:
+            stages.append(replace(s, update_time=0.0, update_transient=0))
+            persistent += grads
+        if states_on_disk:
+            work = max(work, state_of[i] + (base.stages[i].param_bytes + grads
+                                            if i in streamed else 0))
+        seconds += max(compute, moved / bandwidth) if bandwidth else compute
+    costs = replace(candidate, stages=tuple(stages),
+                    static_bytes=candidate.static_bytes + persistent)
+    # the stage updating (its in-backward update transient: states, weights, temporaries,
+    # plus its gradients), `depth` stages read ahead and one written back behind
+    peak = costs.static_bytes + (depth + 1) * work + max(
+        (s.update_transient for s in candidate.stages), default=0)
+    return costs, UpdatePass(seconds, peak)
 
 
 def _stream_sets(costs: ChainCosts, streamable: dict[int, list[nn.Parameter]],

@@ -53,11 +53,17 @@ class OwnedOptimizer:
         self._reads: dict[int, Future] = {}
         self._writes: dict[int, Future] = {}
 
-    def step_stage(self, i: int) -> None:
+    def step_stage(self, i: int, scale: float = 1.0) -> None:
+        """Update stage i's parameters from their gradients times ``scale`` (clipping), then
+        free the gradients."""
         opt = self.optimizers[i]
         if opt is None:
             return
         self._fetch(i)
+        if scale != 1.0:
+            for p in self.stage_params[i]:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
         opt.step()
         opt.zero_grad(set_to_none=True)
         self._evict(i)

@@ -45,7 +45,9 @@ class StepRun:
     def __init__(self, chain: Chain, ops: Sequence[Op], forward_count: int, ctx: dict[str, Any],
                  autocast: AutocastMode, device: torch.device,
                  update: Callable[[int], None] | None = None, ledger: Ledger | None = None,
-                 streamer: WeightStreamer | None = None):
+                 streamer: WeightStreamer | None = None,
+                 before_backward: Callable[[int], None] | None = None,
+                 backward_done: Callable[[], None] | None = None):
         self.chain = chain
         self.ops = ops
         self.forward_count = forward_count
@@ -55,6 +57,8 @@ class StepRun:
         self.update = update
         self.ledger = ledger
         self.streamer = streamer
+        self.before_backward = before_backward  # e.g. earlier micro-batches' gradients back
+        self.backward_done = backward_done  # e.g. the deferred update pass
         self.x: dict[int, torch.Tensor] = {}
         self.tapes: dict[int, Taped] = {}
         self.grads: dict[int, torch.Tensor] = {}
@@ -76,6 +80,8 @@ class StepRun:
         for position in range(self.forward_count, len(self.ops)):
             self._run(position)
         self.x.clear()
+        if self.backward_done is not None:
+            self.backward_done()
         if self.streamer is not None:
             self.streamer.prefetch(self.ops)  # the next step runs the same plan
         return self.grads.pop(0, None)
@@ -89,6 +95,8 @@ class StepRun:
             with span(str(op), "compute"):
                 self._forward(op.stage, op.tape)
         elif isinstance(op, Backward):
+            if self.before_backward is not None:
+                self.before_backward(op.stage)
             with span(str(op), "compute"):
                 self._backward(op.stage)
         elif isinstance(op, Free):

@@ -22,8 +22,10 @@ class WeightStreamer:
     """The weights of the streamed stages of a chain, living in ``offloaded`` between uses."""
 
     def __init__(self, stage_params: dict[int, list[nn.Parameter]],
-                 offloaded: OffloadedParameters, depth: int, names: dict[int, str]):
+                 offloaded: OffloadedParameters, depth: int, names: dict[int, str],
+                 updates_in_backward: bool = True):
         self.stage_params = stage_params
+        self.updates_in_backward = updates_in_backward  # else the weights change after backward
         self.offloaded = offloaded
         self.depth = depth
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-read")
@@ -46,8 +48,7 @@ class WeightStreamer:
         """Make the weights ``op`` needs resident (waiting for, or starting, their read)."""
         i = _stage_of(op)
         if i in self.stage_params:
-            self._fetch(i)
-            self._reads.pop(i).result()
+            self.hold(i)
 
     def after(self, ops: Sequence[Op], position: int, taped: set[int]) -> None:
         """After ``ops[position]``: write back updated weights, drop weights nothing needs
@@ -55,8 +56,8 @@ class WeightStreamer:
         op = ops[position]
         i = _stage_of(op)
         if i in self.stage_params:
-            if isinstance(op, Update):
-                self._write_back(i)
+            if isinstance(op, Update) and self.updates_in_backward:
+                self.write_back(i)
             elif i not in taped and _next_use(ops, position, i) != _next_streamed(
                     ops, position, self.stage_params):
                 self._release(i)
@@ -73,7 +74,12 @@ class WeightStreamer:
                 if len(upcoming) == self.depth:
                     break
         for j in upcoming:
-            self._fetch(j)
+            self.fetch(j)
+
+    def hold(self, i: int) -> None:
+        """Stage i's weights resident now (for an update outside the plan's ops)."""
+        self.fetch(i)
+        self._reads.pop(i).result()
 
     def wait_writes(self) -> None:
         for future in list(self._writes.values()):
@@ -86,7 +92,8 @@ class WeightStreamer:
 
     # ------------------------------------------------------------------ transfers
 
-    def _fetch(self, i: int) -> None:
+    def fetch(self, i: int) -> None:
+        """Start reading stage i's weights unless they are resident or on their way."""
         if i in self._reads or i in self._resident:
             if i not in self._reads:
                 self._reads[i] = _done()
@@ -102,7 +109,8 @@ class WeightStreamer:
             for p in self.stage_params[i]:
                 self.offloaded.read(p)
 
-    def _write_back(self, i: int) -> None:
+    def write_back(self, i: int) -> None:
+        """Write stage i's (updated) weights to disk, then drop them, on the writer thread."""
         params = self.stage_params[i]
         self._writes[i] = self._writer.submit(self._write_and_empty, i, params)
         self._resident.discard(i)

@@ -1,0 +1,88 @@
+"""Updates after the backward: gradient accumulation over micro-batches and clipping by the
+global gradient norm, for an optimizer tierflow owns.
+
+An update inside the backward (the default) cannot clip by a norm that is only known once
+every stage's gradients exist, nor wait for later micro-batches. Here each micro-batch's
+backward only completes gradients: a resident stage keeps them in ``.grad``, a streamed
+stage hands them to the disk tier (``GradientStash``). After the last micro-batch of a step
+the global norm gives the clipping factor (as ``torch.nn.utils.clip_grad_norm_``), and one
+pass over the stages, last first, updates each: its weights and gradients are fetched, its
+optimizer states read ahead, its weights written back behind it.
+"""
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from .gradients import GradientStash
+from .optimizer import OwnedOptimizer
+from .trace import span
+from .weights import WeightStreamer
+
+CLIP_EPSILON = 1e-6  # torch.nn.utils.clip_grad_norm_'s
+
+
+class DeferredUpdates:
+    """The micro-batch count and the update pass of one fitted module."""
+
+    def __init__(self, optimizer: OwnedOptimizer, grad_accum: int, max_grad_norm: float | None,
+                 streamer: WeightStreamer | None = None, stash: GradientStash | None = None):
+        self.optimizer = optimizer
+        self.grad_accum = grad_accum
+        self.max_grad_norm = max_grad_norm
+        self.streamer = streamer
+        self.stash = stash
+        self.micro = 0  # micro-batches of the current step done so far
+        self.last_norm: float | None = None  # the global gradient norm of the last update
+
+    def gradients_complete(self, i: int) -> None:
+        """The plan's Update(i) during a micro-batch: stage i's gradients are complete for
+        this micro-batch; a streamed stage's leave for the disk tier."""
+        if self.stash is not None and i in self.stash.stage_params:
+            self.stash.stash(i, measure=self.micro == self.grad_accum - 1)
+
+    def before_backward(self, i: int) -> None:
+        """Stage i's gradients of earlier micro-batches back in ``.grad`` to accumulate into."""
+        if self.stash is not None and self.micro > 0:
+            self.stash.restore(i)
+
+    def backward_done(self) -> None:
+        """A micro-batch ended; after the last one of a step, update every stage."""
+        self.micro += 1
+        if self.micro < self.grad_accum:
+            return
+        self.micro = 0
+        self._update_all()
+
+    def _update_all(self) -> None:
+        stages = [i for i, opt in enumerate(self.optimizer.optimizers) if opt is not None]
+        # gradients on disk were measured as they left; those in memory are measured here
+        stashed = sum(self.stash.square_norms.values()) if self.stash is not None else 0.0
+        in_memory = sum(_square_norm(self.optimizer.stage_params[i]) for i in stages)
+        self.last_norm = math.sqrt(stashed + in_memory)
+        scale = 1.0
+        if self.max_grad_norm is not None:
+            scale = min(1.0, self.max_grad_norm / (self.last_norm + CLIP_EPSILON))
+        streamed = self.streamer.stage_params if self.streamer is not None else {}
+        for position, i in enumerate(reversed(stages)):
+            if i in streamed:
+                with span("wait for weights", "compute"):
+                    self.streamer.hold(i)
+                self.stash.restore(i)
+            with span(f"update {i}", "optimizer"):
+                self.optimizer.step_stage(i, scale)
+            if i in streamed:
+                self.streamer.write_back(i)
+            later = list(reversed(stages))[position + 1:position + 1 + self.streamer.depth] \
+                if self.streamer is not None else []
+            for j in later:
+                if j in streamed:
+                    self.streamer.fetch(j)
+        if self.stash is not None:
+            self.stash.clear()
+
+
+def _square_norm(params: list[nn.Parameter]) -> float:
+    return sum(float(p.grad.detach().float().square().sum()) for p in params
+               if p.grad is not None)

@@ -1,0 +1,63 @@
+"""Gradients of streamed stages between micro-batches, on the disk tier.
+
+With deferred updates (gradient accumulation or clipping by the global norm), a streamed
+stage's gradients must outlive its backward without staying in memory: after the stage's
+backward they are written to the disk tier and dropped; before its next backward they are
+read back into ``.grad`` (autograd then accumulates into them), and before its update too.
+On the last micro-batch of a step each stage's squared gradient norm is taken as it leaves,
+so the global norm is known when the backward ends.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+from .disk import DiskStore
+from .trace import span
+
+
+class GradientStash:
+    """The disk-tier copy of the accumulated gradients of ``stage_params``' stages."""
+
+    def __init__(self, store: DiskStore, stage_params: dict[int, list[nn.Parameter]]):
+        self.store = store
+        self.stage_params = stage_params
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-grad-write")
+        self._writes: dict[int, Future] = {}
+        self._stashed: dict[int, list[nn.Parameter]] = {}  # stage -> params with grads on disk
+        self.square_norms: dict[int, float] = {}
+
+    def stash(self, i: int, *, measure: bool) -> None:
+        """Send stage i's gradients to disk and drop them (measure their norm on the last
+        micro-batch)."""
+        params = [p for p in self.stage_params[i] if p.grad is not None]
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        if measure:
+            self.square_norms[i] = sum(float(g.detach().float().square().sum()) for g in grads)
+        self._writes[i] = self._writer.submit(self._write, i, grads)
+        self._stashed[i] = params
+
+    def _write(self, i: int, grads: list[torch.Tensor]) -> None:
+        with span(f"write gradients {i}", "disk write"):
+            self.store.write(f"grad-{i}", [g.contiguous() for g in grads])
+
+    def restore(self, i: int) -> None:
+        """Put stage i's stashed gradients back in ``.grad`` (a no-op when none are)."""
+        if i not in self._stashed:
+            return
+        self._writes.pop(i).result()
+        params = self._stashed.pop(i)
+        with span(f"read gradients {i}", "disk read"):
+            buffers = [torch.empty(p.shape, dtype=p.dtype) for p in params]
+            self.store.read(f"grad-{i}", buffers)
+        for p, buffer in zip(params, buffers):
+            p.grad = buffer
+
+    def clear(self) -> None:
+        """A new step: nothing stashed, no norms."""
+        self._stashed.clear()
+        self.square_norms.clear()
