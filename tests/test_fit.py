@@ -15,6 +15,7 @@ from tierflow.plan.strategies import keep_all
 
 from models import (CORE_FAMILIES, hf_sample, mlp_sample, residual_mlp, resnet_cnn, resnet_sample,
                     sequential_mlp, tiny_hf)
+from side_by_side import train_side_by_side
 
 PLANNERS = ("keep-all", "checkpoint-all", "rotor-mid", "rotor-min")
 
@@ -92,29 +93,13 @@ def test_same_loss_and_gradients_as_pytorch(source, planner):
     assert module.ledger.peak > 0
 
 
-def _train_side_by_side(module, reference, sample, make, steps=3):
-    """Steps of the module (updating inside backward) and of the reference with a plain
-    optimizer loop, from the same seeds: the losses must agree at every step."""
-    plain = make(reference.parameters())
-    for step in range(steps):
-        torch.manual_seed(step)
-        loss = module(**sample).loss
-        loss.backward()
-        torch.manual_seed(step)
-        expected = reference(**sample).loss
-        expected.backward()
-        plain.step()
-        plain.zero_grad(set_to_none=True)
-        torch.testing.assert_close(loss, expected)
-
-
 def test_owned_optimizer_matches_plain_adamw():
     model = tiny_hf("llama", layers=3, dropout=0.1)
     reference = copy.deepcopy(model)
     sample = hf_sample()
     make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
     module = _fit(model, (), sample, "rotor-min", optimizer=make)
-    _train_side_by_side(module, reference, sample, make)
+    train_side_by_side(module, reference, sample, make)
     # gradients agree to fp32 rounding (see above); Adam divides by sqrt(v), which turns a
     # rounding difference on a near-zero gradient into up to lr-sized steps: atol = lr / 100
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
@@ -160,7 +145,7 @@ def test_optimizer_states_on_disk_match_plain_adamw(tmp_path):
     module = tierflow.fit(model, sample, optimizer=make, ram=budget, disk=tmp_path)
     assert module.plan.costs.extra["optimizer states on disk"] == states
     assert module.plan.predicted_peak <= budget
-    _train_side_by_side(module, reference, sample, make)
+    train_side_by_side(module, reference, sample, make)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
     module.optimizer.wait()  # state writes run on an I/O thread

@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 from models import VOCAB, hf_sample, tiny_hf
+from side_by_side import train_side_by_side
 
 import tierflow
 from tierflow.config import FitConfig
@@ -14,27 +15,6 @@ from tierflow.plan.streaming import streamed_costs
 
 def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
-
-def _train_side_by_side(module, reference, sample, steps=3, rtol_after_update=None):
-    """Steps of the module (updating inside backward) and of the reference with plain AdamW.
-    The first loss must be equal (default tolerances); after an update, Adam's division by
-    sqrt(v) can turn rounding-level gradient differences (the fused LM head sums in another
-    order) into lr-sized steps of near-zero-gradient weights: ``rtol_after_update``."""
-    plain = _adamw(reference.parameters())
-    for step in range(steps):
-        torch.manual_seed(step)
-        loss = module(**sample).loss
-        loss.backward()
-        torch.manual_seed(step)
-        expected = reference(**sample).loss
-        expected.backward()
-        plain.step()
-        plain.zero_grad(set_to_none=True)
-        tolerance = {} if step == 0 or rtol_after_update is None else dict(
-            rtol=rtol_after_update, atol=0.0)
-        torch.testing.assert_close(loss, expected, msg=lambda m, s=step: f"step {s}: {m}",
-                                   **tolerance)
 
 
 def _gathered(module):
@@ -62,7 +42,7 @@ def test_streamed_weights_train_like_plain_adamw(tmp_path, family, planner):
                           config=FitConfig(planner=planner, stream="all", prefetch_depth=1))
     streamer = module.streamer
     assert streamer is not None and len(streamer.streamed) >= 3  # the decoder layers at least
-    _train_side_by_side(module, reference, sample)
+    train_side_by_side(module, reference, sample, _adamw)
     streamer.wait_writes()
     # between steps only the prefetched first stage is back in RAM
     absent = [i for i, ps in streamer.stage_params.items()
@@ -146,7 +126,8 @@ def test_a_preset_built_on_disk_trains_like_the_same_preset_in_memory(tmp_path):
     sample = hf_sample(seq=8)
     module = tierflow.fit(model, sample, optimizer=_adamw,
                           config=FitConfig(stream="all", planner="checkpoint-all"))
-    _train_side_by_side(module, reference, sample, steps=2, rtol_after_update=1e-4)
+    train_side_by_side(module, reference, sample, _adamw, steps=2,
+                       rtol_after_update=1e-4)
     largest_stage = max(sum(p.nbytes for p in ps) for ps in module.streamer.stage_params.values())
     assert offloaded.peak_resident_bytes <= 4 * largest_stage < total
 
