@@ -19,7 +19,6 @@ from .errors import BudgetError, TierflowError
 from .exec.compile import compile_chain
 from .exec.context import AutocastMode, untouched
 from .exec.deferred import DeferredUpdates
-from .exec.disk import DiskStore
 from .exec.function import RunPlan
 from .exec.gradients import GradientStash
 from .exec.memory import (
@@ -40,7 +39,7 @@ from .plan.costs import ChainCosts
 from .plan.ops import Forward
 from .plan.plan import Plan
 from .profile.profiler import profile_chain
-from .tiers import Placement, place
+from .tiers import LowerTier, Placement, lower_tiers, place
 from .units import parse_bytes
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -173,7 +172,8 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         raise TierflowError(f"planner={planner!r} disagrees with config.planner="
                             f"{config.planner!r}: give one or the other")
     device = _device_of(model)
-    tier, budget = _compute_budget(device, ram=ram, gpu=gpu)
+    tier, budget, ram_below = _compute_budget(device, ram=ram, gpu=gpu,
+                                              simulated=config.simulated_gpu)
     reserved = parse_bytes(reserve, what="reserve") if reserve else 0
     if grad_accum < 1:
         raise TierflowError(f"grad_accum={grad_accum} must be at least 1")
@@ -191,31 +191,34 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         raise TierflowError("disk= holds optimizer states and weights, which tierflow moves "
                             "only when it owns the optimizer: pass optimizer= too, or leave "
                             "disk out")
-    if config.stream == "all" and disk is None:
+    if config.stream == "all" and disk is None and not config.simulated_gpu:
         raise TierflowError("config.stream='all' streams weights from the disk tier: give "
                             "disk=DIR too, or use stream='auto'")
-    store = DiskStore(disk) if disk is not None else None
-    exact_host = budget is not None and device.type == "cpu"
+    host_tier = tier != "ram"  # under a GPU, real or simulated, host RAM is the next tier
+    lower = lower_tiers(device, disk, ram_below, host_tier, offloaded) if optimizer else []
+    exact_host = budget is not None and tier == "ram"
     if exact_host:
         configure_host_allocator(EXACT_THRESHOLD)  # freed memory leaves the RSS at once
     log: list[str] = []
-    say = (lambda m: (log.append(m), print(f"[tierflow] {m}", flush=True))) if verbose else log.append
+    say = (lambda m: (log.append(m), print(f"[tierflow] {m}", flush=True))) if verbose \
+        else log.append
     started = time.perf_counter()
     autocast = AutocastMode.capture(device.type)
     before = meter_for(device).current()  # what the first runs leave resident counts from here
     attempt = functools.partial(_profile_and_plan, model, sample, device, autocast, budget, tier,
-                                reserved, optimizer, store, config, say, before, deferred)
+                                reserved, optimizer, lower, config, say, before, deferred)
     if config.head_chunk_tokens is not None:
         chain, placed = attempt(config.head_chunk_tokens)
     else:
         chain, placed = _auto_head_chunk(attempt)
     plan = placed.plan
-    owned = OwnedOptimizer(chain, optimizer, placed.store) if optimizer is not None else None
+    states = placed.states.store if placed.states else None
+    owned = OwnedOptimizer(chain, optimizer, states) if optimizer is not None else None
     streamer = _stream(model, chain, placed, config.prefetch_depth,
                        updates_in_backward=not deferred)
     updates = None
     if deferred:
-        stash = GradientStash(placed.store, streamer.stage_params) if streamer else None
+        stash = GradientStash(placed.weights.store, streamer.stage_params) if streamer else None
         updates = DeferredUpdates(owned, grad_accum, max_grad_norm, streamer, stash)
     if exact_host and plan.predicted_peak * CACHING_SLACK <= budget:
         configure_host_allocator(CACHING_THRESHOLD)  # room for malloc's caches: faster steps
@@ -240,7 +243,7 @@ def _stream(model: nn.Module, chain: Chain, placed: Placement, depth: int, *,
     if not streamed:
         return None
     if offloaded is None:
-        offloaded = OffloadedParameters(placed.store)
+        offloaded = OffloadedParameters(placed.weights.store)
         attach(model, offloaded)
     names = {id(p): name for name, p in model.named_parameters()}
     streamer = WeightStreamer(streamed, offloaded, depth, names, updates_in_backward)
@@ -256,7 +259,7 @@ def _auto_head_chunk(attempt: Callable[[int], tuple[Chain, Placement]]
         large = attempt(1024)
     except BudgetError:
         return attempt(256)
-    if not large[1].plan.recomputed_stages() and large[1].store is None:
+    if not large[1].plan.recomputed_stages() and not large[1].on_lower_tiers:
         return large
     try:
         small = attempt(256)
@@ -267,7 +270,7 @@ def _auto_head_chunk(attempt: Callable[[int], tuple[Chain, Placement]]
 
 def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                       autocast: AutocastMode, budget: int | None, tier: str, reserved: int,
-                      optimizer: OptimizerFactory | None, store: DiskStore | None,
+                      optimizer: OptimizerFactory | None, lower: list[LowerTier],
                       config: FitConfig, say: Callable[[str], Any], before: int,
                       deferred: bool, head_chunk_tokens: int) -> tuple[Chain, Placement]:
     """Cut the model into a chain, measure its stages and plan the step under the budget.
@@ -305,8 +308,9 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                        extra=extra)
     if optimizer is None:
         return chain, Placement(make_plan(costs, budget, config, tier=tier), None)
-    return chain, place(costs, chain, optimizer, device, meter, budget, config, tier, store,
-                        deferred)
+    weights_from = [t for t in lower if offloaded is not None and t.store is offloaded.store]
+    return chain, place(costs, chain, optimizer, device, meter, budget, config, tier, lower,
+                        deferred, weights_from if offloaded is not None else None)
 
 
 def _as_call(sample: Any) -> tuple[tuple, dict]:
@@ -325,15 +329,19 @@ def _device_of(model: nn.Module) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
-def _compute_budget(device: torch.device, *, ram: int | str | None,
-                    gpu: int | str | None) -> tuple[str, int | None]:
-    """The compute tier's name and budget: ``gpu`` on an accelerator, ``ram`` on the CPU."""
-    if device.type == "cpu":
+def _compute_budget(device: torch.device, *, ram: int | str | None, gpu: int | str | None,
+                    simulated: bool) -> tuple[str, int | None, int | None]:
+    """The compute tier's name and budget and the budget of host RAM below it (None: no
+    host tier): ``ram`` on the CPU; ``gpu`` over ``ram`` on an accelerator or a simulated GPU."""
+    parse = lambda value, what: None if value is None else parse_bytes(value, what=what)  # noqa: E731
+    if device.type == "cpu" and not simulated:
         if gpu is not None:
-            raise TierflowError(f"gpu={gpu!r} was given but the model is on the CPU: "
-                                f"move the model to the GPU or give ram= instead")
-        return "ram", None if ram is None else parse_bytes(ram, what="ram budget")
-    if ram is not None:
-        raise TierflowError(f"ram={ram!r} was given with the model on {device}: offloading to "
-                            f"host RAM is not built yet; give gpu= only")
-    return "gpu", None if gpu is None else parse_bytes(gpu, what="gpu budget")
+            raise TierflowError(f"gpu={gpu!r} was given but the model is on the CPU: move the "
+                                "model to the GPU, give ram= instead, or simulate a GPU with "
+                                "config=FitConfig(simulated_gpu=True)")
+        return "ram", parse(ram, "ram budget"), None
+    if device.type == "cpu" and gpu is None:
+        raise TierflowError("FitConfig(simulated_gpu=True) needs gpu=: the budget of the "
+                            "simulated GPU")
+    name = "gpu (simulated)" if device.type == "cpu" else "gpu"
+    return name, parse(gpu, "gpu budget"), parse(ram, "ram budget")

@@ -23,6 +23,7 @@ class FitConfig:
     compile: bool = False  # torch.compile stages that share a kernel (decoder layers), once
     stream: str = "auto"  # stage weights on the disk tier: when needed / never / every stage
     prefetch_depth: int = 2  # streamed stages read ahead of the one computing
+    simulated_gpu: bool = False  # CPU model planned as on a GPU of fit(gpu=): host RAM below
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:

@@ -1,22 +1,27 @@
 """Where ``fit`` puts what it owns when tierflow owns the optimizer: the optimizer states and
-the stage weights stay on the compute tier or live on the disk tier between uses.
+the stage weights stay on the compute tier or live on a lower tier between uses (the disk;
+under a simulated GPU, host RAM first, then the disk).
 
 Every placement that could work is planned (the same rotor plan under the same budget, on the
-costs that placement implies) and the fastest plan that fits wins; when nothing fits, the
-error of the placement that came closest is raised.
+costs that placement implies) and the fastest plan that fits every tier wins; when nothing
+fits, the error of the placement that came closest is raised.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from .chain.base import Chain
 from .config import FitConfig
-from .errors import BudgetError
+from .errors import BudgetError, TierflowError
 from .exec.disk import DiskStore, measure_bandwidth
+from .exec.host_store import HostStore, measure_copy_bandwidth
+from .exec.offload import OffloadedParameters
 from .exec.optimizer import probe_optimizer
 from .exec.stage_call import storage_key
 from .exec.weights import stage_parameters_to_stream
@@ -31,6 +36,17 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
+class LowerTier:
+    """A tier below the compute tier: its store, its measured bandwidth each way, its budget
+    (None: as large as its free space)."""
+
+    name: str  # "ram" or "disk"
+    store: DiskStore | HostStore
+    bandwidth: float  # bytes per second
+    budget: int | None = None
+
+
+@dataclass(frozen=True)
 class UpdatePass:
     """The update pass after the backward when updates are deferred (gradient accumulation,
     clipping): predicted seconds and compute-tier peak, static bytes included."""
@@ -41,11 +57,13 @@ class UpdatePass:
 
 @dataclass(frozen=True)
 class Placement:
-    """A plan and where it keeps things: the disk store (None: nothing on disk), the stages
-    whose weights stream from it and, with deferred updates, the update pass."""
+    """A plan and where it keeps things: the lower tier of the optimizer states and of the
+    streamed stages' weights (None: the compute tier), and, with deferred updates, the
+    update pass."""
 
     plan: Plan
-    store: DiskStore | None
+    states: LowerTier | None = None
+    weights: LowerTier | None = None
     streamed: frozenset[int] = frozenset()
     update_pass: UpdatePass | None = None
 
@@ -54,121 +72,185 @@ class Placement:
         """Seconds per micro-batch, plus the update pass (once per step of the accumulation)."""
         return self.plan.predicted_time + (self.update_pass.seconds if self.update_pass else 0.0)
 
+    @property
+    def on_lower_tiers(self) -> bool:
+        return self.states is not None or self.weights is not None
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    costs: ChainCosts
+    states: LowerTier | None
+    weights: LowerTier | None
+    streamed: frozenset[int]
+    notes: tuple[str, ...]
+
 
 def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: torch.device,
           meter: Any, budget: int | None, config: FitConfig, tier: str,
-          disk: DiskStore | None, deferred: bool = False) -> Placement:
-    """Plan with the optimizer's states on the compute tier; with a disk directory also with
-    the states on disk, and with the weights of the largest stages streamed from disk too.
-    ``deferred``: updates run in a pass after the backward (see exec/deferred.py)."""
+          lower: list[LowerTier], deferred: bool = False,
+          weights_tiers: list[LowerTier] | None = None) -> Placement:
+    """Plan with the optimizer's states on the compute tier or on each lower tier, and with
+    the weights of the largest stages (or all) streamed from a lower tier too.
+    ``deferred``: updates run in a pass after the backward (see exec/deferred.py).
+    ``weights_tiers`` limits where weights may stream from (a model built on disk)."""
     probe = probe_optimizer(optimizer, device, meter)
     largest = [max((p.nbytes for p in st.parameters()), default=0) for st in chain.stages]
     stages = with_update_costs(list(costs.stages), probe.seconds_per_byte,
                                probe.transient_per_byte, largest)
     trainable = sum(p.nbytes for p in chain_parameters(chain) if p.requires_grad)
     state_bytes = int(probe.state_per_byte * trainable)
-    resident = replace(costs, stages=tuple(stages), optimizer_owned=True,
-                       static_bytes=costs.static_bytes + state_bytes,
-                       extra={**costs.extra, "optimizer states": state_bytes})
     state_of = [int(probe.state_per_byte * (st.param_bytes + (costs.shared_grad_bytes
                                                                if i == 0 else 0)))
                 for i, st in enumerate(costs.stages)]
-    candidates: list[tuple[ChainCosts, DiskStore | None, frozenset[int], tuple[str, ...]]] = []
-    if config.stream != "all":
-        candidates.append((resident, None, frozenset(), ()))
-    if disk is not None and device.type == "cpu":
-        bandwidth = measure_bandwidth(disk.directory)
-        offloaded, largest_state = [], 0
-        for i, stage in enumerate(stages):
-            owned = stage.param_bytes + (costs.shared_grad_bytes if i == 0 else 0)
-            state = int(probe.state_per_byte * owned)
-            largest_state = max(largest_state, state)
-            io = 2 * state / bandwidth  # read ahead during the backward, written back after
-            offloaded.append(replace(stage, update_transient=stage.update_transient + state,
-                                     update_time=stage.update_time + max(0.0, io - stage.bwd_time)))
-        # besides the stage updating: the next one's states read ahead, the last one's writing
-        on_disk = replace(resident, stages=tuple(offloaded),
-                          static_bytes=costs.static_bytes + 2 * largest_state,
-                          extra={**costs.extra, "optimizer states on disk": state_bytes})
-        note = (f"the optimizer states ({format_bytes(state_bytes)}) live on disk in "
-                f"{disk.directory}, read ahead of each stage's update and written back after "
-                f"({format_bytes(bandwidth)}/s measured there)")
+    resident = replace(costs, stages=tuple(stages), optimizer_owned=True,
+                       static_bytes=costs.static_bytes + state_bytes,
+                       extra={**costs.extra, "optimizer states": state_bytes})
+    streamable = stage_parameters_to_stream(chain.stages)
+    candidates: list[_Candidate] = []
+    for home in [None, *lower]:
+        if home is None:
+            with_states, notes = resident, ()
+        else:
+            with_states = _states_below(resident, costs, stages, state_of, home)
+            notes = (f"the optimizer states ({format_bytes(state_bytes)}) live in {_where(home)}"
+                     f", read ahead of each stage's update and written back after "
+                     f"({format_bytes(home.bandwidth)}/s measured)",)
         if config.stream != "all":
-            candidates.append((on_disk, disk, frozenset(), (note,)))
-        if config.stream != "never":
-            streamable = stage_parameters_to_stream(chain.stages)
-            for streamed in _stream_sets(on_disk, streamable, budget, config, tier, bandwidth):
-                moved = streamed_costs(on_disk, set(streamed), read_bytes_per_s=bandwidth,
-                                       write_bytes_per_s=bandwidth, depth=config.prefetch_depth)
+            candidates.append(_Candidate(with_states, home, None, frozenset(), notes))
+        if home is None or config.stream == "never":
+            continue
+        for source in weights_tiers if weights_tiers is not None else lower:
+            for streamed in _stream_sets(with_states, streamable, budget, config, tier,
+                                         source.bandwidth):
+                moved = streamed_costs(with_states, set(streamed),
+                                       read_bytes_per_s=source.bandwidth,
+                                       write_bytes_per_s=source.bandwidth,
+                                       depth=config.prefetch_depth)
+                moved = replace(moved, extra={**moved.extra, "weights tier": source.name})
                 why = (f"the weights of {len(streamed)} of {len(chain)} stages "
-                       f"({format_bytes(moved.extra['streamed bytes'])}) live on disk too, "
-                       f"read {config.prefetch_depth} stages ahead of use and written back "
-                       f"after each update")
-                candidates.append((moved, disk, frozenset(streamed), (note, why)))
-    bandwidth_or_none = bandwidth if disk is not None and device.type == "cpu" else None
+                       f"({format_bytes(moved.extra['streamed bytes'])}) live in "
+                       f"{_where(source)}, read {config.prefetch_depth} stages ahead of use and "
+                       f"written back after each update")
+                candidates.append(_Candidate(moved, home, source, frozenset(streamed),
+                                             notes + (why,)))
     plans, error = [], None
-    for candidate, store, streamed, notes in candidates:
-        update_pass = None
-        if deferred:
-            candidate, update_pass = _deferred(candidate, costs, streamed, store is not None,
-                                               state_of, probe.seconds_per_byte,
-                                               bandwidth_or_none, config.prefetch_depth)
+    for candidate in candidates:
         try:
-            plan = make_plan(candidate, budget, config, tier=tier)
+            plans.append(_plan(candidate, costs, state_of, probe.seconds_per_byte, budget,
+                               config, tier, deferred))
         except BudgetError as e:
             error = e if error is None or e.smallest < error.smallest else error
-            continue
-        if update_pass is not None:
-            if budget is not None and update_pass.peak > budget:
-                smallest = update_pass.peak
-                if error is None or smallest < error.smallest:
-                    error = BudgetError(
-                        f"{tier} budget {format_bytes(budget)} is below what the update pass "
-                        f"after the backward needs, {format_bytes(smallest, round_up=True)}: "
-                        f"raise {tier} to at least {format_bytes(smallest, round_up=True)}",
-                        tier=tier, budget=budget, smallest=smallest)
-                continue
-            notes = notes + (f"updates run after the backward (gradient accumulation or "
-                             f"clipping): one pass over the stages, last first, predicted "
-                             f"{update_pass.seconds:.1f} s at a peak of "
-                             f"{format_bytes(update_pass.peak)}",)
-        plans.append(Placement(replace(plan, notes=plan.notes + notes), store, streamed,
-                               update_pass))
     if not plans:
         raise error
     return min(plans, key=lambda placed: placed.predicted_time)
 
 
-def _deferred(candidate: ChainCosts, base: ChainCosts, streamed: frozenset[int],
-              states_on_disk: bool, state_of: list[int], seconds_per_byte: float,
-              bandwidth: float | None, depth: int) -> tuple[ChainCosts, UpdatePass]:
+def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
+                host_tier: bool, offloaded: OffloadedParameters | None) -> list[LowerTier]:
+    """The tiers below the compute tier, nearest first, with their bandwidths measured: host
+    RAM under a GPU (real or simulated), then the disk directory when one is given."""
+    tiers = []
+    if host_tier:
+        tiers.append(LowerTier("ram", HostStore(), measure_copy_bandwidth(), ram))
+    if disk is not None:
+        if device.type != "cpu":
+            raise TierflowError(f"disk={disk} with the model on {device}: the disk tier under "
+                                "a GPU is not built yet; give ram= for host memory only")
+        same = offloaded is not None and Path(offloaded.store.directory) == Path(disk)
+        store = offloaded.store if same else DiskStore(disk)
+        tiers.append(LowerTier("disk", store, measure_bandwidth(store.directory)))
+    return tiers
+
+
+def _where(home: LowerTier) -> str:
+    if isinstance(home.store, DiskStore):
+        return f"the disk tier ({home.store.directory})"
+    return "host RAM (the tier below the simulated GPU)"
+
+
+def _states_below(resident: ChainCosts, base: ChainCosts, stages: list, state_of: list[int],
+                  home: LowerTier) -> ChainCosts:
+    """``resident`` with the optimizer states on a lower tier: each stage's states are read
+    during its backward and written back after its update (only the part of that I/O that
+    outlasts the backward costs time); the next stage's and the last one's are in flight."""
+    moved = []
+    for i, stage in enumerate(stages):
+        io = 2 * state_of[i] / home.bandwidth
+        moved.append(replace(stage, update_transient=stage.update_transient + state_of[i],
+                             update_time=stage.update_time + max(0.0, io - stage.bwd_time)))
+    return replace(resident, stages=tuple(moved),
+                   static_bytes=base.static_bytes + 2 * max(state_of, default=0),
+                   extra={**base.extra, f"optimizer states on {home.name}": sum(state_of)})
+
+
+def _plan(candidate: _Candidate, base: ChainCosts, state_of: list[int], seconds_per_byte: float,
+          budget: int | None, config: FitConfig, tier: str, deferred: bool) -> Placement:
+    """The candidate's plan, checked against every tier's budget (BudgetError if over)."""
+    costs, update_pass, notes = candidate.costs, None, candidate.notes
+    if deferred:
+        costs, update_pass = _deferred(candidate, base, state_of, seconds_per_byte,
+                                       config.prefetch_depth)
+    plan = make_plan(costs, budget, config, tier=tier)
+    if update_pass is not None:
+        if budget is not None and update_pass.peak > budget:
+            need = format_bytes(update_pass.peak, round_up=True)
+            raise BudgetError(f"{tier} budget {format_bytes(budget)} is below what the update "
+                              f"pass after the backward needs, {need}: raise {tier} to at least "
+                              f"{need}", tier=tier, budget=budget, smallest=update_pass.peak)
+        notes = notes + (f"updates run after the backward (gradient accumulation or "
+                         f"clipping): one pass over the stages, last first, predicted "
+                         f"{update_pass.seconds:.1f} s at a peak of "
+                         f"{format_bytes(update_pass.peak)}",)
+    for lower in {id(t): t for t in (candidate.states, candidate.weights) if t}.values():
+        held = _lower_bytes(candidate, base, state_of, lower, deferred)
+        if lower.budget is not None and held > lower.budget:
+            need = format_bytes(held, round_up=True)
+            raise BudgetError(f"{lower.name} budget {format_bytes(lower.budget)} is below the "
+                              f"{need} this placement keeps there: raise {lower.name} to at "
+                              f"least {need}", tier=lower.name, budget=lower.budget,
+                              smallest=held)
+    return Placement(replace(plan, notes=plan.notes + notes), candidate.states,
+                     candidate.weights, candidate.streamed, update_pass)
+
+
+def _lower_bytes(candidate: _Candidate, base: ChainCosts, state_of: list[int],
+                 lower: LowerTier, deferred: bool) -> int:
+    """Bytes a placement keeps on ``lower``: states, streamed weights, stashed gradients."""
+    held = sum(state_of) if candidate.states is lower else 0
+    if candidate.weights is lower:
+        weights = sum(base.stages[i].param_bytes for i in candidate.streamed)
+        held += weights * (2 if deferred else 1)  # deferred: the gradients wait there too
+    return held
+
+
+def _deferred(candidate: _Candidate, base: ChainCosts, state_of: list[int],
+              seconds_per_byte: float, depth: int) -> tuple[ChainCosts, UpdatePass]:
     """A candidate's costs when updates are deferred: the plan's Update(i) only hands a
-    streamed stage's gradients to the disk tier (written behind its backward); resident
+    streamed stage's gradients to the lower tier (written behind its backward); resident
     stages' gradients stay for the whole step; the optimizer work moves to the update pass."""
+    states, weights = candidate.states, candidate.weights
     stages, persistent, work, seconds = [], 0, 0, 0.0
-    for i, s in enumerate(candidate.stages):
-        grads = base.stages[i].param_bytes + (base.shared_grad_bytes if i == 0 else 0)
-        compute = seconds_per_byte * base.stages[i].param_bytes
-        moved = 2 * state_of[i] if states_on_disk else 0  # states read and written
-        if i in streamed:
-            write = grads / bandwidth
-            stages.append(replace(s, update_time=max(0.0, write - s.bwd_time),
+    for i, s in enumerate(candidate.costs.stages):
+        params = base.stages[i].param_bytes
+        grads = params + (base.shared_grad_bytes if i == 0 else 0)
+        io = 2 * state_of[i] / states.bandwidth if states else 0.0  # states in and out
+        if i in candidate.streamed:
+            stages.append(replace(s, update_time=max(0.0, grads / weights.bandwidth - s.bwd_time),
                                   update_transient=0))
-            moved += 3 * base.stages[i].param_bytes + grads  # weights in and out, grads in
-            work = max(work, base.stages[i].param_bytes + grads)
+            io += (3 * params + grads) / weights.bandwidth  # weights in and out, grads in
+            work = max(work, params + grads + (state_of[i] if states else 0))
         else:
             stages.append(replace(s, update_time=0.0, update_transient=0))
             persistent += grads
-        if states_on_disk:
-            work = max(work, state_of[i] + (base.stages[i].param_bytes + grads
-                                            if i in streamed else 0))
-        seconds += max(compute, moved / bandwidth) if bandwidth else compute
-    costs = replace(candidate, stages=tuple(stages),
-                    static_bytes=candidate.static_bytes + persistent)
-    # the stage updating (its in-backward update transient: states, weights, temporaries,
-    # plus its gradients), `depth` stages read ahead and one written back behind
+            work = max(work, state_of[i] if states else 0)
+        seconds += max(seconds_per_byte * params, io)
+    costs = replace(candidate.costs, stages=tuple(stages),
+                    static_bytes=candidate.costs.static_bytes + persistent)
+    # the stage updating (its in-backward update transient: states, weights, temporaries),
+    # `depth` stages read ahead and one written back behind
     peak = costs.static_bytes + (depth + 1) * work + max(
-        (s.update_transient for s in candidate.stages), default=0)
+        (s.update_transient for s in candidate.costs.stages), default=0)
     return costs, UpdatePass(seconds, peak)
 
 

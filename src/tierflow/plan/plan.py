@@ -89,9 +89,15 @@ class Plan:
                  f" + {format_bytes(sim.peak)} activations, gradients and transients",
                  f"  predicted step time {sim.time * 1e3:.0f} ms "
                  f"({_overhead(sim.time, base)} over computing every stage once)"]
-        if c.extra.get("optimizer states on disk"):
-            lines.append(f"  disk tier: {format_bytes(c.extra['optimizer states on disk'])} "
-                         f"of optimizer states")
+        for lower in ("ram", "disk"):
+            held = []
+            if c.extra.get(f"optimizer states on {lower}"):
+                held.append(f"{format_bytes(c.extra[f'optimizer states on {lower}'])} of "
+                            "optimizer states")
+            if c.extra.get("weights tier") == lower:
+                held.append(f"{format_bytes(c.extra['streamed bytes'])} of streamed weights")
+            if held:
+                lines.append(f"  {lower} tier: {' and '.join(held)}")
         lines.append(f"  kept for backward on the first forward: {_names(kept)}")
         if recomputed:
             lines.append(f"  recomputed during backward: {_names(recomputed)}; "
