@@ -360,7 +360,9 @@ def test_generate_ram_refuses_below_the_need_and_runs_at_it(gen_dir, tmp_path):
     directory, _ = gen_dir
     tok = load_tokenizer(directory / "tokenizer.json")
     prompt = "def add"
-    need = memory_needed(directory, torch.float32, len(tok.encode(prompt).ids), 16).total
+    from tierflow.generate_memory import RUNTIME_BYTES
+    need = memory_needed(directory, torch.float32, len(tok.encode(prompt).ids), 16).total \
+        + RUNTIME_BYTES
     env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
     base = [sys.executable, "-m", "tierflow", "generate", "--model", str(directory), "--prompt",
             prompt, "--max-new-tokens", "16", "--dtype", "fp32", "--temperature", "0"]
@@ -370,8 +372,8 @@ def test_generate_ram_refuses_below_the_need_and_runs_at_it(gen_dir, tmp_path):
     assert low.returncode == 2 and len(lines) == 1 and not low.stdout, low.stderr
     assert lines[0].startswith(f"tierflow: error: --ram {need - 1} is too small to generate 16 "
                                "tokens after a"), lines[0]
-    for fragment in ("weights", "KV cache", "activations", "streaming weights from disk is not "
-                                                           "built yet"):
+    for fragment in ("weights", "KV cache", "activations", "every weight in RAM",
+                     "streaming every decoder layer needs"):
         assert fragment in lines[0]
     import re
     smallest = re.search(r"give --ram (\S+ \S+|\d+ B) or more", lines[0]).group(1)

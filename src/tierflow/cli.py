@@ -227,9 +227,10 @@ def _add_generate(sub: Any) -> None:
     gen.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                      help="weights and compute dtype (auto: bf16 where the CPU has native bf16)")
     gen.add_argument("--ram", default=None, metavar="SIZE",
-                     help="RAM budget, e.g. 2GiB: refuse, naming the smallest budget, when the "
-                          "weights + KV cache + an activation margin do not fit (a check only: "
-                          "streaming weights from disk to fit less is a later issue)")
+                     help="RAM budget, e.g. 1GiB: below what the whole model needs, decoder "
+                          "layers are read from the checkpoint for every token (the plan is "
+                          "printed on stderr); refused, naming the smallest budget, when even "
+                          "that does not fit")
     gen.set_defaults(func=cmd_generate)
 
 

@@ -14,12 +14,13 @@ tokenizer's end-of-text token).
 Text is streamed by decoding all generated ids and printing what was not printed yet, holding
 back a trailing partial UTF-8 character (a byte-level token can end mid-character).
 
-The model runs entirely in RAM (weights memory-mapped by ``load_model``). ``--ram`` is a
-check, not a plan: ``memory_needed`` adds the weights (from the safetensors headers, in the
-compute dtype), the KV cache (2 x layers x kv heads x head dim x (prompt + new tokens) x dtype
-bytes) and a margin for the prefill's activations; above the budget generation is refused with
-the smallest budget that works. Streaming weights from disk to fit a smaller budget is a later
-issue.
+Without ``--ram``, or when it holds ``memory_needed`` (weights in the compute dtype, KV cache
+and an activation margin, from the config and the safetensors headers) plus a runtime allowance,
+the whole model is loaded into RAM by ``load_model``. Below that,
+``generate_stream.load_streamed`` keeps as many decoder layers in RAM as the budget holds and
+reads the others from the checkpoint for every forward pass (the plan and, at the end, what the
+reads cost are printed on stderr); the text is the same as with every weight in RAM. A budget
+below even that is refused, naming the smallest budget that works.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ from typing import Any, Callable, Iterator, Sequence, TextIO
 import torch
 
 from .errors import TierflowError
+from .generate_memory import MemoryNeed, dtype_name, fits_in_ram, memory_needed
+from .generate_stream import load_streamed
 
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_TEMPERATURE = 0.8
@@ -66,10 +69,12 @@ class GenerateStats:
 
 def check_options(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
     """Reject out-of-range sampling options with a one-line error naming the fix."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 1):
         raise TierflowError(f"--max-new-tokens {max_new_tokens!r} must be a whole number of at "
                             "least 1")
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+    if (not isinstance(temperature, (int, float)) or not math.isfinite(temperature)
+            or temperature < 0):
         raise TierflowError(f"--temperature {temperature!r} must be a finite number >= 0 "
                             "(0 picks the most likely token)")
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
@@ -130,7 +135,8 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 
 @torch.inference_mode()
-def sample_ids(model: Any, prompt_ids: Sequence[int], *, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+def sample_ids(model: Any, prompt_ids: Sequence[int], *,
+               max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
                temperature: float = DEFAULT_TEMPERATURE, top_k: int | None = None,
                seed: int | None = None, stop: set[int] | None = None,
                allowed_vocab: int | None = None,
@@ -262,82 +268,6 @@ def _emitter(stream: TextIO | Callable[[str], Any] | None) -> Callable[[str], No
     return write
 
 
-@dataclass
-class MemoryNeed:
-    """What generation holds at its peak, in bytes (the Python and torch runtime not counted)."""
-
-    weights: int
-    kv_cache: int
-    activations: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.kv_cache + self.activations
-
-
-def _config_int(config: Any, *names: str) -> int | None:
-    for name in names:
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def memory_needed(directory: str | Path, dtype: torch.dtype, prompt_tokens: int,
-                  max_new_tokens: int) -> MemoryNeed:
-    """The bytes generating ``max_new_tokens`` after ``prompt_tokens`` needs, read from the
-    directory's config.json and safetensors headers without loading a weight:
-
-    - weights: every stored tensor's elements x ``dtype`` bytes (a tied head is stored once);
-    - KV cache: 2 x layers x kv heads x head dim x (prompt + new tokens) x ``dtype`` bytes;
-    - activations (the stated margin): the prefill's fp32 logits (prompt x vocab x 4), one
-      layer's working set (prompt x (4 x hidden + 2 x intermediate) x ``dtype`` bytes) and
-      the attention scores (heads x prompt^2 x 4 bytes)."""
-    from safetensors import safe_open
-
-    from .models.load import _read_config, read_safetensors_index
-    directory = Path(directory)
-    config = _read_config(directory)
-    files = read_safetensors_index(directory)
-    size = torch.empty(0, dtype=dtype).element_size()
-    weights = 0
-    by_file: dict[Path, list[str]] = {}
-    for name, file in files.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in by_file.items():
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in names:
-                weights += math.prod(f.get_slice(name).get_shape()) * size
-    layers = _config_int(config, "num_hidden_layers", "n_layer") or 0
-    heads = _config_int(config, "num_attention_heads", "n_head") or 1
-    kv_heads = _config_int(config, "num_key_value_heads") or heads
-    hidden = _config_int(config, "hidden_size", "n_embd") or 0
-    head_dim = _config_int(config, "head_dim") or hidden // heads
-    inner = _config_int(config, "intermediate_size", "n_inner") or 4 * hidden
-    vocab = _config_int(config, "vocab_size") or 0
-    tokens = prompt_tokens + max_new_tokens
-    kv = 2 * layers * kv_heads * head_dim * tokens * size
-    activations = (prompt_tokens * vocab * 4 + prompt_tokens * (4 * hidden + 2 * inner) * size
-                   + heads * prompt_tokens * prompt_tokens * 4)
-    return MemoryNeed(int(weights), int(kv), int(activations))
-
-
-def check_budget(need: MemoryNeed, budget: int, *, ram_text: str, prompt_tokens: int,
-                 max_new_tokens: int, dtype: torch.dtype) -> None:
-    """One-line refusal when ``need`` is above ``budget``, naming the smallest budget."""
-    from .units import format_bytes
-    if need.total <= budget:
-        return
-    raise TierflowError(
-        f"--ram {ram_text} is too small to generate {max_new_tokens} tokens after a "
-        f"{prompt_tokens}-token prompt in {_dtype_name(dtype)}: it needs weights "
-        f"{format_bytes(need.weights, round_up=True)} + KV cache "
-        f"{format_bytes(need.kv_cache, round_up=True)} + activations "
-        f"{format_bytes(need.activations, round_up=True)}; give --ram "
-        f"{format_bytes(need.total, round_up=True)} or more, or lower --max-new-tokens "
-        "(streaming weights from disk is not built yet)")
-
-
 def resolve_dtype(name: str) -> torch.dtype:
     """``auto``: bf16 where the CPU computes it natively (or on a GPU), else fp32."""
     if name == "bf16":
@@ -379,23 +309,31 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
         budget = parse_bytes(ram, what="--ram")
     tok = load_tokenizer(tok_path)
     torch_dtype = resolve_dtype(dtype)
+    prompt_tokens = len(encode_prompt(tok, prompt))
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    need: MemoryNeed | None = None
     if budget is not None:
-        prompt_tokens = len(encode_prompt(tok, prompt))
-        check_budget(memory_needed(directory, torch_dtype, prompt_tokens, max_new_tokens), budget,
-                     ram_text=str(ram), prompt_tokens=prompt_tokens,
-                     max_new_tokens=max_new_tokens, dtype=torch_dtype)
-    model = load_model(directory, vocab_size=tok.get_vocab_size(with_added_tokens=True),
-                       dtype=torch_dtype)
-    check_length(model, len(encode_prompt(tok, prompt)), max_new_tokens)
+        need = memory_needed(directory, torch_dtype, prompt_tokens, max_new_tokens)
+    streaming = None
+    if need is not None and budget is not None and not fits_in_ram(need, budget):
+        model, streaming = load_streamed(directory, torch_dtype, need, budget,
+                                         ram_text=str(ram), prompt_tokens=prompt_tokens,
+                                         max_new_tokens=max_new_tokens, vocab_size=vocab,
+                                         log=sys.stderr)
+    else:
+        model = load_model(directory, vocab_size=vocab, dtype=torch_dtype)
     stats = GenerateStats()
-    out.write(prompt)
+    try:
+        check_length(model, prompt_tokens, max_new_tokens)
+        out.write(prompt)
+        out.flush()
+        generate(model, tok, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
+                 top_k=top_k, seed=seed, stream=out, stats=stats)
+    finally:
+        if streaming is not None:
+            streaming.close()
+    out.write("\n" + stats.summary() + f", {dtype_name(torch_dtype)}\n")
     out.flush()
-    generate(model, tok, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-             top_k=top_k, seed=seed, stream=out, stats=stats)
-    out.write("\n" + stats.summary() + f", {_dtype_name(torch_dtype)}\n")
-    out.flush()
+    if streaming is not None:
+        print(f"[stream] {streaming.summary()}", file=sys.stderr, flush=True)
     return stats
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(dtype, str(dtype))
