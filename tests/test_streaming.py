@@ -57,6 +57,18 @@ def test_streamed_weights_train_like_plain_adamw(tmp_path, family, planner):
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_weights_read_on_demand_without_prefetch(tmp_path):
+    """prefetch_depth=0 (the baseline of the overlap benchmark) reads each stage when needed."""
+    model = tiny_hf("llama", layers=2)
+    reference = copy.deepcopy(model)
+    sample = hf_sample()
+    module = tierflow.fit(model, sample, optimizer=_adamw, disk=tmp_path,
+                          config=FitConfig(planner="checkpoint-all", stream="all",
+                                           prefetch_depth=0))
+    train_side_by_side(module, reference, sample, _adamw, steps=2)
+    assert module.streamer._reads == {}  # nothing was read ahead
+
+
 def test_evaluation_fetches_streamed_weights(tmp_path):
     model = tiny_hf("llama", layers=2)
     reference = copy.deepcopy(model)

@@ -22,7 +22,7 @@ class FitConfig:
     headroom: float = 0.0  # fraction of the budget kept free for what tierflow cannot see
     compile: bool = False  # torch.compile stages that share a kernel (decoder layers), once
     stream: str = "auto"  # stage weights on the disk tier: when needed / never / every stage
-    prefetch_depth: int = 2  # streamed stages read ahead of the one computing
+    prefetch_depth: int = 2  # streamed stages read ahead of the one computing (0: on demand)
     simulated_gpu: bool = False  # CPU model planned as on a GPU of fit(gpu=): host RAM below
 
     def __post_init__(self) -> None:
@@ -36,8 +36,8 @@ class FitConfig:
             raise ValueError(f"head_chunk_tokens={self.head_chunk_tokens} must be at least 1")
         if self.stream not in STREAMING:
             raise ValueError(f"stream {self.stream!r} is unknown: use one of {', '.join(STREAMING)}")
-        if self.prefetch_depth < 1:
-            raise ValueError(f"prefetch_depth={self.prefetch_depth} must be at least 1")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch_depth={self.prefetch_depth} must be at least 0")
         if not 0.0 <= self.headroom < 1.0:
             raise ValueError(f"headroom={self.headroom} must be in [0, 1)")
 

@@ -67,6 +67,8 @@ class WeightStreamer:
         """Start reading the first ``depth`` streamed stages that ``ops`` use (at the end of a
         step, the next step's ops: the same plan runs again)."""
         upcoming: list[int] = []
+        if self.depth == 0:  # read on demand, in ``before``
+            return
         for op in ops:
             j = _stage_of(op)
             if j in self.stage_params and j not in upcoming:
