@@ -1,5 +1,36 @@
-"""Running the command line in-process from tests, and what its user errors must look like."""
+"""Running the command line in-process from tests, what its user errors must look like, and
+the tiny training environment (corpus, token files, model) trainer tests share."""
+import io
+import os
+from pathlib import Path
+
+import torch
+
 from tierflow import cli
+
+STDLIB_FILES = ("textwrap.py", "bisect.py", "colorsys.py", "keyword.py", "heapq.py", "abc.py",
+                "fnmatch.py", "glob.py")
+
+
+def make_train_env(root: Path, files: int = len(STDLIB_FILES)) -> dict:
+    """A tiny tokenized corpus (``files`` stdlib modules, vocab 300) and a tiny Llama saved
+    with save_pretrained under ``root``: {"root", "data", "model"}."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tierflow.data.tokenize import tokenize
+    corpus = root / "corpus"
+    corpus.mkdir()
+    stdlib = Path(os.__file__).parent
+    for i, name in enumerate(STDLIB_FILES[:files]):
+        (corpus / f"doc{i}.txt").write_text((stdlib / name).read_text())
+    tokenize([str(corpus)], root / "data", vocab_size=300, eval_fraction=0.2, log=io.StringIO())
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=304, hidden_size=48, intermediate_size=96,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=128)
+        LlamaForCausalLM(config).save_pretrained(root / "model")
+    return {"root": root, "data": str(root / "data"), "model": str(root / "model")}
 
 
 def run_main(*args, capsys):

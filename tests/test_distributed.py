@@ -4,7 +4,6 @@ the optimizer states per rank, checkpoints that resume on either world size, and
 rank that makes the other stop with one clear line."""
 from __future__ import annotations
 
-import io
 import json
 import os
 import signal
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_support import assert_error_line, run_main
+from cli_support import assert_error_line, make_train_env, run_main
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 REL = 1e-5  # fp32: the two runs differ only in the order of additions
@@ -25,23 +24,7 @@ REL = 1e-5  # fp32: the two runs differ only in the order of additions
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """The tiny corpus (vocab 300) and tiny Llama of tests/test_train.py."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tierflow.data.tokenize import tokenize
-    root = tmp_path_factory.mktemp("dist")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    stdlib = Path(os.__file__).parent
-    for i, name in enumerate(["textwrap.py", "bisect.py", "colorsys.py", "keyword.py"]):
-        (corpus / f"doc{i}.txt").write_text((stdlib / name).read_text())
-    tokenize([str(corpus)], root / "data", vocab_size=300, eval_fraction=0.2, log=io.StringIO())
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=304, hidden_size=48, intermediate_size=96,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=128)
-        LlamaForCausalLM(config).save_pretrained(root / "model")
-    return {"root": root, "data": str(root / "data"), "model": str(root / "model")}
+    return make_train_env(tmp_path_factory.mktemp("dist"), files=4)
 
 
 def _args(env, out, *extra):

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_support import make_train_env, run_main
 
-from cli_support import run_main
 from tierflow import cli
 from tierflow.train import checkpoint as ckpt_module
 from tierflow.train.options import TrainOptions, from_args
@@ -31,23 +31,7 @@ T_LINE = re.compile(r"^\[T\] step \d+ \[ ?\d+\.\d%\] \| \d+ ms \| norm \d+\.\d\d
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """A tiny tokenized corpus (vocab 300) and a tiny Llama saved with save_pretrained."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from tierflow.data.tokenize import tokenize
-    root = tmp_path_factory.mktemp("train")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    stdlib = Path(os.__file__).parent
-    for i, name in enumerate(["textwrap.py", "bisect.py", "colorsys.py", "keyword.py",
-                              "heapq.py", "abc.py", "fnmatch.py", "glob.py"]):
-        (corpus / f"doc{i}.txt").write_text((stdlib / name).read_text())
-    tokenize([str(corpus)], root / "data", vocab_size=300, eval_fraction=0.2, log=io.StringIO())
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=304, hidden_size=48, intermediate_size=96,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=128)
-        LlamaForCausalLM(config).save_pretrained(root / "model")
-    return {"root": root, "data": str(root / "data"), "model": str(root / "model")}
+    return make_train_env(tmp_path_factory.mktemp("train"))
 
 
 
