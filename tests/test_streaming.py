@@ -230,3 +230,29 @@ def test_simulated_three_tier_plan(tmp_path, family, grad_accum):
     for name, q in reference.named_parameters():
         torch.testing.assert_close(gathered[name], q, atol=1e-4, rtol=1e-4,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_a_full_disk_mid_step_is_one_clear_error(tmp_path, monkeypatch):
+    """The disk tier filling up while a step writes weights back surfaces in backward() as
+    the disk tier's one-line error (naming the directory and the fix), not a thread's trace."""
+    import errno
+
+    from tierflow.exec import disk as disk_module
+
+    model = tiny_hf("llama", layers=2)
+    sample = hf_sample()
+    module = tierflow.fit(model, sample, optimizer=_adamw, disk=tmp_path,
+                          config=FitConfig(planner="checkpoint-all", stream="all"))
+    module(**sample).loss.backward()
+    module.streamer.wait_writes()
+
+    def full(self, key, tensors):
+        raise disk_module._disk_error(OSError(errno.ENOSPC, "No space left on device"),
+                                      self.directory)
+
+    monkeypatch.setattr(disk_module.DiskStore, "write", full)
+    with pytest.raises(tierflow.TierflowError) as error:
+        module(**sample).loss.backward()
+        module.streamer.wait_writes()
+    message = str(error.value)
+    assert "\n" not in message and str(tmp_path) in message and "is full" in message
