@@ -256,3 +256,28 @@ def test_a_full_disk_mid_step_is_one_clear_error(tmp_path, monkeypatch):
         module.streamer.wait_writes()
     message = str(error.value)
     assert "\n" not in message and str(tmp_path) in message and "is full" in message
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_tapes_offloaded_instead_of_recomputed(tmp_path, family, monkeypatch):
+    """offload_tapes='all': what each stage saves for its backward goes to the disk tier as it
+    is saved and comes back one backward ahead; nothing is recomputed and training is the
+    same as plain PyTorch's (dropout included)."""
+    import tierflow.tiers
+    from tierflow.exec import tapes as tapes_module
+
+    written = []
+    original = tapes_module.TapeOffload._write
+    monkeypatch.setattr(tapes_module.TapeOffload, "_write",
+                        lambda self, i, key, t: (written.append(key), original(self, i, key, t)))
+    monkeypatch.setattr(tierflow.tiers, "TAPE_MIN_BYTES", 1)  # tiny tapes: offload them all
+    monkeypatch.setattr(tapes_module, "MIN_BYTES", 1)
+    model = tiny_hf(family, layers=3, dropout=0.1)
+    reference = copy.deepcopy(model)
+    sample = hf_sample()
+    module = tierflow.fit(model, sample, optimizer=_adamw, disk=tmp_path,
+                          config=FitConfig(planner="keep-all", offload_tapes="all",
+                                           stream="never"))
+    assert not module.plan.recomputed_stages()
+    train_side_by_side(module, reference, sample, _adamw)
+    assert written and any(f.name.startswith("tape-") for f in tmp_path.iterdir())

@@ -33,6 +33,7 @@ from .exec.offload import OffloadedParameters, attach, offloaded_parameters
 from .exec.optimizer import OwnedOptimizer
 from .exec.runner import Ledger, StepRun
 from .exec.stage_call import context_tensors, forward_plain, storage_key
+from .exec.tapes import TapeOffload
 from .exec.weights import WeightStreamer, stage_parameters_to_stream
 from .plan.choose import make_plan
 from .plan.costs import ChainCosts
@@ -56,7 +57,7 @@ class TierflowModule(nn.Module):
     def __init__(self, model: nn.Module, chain: Chain, plan: Plan, autocast: AutocastMode,
                  device: torch.device, optimizer: OwnedOptimizer | None, log: list[str],
                  streamer: WeightStreamer | None = None,
-                 deferred: DeferredUpdates | None = None):
+                 deferred: DeferredUpdates | None = None, tapes: TapeOffload | None = None):
         super().__init__()
         self.model = model
         self._chain = chain
@@ -66,6 +67,7 @@ class TierflowModule(nn.Module):
         self._optimizer = optimizer
         self._streamer = streamer
         self._deferred = deferred
+        self._tapes = tapes
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
         self._forward_count = len(plan.forward_ops)
         self.ledger = Ledger({storage_key(p) for p in model.parameters()})
@@ -97,7 +99,8 @@ class TierflowModule(nn.Module):
             raise TierflowError("the plan streams other stages' weights than this module: fit "
                                 "with the same budgets and disk= the plan was made with")
         return TierflowModule(self.model, self._chain, plan, self._autocast, self._device,
-                              self._optimizer, self.fit_log, self._streamer, self._deferred)
+                              self._optimizer, self.fit_log, self._streamer, self._deferred,
+                              self._tapes)
 
     def explain(self) -> str:
         return self._plan.explain()
@@ -124,10 +127,13 @@ class TierflowModule(nn.Module):
         deferred = self._deferred
         if deferred is not None:
             update = deferred.gradients_complete
+        if self._tapes is not None:
+            self._tapes.context = {storage_key(t) for t in context_tensors(ctx)}
         run = StepRun(self._chain, self._plan.ops, self._forward_count, ctx, autocast,
                       self._device, update, self.ledger, self._streamer,
                       before_backward=deferred.before_backward if deferred else None,
-                      backward_done=deferred.backward_done if deferred else None)
+                      backward_done=deferred.backward_done if deferred else None,
+                      tapes=self._tapes)
         y = RunPlan.apply(run, x0, self._anchor)
         return self._chain.wrap_output(y, ctx)
 
@@ -226,8 +232,12 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
             f"the budget leaves room for malloc's caching (x{CACHING_SLACK} of the predicted "
             f"peak), so freed memory is kept for reuse instead of returned at once",))
     say(f"planned in {time.perf_counter() - started:.1f} s: {plan.strategy}")
+    tapes = None
+    if placed.tapes is not None:
+        tapes = TapeOffload(placed.tapes.store, set(placed.tape_stages),
+                            {storage_key(p) for p in model.parameters()})
     return TierflowModule(model, chain, plan, autocast, device, owned, log, streamer,
-                          updates)
+                          updates, tapes)
 
 
 def _stream(model: nn.Module, chain: Chain, placed: Placement, depth: int, *,

@@ -23,7 +23,8 @@ class FitConfig:
     compile: bool = False  # torch.compile stages that share a kernel (decoder layers), once
     stream: str = "auto"  # stage weights on the disk tier: when needed / never / every stage
     prefetch_depth: int = 2  # streamed stages read ahead of the one computing (0: on demand)
-    simulated_gpu: bool = False  # CPU model planned as on a GPU of fit(gpu=): host RAM below
+    simulated_gpu: bool = False  # a CPU model planned as on a GPU of fit(gpu=), RAM below
+    offload_tapes: str = "auto"  # tapes on the lower tier, not recomputed: auto/never/all
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
@@ -35,7 +36,11 @@ class FitConfig:
         if self.head_chunk_tokens is not None and self.head_chunk_tokens < 1:
             raise ValueError(f"head_chunk_tokens={self.head_chunk_tokens} must be at least 1")
         if self.stream not in STREAMING:
-            raise ValueError(f"stream {self.stream!r} is unknown: use one of {', '.join(STREAMING)}")
+            raise ValueError(f"stream {self.stream!r} is unknown: use one of "
+                             f"{', '.join(STREAMING)}")
+        if self.offload_tapes not in STREAMING:
+            raise ValueError(f"offload_tapes {self.offload_tapes!r} is unknown: use one of "
+                             f"{', '.join(STREAMING)}")
         if self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth={self.prefetch_depth} must be at least 0")
         if not 0.0 <= self.headroom < 1.0:

@@ -211,6 +211,7 @@ def child_main(argv: list[str] | None = None) -> int:
 
     import torch
     import transformers
+
     import tierflow
     if args.mode == "tierflow":
         import tierflow.api  # noqa: F401  (part of the baseline: imports are not the workload)

@@ -24,11 +24,13 @@ from .exec.host_store import HostStore, measure_copy_bandwidth
 from .exec.offload import OffloadedParameters
 from .exec.optimizer import probe_optimizer
 from .exec.stage_call import storage_key
+from .exec.tapes import MIN_BYTES as TAPE_MIN_BYTES
 from .exec.weights import stage_parameters_to_stream
 from .plan.choose import make_plan
 from .plan.costs import ChainCosts
 from .plan.plan import Plan
 from .plan.streaming import streamed_costs
+from .plan.tape_offload import offloaded_tape_costs
 from .profile.profiler import with_update_costs
 from .units import format_bytes
 
@@ -66,6 +68,8 @@ class Placement:
     weights: LowerTier | None = None
     streamed: frozenset[int] = frozenset()
     update_pass: UpdatePass | None = None
+    tapes: LowerTier | None = None  # where the offloaded tapes go
+    tape_stages: frozenset[int] = frozenset()
 
     @property
     def predicted_time(self) -> float:
@@ -74,7 +78,7 @@ class Placement:
 
     @property
     def on_lower_tiers(self) -> bool:
-        return self.states is not None or self.weights is not None
+        return self.states is not None or self.weights is not None or self.tapes is not None
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,8 @@ class _Candidate:
     weights: LowerTier | None
     streamed: frozenset[int]
     notes: tuple[str, ...]
+    tapes: LowerTier | None = None
+    tape_stages: frozenset[int] = frozenset()
 
 
 def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: torch.device,
@@ -134,6 +140,8 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
                        f"written back after each update")
                 candidates.append(_Candidate(moved, home, source, frozenset(streamed),
                                              notes + (why,)))
+    if lower and config.offload_tapes != "never":
+        candidates = _with_offloaded_tapes(candidates, lower[0], config)
     plans, error = [], None
     for candidate in candidates:
         try:
@@ -141,6 +149,9 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
                                config, tier, deferred))
         except BudgetError as e:
             error = e if error is None or e.smallest < error.smallest else error
+    if error is None and not plans:
+        raise TierflowError(f"offload_tapes='all' but no stage saves {format_bytes(TAPE_MIN_BYTES)}"
+                            " or more for its backward: use offload_tapes='auto'")
     if not plans:
         raise error
     return min(plans, key=lambda placed: placed.predicted_time)
@@ -161,6 +172,27 @@ def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
         store = offloaded.store if same else DiskStore(disk)
         tiers.append(LowerTier("disk", store, measure_bandwidth(store.directory)))
     return tiers
+
+
+def _with_offloaded_tapes(candidates: list[_Candidate], tier: LowerTier,
+                          config: FitConfig) -> list[_Candidate]:
+    """Each candidate also with the tapes of 1 MiB and more on ``tier`` (only those with
+    ``offload_tapes='all'``)."""
+    out = [] if config.offload_tapes == "all" else list(candidates)
+    for c in candidates:
+        stages = frozenset(i for i, s in enumerate(c.costs.stages) if s.tape >= TAPE_MIN_BYTES)
+        if not stages:
+            continue
+        costs = offloaded_tape_costs(c.costs, set(stages), read_bytes_per_s=tier.bandwidth,
+                                     write_bytes_per_s=tier.bandwidth)
+        costs = replace(costs, extra={**costs.extra, "tapes tier": tier.name})
+        total = format_bytes(costs.extra["offloaded tape bytes"])
+        why = (f"the tapes of {len(stages)} stages ({total} in all) go to {_where(tier)} as "
+               f"the forward saves them and come back one backward ahead, instead of being "
+               f"recomputed")
+        out.append(replace(c, costs=costs, notes=c.notes + (why,), tapes=tier,
+                           tape_stages=stages))
+    return out
 
 
 def _where(home: LowerTier) -> str:
@@ -202,7 +234,8 @@ def _plan(candidate: _Candidate, base: ChainCosts, state_of: list[int], seconds_
                          f"clipping): one pass over the stages, last first, predicted "
                          f"{update_pass.seconds:.1f} s at a peak of "
                          f"{format_bytes(update_pass.peak)}",)
-    for lower in {id(t): t for t in (candidate.states, candidate.weights) if t}.values():
+    tiers = (candidate.states, candidate.weights, candidate.tapes)
+    for lower in {id(t): t for t in tiers if t}.values():
         held = _lower_bytes(candidate, base, state_of, lower, deferred)
         if lower.budget is not None and held > lower.budget:
             need = format_bytes(held, round_up=True)
@@ -211,7 +244,8 @@ def _plan(candidate: _Candidate, base: ChainCosts, state_of: list[int], seconds_
                               f"least {need}", tier=lower.name, budget=lower.budget,
                               smallest=held)
     return Placement(replace(plan, notes=plan.notes + notes), candidate.states,
-                     candidate.weights, candidate.streamed, update_pass)
+                     candidate.weights, candidate.streamed, update_pass, candidate.tapes,
+                     candidate.tape_stages)
 
 
 def _lower_bytes(candidate: _Candidate, base: ChainCosts, state_of: list[int],
@@ -221,6 +255,8 @@ def _lower_bytes(candidate: _Candidate, base: ChainCosts, state_of: list[int],
     if candidate.weights is lower:
         weights = sum(base.stages[i].param_bytes for i in candidate.streamed)
         held += weights * (2 if deferred else 1)  # deferred: the gradients wait there too
+    if candidate.tapes is lower:
+        held += sum(base.stages[i].tape for i in candidate.tape_stages)
     return held
 
 

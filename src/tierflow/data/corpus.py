@@ -17,6 +17,7 @@ from typing import Iterator, Sequence
 
 from ..errors import TierflowError
 from . import STDLIB
+
 _SNIFF_BYTES = 8192
 _READ_BYTES = 1 << 20
 _SITE_DIRS = {"site-packages", "dist-packages"}

@@ -18,6 +18,7 @@ from .stage_call import (
     forward_taped,
     storage_key,
 )
+from .tapes import TapeOffload
 from .trace import span
 from .weights import WeightStreamer
 
@@ -47,7 +48,8 @@ class StepRun:
                  update: Callable[[int], None] | None = None, ledger: Ledger | None = None,
                  streamer: WeightStreamer | None = None,
                  before_backward: Callable[[int], None] | None = None,
-                 backward_done: Callable[[], None] | None = None):
+                 backward_done: Callable[[], None] | None = None,
+                 tapes: TapeOffload | None = None):
         self.chain = chain
         self.ops = ops
         self.forward_count = forward_count
@@ -59,6 +61,7 @@ class StepRun:
         self.streamer = streamer
         self.before_backward = before_backward  # e.g. earlier micro-batches' gradients back
         self.backward_done = backward_done  # e.g. the deferred update pass
+        self.tape_offload = tapes
         self.x: dict[int, torch.Tensor] = {}
         self.tapes: dict[int, Taped] = {}
         self.grads: dict[int, torch.Tensor] = {}
@@ -93,12 +96,16 @@ class StepRun:
                 self.streamer.before(op)
         if isinstance(op, Forward):
             with span(str(op), "compute"):
-                self._forward(op.stage, op.tape)
+                self._forward(op.stage, op.tape, self._offloads_tape(position))
         elif isinstance(op, Backward):
             if self.before_backward is not None:
                 self.before_backward(op.stage)
+            if self.tape_offload is not None:
+                self._prefetch_next_tape(position)
             with span(str(op), "compute"):
                 self._backward(op.stage)
+            if self.tape_offload is not None:
+                self.tape_offload.drop(op.stage)
         elif isinstance(op, Free):
             del self.x[op.index]
         elif isinstance(op, Update):
@@ -110,7 +117,25 @@ class StepRun:
         if self.ledger is not None:
             self._account()
 
-    def _forward(self, i: int, tape: bool) -> None:
+    def _offloads_tape(self, position: int) -> bool:
+        """The tape of ``ops[position]`` goes to the lower tier: its stage is one the plan
+        offloads and the tape is held across other operations (not used right away)."""
+        op = self.ops[position]
+        if self.tape_offload is None or not op.tape or op.stage not in self.tape_offload.stages:
+            return False
+        after = self.ops[position + 1] if position + 1 < len(self.ops) else None
+        return not (isinstance(after, Backward) and after.stage == op.stage)
+
+    def _prefetch_next_tape(self, position: int) -> None:
+        """Read back this backward's tape (if not on its way yet) and the next backward's,
+        which then arrives while this one runs."""
+        self.tape_offload.prefetch(self.ops[position].stage)
+        for later in self.ops[position + 1:]:
+            if isinstance(later, Backward):
+                self.tape_offload.prefetch(later.stage)
+                return
+
+    def _forward(self, i: int, tape: bool, offload: bool = False) -> None:
         stage = self.chain.stages[i]
         x = self.x[i] if i in self.x else self.tapes[i].xin.detach()
         self.x.pop(i + 1, None)  # a recomputation replaces the previous x[i+1]
@@ -124,7 +149,9 @@ class StepRun:
         with replay, replay_buffers(None if first else self.buffers.get(i)):
             if tape:
                 input_grad = i > 0 or self.input_requires_grad
-                taped = forward_taped(stage, x, self.ctx, self.autocast, input_grad=input_grad)
+                hooks = self.tape_offload.hooks(i) if offload else None
+                taped = forward_taped(stage, x, self.ctx, self.autocast, input_grad=input_grad,
+                                      offload=hooks)
                 self.tapes[i] = taped
                 self.x[i + 1] = taped.y.detach()
             else:

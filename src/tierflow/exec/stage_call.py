@@ -69,12 +69,22 @@ def as_leaf(x: torch.Tensor, needs_grad: bool) -> torch.Tensor:
 
 
 def forward_taped(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
-                  *, input_grad: bool) -> Taped:
-    """Forward with autograd; the graph reaches back only to ``xin`` and the parameters."""
+                  *, input_grad: bool, offload: tuple[Any, Any] | None = None) -> Taped:
+    """Forward with autograd; the graph reaches back only to ``xin`` and the parameters.
+    ``offload``: (pack, unpack) hooks that may move saved tensors to a lower tier (see
+    exec/tapes.py); what they keep in memory is what the tape holds."""
     recorder = _SavedRecorder()
+    pack, unpack = recorder.pack, recorder.unpack
+    if offload is not None:
+        move, fetch = offload
+
+        def pack(t: torch.Tensor) -> Any:
+            saved = move(t)
+            return recorder.pack(saved) if isinstance(saved, torch.Tensor) else saved
+
+        unpack = fetch
     xin = as_leaf(x, input_grad)
-    with torch.enable_grad(), autocast(), torch.autograd.graph.saved_tensors_hooks(
-            recorder.pack, recorder.unpack):
+    with torch.enable_grad(), autocast(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         y = stage(xin, ctx)
     _check_output(stage, y)
     return Taped(xin, y, recorder.saved)

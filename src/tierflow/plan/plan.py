@@ -96,6 +96,8 @@ class Plan:
                             "optimizer states")
             if c.extra.get("weights tier") == lower:
                 held.append(f"{format_bytes(c.extra['streamed bytes'])} of streamed weights")
+            if c.extra.get("tapes tier") == lower:
+                held.append(f"{format_bytes(c.extra['offloaded tape bytes'])} of tapes")
             if held:
                 lines.append(f"  {lower} tier: {' and '.join(held)}")
         lines.append(f"  kept for backward on the first forward: {_names(kept)}")

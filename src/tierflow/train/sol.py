@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+
 def _cache_dir() -> Path:
     base = os.environ.get("TIERFLOW_CACHE")
     if base:

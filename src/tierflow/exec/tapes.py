@@ -1,0 +1,101 @@
+"""Tapes on a lower tier: what a stage's forward saves for its backward, written out as it is
+saved and read back one stage ahead of that backward, instead of being recomputed.
+
+``TapeOffload.hooks(i)`` gives the pack/unpack pair of ``saved_tensors_hooks`` for stage i's
+forward: a saved tensor of at least ``min_bytes`` that is not a parameter or a step-constant
+context tensor is handed to a writer thread (the tensor is freed once it is written, unless
+something else holds it) and replaced by a handle; ``prefetch(i)`` starts reading stage i's
+handles back; ``unpack`` waits for a handle's read (or reads it then). Recomputing a stage
+costs its forward again; offloading its tape costs a write and a read that run beside other
+stages' compute: on a CPU with a fast disk the second is the cheaper one.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .disk import DiskStore
+from .host_store import HostStore
+from .stage_call import storage_key
+from .trace import span
+
+MIN_BYTES = 1 << 20  # smaller saved tensors stay in memory: not worth a file
+
+
+@dataclass
+class _Handle:
+    """A saved tensor that lives on the lower tier."""
+
+    key: str
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    written: Future
+    read: Future | None = None
+
+
+@dataclass
+class _StageTape:
+    handles: list[_Handle] = field(default_factory=list)
+
+
+class TapeOffload:
+    """The offloaded tapes of one fitted module, in ``store``."""
+
+    def __init__(self, store: DiskStore | HostStore, stages: set[int], keep: set[int],
+                 min_bytes: int | None = None):
+        self.store = store
+        self.stages = stages  # whose tapes go down when held across other operations
+        self.keep = keep  # storage keys never offloaded: the parameters
+        self.context: set[int] = set()  # and this step's context tensors (masks, rotary tables)
+        self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-tape-write")
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-tape-read")
+        self._tapes: dict[int, _StageTape] = {}
+
+    def hooks(self, i: int) -> tuple[Any, Any]:
+        """(pack, unpack) for stage i's taped forward."""
+        tape = self._tapes.setdefault(i, _StageTape())
+
+        def pack(t: torch.Tensor) -> torch.Tensor | _Handle:
+            key = storage_key(t)
+            if t.nbytes < self.min_bytes or key in self.keep or key in self.context:
+                return t
+            name = f"tape-{i}-{len(tape.handles)}"
+            handle = _Handle(name, t.shape, t.dtype, t.device,
+                             self._writer.submit(self._write, i, name, t.detach()))
+            tape.handles.append(handle)
+            return handle
+
+        return pack, self._unpack
+
+    def prefetch(self, i: int) -> None:
+        """Start reading stage i's offloaded tensors back (a no-op if it has none)."""
+        for handle in self._tapes.get(i, _StageTape()).handles:
+            if handle.read is None:
+                handle.read = self._reader.submit(self._read, handle)
+
+    def drop(self, i: int) -> None:
+        """Stage i's backward is done: forget its handles."""
+        self._tapes.pop(i, None)
+
+    def _write(self, i: int, key: str, t: torch.Tensor) -> None:
+        with span(f"write tape {i}", "disk write"):
+            self.store.write(key, [t.contiguous()])
+
+    def _read(self, handle: _Handle) -> torch.Tensor:
+        handle.written.result()
+        buffer = torch.empty(handle.shape, dtype=handle.dtype, device=handle.device)
+        with span(f"read tape {handle.key}", "disk read"):
+            self.store.read(handle.key, [buffer])
+        return buffer
+
+    def _unpack(self, saved: torch.Tensor | _Handle) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        if saved.read is None:
+            saved.read = self._reader.submit(self._read, saved)
+        return saved.read.result()

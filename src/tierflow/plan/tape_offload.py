@@ -1,0 +1,39 @@
+"""Costs of a chain whose chosen stages keep their tapes on a lower tier between their forward
+and their backward, instead of in the compute tier.
+
+Pure data. An offloaded tape is written out as the forward saves it and read back while the
+next-later stage's backward runs, so between the two it costs no compute-tier memory: its
+bytes move from the stage's ``tape`` into its forward and backward transients. Two tapes are
+in flight at any time (one being written, one read ahead), the static bytes that offloading
+adds. The write overlaps the stage's own forward and the read the previous backward: only
+the part of each that outlasts that compute is added to the stage's time. Rotor, run on these
+costs, then keeps tapes where it used to recompute, as long as the tier keeps up.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .costs import ChainCosts
+
+
+def offloaded_tape_costs(costs: ChainCosts, stages: set[int], *, read_bytes_per_s: float,
+                         write_bytes_per_s: float) -> ChainCosts:
+    """``costs`` with the tapes of ``stages`` kept on the lower tier."""
+    if not stages:
+        return costs
+    moved = list(costs.stages)
+    for i in sorted(stages):
+        s = moved[i]
+        write = s.tape / write_bytes_per_s
+        read = s.tape / read_bytes_per_s
+        previous_bwd = costs.stages[i + 1].bwd_time if i + 1 < costs.length else 0.0
+        moved[i] = replace(s, tape=0,
+                           fwd_transient=s.fwd_transient + s.tape,
+                           bwd_transient=s.bwd_transient + s.tape,
+                           fwd_time=s.fwd_time + max(0.0, write - s.fwd_time),
+                           bwd_time=s.bwd_time + max(0.0, read - previous_bwd))
+    in_flight = 2 * max(costs.stages[i].tape for i in stages)
+    extra = {**costs.extra, "offloaded tapes": sorted(stages),
+             "offloaded tape bytes": sum(costs.stages[i].tape for i in stages)}
+    return replace(costs, stages=tuple(moved), static_bytes=costs.static_bytes + in_flight,
+                   extra=extra)
