@@ -19,7 +19,6 @@ from .errors import BudgetError, TierflowError
 from .exec.compile import compile_chain
 from .exec.context import AutocastMode, untouched
 from .exec.deferred import DeferredUpdates
-from .exec.function import RunPlan
 from .exec.gradients import GradientStash
 from .exec.memory import (
     CACHING_SLACK,
@@ -31,122 +30,17 @@ from .exec.memory import (
 )
 from .exec.offload import OffloadedParameters, attach, offloaded_parameters
 from .exec.optimizer import OwnedOptimizer
-from .exec.runner import Ledger, StepRun
-from .exec.stage_call import context_tensors, forward_plain, storage_key
+from .exec.stage_call import context_tensors, storage_key
 from .exec.tapes import TapeOffload
 from .exec.weights import WeightStreamer, stage_parameters_to_stream
+from .module import TierflowModule
 from .plan.choose import make_plan
 from .plan.costs import ChainCosts
-from .plan.ops import Forward
-from .plan.plan import Plan
 from .profile.profiler import profile_chain
 from .tiers import LowerTier, Placement, lower_tiers, place
 from .units import parse_bytes
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-
-class TierflowModule(nn.Module):
-    """A drop-in for the fitted model: call it like the model, call ``backward()`` on its loss.
-
-    ``parameters()`` are the original model's. With ``optimizer=`` given to ``fit``, each
-    stage's parameters are updated inside ``backward()`` as soon as their gradients are
-    complete, and the gradients are freed (there is then nothing left to step).
-    """
-
-    def __init__(self, model: nn.Module, chain: Chain, plan: Plan, autocast: AutocastMode,
-                 device: torch.device, optimizer: OwnedOptimizer | None, log: list[str],
-                 streamer: WeightStreamer | None = None,
-                 deferred: DeferredUpdates | None = None, tapes: TapeOffload | None = None):
-        super().__init__()
-        self.model = model
-        self._chain = chain
-        self._plan = plan
-        self._autocast = autocast
-        self._device = device
-        self._optimizer = optimizer
-        self._streamer = streamer
-        self._deferred = deferred
-        self._tapes = tapes
-        self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
-        self._forward_count = len(plan.forward_ops)
-        self.ledger = Ledger({storage_key(p) for p in model.parameters()})
-        self.fit_log = log
-
-    @property
-    def plan(self) -> Plan:
-        return self._plan
-
-    @property
-    def chain(self) -> Chain:
-        return self._chain
-
-    @property
-    def optimizer(self) -> OwnedOptimizer | None:
-        """The per-stage optimizers tierflow owns (None when the caller steps its own)."""
-        return self._optimizer
-
-    def with_plan(self, plan: Plan) -> "TierflowModule":
-        """The same model run by another plan (e.g. one loaded with ``Plan.from_json``)."""
-        if plan.costs.length != len(self._chain):
-            raise TierflowError(f"the plan has {plan.costs.length} stages but the model's chain "
-                                f"has {len(self._chain)}: make the plan for this model")
-        if plan.costs.optimizer_owned != (self._optimizer is not None):
-            raise TierflowError("the plan and this module disagree on who owns the optimizer: "
-                                "fit with the same optimizer= the plan was made with")
-        if plan.costs.extra.get("streamed stages", []) != self._plan.costs.extra.get(
-                "streamed stages", []):
-            raise TierflowError("the plan streams other stages' weights than this module: fit "
-                                "with the same budgets and disk= the plan was made with")
-        return TierflowModule(self.model, self._chain, plan, self._autocast, self._device,
-                              self._optimizer, self.fit_log, self._streamer, self._deferred,
-                              self._tapes)
-
-    def explain(self) -> str:
-        return self._plan.explain()
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        """The global gradient norm (before clipping) of the last deferred update, if any."""
-        return self._deferred.last_norm if self._deferred is not None else None
-
-    @property
-    def streamer(self) -> WeightStreamer | None:
-        """The stage weights living on the disk tier (None when every weight is resident)."""
-        return self._streamer
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._streamer is not None:  # splitting the inputs may run the first stage's modules
-            self._streamer.before(Forward(0, tape=False))  # (the HF adapter's embedding)
-        autocast = AutocastMode.capture(self._device.type)
-        with autocast():  # without the weight-cast cache, as every stage runs
-            x0, ctx = self._chain.split_inputs(*args, **kwargs)
-        if not torch.is_grad_enabled():
-            return self._chain.wrap_output(self._run_without_grad(x0, ctx, autocast), ctx)
-        update = self._optimizer.step_stage if self._optimizer is not None else None
-        deferred = self._deferred
-        if deferred is not None:
-            update = deferred.gradients_complete
-        if self._tapes is not None:
-            self._tapes.context = {storage_key(t) for t in context_tensors(ctx)}
-        run = StepRun(self._chain, self._plan.ops, self._forward_count, ctx, autocast,
-                      self._device, update, self.ledger, self._streamer,
-                      before_backward=deferred.before_backward if deferred else None,
-                      backward_done=deferred.backward_done if deferred else None,
-                      tapes=self._tapes)
-        y = RunPlan.apply(run, x0, self._anchor)
-        return self._chain.wrap_output(y, ctx)
-
-    def _run_without_grad(self, x: torch.Tensor, ctx: Any, autocast: AutocastMode) -> torch.Tensor:
-        """Evaluation: every stage once in order, streamed weights fetched around their use."""
-        ops = [Forward(i, tape=False) for i in range(len(self._chain))]
-        for i, op in enumerate(ops):
-            if self._streamer is not None:
-                self._streamer.before(op)
-            x = forward_plain(self._chain.stages[i], x, ctx, autocast)
-            if self._streamer is not None:
-                self._streamer.after(ops, i, set())
-        return x
 
 
 def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
