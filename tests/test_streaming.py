@@ -281,3 +281,24 @@ def test_tapes_offloaded_instead_of_recomputed(tmp_path, family, monkeypatch):
     assert not module.plan.recomputed_stages()
     train_side_by_side(module, reference, sample, _adamw)
     assert written and any(f.name.startswith("tape-") for f in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_checkpoint_loaded_onto_disk_equals_from_pretrained(tmp_path, family):
+    """load_model(DIR, offload=...) reads each tensor once and sends it to the disk tier:
+    nothing stays resident, and the weights are from_pretrained's (tied head included)."""
+    from transformers import AutoModelForCausalLM
+
+    from tierflow.exec.disk import DiskStore
+    from tierflow.exec.offload import OffloadedParameters
+    from tierflow.models.load import load_model
+
+    tiny_hf(family, layers=2).save_pretrained(tmp_path / "model")
+    offloaded = OffloadedParameters(DiskStore(tmp_path))
+    model = load_model(tmp_path / "model", offload=offloaded)
+    assert offloaded.resident_bytes == 0 and offloaded.bytes > 0
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    expected = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        with offloaded.resident([p]):
+            torch.testing.assert_close(p, expected[name], rtol=0, atol=0)

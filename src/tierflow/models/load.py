@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import TierflowError
-from ..exec.offload import OffloadedParameters
+from ..exec.offload import OffloadedParameters, attach
 from .init import initialize
 from .presets import PRESETS, preset_config
 
@@ -146,8 +146,11 @@ def _short(names: list[str], n: int = 3) -> str:
     return shown + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
-def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float32):
-    """Load the causal LM saved in ``directory``. ``dtype=None`` keeps the checkpoint's."""
+def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float32,
+                    offload: OffloadedParameters | None = None):
+    """Load the causal LM saved in ``directory``. ``dtype=None`` keeps the checkpoint's.
+    With ``offload`` each tensor goes to the disk tier as soon as it is read: the model never
+    exists whole in memory."""
     from transformers import AutoModelForCausalLM
 
     config = _read_config(directory)
@@ -194,6 +197,11 @@ def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float3
                             f"({model.config.model_type}): {'; '.join(parts)}: use the "
                             "config.json saved with these weights")
 
+    if offload is not None:  # tied copies are compared first: they are not kept in memory
+        _check_tied_copies(directory, tied, by_file)
+        for target in tied:
+            for pairs in by_file.values():
+                pairs[:] = [(n, t) for n, t in pairs if t != target or tied[t] not in present]
     state: dict[str, torch.Tensor] = {}
     for file, pairs in by_file.items():
         with _open_safetensors(file) as f:
@@ -208,10 +216,12 @@ def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float3
                 want_dtype = targets[target].dtype
                 if tensor.dtype != want_dtype and tensor.is_floating_point():
                     tensor = tensor.to(want_dtype)
+                if offload is not None:
+                    offload.offload(target, tensor)
                 state[target] = tensor
 
     # A tied target the checkpoint also holds must equal its source; it is then re-tied.
-    for target, source in list(tied.items()):
+    for target, source in list(tied.items()) if offload is None else ():
         if target in state and source in state:
             if not torch.equal(state[target], state[source]):
                 raise TierflowError(f"config.json of {directory} ties {target} to {source} but "
@@ -229,8 +239,27 @@ def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float3
     if leftover:
         raise TierflowError(f"the weights in {directory} leave {_short(leftover)} unset: use "
                             "the config.json saved with these weights")
+    if offload is not None:
+        attach(model, offload)
     model.eval()
     return model
+
+
+def _check_tied_copies(directory: Path, tied: dict[str, str],
+                       by_file: dict[Path, list[tuple[str, str]]]) -> None:
+    """A tied target the checkpoint also holds must equal its source (read pair by pair)."""
+    where = {target: (file, name) for file, pairs in by_file.items() for name, target in pairs}
+    for target, source in tied.items():
+        if target not in where or source not in where:
+            continue
+        values = []
+        for file, name in (where[target], where[source]):
+            with _open_safetensors(file) as f:
+                values.append(f.get_tensor(name))
+        if not torch.equal(*values):
+            raise TierflowError(f"config.json of {directory} ties {target} to {source} but the "
+                                "checkpoint holds different values: set tie_word_embeddings "
+                                "to false in config.json")
 
 
 def load_model(spec: str | Path, *, vocab_size: int | None = None,
@@ -242,14 +271,11 @@ def load_model(spec: str | Path, *, vocab_size: int | None = None,
     ``vocab_size`` is the tokenizer's, checked against the model's. Preset models are in
     training mode, loaded ones in eval mode (as ``from_pretrained`` returns them).
 
-    ``offload`` (presets only) builds the model straight onto the disk tier: its weights live
-    there and visit RAM only when used (see ``models/init.py``), so ``tierflow.fit`` can train
-    a model larger than the RAM budget."""
+    ``offload`` builds or loads the model straight onto the disk tier, one module (preset) or
+    tensor (directory) at a time: its weights live there and visit RAM only when used (see
+    ``models/init.py``), so ``tierflow.fit`` can train a model larger than the RAM budget."""
     if isinstance(spec, str) and spec in PRESETS:
         return _random_init(spec, vocab_size, dtype or torch.float32, seed, offload)
-    if offload is not None:
-        raise TierflowError(f"building {spec} onto the disk tier is only supported for presets "
-                            f"({', '.join(PRESETS)}): load it into memory")
     directory = Path(spec)
     if not directory.exists():
         raise TierflowError(f"model {str(spec)!r} is neither a preset ({', '.join(PRESETS)}) nor "
@@ -258,7 +284,7 @@ def load_model(spec: str | Path, *, vocab_size: int | None = None,
     if not directory.is_dir():
         raise TierflowError(f"model {str(spec)!r} is a file: pass the directory that holds "
                             "config.json and model.safetensors")
-    model = load_pretrained(directory, dtype=dtype)
+    model = load_pretrained(directory, dtype=dtype, offload=offload)
     if vocab_size is not None and vocab_size > model.config.vocab_size:
         raise TierflowError(f"the tokenizer's vocabulary ({vocab_size}) is larger than the "
                             f"model's ({model.config.vocab_size} in {directory / 'config.json'}): "
