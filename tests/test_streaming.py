@@ -263,15 +263,13 @@ def test_tapes_offloaded_instead_of_recomputed(tmp_path, family, monkeypatch):
     """offload_tapes='all': what each stage saves for its backward goes to the disk tier as it
     is saved and comes back one backward ahead; nothing is recomputed and training is the
     same as plain PyTorch's (dropout included)."""
-    import tierflow.tiers
     from tierflow.exec import tapes as tapes_module
 
     written = []
     original = tapes_module.TapeOffload._write
     monkeypatch.setattr(tapes_module.TapeOffload, "_write",
                         lambda self, i, key, t: (written.append(key), original(self, i, key, t)))
-    monkeypatch.setattr(tierflow.tiers, "TAPE_MIN_BYTES", 1)  # tiny tapes: offload them all
-    monkeypatch.setattr(tapes_module, "MIN_BYTES", 1)
+    monkeypatch.setattr(tapes_module, "MIN_BYTES", 1)  # tiny tapes: offload them all
     model = tiny_hf(family, layers=3, dropout=0.1)
     reference = copy.deepcopy(model)
     sample = hf_sample()

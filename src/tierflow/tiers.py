@@ -19,42 +19,31 @@ from torch import nn
 from .chain.base import Chain
 from .config import FitConfig
 from .errors import BudgetError, TierflowError
+from .exec import tapes as tape_offload
 from .exec.disk import DiskStore, measure_bandwidth
 from .exec.host_store import HostStore, measure_copy_bandwidth
 from .exec.offload import OffloadedParameters
 from .exec.optimizer import probe_optimizer
 from .exec.stage_call import storage_key
-from .exec.tapes import MIN_BYTES as TAPE_MIN_BYTES
 from .exec.weights import stage_parameters_to_stream
 from .plan.choose import make_plan
 from .plan.costs import ChainCosts
 from .plan.plan import Plan
 from .plan.streaming import streamed_costs
-from .plan.tape_offload import offloaded_tape_costs
 from .profile.profiler import with_update_costs
+from .tier_costs import (
+    Candidate,
+    LowerTier,
+    UpdatePass,
+    deferred_costs,
+    lower_bytes,
+    states_below,
+    where,
+    with_offloaded_tapes,
+)
 from .units import format_bytes
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-
-@dataclass(frozen=True)
-class LowerTier:
-    """A tier below the compute tier: its store, its measured bandwidth each way, its budget
-    (None: as large as its free space)."""
-
-    name: str  # "ram" or "disk"
-    store: DiskStore | HostStore
-    bandwidth: float  # bytes per second
-    budget: int | None = None
-
-
-@dataclass(frozen=True)
-class UpdatePass:
-    """The update pass after the backward when updates are deferred (gradient accumulation,
-    clipping): predicted seconds and compute-tier peak, static bytes included."""
-
-    seconds: float
-    peak: int
 
 
 @dataclass(frozen=True)
@@ -81,17 +70,6 @@ class Placement:
         return self.states is not None or self.weights is not None or self.tapes is not None
 
 
-@dataclass(frozen=True)
-class _Candidate:
-    costs: ChainCosts
-    states: LowerTier | None
-    weights: LowerTier | None
-    streamed: frozenset[int]
-    notes: tuple[str, ...]
-    tapes: LowerTier | None = None
-    tape_stages: frozenset[int] = frozenset()
-
-
 def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: torch.device,
           meter: Any, budget: int | None, config: FitConfig, tier: str,
           lower: list[LowerTier], deferred: bool = False,
@@ -113,17 +91,17 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
                        static_bytes=costs.static_bytes + state_bytes,
                        extra={**costs.extra, "optimizer states": state_bytes})
     streamable = stage_parameters_to_stream(chain.stages)
-    candidates: list[_Candidate] = []
+    candidates: list[Candidate] = []
     for home in [None, *lower]:
         if home is None:
             with_states, notes = resident, ()
         else:
-            with_states = _states_below(resident, costs, stages, state_of, home)
-            notes = (f"the optimizer states ({format_bytes(state_bytes)}) live in {_where(home)}"
+            with_states = states_below(resident, costs, stages, state_of, home)
+            notes = (f"the optimizer states ({format_bytes(state_bytes)}) live in {where(home)}"
                      f", read ahead of each stage's update and written back after "
                      f"({format_bytes(home.bandwidth)}/s measured)",)
         if config.stream != "all":
-            candidates.append(_Candidate(with_states, home, None, frozenset(), notes))
+            candidates.append(Candidate(with_states, home, None, frozenset(), notes))
         if home is None or config.stream == "never":
             continue
         for source in weights_tiers if weights_tiers is not None else lower:
@@ -136,12 +114,12 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
                 moved = replace(moved, extra={**moved.extra, "weights tier": source.name})
                 why = (f"the weights of {len(streamed)} of {len(chain)} stages "
                        f"({format_bytes(moved.extra['streamed bytes'])}) live in "
-                       f"{_where(source)}, read {config.prefetch_depth} stages ahead of use and "
+                       f"{where(source)}, read {config.prefetch_depth} stages ahead of use and "
                        f"written back after each update")
-                candidates.append(_Candidate(moved, home, source, frozenset(streamed),
+                candidates.append(Candidate(moved, home, source, frozenset(streamed),
                                              notes + (why,)))
     if lower and config.offload_tapes != "never":
-        candidates = _with_offloaded_tapes(candidates, lower[0], config)
+        candidates = with_offloaded_tapes(candidates, lower[0], config)
     plans, error = [], None
     for candidate in candidates:
         try:
@@ -150,8 +128,9 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
         except BudgetError as e:
             error = e if error is None or e.smallest < error.smallest else error
     if error is None and not plans:
-        raise TierflowError(f"offload_tapes='all' but no stage saves {format_bytes(TAPE_MIN_BYTES)}"
-                            " or more for its backward: use offload_tapes='auto'")
+        least = format_bytes(tape_offload.MIN_BYTES)
+        raise TierflowError(f"offload_tapes='all' but no stage saves {least} or more for its "
+                            "backward: use offload_tapes='auto'")
     if not plans:
         raise error
     return min(plans, key=lambda placed: placed.predicted_time)
@@ -174,54 +153,12 @@ def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
     return tiers
 
 
-def _with_offloaded_tapes(candidates: list[_Candidate], tier: LowerTier,
-                          config: FitConfig) -> list[_Candidate]:
-    """Each candidate also with the tapes of 1 MiB and more on ``tier`` (only those with
-    ``offload_tapes='all'``)."""
-    out = [] if config.offload_tapes == "all" else list(candidates)
-    for c in candidates:
-        stages = frozenset(i for i, s in enumerate(c.costs.stages) if s.tape >= TAPE_MIN_BYTES)
-        if not stages:
-            continue
-        costs = offloaded_tape_costs(c.costs, set(stages), read_bytes_per_s=tier.bandwidth,
-                                     write_bytes_per_s=tier.bandwidth)
-        costs = replace(costs, extra={**costs.extra, "tapes tier": tier.name})
-        total = format_bytes(costs.extra["offloaded tape bytes"])
-        why = (f"the tapes of {len(stages)} stages ({total} in all) go to {_where(tier)} as "
-               f"the forward saves them and come back one backward ahead, instead of being "
-               f"recomputed")
-        out.append(replace(c, costs=costs, notes=c.notes + (why,), tapes=tier,
-                           tape_stages=stages))
-    return out
-
-
-def _where(home: LowerTier) -> str:
-    if isinstance(home.store, DiskStore):
-        return f"the disk tier ({home.store.directory})"
-    return "host RAM (the tier below the simulated GPU)"
-
-
-def _states_below(resident: ChainCosts, base: ChainCosts, stages: list, state_of: list[int],
-                  home: LowerTier) -> ChainCosts:
-    """``resident`` with the optimizer states on a lower tier: each stage's states are read
-    during its backward and written back after its update (only the part of that I/O that
-    outlasts the backward costs time); the next stage's and the last one's are in flight."""
-    moved = []
-    for i, stage in enumerate(stages):
-        io = 2 * state_of[i] / home.bandwidth
-        moved.append(replace(stage, update_transient=stage.update_transient + state_of[i],
-                             update_time=stage.update_time + max(0.0, io - stage.bwd_time)))
-    return replace(resident, stages=tuple(moved),
-                   static_bytes=base.static_bytes + 2 * max(state_of, default=0),
-                   extra={**base.extra, f"optimizer states on {home.name}": sum(state_of)})
-
-
-def _plan(candidate: _Candidate, base: ChainCosts, state_of: list[int], seconds_per_byte: float,
+def _plan(candidate: Candidate, base: ChainCosts, state_of: list[int], seconds_per_byte: float,
           budget: int | None, config: FitConfig, tier: str, deferred: bool) -> Placement:
     """The candidate's plan, checked against every tier's budget (BudgetError if over)."""
     costs, update_pass, notes = candidate.costs, None, candidate.notes
     if deferred:
-        costs, update_pass = _deferred(candidate, base, state_of, seconds_per_byte,
+        costs, update_pass = deferred_costs(candidate, base, state_of, seconds_per_byte,
                                        config.prefetch_depth)
     plan = make_plan(costs, budget, config, tier=tier)
     if update_pass is not None:
@@ -236,7 +173,7 @@ def _plan(candidate: _Candidate, base: ChainCosts, state_of: list[int], seconds_
                          f"{format_bytes(update_pass.peak)}",)
     tiers = (candidate.states, candidate.weights, candidate.tapes)
     for lower in {id(t): t for t in tiers if t}.values():
-        held = _lower_bytes(candidate, base, state_of, lower, deferred)
+        held = lower_bytes(candidate, base, state_of, lower, deferred)
         if lower.budget is not None and held > lower.budget:
             need = format_bytes(held, round_up=True)
             raise BudgetError(f"{lower.name} budget {format_bytes(lower.budget)} is below the "
@@ -246,48 +183,6 @@ def _plan(candidate: _Candidate, base: ChainCosts, state_of: list[int], seconds_
     return Placement(replace(plan, notes=plan.notes + notes), candidate.states,
                      candidate.weights, candidate.streamed, update_pass, candidate.tapes,
                      candidate.tape_stages)
-
-
-def _lower_bytes(candidate: _Candidate, base: ChainCosts, state_of: list[int],
-                 lower: LowerTier, deferred: bool) -> int:
-    """Bytes a placement keeps on ``lower``: states, streamed weights, stashed gradients."""
-    held = sum(state_of) if candidate.states is lower else 0
-    if candidate.weights is lower:
-        weights = sum(base.stages[i].param_bytes for i in candidate.streamed)
-        held += weights * (2 if deferred else 1)  # deferred: the gradients wait there too
-    if candidate.tapes is lower:
-        held += sum(base.stages[i].tape for i in candidate.tape_stages)
-    return held
-
-
-def _deferred(candidate: _Candidate, base: ChainCosts, state_of: list[int],
-              seconds_per_byte: float, depth: int) -> tuple[ChainCosts, UpdatePass]:
-    """A candidate's costs when updates are deferred: the plan's Update(i) only hands a
-    streamed stage's gradients to the lower tier (written behind its backward); resident
-    stages' gradients stay for the whole step; the optimizer work moves to the update pass."""
-    states, weights = candidate.states, candidate.weights
-    stages, persistent, work, seconds = [], 0, 0, 0.0
-    for i, s in enumerate(candidate.costs.stages):
-        params = base.stages[i].param_bytes
-        grads = params + (base.shared_grad_bytes if i == 0 else 0)
-        io = 2 * state_of[i] / states.bandwidth if states else 0.0  # states in and out
-        if i in candidate.streamed:
-            stages.append(replace(s, update_time=max(0.0, grads / weights.bandwidth - s.bwd_time),
-                                  update_transient=0))
-            io += (3 * params + grads) / weights.bandwidth  # weights in and out, grads in
-            work = max(work, params + grads + (state_of[i] if states else 0))
-        else:
-            stages.append(replace(s, update_time=0.0, update_transient=0))
-            persistent += grads
-            work = max(work, state_of[i] if states else 0)
-        seconds += max(seconds_per_byte * params, io)
-    costs = replace(candidate.costs, stages=tuple(stages),
-                    static_bytes=candidate.costs.static_bytes + persistent)
-    # the stage updating (its in-backward update transient: states, weights, temporaries),
-    # `depth` stages read ahead and one written back behind
-    peak = costs.static_bytes + (depth + 1) * work + max(
-        (s.update_transient for s in candidate.costs.stages), default=0)
-    return costs, UpdatePass(seconds, peak)
 
 
 def _stream_sets(costs: ChainCosts, streamable: dict[int, list[nn.Parameter]],
