@@ -54,7 +54,8 @@ def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier,
     ``offload_tapes='all'``)."""
     out = [] if config.offload_tapes == "all" else list(candidates)
     for c in candidates:
-        stages = frozenset(i for i, s in enumerate(c.costs.stages) if s.tape >= tape_offload.MIN_BYTES)
+        stages = frozenset(i for i, s in enumerate(c.costs.stages)
+                           if s.tape >= tape_offload.MIN_BYTES)
         if not stages:
             continue
         costs = offloaded_tape_costs(c.costs, set(stages), read_bytes_per_s=tier.bandwidth,
