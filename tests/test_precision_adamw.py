@@ -150,3 +150,39 @@ def test_save_load_continue_equals_uninterrupted(model_dtype, master, optim_dtyp
                 assert mine[key].dtype == theirs[key].dtype and torch.equal(mine[key], theirs[key])
             else:
                 assert mine[key] == theirs[key]
+
+
+def test_a_step_gathered_as_a_tensor_loads_as_an_int():
+    """A state gathered from ZeRO shards (tierflow.dist) carries ``step`` as a float64 tensor;
+    loading it gives the int step and the same next update as the state as saved."""
+    ours, other = _params(), _params()
+    optimizer = AdamW(_groups(ours), **HYPER)
+    _run(optimizer, ours, 3)
+    state = optimizer.state_dict()
+    gathered = {**state, "state": {i: {**s, "step": torch.tensor(float(s["step"]),
+                                                                  dtype=torch.float64)}
+                                   for i, s in state["state"].items()}}
+    for a, b in zip(other, ours):
+        a.data.copy_(b)
+    loaded = AdamW(_groups(other), **HYPER)
+    loaded.load_state_dict(gathered)
+    assert all(type(s["step"]) is int and s["step"] == 3 for s in loaded.state.values())
+    _run(optimizer, ours, 1, first=3)
+    _run(loaded, other, 1, first=3)
+    assert all(torch.equal(a, b) for a, b in zip(ours, other))
+
+
+@pytest.mark.parametrize("model_dtype, master, optim_dtype", [
+    ("fp32", "fp32", "fp32"), ("fp32", "fp32", "int8"), ("bf16", "fp32", "int8")])
+def test_slices_update_like_one_pass(monkeypatch, model_dtype, master, optim_dtype):
+    """A parameter updated CHUNK elements at a time (here 256: the 48 x 40 matrix takes 8
+    slices, the last one partial) ends bit-equal to one pass over it."""
+    from tierflow.precision import adamw as adamw_module
+    dtype = torch.float32 if model_dtype == "fp32" else torch.bfloat16
+    config = PrecisionConfig(model_dtype=model_dtype, master=master, optim_dtype=optim_dtype,
+                             matmul_dtype="bf16")
+    whole, sliced = _params(dtype), _params(dtype)
+    _run(make_optimizer(_groups(whole), config, **HYPER), whole, 4)
+    monkeypatch.setattr(adamw_module, "CHUNK", 256)
+    _run(make_optimizer(_groups(sliced), config, **HYPER), sliced, 4)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced))

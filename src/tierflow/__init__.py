@@ -3,6 +3,11 @@
 ``tierflow.fit(model, sample, ram="2GiB")`` returns a drop-in module that trains with the same
 gradients as ``model`` inside the budget. The planner (``tierflow.plan``) is pure data and
 imports no torch, so this package imports torch only when a torch-facing name is used.
+
+Low-precision training (``tierflow.precision``): ``PrecisionConfig`` says how weights, master
+copy, AdamW moments and matmuls are stored and run; ``apply_precision(model, config)`` applies
+it to a built model, ``autocast_context(config, "cpu")`` is the mode to run it under and
+``make_optimizer(groups, config, lr=...)`` the AdamW that matches.
 """
 from __future__ import annotations
 
@@ -13,15 +18,20 @@ from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
 
-_LAZY = {"fit": "api", "TierflowModule": "api", "FitConfig": "config"}
+_LAZY = {"fit": "api", "TierflowModule": "api", "FitConfig": "config",
+         "PrecisionConfig": "precision", "apply_precision": "precision",
+         "autocast_context": "precision", "make_optimizer": "precision"}
 
 
 def __getattr__(name: str) -> Any:
+    from importlib import import_module
     if name in _LAZY:
-        from importlib import import_module
         return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    if name == "precision":  # the subpackage, without importing torch before it is asked for
+        return import_module(".precision", __name__)
     raise AttributeError(f"module 'tierflow' has no attribute {name!r}")
 
 
-__all__ = ["fit", "TierflowModule", "FitConfig", "BudgetError", "TierflowError",
-           "parse_bytes", "format_bytes", "__version__"]
+__all__ = ["fit", "TierflowModule", "FitConfig", "PrecisionConfig", "apply_precision",
+           "autocast_context", "make_optimizer", "BudgetError", "TierflowError", "parse_bytes",
+           "format_bytes", "__version__"]

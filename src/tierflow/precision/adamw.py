@@ -12,7 +12,16 @@ decoupled weight decay and bias correction), done in float32 on float32 working 
 - bf16 moments are written back with stochastic rounding (round-to-nearest would freeze v: a
   0.999 decay is below half a bf16 ulp); int8 moments are re-quantized (``quant.py``).
 
-``state_dict()`` holds only tensors and plain numbers: per parameter ``step`` (an int),
+A parameter is updated CHUNK (4M) elements at a time, so the step's float32 temporaries stay
+a few times 16 MiB even for a 32000 x 2048 embedding (256 MiB per float32 temporary of it
+otherwise, several at once, which the planner does not count). Every operation is
+element-wise and int8 slices start on block boundaries, so without stochastic rounding the
+result equals one pass over the whole tensor; stochastic rounding draws its noise slice by
+slice (as reproducible, another stream).
+
+``state_dict()`` holds only tensors and plain numbers: per parameter ``step`` (a 0-dim float32
+tensor, as ``torch.optim.AdamW`` saves it, so that a checkpoint names the same tensors whether
+one process or ZeRO shards wrote it; the optimizer itself keeps an int),
 ``exp_avg``/``exp_avg_sq`` (fp32, bf16, or int8/uint8 codes with ``exp_avg_scale`` and
 ``exp_avg_sq_scale`` float32 per block), ``master`` (fp32) when kept; and, when stochastic
 rounding is used, ``generator``: the random generator's state as a uint8 tensor. That fits the
@@ -26,11 +35,12 @@ from typing import Any
 
 import torch
 
-from .config import MASTERS, OPTIM_DTYPES, PrecisionError
-from .quant import SIGNED, UNSIGNED, dequantize, empty_codes, quantize_
+from .config import BLOCK, MASTERS, OPTIM_DTYPES, PrecisionError
+from .quant import SIGNED, UNSIGNED, blocks, dequantize, empty_codes, quantize_
 from .rounding import generator_for, stochastic_round_bf16
 
 _MAPPINGS = {"exp_avg": SIGNED, "exp_avg_sq": UNSIGNED}
+CHUNK = 1 << 22  # elements updated at a time (a multiple of BLOCK): 16 MiB float32 temporaries
 
 
 class AdamW(torch.optim.Optimizer):
@@ -64,10 +74,13 @@ class AdamW(torch.optim.Optimizer):
             if p.dtype not in (torch.float32, torch.bfloat16):
                 raise PrecisionError(f"a parameter of shape {tuple(p.shape)} is {p.dtype}: this "
                                      "AdamW updates float32 or bfloat16 weights; cast the model")
+            if not p.is_contiguous():
+                raise PrecisionError(f"a parameter of shape {tuple(p.shape)} is not contiguous: "
+                                     "this AdamW updates flat slices; make it contiguous")
         devices = {p.device for p in all_params}
         if len(devices) > 1:
-            raise PrecisionError(f"parameters on {len(devices)} devices ({sorted(map(str, devices))}):"
-                                 " make one optimizer per device")
+            raise PrecisionError(f"parameters on {len(devices)} devices "
+                                 f"({sorted(map(str, devices))}): make one optimizer per device")
         rounds = moment_dtype == "bf16" or (
             master == "none" and any(p.dtype == torch.bfloat16 for p in all_params))
         self._generator: torch.Generator | None = None
@@ -94,18 +107,31 @@ class AdamW(torch.optim.Optimizer):
         state = self.state[p]
         if not state:
             self._init_state(p, state)
+        state["step"] += 1
+        numel = p.numel()
+        for start in range(0, numel, CHUNK):
+            self._update_slice(p, state, group, start, min(start + CHUNK, numel))
+
+    def _update_slice(self, p: torch.Tensor, state: dict, group: dict, start: int,
+                      stop: int) -> None:
+        """Update elements [start, stop) of the flattened ``p``: every temporary is a float32
+        vector of at most CHUNK elements, whatever the parameter's size."""
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
-        grad = p.grad.to(torch.float32)  # the gradient itself when it is float32
-        weights = p if p.dtype == torch.float32 else state.get("master", None)
-        if weights is None:
-            weights = p.to(torch.float32)  # a working copy, stochastically rounded back
-        state["step"] += 1
+        flat = p.view(-1)[start:stop]  # (n,) a view: written in place
+        grad = p.grad.reshape(-1)[start:stop].to(torch.float32)  # (n,)
+        master = state.get("master")
+        if p.dtype == torch.float32:
+            weights = flat
+        elif master is not None:
+            weights = master.view(-1)[start:stop]
+        else:
+            weights = flat.to(torch.float32)  # a working copy, stochastically rounded back
         step = state["step"]
         if weight_decay != 0:
             weights.mul_(1 - lr * weight_decay)
-        exp_avg = self._load(p, state, "exp_avg")
-        exp_avg_sq = self._load(p, state, "exp_avg_sq")
+        exp_avg = self._load(state, "exp_avg", start, stop)
+        exp_avg_sq = self._load(state, "exp_avg_sq", start, stop)
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         bias_correction1 = 1 - beta1 ** step
@@ -113,12 +139,14 @@ class AdamW(torch.optim.Optimizer):
         step_size = lr / bias_correction1
         denom = (exp_avg_sq.sqrt() / bias_correction2 ** 0.5).add_(eps)
         weights.addcdiv_(exp_avg, denom, value=-step_size)
-        self._store(state, "exp_avg", exp_avg)
-        self._store(state, "exp_avg_sq", exp_avg_sq)
-        if weights is state.get("master"):
-            p.copy_(weights)  # round to nearest: the master keeps what bf16 cannot
-        elif weights is not p:
-            p.copy_(stochastic_round_bf16(weights, self._generator))
+        self._store(state, "exp_avg", exp_avg, start, stop)
+        self._store(state, "exp_avg_sq", exp_avg_sq, start, stop)
+        if p.dtype == torch.float32:
+            return  # the weights were updated in place
+        if master is not None:
+            flat.copy_(weights)  # round to nearest: the master keeps what bf16 cannot
+        else:
+            flat.copy_(stochastic_round_bf16(weights, self._generator))
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         state["step"] = 0
@@ -131,23 +159,36 @@ class AdamW(torch.optim.Optimizer):
         if p.dtype == torch.bfloat16 and self.master == "fp32":
             state["master"] = p.to(torch.float32)
 
-    def _load(self, p: torch.Tensor, state: dict, key: str) -> torch.Tensor:
-        """Moment ``key`` as float32 (the state tensor itself when it is stored in float32)."""
-        stored = state[key]
+    def _load(self, state: dict, key: str, start: int, stop: int) -> torch.Tensor:
+        """Elements [start, stop) of moment ``key`` as a float32 vector (a view of the state
+        when it is stored in float32)."""
         if self.moment_dtype == "int8":
-            return dequantize(stored, state[f"{key}_scale"], p.numel(), p.shape, _MAPPINGS[key])
-        return stored.to(torch.float32)
+            codes, scales = self._codes(state, key, start, stop)
+            return dequantize(codes, scales, stop - start, torch.Size([stop - start]),
+                              _MAPPINGS[key])
+        return state[key].view(-1)[start:stop].to(torch.float32)
 
-    def _store(self, state: dict, key: str, value: torch.Tensor) -> None:
-        stored = state[key]
+    def _store(self, state: dict, key: str, value: torch.Tensor, start: int, stop: int) -> None:
         if self.moment_dtype == "int8":
-            quantize_(value, stored, state[f"{key}_scale"], _MAPPINGS[key])
+            codes, scales = self._codes(state, key, start, stop)
+            quantize_(value, codes, scales, _MAPPINGS[key])
         elif self.moment_dtype == "bf16":
-            stored.copy_(stochastic_round_bf16(value, self._generator))
-        # fp32: ``value`` is the state tensor, updated in place
+            state[key].view(-1)[start:stop].copy_(stochastic_round_bf16(value, self._generator))
+        # fp32: ``value`` is a view of the state tensor, updated in place
+
+    @staticmethod
+    def _codes(state: dict, key: str, start: int, stop: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the int8 codes and scales of elements [start, stop): ``start`` is a
+        multiple of BLOCK (so is CHUNK); the last slice runs on to the padded end."""
+        first, count = start // BLOCK, blocks(stop - start)
+        return (state[key][start:start + count * BLOCK],
+                state[f"{key}_scale"][first:first + count])
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
+        state["state"] = {i: {**s, "step": torch.tensor(float(s["step"]), dtype=torch.float32)}
+                          for i, s in state["state"].items()}  # as torch's AdamW saves it
         if self._generator is not None:
             state["generator"] = self._generator.get_state()
         return state
@@ -160,8 +201,7 @@ class AdamW(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for index, p in zip(ids, params):
             if index in saved:
-                self.state[p] = {k: v.to(p.device, copy=True) if isinstance(v, torch.Tensor)
-                                 else v for k, v in saved[index].items()}
+                self.state[p] = {k: _restored(k, v, p.device) for k, v in saved[index].items()}
         generator = state_dict.get("generator")
         if (generator is None) != (self._generator is None):
             raise PrecisionError("the optimizer state and this optimizer disagree on stochastic "
@@ -170,3 +210,11 @@ class AdamW(torch.optim.Optimizer):
         if generator is not None:
             self._generator.set_state(generator.to(torch.uint8))
 
+
+
+def _restored(key: str, value: Any, device: torch.device) -> Any:
+    """A saved state value as the optimizer keeps it: tensors copied to ``device`` in their
+    stored dtype, ``step`` an int (``state_dict`` and ZeRO gathering carry it as a tensor)."""
+    if key == "step":
+        return int(value)
+    return value.to(device, copy=True) if isinstance(value, torch.Tensor) else value

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -44,20 +45,62 @@ def section(title: str, rows: list[tuple[str, Any]]) -> str:
     return "\n".join([f"[{title}]"] + [f"  {k.ljust(width)} : {v}" for k, v in rows])
 
 
+@dataclass(frozen=True)
+class PlanPrecision:
+    """What the ``[Plan]`` table says about precision: ``per`` is the run's
+    ``PrecisionConfig.bytes_per_parameter()``, ``trainable`` the trainable parameter count,
+    ``master`` this rank's bytes of fp32 master copy (part of the reserved optimizer states),
+    ``dtypes`` the ``PrecisionConfig`` as a dict."""
+    per: Any
+    trainable: int
+    master: int
+    dtypes: dict[str, str]
+
+
+def _per(value: float) -> str:
+    return f"{value:g} B/parameter"
+
+
 def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
-                 dist: dict[str, Any] | None) -> tuple[str, dict[str, Any]]:
-    """The ``[Plan]`` table (bytes per kind, the strategy, the predicted step) and the fields
-    of its JSON record. Under torchrun ``dist`` holds ``world_size``, ``backend``,
-    ``bus_bandwidth`` (bytes/s), ``comm_bytes`` and ``predicted_comm_s``; every figure is
-    this rank's (budgets are per rank)."""
+                 dist: dict[str, Any] | None,
+                 precision: PlanPrecision) -> tuple[str, dict[str, Any]]:
+    """The ``[Plan]`` table (bytes per kind and per parameter, the strategy, the predicted
+    step) and the fields of its JSON record. The optimizer states (master and moments) are
+    what the plan reserves for the optimizer. Under torchrun ``dist`` holds ``world_size``,
+    ``backend``, ``bus_bandwidth`` (bytes/s), ``comm_bytes`` and ``predicted_comm_s``; every
+    figure is this rank's (budgets are per rank)."""
     extra = plan.costs.extra
+    per, dtypes = precision.per, precision.dtypes
     activations = max(0, plan.simulation.peak - grads)
-    kinds = [("parameters", extra.get("parameters", 0)), ("gradients", grads),
-             ("optimizer states (reserved)", extra.get("reserved", 0)),
+    reserved = extra.get("reserved", 0)
+    master = min(precision.master, reserved)
+    kinds = [("weights", extra.get("parameters", 0)), ("gradients", grads),
+             ("master", master), ("moments", reserved - master),
              ("activations", activations), ("runtime", extra.get("runtime", 0))]
-    rows: list[tuple[str, Any]] = [(k, format_bytes(v)) for k, v in kinds]
-    if dist is not None:
-        rows[2] = (f"optimizer states (reserved, 1/{dist['world_size']} shard)", rows[2][1])
+    shard = f", 1/{dist['world_size']} shard" if dist is not None else ""
+    weight = dtypes["model_dtype"]
+    if per.master:
+        master_note = f"{_per(per.master)}, fp32 copy of the bf16 weights"
+    else:
+        master_note = ("none: stochastic rounding" if weight == "bf16"
+                       else "none: fp32 weights are their own")
+    scales = f" + {per.moment_scales:g} of scales" if per.moment_scales else ""
+    notes = {"weights": f"{_per(per.weights)}, {weight}",
+             "gradients": f"{_per(per.gradients)}, {weight}",
+             "master": master_note,
+             "moments": f"{_per(per.moments)}{scales}, AdamW m and v in {dtypes['optim_dtype']}"}
+    total = per.weights + per.gradients + per.master + per.moments
+    rows: list[tuple[str, Any]] = [
+        ("parameters", f"{precision.trainable:,} trainable x {total:g} bytes (weights "
+                       f"{per.weights:g} + gradients {per.gradients:g} + master {per.master:g} + "
+                       f"moments {per.moments:g})")]
+    for name, value in kinds:
+        if name == "master":
+            rows.append((f"optimizer states (reserved{shard})",
+                         f"{format_bytes(reserved)} (master + moments)"))
+        label = f"  {name}" if name in ("master", "moments") else name
+        note = f" ({notes[name]})" if name in notes else ""
+        rows.append((label, format_bytes(value) + note))
     rows.append(("total (predicted peak)", format_bytes(plan.predicted_peak)))
     free = (f"{format_bytes(budget - plan.predicted_peak)} of the {format_bytes(budget)} "
             "budget" if budget else "- (no --ram budget)")
@@ -65,7 +108,12 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
             f"{plan.predicted_time * 1e3:.0f} ms forward+backward, optimizer not included)")
     rows += [("free", free), ("strategy", plan.strategy), ("predicted step", step)]
     fields: dict[str, Any] = {k: int(v) for k, v in kinds}
-    fields.update(predicted_peak=int(plan.predicted_peak), budget=budget,
+    fields["optimizer states (reserved)"] = int(reserved)  # master + moments
+    fields.update(bytes_per_parameter={"weights": per.weights, "gradients": per.gradients,
+                                       "master": per.master, "moments": per.moments,
+                                       "moment_scales": per.moment_scales, "total": per.total},
+                  trainable_parameters=precision.trainable, precision=dict(dtypes),
+                  predicted_peak=int(plan.predicted_peak), budget=budget,
                   strategy=plan.strategy, predicted_step_s=plan.predicted_time * grad_accum)
     if dist is not None:
         n = dist["world_size"]

@@ -1,24 +1,27 @@
 """``tierflow train``: the training loop around ``tierflow.fit``.
 
-One run: check the options, the data and the output directory (cheap, before anything slow);
-build or load the model; plan the step with ``tierflow.fit`` (gradients accumulate in
-``.grad``, the AdamW state is ``reserve``d in the plan); then per optimizer step:
-``grad_accum`` micro-batches forward and backward, global-norm clipping, AdamW with the
+One run: check the options (precision included), the data and the output directory (cheap,
+before anything slow); build or load the model and apply its precision (``model.py``); plan
+the step with ``tierflow.fit`` (gradients accumulate in ``.grad``, the optimizer's states are
+``reserve``d in the plan); then per optimizer step: ``grad_accum`` micro-batches forward and
+backward under ``autocast_context``, global-norm clipping, AdamW (``optimizer.py``) with the
 warmup + cosine schedule, one ``[T]`` line and one JSON record. ``[V]`` evaluations every
 ``--eval-every`` steps; checkpoints every ``--save-every`` steps, at the end and on Ctrl-C.
 
-Resuming restores the weights, the AdamW state, the data stream position and every RNG, so
-the resumed steps are bit-identical (fp32) to an uninterrupted run's.
+Resuming restores the weights, the AdamW state (fp32 master, 8-bit moments and the
+stochastic-rounding generator included), the data stream position and every RNG, so the
+resumed steps are bit-identical to an uninterrupted run's in every precision.
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank runs this loop on its rows of each global
 batch (``tierflow.dist``): gradients are reduce-scattered stage by stage during backward,
 the optimizer updates this rank's shard (ZeRO-2) and the parameters are all-gathered; rank 0
 prints, logs and writes checkpoints in the single-process format. The optimizer is built in
-``make_optimizer`` alone, for one process and for the shards alike.
+``optimizer.build_optimizer`` alone, for one process and for the shards alike.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import signal
 import time
@@ -96,15 +99,12 @@ def _train(opts: TrainOptions) -> int:
         require_writable_dir(opts.tensorboard, "--tensorboard")
     log_path = Path(opts.log) if opts.log else out / "log.jsonl"
     budget = parse_bytes(opts.ram, what="--ram") if opts.ram else None
-    dtype_name = opts.dtype if opts.dtype != "auto" else ("bf16" if measure.fast_bf16() else "fp32")
 
     world = join_from_env(opts.dist_timeout)
     if world is None:
-        return _train_in_world(opts, ckpt, data, out, log_path, budget, dtype_name, None,
-                               baseline)
+        return _train_in_world(opts, ckpt, data, out, log_path, budget, None, baseline)
     try:
-        code = _train_in_world(opts, ckpt, data, out, log_path, budget, dtype_name, world,
-                               baseline)
+        code = _train_in_world(opts, ckpt, data, out, log_path, budget, world, baseline)
     except BaseException:
         world.close(finished=False)
         raise
@@ -113,60 +113,16 @@ def _train(opts: TrainOptions) -> int:
 
 
 def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
-                    budget: int | None, dtype_name: str, world, baseline: int) -> int:
+                    budget: int | None, world, baseline: int) -> int:
     """Build or load the model, check the run's identity, then ``_run`` (every rank)."""
-    import torch
-
-    from ..models.load import load_model
-    from ..models.presets import PRESETS
-    from .codec import config_hash, differences, model_arch, spec_arch
+    from .. import measure
     from .logger import Logger
+    from .model import build_model, run_identity
 
-    # --- the model
-    spec = opts.model
-    if ckpt is not None:
-        model = load_model(ckpt.path, dtype=torch.float32)
-    elif spec in PRESETS:
-        model = load_model(spec, vocab_size=data.vocab_size, dtype=torch.float32, seed=opts.seed)
-    else:
-        model = load_model(spec, dtype=torch.float32)
-    with torch.no_grad():  # a sum is inf or nan when an element is (no mask of the model's size)
-        bad = [(name, int((~torch.isfinite(p)).sum())) for name, p in model.named_parameters()
-               if p.is_floating_point() and not math.isfinite(float(p.sum()))]
-        bad = [(name, k) for name, k in bad if k]  # an overflowing sum of finite values
-    if bad:
-        where = ", ".join(f"{n} ({k} values)" for n, k in bad[:3])
-        source = ckpt.path if ckpt is not None else spec
-        raise TierflowError(f"the weights of {source} hold inf or nan in {where}"
-                            f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}: every loss "
-                            "would be nan; use a checkpoint saved before the loss diverged or "
-                            "the original model")
-    model_vocab = int(model.config.vocab_size)
-    if data.max_token >= model_vocab:
-        raise TierflowError(f"--data {data.path} holds token id {data.max_token} but the model "
-                            f"{spec} has vocab size {model_vocab}: use a model whose vocab has at "
-                            f"least {data.max_token + 1} ids, or tokenize with its tokenizer")
-    config = model.config
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-    if positions is not None and opts.seq_len > positions:
-        raise TierflowError(f"--seq-len {opts.seq_len} is above the model's maximum positions "
-                            f"({positions}): use --seq-len {positions} or less")
-    model.train()
-
-    arch = model_arch(model)
-    if ckpt is not None and "model" in opts.given:  # the checkpoint's weights, the given model
-        arch = spec_arch(spec, data.vocab_size)
-    identity = {"model": arch, "data": data.identity(), "seq_len": opts.seq_len,
-                "batch_size": opts.batch_size, "grad_accum": opts.grad_accum, "seed": opts.seed}
-    run_hash = config_hash(identity)
-    if ckpt is not None:
-        saved = ckpt.trainer_state.get("identity")
-        if ckpt.trainer_state.get("config_hash") != run_hash:
-            diffs = differences(saved, identity) if isinstance(saved, dict) else ["unknown run"]
-            raise TierflowError(f"checkpoint {ckpt.path} is of a different run ("
-                                f"{'; '.join(diffs[:4])}): resume with the model, data and "
-                                "--seq-len/--batch-size/--grad-accum/--seed it was trained with, "
-                                "or start a new run without --resume")
+    # --- the model, with its precision, and the run it belongs to
+    precision = opts.precision(measure.fast_bf16())
+    model = build_model(opts, ckpt, data, precision)
+    identity, run_hash = run_identity(opts, ckpt, data, model, precision)
 
     tokens_per_step = opts.batch_size * opts.grad_accum * opts.seq_len
     if opts.steps is not None:
@@ -186,7 +142,7 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
             from .tensorboard import EventWriter
             board = EventWriter(opts.tensorboard)
         return _run(opts=opts, data=data, out=out, logger=logger, budget=budget, board=board,
-                    dtype_name=dtype_name, model=model, identity=identity, run_hash=run_hash,
+                    precision=precision, model=model, identity=identity, run_hash=run_hash,
                     ckpt=ckpt, total=total, warmup=warmup, min_lr=min_lr,
                     tokens_per_step=tokens_per_step, baseline=baseline, world=world)
     finally:
@@ -196,7 +152,7 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
 
 
 def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | None, board,
-         dtype_name: str, model, identity: dict, run_hash: str, ckpt, total: int, warmup: int,
+         precision, model, identity: dict, run_hash: str, ckpt, total: int, warmup: int,
          min_lr: float, tokens_per_step: int, baseline: int, world) -> int:
     import torch
 
@@ -204,25 +160,31 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     from ..api import fit
     from ..config import FitConfig
     from ..dist import ShardedOptimizer, bus_bandwidth, step_seconds
+    from ..precision import autocast_context
     from .checkpoint import latest_checkpoint, save_checkpoint
     from .codec import capture_rng, restore_rng
     from .data import Batches, eval_batches
-    from .logger import eval_line, plan_section, section, train_line
+    from .logger import PlanPrecision, eval_line, plan_section, section, train_line
+    from .optimizer import LocalOptimizer, build_optimizer, param_groups, reserved_bytes
     from .schedule import lr_at
 
     # [Options]
+    matmul = precision.matmul_dtype
     shown = opts.as_dict()
-    shown.update({"steps": total, "warmup": warmup, "min_lr": min_lr, "dtype": dtype_name,
-                  "out": str(out), "log": str(logger.path)})
+    shown.update({"steps": total, "warmup": warmup, "min_lr": min_lr,
+                  "dtype": _autocast_name(matmul), "matmul_dtype": matmul, "out": str(out),
+                  "log": str(logger.path)})
     logger.print(section("Options", [(k.replace("_", "-"), "-" if v is None else v)
                                      for k, v in shown.items()]))
     logger.record("options", **shown)
 
     # [System]
-    peak = peak_matmul_flops(dtype_name)
+    peak_dtype = "fp32" if matmul == "fp32" else "bf16"  # fp8 is held to bf16's peak here
+    peak = peak_matmul_flops(peak_dtype)
     system = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model(),
-              "bf16 native": measure.fast_bf16(), "dtype": dtype_name,
-              "peak matmul": f"{peak / 1e9:.1f} GFLOP/s ({dtype_name}, measured)"}
+              "bf16 native": measure.fast_bf16(), "dtype": _autocast_name(matmul),
+              "precision": _precision_words(precision),
+              "peak matmul": f"{peak / 1e9:.1f} GFLOP/s ({peak_dtype}, measured)"}
     if world is not None:
         system["ranks"] = f"{world.size} ({world.backend}); this machine's figures are rank 0's"
     logger.print()
@@ -248,25 +210,28 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     # [Plan]: per rank (budgets are per rank; each rank runs batch-size / ranks rows)
     ranks = world.size if world is not None else 1
     main = world is None or world.is_main
-    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if dtype_name == "bf16" \
-        else contextlib.nullcontext
+    autocast = functools.partial(autocast_context, precision, "cpu")
     params = list(model.parameters())
-    param_bytes = sum(p.numel() * 4 for p in params if p.requires_grad)
-    moments = 2 * -(-param_bytes // ranks)  # AdamW's two fp32 moments, this rank's shard
+    trainable = [p for p in params if p.requires_grad]
+    reserve = -(-reserved_bytes(trainable, precision) // ranks)  # this rank's shard
     sample_batch = torch.zeros(opts.batch_size // ranks, opts.seq_len + 1, dtype=torch.long)
     sample = {"input_ids": sample_batch[:, :-1], "shift_labels": sample_batch[:, 1:]}
     with torch.random.fork_rng(devices=[]), autocast():
-        module = fit(model, sample, ram=budget, reserve=moments,
+        module = fit(model, sample, ram=budget, reserve=reserve,
                      config=FitConfig(planner=RECOMPUTE[opts.recompute], compile=opts.compile))
-    grads = sum(p.nbytes for p in params if p.requires_grad)
+    grads = sum(p.nbytes for p in trainable)
     dist_figures = None
     if world is not None:
         bus = bus_bandwidth(world, torch.device("cpu"))
         dist_figures = {"world_size": ranks, "backend": world.backend, "bus_bandwidth": bus,
-                        "comm_bytes": grads + param_bytes,
-                        "predicted_comm_s": step_seconds(ranks, grads, param_bytes, bus)}
-    table, fields = plan_section(module.plan, grads=grads, budget=budget,
-                                 grad_accum=opts.grad_accum, dist=dist_figures)
+                        "comm_bytes": 2 * grads,  # gradients reduced, parameters gathered
+                        "predicted_comm_s": step_seconds(ranks, grads, grads, bus)}
+    per = precision.bytes_per_parameter()
+    table, fields = plan_section(
+        module.plan, grads=grads, budget=budget, grad_accum=opts.grad_accum, dist=dist_figures,
+        precision=PlanPrecision(per, trainable=sum(p.numel() for p in trainable),
+                                master=int(per.master * sum(p.numel() for p in trainable)) // ranks,
+                                dtypes=precision.to_dict()))
     logger.print()
     logger.print(table)
     logger.print(module.plan.explain())
@@ -274,11 +239,11 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
 
     groups = param_groups(params, opts)
     if world is None:
-        optimizer: Any = _Local(make_optimizer(groups, opts), params)
+        optimizer: Any = LocalOptimizer(build_optimizer(groups, opts, precision), params)
     else:
         optimizer = ShardedOptimizer(world, [list(stage.parameters())
                                              for stage in module.chain.stages],
-                                     groups, lambda shard: make_optimizer(shard, opts))
+                                     groups, lambda shard: build_optimizer(shard, opts, precision))
     batches = Batches(data.train, opts.seq_len, opts.batch_size, opts.seed,
                       part=(world.rank, ranks) if world is not None else (0, 1))
     start = 0
@@ -417,53 +382,19 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     return 0
 
 
-# ---------------------------------------------------------------- the optimizer
-
-def param_groups(params: list, opts: TrainOptions) -> list[dict[str, Any]]:
-    """AdamW's param groups: weight decay on matrices only."""
-    decay = [p for p in params if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in params if p.requires_grad and p.dim() < 2]
-    return [{"params": decay, "weight_decay": opts.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0}]
+def _autocast_name(matmul: str) -> str:
+    """What ``--dtype`` names for a matmul dtype: the autocast mode (fp8 runs inside bf16)."""
+    return "fp32" if matmul == "fp32" else "bf16"
 
 
-def make_optimizer(groups: list[dict[str, Any]], opts: TrainOptions):
-    """The one place the optimizer is built. Under torchrun the same call builds it over this
-    rank's shards of the parameters (``ShardedOptimizer``), so any element-wise optimizer
-    can take AdamW's place here."""
-    import torch
-    return torch.optim.AdamW(groups, lr=opts.lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-class _Local:
-    """The single process: the optimizer over the full parameters and torch's global-norm
-    clipping, with the interface of ``tierflow.dist.ShardedOptimizer``."""
-
-    def __init__(self, optimizer, params: list) -> None:
-        self.optimizer = optimizer
-        self.params = params
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups  # load_state_dict replaces the list
-
-    def micro_batch(self, last: bool) -> None:
-        """Nothing to synchronise in one process."""
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        import torch
-        return float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-
-    def step(self) -> None:
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def state_bytes(self) -> int:
-        return sum(t.nbytes for state in self.optimizer.state.values() for t in state.values()
-                   if hasattr(t, "nbytes"))
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+def _precision_words(precision) -> str:
+    """``weights bf16, master none (stochastic rounding), moments int8, matmuls fp8 (...)``."""
+    master = {"fp32": "fp32", "none": "none (stochastic rounding)"}[precision.master]
+    if precision.model_dtype == "fp32":
+        master = "- (fp32 weights are their own)"
+    matmul = precision.matmul_dtype
+    if matmul == "fp8":
+        matmul = (f"fp8 e4m3 (gradients {precision.fp8_grad}; torch._scaled_mm, emulated on "
+                  "this CPU)")
+    return (f"weights {precision.model_dtype}, master {master}, moments "
+            f"{precision.optim_dtype}, matmuls {matmul}")

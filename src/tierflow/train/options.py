@@ -4,20 +4,37 @@ Every flag can also come from a TOML file (``--config FILE``): keys are the opti
 with ``-`` or ``_`` (``seq-len = 512`` or ``seq_len = 512``). Flags given on the command line
 win over the file, the file over the defaults. ``TrainOptions.validate`` checks every value
 whatever its source, so a bad value in the file is the same one-line error as a bad flag.
+
+Precision (``tierflow.precision``): ``--model-dtype``, ``--master``, ``--optim-dtype``,
+``--matmul-dtype`` and ``--fp8-grad`` map one to one onto ``PrecisionConfig``. ``--dtype``
+is the older name of the matmul choice and keeps working: ``--dtype bf16`` is
+``--matmul-dtype bf16``, ``--dtype fp32`` is ``--matmul-dtype fp32``, and without either
+the matmuls are bf16 where the CPU computes bf16 natively (or the weights are bf16), else
+fp32. Both flags given must agree (``--dtype bf16 --matmul-dtype fp8`` does: fp8 Linears
+inside bf16 autocast); ``TrainOptions.precision()`` resolves them.
 """
 from __future__ import annotations
 
 import argparse
-import tomllib
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import tomllib
 
 from ..errors import TierflowError
 from ..units import parse_bytes
 
+if TYPE_CHECKING:
+    from ..precision import PrecisionConfig
+
 RECOMPUTE = {"auto": "auto", "none": "keep-all", "all": "checkpoint-all"}
 DTYPES = ("auto", "fp32", "bf16")
+# the precision flags and their choices (tierflow.precision.config's, without importing torch)
+PRECISION = {"model_dtype": ("fp32", "bf16"), "master": ("fp32", "none"),
+             "optim_dtype": ("fp32", "bf16", "int8"), "matmul_dtype": ("fp32", "bf16", "fp8"),
+             "fp8_grad": ("bf16", "e5m2")}
 
 
 @dataclass
@@ -43,6 +60,11 @@ class TrainOptions:
     resume: str | None = None
     log: str | None = None  # default OUT/log.jsonl
     dtype: str = "auto"  # auto: bf16 autocast where the CPU has native bf16, else fp32
+    model_dtype: str = "fp32"  # weight (and gradient) storage
+    master: str = "fp32"  # fp32 master copy of bf16 weights, or none (stochastic rounding)
+    optim_dtype: str = "fp32"  # AdamW moments: fp32, bf16 or blockwise int8
+    matmul_dtype: str | None = None  # fp32, bf16 or fp8; None: from --dtype
+    fp8_grad: str = "bf16"  # the gradient matmuls of fp8 Linears: bf16 or e5m2
     compile: bool = False
     recompute: str = "auto"
     tensorboard: str | None = None  # a directory for TensorBoard event files
@@ -77,6 +99,7 @@ class TrainOptions:
                                 "--min-lr at most --lr")
         if self.dtype not in DTYPES:
             raise TierflowError(f"--dtype {self.dtype!r} is unknown: use fp32, bf16 or auto")
+        self._validate_precision(world_size)
         if self.recompute not in RECOMPUTE:
             raise TierflowError(f"--recompute {self.recompute!r} is unknown: use auto, none "
                                 "or all")
@@ -86,6 +109,50 @@ class TrainOptions:
             raise TierflowError(f"compile = {self.compile!r} in the config file is not a "
                                 "boolean: use true or false")
         return self
+
+    def _validate_precision(self, world_size: int) -> None:
+        for name, choices in PRECISION.items():
+            value = getattr(self, name)
+            if value not in choices and not (name == "matmul_dtype" and value is None):
+                raise TierflowError(f"{_flag(name)} {value!r} is unknown: use "
+                                    f"{', '.join(choices[:-1])} or {choices[-1]}")
+        matmul = self.matmul_dtype
+        if matmul is not None and self.dtype != "auto" and (self.dtype == "fp32") != (
+                matmul == "fp32"):
+            raise TierflowError(f"--dtype {self.dtype} and --matmul-dtype {matmul} disagree "
+                                f"(--dtype is the older name of --matmul-dtype): give only "
+                                f"--matmul-dtype {matmul}")
+        rounding = self.optim_dtype != "fp32" or (self.model_dtype == "bf16"
+                                                 and self.master == "none")
+        if world_size > 1 and rounding:
+            raise TierflowError(f"--optim-dtype {self.optim_dtype} with --model-dtype "
+                                f"{self.model_dtype} --master {self.master} cannot run on "
+                                f"{world_size} ranks: ZeRO sharding needs element-wise optimizer "
+                                "states without a random stream (no int8 blocks, no stochastic "
+                                "rounding); use --optim-dtype fp32 and --master fp32, or one "
+                                "process")
+        from ..measure import fast_bf16
+        from ..precision import PrecisionError
+        try:  # contradictions; what this CPU cannot run
+            self.precision(fast_bf16()).validate("cpu")
+        except PrecisionError as e:  # the same line, in flags: --master none, not master='none'
+            flags = re.sub(r"\b(model_dtype|master|optim_dtype|matmul_dtype|fp8_grad)='(\w+)'",
+                           lambda m: f"{_flag(m[1])} {m[2]}", str(e))
+            raise TierflowError(flags) from None
+
+    def precision(self, native_bf16: bool) -> PrecisionConfig:
+        """The ``tierflow.precision.PrecisionConfig`` of these options; ``native_bf16``
+        (whether the CPU computes bf16 natively) decides the matmuls when neither
+        ``--matmul-dtype`` nor ``--dtype`` does (see the module docstring)."""
+        from ..precision import PrecisionConfig
+        matmul = self.matmul_dtype
+        if matmul is None and self.dtype != "auto":
+            matmul = self.dtype
+        if matmul is None:
+            matmul = "bf16" if native_bf16 or self.model_dtype == "bf16" else "fp32"
+        return PrecisionConfig(model_dtype=self.model_dtype, master=self.master,
+                               optim_dtype=self.optim_dtype, matmul_dtype=matmul,
+                               fp8_grad=self.fp8_grad)
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -122,7 +189,8 @@ def _check_float(name: str, value: Any, *, positive: bool) -> None:
             or value in (float("inf"), float("-inf")):
         raise TierflowError(f"{_flag(name)} {value!r} is not a finite number")
     if value < 0 or (positive and value == 0):
-        raise TierflowError(f"{_flag(name)} {value} must be {'positive' if positive else 'at least 0'}"
+        bound = "positive" if positive else "at least 0"
+        raise TierflowError(f"{_flag(name)} {value} must be {bound}"
                             f"{', e.g. 3e-4' if name == 'lr' else ''}")
 
 
@@ -167,7 +235,18 @@ _HELP = {
     "resume": ("DIR", "continue from a checkpoint (a step_N directory or a run's --out); "
                       "options not given are the checkpoint's run's"),
     "log": ("FILE", "the JSONL log (default OUT/log.jsonl)"),
-    "dtype": (None, "bf16 autocast or fp32 (auto: bf16 where the CPU has native bf16)"),
+    "dtype": (None, "bf16 autocast or fp32 (auto: bf16 where the CPU has native bf16); the "
+                    "older name of --matmul-dtype"),
+    "model_dtype": (None, "weight and gradient storage (default fp32); bf16 needs bf16 or fp8 "
+                          "matmuls"),
+    "master": (None, "with bf16 weights: keep an fp32 master copy in the optimizer (fp32, "
+                     "default) or update the bf16 weights by stochastic rounding (none)"),
+    "optim_dtype": (None, "AdamW moment storage: fp32 (default), bf16 (stochastic rounding) or "
+                          "int8 (blockwise, a float32 scale per 256)"),
+    "matmul_dtype": (None, "matmuls: fp32, bf16 autocast, or fp8 (e4m3 decoder Linears through "
+                           "torch._scaled_mm inside bf16 autocast; emulated on a CPU); default "
+                           "from --dtype"),
+    "fp8_grad": (None, "gradient matmuls of fp8 Linears: bf16 (default) or e5m2"),
     "compile": (None, "torch.compile the decoder layers"),
     "recompute": (None, "activation recomputation: auto (the planner), none or all"),
     "tensorboard": ("DIR", "also write TensorBoard event files (loss, grad norm, lr, tok/s, "
@@ -192,6 +271,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument("--compile", action="store_true", default=None, help=help_text)
         elif f.name == "dtype":
             parser.add_argument("--dtype", choices=DTYPES, default=None, help=help_text)
+        elif f.name in PRECISION:
+            parser.add_argument(_flag(f.name), dest=f.name, choices=PRECISION[f.name],
+                                default=None, help=help_text)
         elif f.name == "recompute":
             parser.add_argument("--recompute", choices=tuple(RECOMPUTE), default=None,
                                 help=help_text)
@@ -228,7 +310,8 @@ def read_toml(path: Path) -> dict[str, Any]:
         if name not in known:
             raise TierflowError(f"--config {path} has an unknown option {key!r}: known options "
                                 f"are {', '.join(sorted(k.replace('_', '-') for k in known))}")
-        if name in ("ram", "model", "data", "out", "resume", "log", "tensorboard") and value is not None:
+        if name in ("ram", "model", "data", "out", "resume", "log", "tensorboard") \
+                and value is not None:
             value = str(value)
         if name in ("epochs", "lr", "min_lr", "weight_decay", "clip", "dist_timeout") \
                 and isinstance(value, int) \

@@ -1,0 +1,86 @@
+"""The model a run trains and the identity a checkpoint must match to be resumed.
+
+``build_model`` loads the preset, directory or checkpoint (always through fp32, which holds a
+bf16 checkpoint's values exactly), applies the precision (``tierflow.precision``: bf16 weights,
+fp8 Linears) before any optimizer state exists, and checks what would make every step fail:
+non-finite weights, token ids beyond the vocab, a sequence longer than the model's positions.
+
+``run_identity`` hashes what decides the sequence of losses: the architecture, the data, the
+batch shape, the seed and the precision. A checkpoint of another identity is refused with a
+line that names the differences.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ..errors import TierflowError
+from ..precision import PrecisionConfig, apply_precision
+from .codec import config_hash, differences, model_arch, spec_arch
+from .data import DataDir
+from .options import TrainOptions
+
+
+def build_model(opts: TrainOptions, ckpt, data: DataDir, precision: PrecisionConfig):
+    """The model to train, in training mode, with ``precision`` applied."""
+    from ..models.load import load_model
+    from ..models.presets import PRESETS
+
+    spec = opts.model
+    if ckpt is not None:
+        model = load_model(ckpt.path, dtype=torch.float32)
+    elif spec in PRESETS:
+        model = load_model(spec, vocab_size=data.vocab_size, dtype=torch.float32, seed=opts.seed)
+    else:
+        model = load_model(spec, dtype=torch.float32)
+    _check_finite(model, ckpt.path if ckpt is not None else spec)
+    model_vocab = int(model.config.vocab_size)
+    if data.max_token >= model_vocab:
+        raise TierflowError(f"--data {data.path} holds token id {data.max_token} but the model "
+                            f"{spec} has vocab size {model_vocab}: use a model whose vocab has at "
+                            f"least {data.max_token + 1} ids, or tokenize with its tokenizer")
+    config = model.config
+    positions = (getattr(config, "max_position_embeddings", None)
+                 or getattr(config, "n_positions", None))
+    if positions is not None and opts.seq_len > positions:
+        raise TierflowError(f"--seq-len {opts.seq_len} is above the model's maximum positions "
+                            f"({positions}): use --seq-len {positions} or less")
+    apply_precision(model, precision)
+    model.train()
+    return model
+
+
+def _check_finite(model, source) -> None:
+    with torch.no_grad():  # a sum is inf or nan when an element is (no mask of the model's size)
+        bad = [(name, int((~torch.isfinite(p)).sum())) for name, p in model.named_parameters()
+               if p.is_floating_point() and not math.isfinite(float(p.sum()))]
+        bad = [(name, k) for name, k in bad if k]  # an overflowing sum of finite values
+    if bad:
+        where = ", ".join(f"{n} ({k} values)" for n, k in bad[:3])
+        raise TierflowError(f"the weights of {source} hold inf or nan in {where}"
+                            f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''}: every loss "
+                            "would be nan; use a checkpoint saved before the loss diverged or "
+                            "the original model")
+
+
+def run_identity(opts: TrainOptions, ckpt, data: DataDir, model,
+                 precision: PrecisionConfig) -> tuple[dict[str, Any], str]:
+    """(identity, its hash); with a checkpoint, refuse it unless the hashes match."""
+    arch = model_arch(model)
+    if ckpt is not None and "model" in opts.given:  # the checkpoint's weights, the given model
+        arch = spec_arch(opts.model, data.vocab_size)
+    identity = {"model": arch, "data": data.identity(), "seq_len": opts.seq_len,
+                "batch_size": opts.batch_size, "grad_accum": opts.grad_accum, "seed": opts.seed,
+                "precision": precision.to_dict()}
+    run_hash = config_hash(identity)
+    if ckpt is not None and ckpt.trainer_state.get("config_hash") != run_hash:
+        saved = ckpt.trainer_state.get("identity")
+        diffs = differences(saved, identity) if isinstance(saved, dict) else ["unknown run"]
+        raise TierflowError(f"checkpoint {ckpt.path} is of a different run ("
+                            f"{'; '.join(diffs[:4])}): resume with the model, data, "
+                            "--seq-len/--batch-size/--grad-accum/--seed and precision flags "
+                            "(--model-dtype/--master/--optim-dtype/--matmul-dtype/--fp8-grad) "
+                            "it was trained with, or start a new run without --resume")
+    return identity, run_hash
