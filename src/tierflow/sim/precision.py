@@ -16,6 +16,7 @@ MODEL_DTYPES = ("fp32", "bf16")
 MASTERS = ("none", "fp32")
 OPTIM_DTYPES = ("fp32", "bf16", "int8")
 MATMUL_DTYPES = ("fp32", "bf16", "fp8")
+INT8_SCALE_BYTES = 2 * 4 / 256  # 2 moments x a float32 scale per block of 256 (precision/quant)
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,9 @@ class RunPrecision:
     def bytes_per_param(self) -> Precision:
         master = 4 if self.master == "fp32" and self.model != "fp32" else 0
         width = DTYPE_BYTES[self.model]
+        scales = INT8_SCALE_BYTES if self.optim == "int8" else 0.0
         return Precision(weights=width, grads=width, master=master,
-                         moments=2 * DTYPE_BYTES[self.optim])
+                         moments=2 * DTYPE_BYTES[self.optim] + scales)
 
     @property
     def regime(self) -> str:
