@@ -11,12 +11,11 @@ several modules (tied embeddings) stay in memory.
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import nn
 
 from ..exec.offload import OffloadedParameters, attach
+from ..seeding import derived_seed
 
 
 def initialize(model: nn.Module, seed: int, dtype: torch.dtype,
@@ -47,7 +46,7 @@ def initialize(model: nn.Module, seed: int, dtype: torch.dtype,
                     shared.add(id(fresh))
             setattr(module, name, built[id(p)])
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            torch.manual_seed(_module_seed(seed, names[id(module)]))
+            torch.manual_seed(derived_seed(seed, names[id(module)]))
             model._initialize_weights(module)
         if offload is not None and id(module) in blocks:
             for p in module.parameters():
@@ -69,8 +68,3 @@ def _offload_units(model: nn.Module) -> set[int]:
     holders = [m for m in model.modules() if any(x is layers for x in m.modules())]
     held = {id(m) for m in holders}
     return {id(child) for holder in holders for child in holder.children() if id(child) not in held}
-
-
-def _module_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..errors import TierflowError
 from ..paths import require_writable_dir
+from ..seeding import derived_seed
 from ..units import parse_bytes
 from .data import DataDir, open_data
 from .options import RECOMPUTE, TrainOptions
@@ -258,6 +259,8 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
         logger.record("resume", path=str(ckpt.path), step=start)
     else:
         torch.manual_seed(opts.seed)
+    if world is not None and world.rank > 0:  # its own dropout masks, not rank 0's
+        torch.manual_seed(derived_seed(opts.seed, "rank", world.rank, "step", start))
     evals = []
     if opts.eval_every and data.eval is not None:
         evals = eval_batches(data.eval, opts.seq_len, opts.batch_size, opts.eval_steps)
