@@ -1,6 +1,7 @@
 """Running the command line in-process from tests, what its user errors must look like, and
 the tiny training environment (corpus, token files, model) trainer tests share."""
 import io
+import json
 import os
 from pathlib import Path
 
@@ -12,16 +13,16 @@ STDLIB_FILES = ("textwrap.py", "bisect.py", "colorsys.py", "keyword.py", "heapq.
                 "fnmatch.py", "glob.py")
 
 
-def make_train_env(root: Path, files: int = len(STDLIB_FILES)) -> dict:
-    """A tiny tokenized corpus (``files`` stdlib modules, vocab 300) and a tiny Llama saved
-    with save_pretrained under ``root``: {"root", "data", "model"}."""
+def make_train_env(root: Path, names: tuple[str, ...] = STDLIB_FILES) -> dict:
+    """A tiny tokenized corpus (the stdlib modules ``names``, vocab 300) and a tiny Llama
+    saved with save_pretrained under ``root``: {"root", "data", "model"}."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from tierflow.data.tokenize import tokenize
     corpus = root / "corpus"
     corpus.mkdir()
     stdlib = Path(os.__file__).parent
-    for i, name in enumerate(STDLIB_FILES[:files]):
+    for i, name in enumerate(names):
         (corpus / f"doc{i}.txt").write_text((stdlib / name).read_text())
     tokenize([str(corpus)], root / "data", vocab_size=300, eval_fraction=0.2, log=io.StringIO())
     with torch.random.fork_rng(devices=[]):
@@ -47,3 +48,18 @@ def assert_error_line(err: str, fragments) -> None:
     """A user error: one ``tierflow: error:`` line holding every fragment."""
     assert len(err.strip().splitlines()) == 1 and err.startswith("tierflow: error: "), err
     assert all(f in err for f in fragments), err
+
+
+def records(path: Path, kind: str | None = None) -> list[dict]:
+    """The JSONL log's records (of one ``kind``), skipping a line being written."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:  # a line being written
+            continue
+        if kind is None or r["kind"] == kind:
+            out.append(r)
+    return out

@@ -4,7 +4,6 @@ the optimizer states per rank, checkpoints that resume on either world size, and
 rank that makes the other stop with one clear line."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_support import assert_error_line, make_train_env, run_main
+from cli_support import STDLIB_FILES, assert_error_line, make_train_env, records, run_main
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 REL = 1e-5  # fp32: the two runs differ only in the order of additions
@@ -24,7 +23,7 @@ REL = 1e-5  # fp32: the two runs differ only in the order of additions
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """The tiny corpus (vocab 300) and tiny Llama of tests/test_train.py."""
-    return make_train_env(tmp_path_factory.mktemp("dist"), files=4)
+    return make_train_env(tmp_path_factory.mktemp("dist"), STDLIB_FILES[:4])
 
 
 def _args(env, out, *extra):
@@ -64,19 +63,6 @@ def finish(procs, timeout: float = 120) -> list[tuple[str, str]]:
         assert p.returncode == 0, f"rank {rank}: {err}"
     return outputs
 
-
-def records(path: Path, kind: str) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except ValueError:  # a line being written
-            continue
-        if r["kind"] == kind:
-            out.append(r)
-    return out
 
 
 def assert_close(a: float, b: float, what: str) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_support import make_train_env, run_main
+from cli_support import make_train_env, records, run_main
 
 from tierflow import cli
 from tierflow.train import checkpoint as ckpt_module
@@ -40,19 +40,6 @@ def train_args(env, out, *extra):
     return ["train", "--model", env["model"], "--data", env["data"], "--seq-len", "32",
             "--batch-size", "2", "--dtype", "fp32", "--lr", "1e-2", "--out", str(out), *extra]
 
-
-def records(path: Path, kind: str | None = None) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-        except ValueError:  # a line being written
-            continue
-        if kind is None or r["kind"] == kind:
-            out.append(r)
-    return out
 
 
 def test_train_prints_logs_and_saves_a_loadable_checkpoint(env, tmp_path, capsys, monkeypatch):

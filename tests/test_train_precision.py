@@ -4,8 +4,6 @@ dtype that transformers loads, the precision in the run identity, and bit-exact 
 kill -9 with bf16 weights, stochastic rounding and int8 moments."""
 from __future__ import annotations
 
-import io
-import json
 import os
 import random
 import signal
@@ -16,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_support import assert_error_line, run_main
+from cli_support import assert_error_line, make_train_env, records, run_main
 from safetensors import safe_open
 
 from tierflow.train.options import TrainOptions
@@ -29,41 +27,14 @@ SIX = ("--model-dtype", "bf16", "--master", "none", "--optim-dtype", "int8")
 def env(tmp_path_factory):
     """A tiny tokenized corpus (vocab 300) and a tiny Llama (widths multiples of 16, so that
     fp8 swaps its Linears) saved with save_pretrained."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tierflow.data.tokenize import tokenize
-    root = tmp_path_factory.mktemp("train_precision")
-    corpus = root / "corpus"
-    corpus.mkdir()
-    stdlib = Path(os.__file__).parent
-    for i, name in enumerate(["textwrap.py", "bisect.py", "colorsys.py", "heapq.py", "abc.py"]):
-        (corpus / f"doc{i}.txt").write_text((stdlib / name).read_text())
-    tokenize([str(corpus)], root / "data", vocab_size=300, eval_fraction=0.2, log=io.StringIO())
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=304, hidden_size=48, intermediate_size=96,
-                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                             max_position_embeddings=128)
-        LlamaForCausalLM(config).save_pretrained(root / "model")
-    return {"data": str(root / "data"), "model": str(root / "model")}
+    return make_train_env(tmp_path_factory.mktemp("train_precision"),
+                          ("textwrap.py", "bisect.py", "colorsys.py", "heapq.py", "abc.py"))
 
 
 def train_args(env, out, *extra):
     return ["train", "--model", env["model"], "--data", env["data"], "--seq-len", "32",
             "--batch-size", "2", "--lr", "1e-2", "--eval-every", "0", "--out", str(out), *extra]
 
-
-def records(path: Path, kind: str) -> list[dict]:
-    out = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except ValueError:  # a line being written
-                continue
-            if r["kind"] == kind:
-                out.append(r)
-    return out
 
 
 @pytest.mark.parametrize("flags, total, master, moment_bytes", [
