@@ -68,11 +68,24 @@ class KernelStage(nn.Module):
 
 
 def module_signature(module: nn.Module, extra: str = "") -> str:
-    """Identical computation => identical signature: class, structure and parameter shapes."""
+    """Identical computation => identical signature: class, structure, parameter shapes and
+    each submodule's plain settings (training mode, dropout rates and other scalars its
+    forward reads; a position in the model such as ``layer_idx`` is left out, so identical
+    blocks share one signature)."""
     params = ";".join(f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}"
                       for n, p in module.named_parameters())
     buffers = ";".join(f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in module.named_buffers())
-    return f"{type(module).__qualname__}|{module!r}|{params}|{buffers}|{extra}"
+    return f"{type(module).__qualname__}|{module!r}|{params}|{buffers}|{_settings(module)}|{extra}"
+
+
+def _settings(module: nn.Module) -> str:
+    parts = []
+    for name, m in module.named_modules():
+        scalars = sorted((k, v) for k, v in vars(m).items()
+                         if isinstance(v, (bool, int, float, str)) and not k.startswith("_")
+                         and not k.endswith(("idx", "index")))
+        parts.append(f"{name}:{scalars}")
+    return ";".join(parts)
 
 
 def call_args(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
