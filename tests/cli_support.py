@@ -3,6 +3,10 @@ the tiny training environment (corpus, token files, model) trainer tests share."
 import io
 import json
 import os
+import random
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -63,3 +67,21 @@ def records(path: Path, kind: str | None = None) -> list[dict]:
         if kind is None or r["kind"] == kind:
             out.append(r)
     return out
+
+
+def run_killed_beside_full(full_cmd: list[str], killed_cmd: list[str], log: Path, env: dict,
+                           timeout: float) -> None:
+    """Start an uninterrupted run and a second one; kill -9 the second just after its
+    step-10 checkpoint is in ``log``; wait for the first to finish."""
+    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    full = subprocess.Popen(full_cmd, **quiet)
+    killed = subprocess.Popen(killed_cmd, **quiet)
+    deadline = time.monotonic() + timeout
+    while not any(r["step"] == 10 for r in records(log, "checkpoint")):
+        assert killed.poll() is None, killed.stderr.read().decode()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(random.uniform(0.0, 0.2))
+    killed.send_signal(signal.SIGKILL)
+    assert killed.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    assert full.wait(timeout=timeout) == 0, full.stderr.read().decode()

@@ -6,7 +6,6 @@ import io
 import json
 import math
 import os
-import random
 import re
 import signal
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_support import make_train_env, records, run_main
+from cli_support import make_train_env, records, run_killed_beside_full, run_main
 
 from tierflow import cli
 from tierflow.train import checkpoint as ckpt_module
@@ -93,19 +92,9 @@ def _cmd(env, out, *extra):
 def test_resume_after_kill_matches_an_uninterrupted_run(env, tmp_path):
     child_env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
     child_env.pop("TIERFLOW_TRACEBACK", None)
-    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env)
-    full = subprocess.Popen(_cmd(env, tmp_path / "full"), **quiet)
-    killed = subprocess.Popen(_cmd(env, tmp_path / "a", "--save-every", "10"), **quiet)
-    log = tmp_path / "a" / "log.jsonl"
-    deadline = time.monotonic() + 80
-    while not any(r["step"] == 10 for r in records(log, "checkpoint")):
-        assert killed.poll() is None, killed.stderr.read().decode()
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(random.uniform(0.0, 0.2))
-    killed.send_signal(signal.SIGKILL)
-    assert killed.wait() == -signal.SIGKILL, "the run ended before it could be killed"
-    assert full.wait(timeout=80) == 0, full.stderr.read().decode()
+    run_killed_beside_full(_cmd(env, tmp_path / "full"),
+                           _cmd(env, tmp_path / "a", "--save-every", "10"),
+                           tmp_path / "a" / "log.jsonl", child_env, timeout=80)
 
     # the other options (model, data, steps, lr, ...) come from the checkpoint's run
     resumed = subprocess.run([sys.executable, "-m", "tierflow", "train", "--resume",

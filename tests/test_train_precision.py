@@ -5,16 +5,13 @@ kill -9 with bf16 weights, stochastic rounding and int8 moments."""
 from __future__ import annotations
 
 import os
-import random
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from cli_support import assert_error_line, make_train_env, records, run_main
+from cli_support import assert_error_line, make_train_env, records, run_killed_beside_full, run_main
 from safetensors import safe_open
 
 from tierflow.train.options import TrainOptions
@@ -177,19 +174,9 @@ def _cmd(env, out, *extra):
 def test_resume_after_kill_is_bit_exact_with_bf16_sr_int8(env, tmp_path):
     child_env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
     child_env.pop("TIERFLOW_TRACEBACK", None)
-    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env)
-    full = subprocess.Popen(_cmd(env, tmp_path / "full"), **quiet)
-    killed = subprocess.Popen(_cmd(env, tmp_path / "a", "--save-every", "10"), **quiet)
-    log = tmp_path / "a" / "log.jsonl"
-    deadline = time.monotonic() + 120
-    while not any(r["step"] == 10 for r in records(log, "checkpoint")):
-        assert killed.poll() is None, killed.stderr.read().decode()
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(random.uniform(0.0, 0.2))
-    killed.send_signal(signal.SIGKILL)
-    assert killed.wait() == -signal.SIGKILL, "the run ended before it could be killed"
-    assert full.wait(timeout=120) == 0, full.stderr.read().decode()
+    run_killed_beside_full(_cmd(env, tmp_path / "full"),
+                           _cmd(env, tmp_path / "a", "--save-every", "10"),
+                           tmp_path / "a" / "log.jsonl", child_env, timeout=120)
 
     resumed = subprocess.run([sys.executable, "-m", "tierflow", "train", "--resume",
                               str(tmp_path / "a" / "step_10"), "--log",
