@@ -31,11 +31,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from tierflow.data.tokenfile import write_tokens
+from random_tokens import random_token_files  # noqa: E402
 
 VOCAB = 32000
 GIB = 2 ** 30
@@ -83,13 +81,6 @@ def trainer_flags() -> str:
     return _shell([sys.executable, "-m", "tierflow", "train", "--help"]).stdout
 
 
-def random_data(directory: Path) -> Path:
-    """train.bin of uniformly random token ids: speed and memory do not depend on them."""
-    directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    write_tokens(directory / "train.bin", rng.integers(0, VOCAB, 1 << 20, dtype=np.uint16), VOCAB)
-    return directory
-
 
 def predict(cfg: Config, ram: str | None, tmp: Path) -> dict:
     cmd = [sys.executable, "-m", "tierflow", "plan", "--hardware", "cpu", "--model", cfg.model,
@@ -124,7 +115,7 @@ def run(configs: list[Config], steps: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)
         (tmp / "offload").mkdir()
-        data = random_data(tmp / "data")
+        data = random_token_files(tmp / "data", VOCAB, eval_tokens=0)
         for cfg in configs:
             if cfg.requires and cfg.requires[0] not in help_text:
                 rows.append({"config": cfg.name, "missing": f"tierflow train has no "

@@ -22,23 +22,13 @@ import argparse
 import shutil
 from pathlib import Path
 
-import numpy as np
-from precision_common import ROOT, load_average, machine, run_train, write_results
+from precision_common import load_average, machine, run_train, write_results
+from random_tokens import random_token_files
 
 ROWS = [("bf16-autocast", "fp32 master (the weights) and fp32 moments"),
         ("bf16-moments", "bf16 moments"), ("int8-moments", "int8 moments")]
 GIB = 2 ** 30
 
-
-def random_data(directory: Path, vocab: int) -> Path:
-    import sys
-    sys.path.insert(0, str(ROOT / "src"))
-    from tierflow.data.tokenfile import write_tokens
-    directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    write_tokens(directory / "train.bin", rng.integers(0, vocab, 1 << 18, dtype=np.uint16), vocab)
-    write_tokens(directory / "eval.bin", rng.integers(0, vocab, 1 << 14, dtype=np.uint16), vocab)
-    return directory
 
 
 def main() -> None:
@@ -49,7 +39,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--work", type=Path, default=Path("/tmp/tierflow-precision-memory"))
     args = parser.parse_args()
-    data = random_data(args.work / "data", 32000)
+    data = random_token_files(args.work / "data", 32000, train_tokens=1 << 18)
     common = ["--model", args.model, "--data", str(data), "--seq-len", str(args.seq_len),
               "--batch-size", str(args.batch_size), "--steps", str(args.steps),
               "--eval-every", "0", "--recompute", "all", "--save-every", "0"]

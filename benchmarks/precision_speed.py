@@ -17,23 +17,13 @@ import argparse
 import statistics
 from pathlib import Path
 
-import numpy as np
-from precision_common import ROOT, load_average, machine, run_train, write_results
+from precision_common import load_average, machine, run_train, write_results
+from random_tokens import random_token_files
 
 VOCAB, SEQ, BATCH = 32000, 1024, 4
 ROWS = [("fp32", "fp32 matmuls"), ("bf16-autocast", "bf16 autocast matmuls"),
         ("fp8", "fp8 e4m3 decoder matmuls (emulated on this CPU)")]
 
-
-def random_data(directory: Path) -> Path:
-    import sys
-    sys.path.insert(0, str(ROOT / "src"))
-    from tierflow.data.tokenfile import write_tokens
-    directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    write_tokens(directory / "train.bin", rng.integers(0, VOCAB, 1 << 20, dtype=np.uint16), VOCAB)
-    write_tokens(directory / "eval.bin", rng.integers(0, VOCAB, 1 << 14, dtype=np.uint16), VOCAB)
-    return directory
 
 
 def main() -> None:
@@ -41,7 +31,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up")
     parser.add_argument("--work", type=Path, default=Path("/tmp/tierflow-precision-speed"))
     args = parser.parse_args()
-    data = random_data(args.work / "data")
+    data = random_token_files(args.work / "data", VOCAB)
     common = ["--model", "llama-134m", "--data", str(data), "--seq-len", str(SEQ),
               "--batch-size", str(BATCH), "--steps", str(args.steps + 1), "--eval-every", "0"]
     print(f"precision speed: W1, load average {load_average()[0]:.2f}", flush=True)

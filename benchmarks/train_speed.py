@@ -21,22 +21,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from tierflow import measure  # noqa: E402
-from tierflow.data.tokenfile import write_tokens  # noqa: E402
+
+from random_tokens import random_token_files  # noqa: E402
 
 VOCAB, SEQ, BATCH = 32000, 1024, 4
 
-
-def random_data(directory: Path, seed: int = 0) -> Path:
-    """train.bin and eval.bin of uniformly random token ids: speed does not depend on them."""
-    rng = np.random.default_rng(seed)
-    write_tokens(directory / "train.bin", rng.integers(0, VOCAB, 1 << 20, dtype=np.uint16), VOCAB)
-    write_tokens(directory / "eval.bin", rng.integers(0, VOCAB, 1 << 14, dtype=np.uint16), VOCAB)
-    return directory
 
 
 def run_tierflow(data: Path, out: Path, steps: int, compile: bool) -> dict:
@@ -70,7 +62,7 @@ def main() -> int:
                              "--arch", "llama-134m", "--seq", str(SEQ), "--batch", str(BATCH),
                              "--steps", str(args.steps), "--dtype", "bf16"])
     with tempfile.TemporaryDirectory() as tmp:
-        data = random_data(Path(tmp))
+        data = random_token_files(Path(tmp), VOCAB)
         ours = run_tierflow(data, Path(tmp) / "run", args.steps, not args.eager)
     ratio = ours["tok_s"] / peer["tok_s"]
     date = dt.date.today().isoformat()
