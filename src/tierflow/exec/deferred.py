@@ -65,7 +65,9 @@ class DeferredUpdates:
         if self.max_grad_norm is not None:
             scale = min(1.0, self.max_grad_norm / (self.last_norm + CLIP_EPSILON))
         streamed = self.streamer.stage_params if self.streamer is not None else {}
-        for position, i in enumerate(reversed(stages)):
+        depth = self.streamer.depth if self.streamer is not None else 0
+        order = stages[::-1]  # last stage first, as the optimizer reads its states ahead
+        for position, i in enumerate(order):
             if i in streamed:
                 with span("wait for weights", "compute"):
                     self.streamer.hold(i)
@@ -74,9 +76,7 @@ class DeferredUpdates:
                 self.optimizer.step_stage(i, scale)
             if i in streamed:
                 self.streamer.write_back(i)
-            later = list(reversed(stages))[position + 1:position + 1 + self.streamer.depth] \
-                if self.streamer is not None else []
-            for j in later:
+            for j in order[position + 1:position + 1 + depth]:
                 if j in streamed:
                     self.streamer.fetch(j)
         if self.stash is not None:
