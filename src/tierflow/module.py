@@ -82,8 +82,11 @@ class TierflowModule(nn.Module):
 
     @property
     def last_grad_norm(self) -> float | None:
-        """The global gradient norm (before clipping) of the last deferred update, if any."""
-        return self._deferred.last_norm if self._deferred is not None else None
+        """The global gradient norm (before clipping) of the last step's updates, when
+        tierflow owns the optimizer (None before the first update or without one)."""
+        if self._deferred is not None:
+            return self._deferred.last_norm
+        return self._optimizer.last_norm if self._optimizer is not None else None
 
     @property
     def streamer(self) -> WeightStreamer | None:

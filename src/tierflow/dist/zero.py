@@ -52,9 +52,9 @@ class ShardedOptimizer:
                                for g, ps in zip(groups, by_group)])
         self.reducer = GradReducer(self.layout, world)
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def micro_batch(self, last: bool) -> None:
         """Before a micro-batch's backward: reduce the gradients only after the last one."""

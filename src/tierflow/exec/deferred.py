@@ -29,6 +29,7 @@ class DeferredUpdates:
     def __init__(self, optimizer: OwnedOptimizer, grad_accum: int, max_grad_norm: float | None,
                  streamer: WeightStreamer | None = None, stash: GradientStash | None = None):
         self.optimizer = optimizer
+        optimizer.measures_norm = False  # the update pass measures it before any update
         self.grad_accum = grad_accum
         self.max_grad_norm = max_grad_norm
         self.streamer = streamer

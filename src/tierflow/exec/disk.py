@@ -6,10 +6,14 @@ not in the process's RSS, but it is the machine's memory all the same.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -84,6 +88,26 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 def _drop_cache(fd: int) -> None:
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def check_disk_directory(directory: str | Path) -> None:
+    """One line naming ``directory`` and the fix when it cannot hold the disk tier."""
+    _check_directory(Path(directory))
+
+
+@contextlib.contextmanager
+def scratch_directory(parent: str | Path) -> Iterator[Path]:
+    """A fresh ``tierflow-<pid>-*`` directory in ``parent`` for one run's disk tier, removed
+    with everything in it when the block ends (however it ends)."""
+    _check_directory(Path(parent))
+    try:
+        path = Path(tempfile.mkdtemp(prefix=f"tierflow-{os.getpid()}-", dir=parent))
+    except OSError as e:
+        raise _disk_error(e, Path(parent)) from None
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _check_directory(directory: Path) -> None:

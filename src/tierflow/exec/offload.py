@@ -68,6 +68,16 @@ class OffloadedParameters:
             self._count(self._sizes[key])
         self.store.read(self._files[key], [p.detach()])
 
+    def current_copy(self, p: torch.Tensor) -> torch.Tensor:
+        """A fresh tensor with ``p``'s current values: a copy of its storage when resident
+        (it may be newer than its file), else read from its file. Never a view of ``p``:
+        exporting a resizable storage (to numpy, say) would pin its size for good."""
+        if p.untyped_storage().nbytes():
+            return p.detach().clone()
+        copy = torch.empty(p.shape, dtype=p.dtype)
+        self.store.read(self._files[storage_key(p)], [copy])
+        return copy
+
     def write(self, p: torch.Tensor) -> None:
         """Store ``p``'s current values in its file (after an update)."""
         self.store.write(self._files[storage_key(p)], [p.detach()])

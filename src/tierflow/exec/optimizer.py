@@ -3,6 +3,7 @@ complete, so that gradients never all exist at once."""
 from __future__ import annotations
 
 import copy
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -52,6 +53,10 @@ class OwnedOptimizer:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-state-write")
         self._reads: dict[int, Future] = {}
         self._writes: dict[int, Future] = {}
+        owned = [j for j, opt in enumerate(self.optimizers) if opt is not None]
+        self._first_update = owned[-1] if owned else -1
+        self._square_norm: float | None = None
+        self.measures_norm = True  # off when a deferred update pass measures it first
 
     def step_stage(self, i: int, scale: float = 1.0) -> None:
         """Update stage i's parameters from their gradients times ``scale`` (clipping), then
@@ -60,6 +65,11 @@ class OwnedOptimizer:
         if opt is None:
             return
         self._fetch(i)
+        if self.measures_norm:
+            if i == self._first_update:  # a new step's updates begin (the last stage first)
+                self._square_norm = 0.0
+            self._square_norm += sum(float(p.grad.detach().float().square().sum())
+                                     for p in self.stage_params[i] if p.grad is not None)
         if scale != 1.0:
             for p in self.stage_params[i]:
                 if p.grad is not None:
@@ -76,17 +86,62 @@ class OwnedOptimizer:
         lower = [j for j in owned if j < i]
         return lower[-1] if lower else owned[-1]
 
-    def state_dict(self) -> list[dict | None]:
-        """Every stage's optimizer state, read back from disk where it lives there."""
-        states = []
-        for i, opt in enumerate(self.optimizers):
-            if opt is None:
-                states.append(None)
-                continue
-            self._fetch(i)
-            states.append(copy.deepcopy(opt.state_dict()))
-            self._evict(i)
-        return states
+    def stage_state_dict(self, i: int) -> dict | None:
+        """Stage i's optimizer ``state_dict()`` with its own copies of the tensors that live on
+        disk (read into fresh buffers; the optimizer is left as it was). One stage at a time,
+        so a checkpoint of states larger than the RAM budget is written stage by stage."""
+        opt = self.optimizers[i]
+        if opt is None:
+            return None
+        entries = self._offloaded[i]
+        state = opt.state_dict()  # evicted tensors are placeholders in it
+        if not entries:
+            return copy.deepcopy(state)
+        pending = self._writes.get(i)
+        buffers = self._read(i, [(shape, dtype) for _, _, shape, dtype in entries], pending)
+        stored = {(id(live), key): buffer for (live, key, _, _), buffer in zip(entries, buffers)}
+        params = [p for group in opt.param_groups for p in group["params"]]  # index k: params[k]
+        copied = {}
+        for index, values in state["state"].items():
+            live = id(opt.state[params[index]])
+            copied[index] = {key: stored.get((live, key), _copy(value))
+                             for key, value in values.items()}
+        return {**{k: _copy(v) for k, v in state.items() if k != "state"}, "state": copied}
+
+    def offloaded_shapes(self, i: int) -> dict[tuple[int, str], tuple[torch.Size, torch.dtype]]:
+        """(shape, dtype) of stage i's states on disk, by (index in its ``state_dict()``,
+        state name)."""
+        opt = self.optimizers[i]
+        if opt is None or not self._offloaded[i]:
+            return {}
+        index = {id(opt.state[p]): k for k, p in enumerate(
+            p for group in opt.param_groups for p in group["params"]) if p in opt.state}
+        return {(index[id(live)], key): (shape, dtype)
+                for live, key, shape, dtype in self._offloaded[i]}
+
+    def load_stage_state(self, i: int, state: dict) -> None:
+        """Replace stage i's optimizer state (a ``state_dict()``), then move it to the disk
+        tier if states live there: resuming holds one stage's states at a time."""
+        opt = self.optimizers[i]
+        if opt is None:
+            raise ValueError(f"stage {i} has no optimizer")
+        self._fetch(i)
+        opt.load_state_dict(state)
+        self._evict(i)
+
+    @property
+    def last_norm(self) -> float | None:
+        """The global gradient norm of the last step's updates (before any clipping)."""
+        return math.sqrt(self._square_norm) if self._square_norm is not None else None
+
+    def state_bytes(self) -> int:
+        """Bytes of every stage's optimizer states, in memory and on the disk tier."""
+        resident = sum(t.nbytes for opt in self.optimizers if opt is not None
+                       for values in opt.state.values() for t in values.values()
+                       if isinstance(t, torch.Tensor))
+        on_disk = sum(shape.numel() * dtype.itemsize for entries in self._offloaded
+                      for _, _, shape, dtype in entries)
+        return resident + on_disk
 
     def _prefetch(self, i: int) -> None:
         """Start reading stage i's offloaded states (after their pending write, if any)."""
@@ -147,6 +202,10 @@ class OwnedOptimizer:
             if opt is not None:
                 for group in opt.param_groups:
                     group["lr"] = lr
+
+
+def _copy(value: object) -> object:
+    return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,13 @@ class WeightStreamer:
         for future in list(self._writes.values()):
             future.result()
 
+    def settle(self) -> None:
+        """Until no read or write is in flight: every weight is then either resident with its
+        current values or on disk, up to date, with an empty storage."""
+        for future in list(self._reads.values()):
+            future.result()
+        self.wait_writes()
+
     def close(self) -> None:
         self.wait_writes()
         self._reader.shutdown()

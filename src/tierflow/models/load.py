@@ -2,7 +2,8 @@
 
 A directory is loaded gpt-fast style: the model is built with its parameters on the meta device
 (nothing allocated, no random init), every tensor is checked against the safetensors headers
-before any is read, the tensors come memory-mapped from ``safe_open`` and go in with
+before any is read, the tensors come memory-mapped from ``safe_open`` (or, for a model going
+to the disk tier, read once with ``pread``) and go in with
 ``load_state_dict(assign=True)``, and tied weights are tied again. Buffers that are not in a
 checkpoint (rotary ``inv_freq``) are built on the CPU by the model's own constructor, so they
 are exactly what ``from_pretrained`` computes. Only safetensors is read, never pickle.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Iterator
@@ -20,6 +22,7 @@ from torch import nn
 
 from ..errors import TierflowError
 from ..exec.offload import OffloadedParameters, attach
+from ..safetensors_io import read_header, read_tensor
 from .init import initialize
 from .presets import PRESETS, preset_config
 
@@ -203,22 +206,12 @@ def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float3
             for pairs in by_file.values():
                 pairs[:] = [(n, t) for n, t in pairs if t != target or tied[t] not in present]
     state: dict[str, torch.Tensor] = {}
+    read = _read_once if offload is not None else _read_mapped
     for file, pairs in by_file.items():
-        with _open_safetensors(file) as f:
-            for name, target in pairs:
-                shape = tuple(f.get_slice(name).get_shape())
-                want = tuple(targets[target].shape)
-                if shape != want:
-                    raise TierflowError(f"tensor {name} in {file} has shape {list(shape)} but "
-                                        f"config.json needs {list(want)}: use the config.json "
-                                        "saved with these weights")
-                tensor = f.get_tensor(name)  # memory-mapped: read when first touched
-                want_dtype = targets[target].dtype
-                if tensor.dtype != want_dtype and tensor.is_floating_point():
-                    tensor = tensor.to(want_dtype)
-                if offload is not None:
-                    offload.offload(target, tensor)
-                state[target] = tensor
+        for target, tensor in read(file, pairs, targets):
+            if offload is not None:
+                offload.offload(target, tensor)
+            state[target] = tensor
 
     # A tied target the checkpoint also holds must equal its source; it is then re-tied.
     for target, source in list(tied.items()) if offload is None else ():
@@ -243,6 +236,44 @@ def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float3
         attach(model, offload)
     model.eval()
     return model
+
+
+def _check_shape(file: Path, name: str, shape: tuple, want: tuple) -> None:
+    if shape != want:
+        raise TierflowError(f"tensor {name} in {file} has shape {list(shape)} but config.json "
+                            f"needs {list(want)}: use the config.json saved with these weights")
+
+
+def _read_mapped(file: Path, pairs: list[tuple[str, str]], targets: dict[str, torch.Tensor]
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(target, tensor) for each (name in the file, target) pair, memory-mapped: the model
+    keeps the mapping, read when first touched."""
+    with _open_safetensors(file) as f:
+        for name, target in pairs:
+            _check_shape(file, name, tuple(f.get_slice(name).get_shape()),
+                         tuple(targets[target].shape))
+            tensor = f.get_tensor(name)
+            want = targets[target].dtype
+            yield target, tensor.to(want) if tensor.dtype != want and \
+                tensor.is_floating_point() else tensor
+
+
+def _read_once(file: Path, pairs: list[tuple[str, str]], targets: dict[str, torch.Tensor]
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The same, each tensor read with ``pread`` into a fresh buffer and dropped from the page
+    cache: for a model going to the disk tier, whose file must not stay mapped (a mapping's
+    touched pages count in the RSS until it is closed)."""
+    stored = read_header(file)
+    for name, target in pairs:
+        _check_shape(file, name, stored[name].shape, tuple(targets[target].shape))
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        for name, target in pairs:
+            want = targets[target].dtype
+            dtype = want if stored[name].dtype.is_floating_point else stored[name].dtype
+            yield target, read_tensor(fd, stored[name], dtype)
+    finally:
+        os.close(fd)
 
 
 def _check_tied_copies(directory: Path, tied: dict[str, str],

@@ -30,17 +30,23 @@ import shutil
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ..errors import TierflowError
-from .codec import (flatten_optimizer_states, from_json, raw_bytes, to_json,
-                    unflatten_optimizer_states)
+from .codec import (
+    flatten_optimizer_states,
+    from_json,
+    raw_bytes,
+    to_json,
+    unflatten_optimizer_states,
+)
 
 STATE_FORMAT = "tierflow-trainer-state"
 OPTIMIZER_FORMAT = "tierflow-optimizer"
 VERSION = 1
+Materialize = Callable[[str, torch.Tensor], torch.Tensor]
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TEMP_DIR = re.compile(r"^step_(\d+)\.(?:tmp|replaced)-(\d+)$")
 
@@ -75,13 +81,16 @@ def _write_bytes(path: Path, data: bytes) -> None:
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
-                      metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` in the safetensors format, one tensor at a time, and fsync the file."""
+                      metadata: dict[str, str] | None = None,
+                      materialize: Materialize | None = None) -> None:
+    """Write ``tensors`` in the safetensors format, one tensor at a time in the dict's order,
+    fsync the file and drop it from the page cache. ``materialize(name, tensor)``, when given,
+    returns the values to write for each entry: the entries may then be meta tensors (a shape
+    and a dtype) whose values are read only when their turn comes, so a checkpoint of state
+    larger than the RAM budget holds one tensor (or one stage) at a time."""
     header: dict[str, Any] = {}
     offset = 0
-    names = sorted(tensors)
-    for name in names:
-        t = tensors[name]
+    for name, t in tensors.items():
         if t.dtype not in _ST_DTYPES:
             raise TierflowError(f"tensor {name} has dtype {t.dtype}, which safetensors cannot "
                                 "store: convert it to a float or integer dtype")
@@ -96,10 +105,16 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
     with open(path, "wb") as f:
         _write(f, struct.pack("<Q", len(raw)))
         _write(f, raw)
-        for name in names:
-            _write(f, raw_bytes(tensors[name]))
+        for name, t in tensors.items():
+            values = materialize(name, t) if materialize is not None else t
+            if values.shape != t.shape or values.dtype != t.dtype:
+                raise ValueError(f"{name}: materialized as {values.dtype} {list(values.shape)}, "
+                                 f"announced as {t.dtype} {list(t.shape)}")
+            _write(f, raw_bytes(values))
         f.flush()
         os.fsync(f.fileno())
+        if hasattr(os, "posix_fadvise"):  # written and synced: no need to keep it cached
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def _open_safetensors(path: Path):
@@ -134,9 +149,8 @@ def model_state_for_saving(model) -> dict[str, torch.Tensor]:
         if t.device.type == "meta":
             raise TierflowError(f"parameter {name} is on the meta device (never loaded): load "
                                 "the weights before saving a checkpoint")
-        if t.numel():
-            key = (t.untyped_storage().data_ptr(), t.device.type)
-            by_storage.setdefault(key, []).append(name)
+        if t.numel():  # the storage object: one on the disk tier is empty (pointer 0)
+            by_storage.setdefault(t.untyped_storage()._cdata, []).append(name)
     for names in by_storage.values():
         if len(names) < 2:
             continue
@@ -220,12 +234,17 @@ def _intact(out_dir: Path) -> str:
 def save_checkpoint(out_dir: str | Path, step: int, model, *,
                     tokenizer_file: str | Path | None = None,
                     optimizer_state: Sequence[dict | None] | None = None,
-                    trainer_state: dict | None = None) -> Path:
+                    trainer_state: dict | None = None,
+                    materialize_weights: Materialize | None = None,
+                    materialize_optimizer: Materialize | None = None) -> Path:
     """Write ``out_dir/step_<step>/`` (see the module docstring) and return its path.
 
     ``optimizer_state`` is a list of torch optimizer ``state_dict()``s (one per stage, None
     where a stage has none), or one state dict. ``trainer_state`` is any JSON-like dict
     (tensors allowed): the data position, ``capture_rng()``, the run's ``config_hash``.
+    ``materialize_weights`` and ``materialize_optimizer`` read the values of weights and
+    optimizer states that are not in memory (see ``write_safetensors``), named as in the
+    model's state dict and as ``flatten_optimizer_states`` names them.
     Saving a step that exists replaces it only once the new one is complete."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise TierflowError(f"checkpoint step {step!r} is not a non-negative integer")
@@ -256,7 +275,8 @@ def save_checkpoint(out_dir: str | Path, step: int, model, *,
             shutil.rmtree(temp)
         temp.mkdir()
         _write_bytes(temp / "config.json", config_text.encode())
-        write_safetensors(temp / "model.safetensors", model_state, {"format": "pt"})
+        write_safetensors(temp / "model.safetensors", model_state, {"format": "pt"},
+                          materialize_weights)
         if tokenizer_file is not None:
             with open(tokenizer_file, "rb") as src, open(temp / "tokenizer.json", "wb") as dst:
                 while chunk := src.read(1 << 20):
@@ -266,7 +286,8 @@ def save_checkpoint(out_dir: str | Path, step: int, model, *,
         if opt_structure is not None:
             write_safetensors(temp / "optimizer.safetensors", opt_tensors,
                               {"format": OPTIMIZER_FORMAT, "version": str(VERSION),
-                               "tierflow.optimizer": json.dumps(opt_structure)})
+                               "tierflow.optimizer": json.dumps(opt_structure)},
+                              materialize_optimizer)
         _write_bytes(temp / "trainer_state.json", state_json.encode())  # last: marks complete
         _fsync_dir(temp)
         if final.exists():
@@ -292,16 +313,73 @@ def save_checkpoint(out_dir: str | Path, step: int, model, *,
     return final
 
 
+class OptimizerFile:
+    """A checkpoint's ``optimizer.safetensors``, read a tensor at a time (``pread``, never
+    memory-mapped) or whole."""
+
+    def __init__(self, path: Path, structure: Any):
+        from ..safetensors_io import read_header
+        self.path = path
+        self.structure = structure
+        self.tensors = read_header(path)
+        missing = [name for name in _references(structure) if name not in self.tensors]
+        if missing:
+            raise TierflowError(f"{path} names tensor {missing[0]} in its metadata but does not "
+                                "hold it: the checkpoint is damaged; resume from an earlier "
+                                "step_N")
+
+    def references(self) -> list[dict | None]:
+        """The state dicts with each tensor's name in its place (read them with ``read``)."""
+        return unflatten_optimizer_states(_Names(self.tensors), self.structure)
+
+    def read(self, name: str) -> torch.Tensor:
+        from ..safetensors_io import read_tensor
+        stored = self.tensors[name]
+        fd = os.open(stored.file, os.O_RDONLY)
+        try:
+            return read_tensor(fd, stored, stored.dtype)
+        finally:
+            os.close(fd)
+
+    def read_all(self) -> list[dict | None]:
+        """Every state dict, with its tensors in memory."""
+        return unflatten_optimizer_states({name: self.read(name) for name in self.tensors},
+                                          self.structure)
+
+
+class _Names(dict):
+    """A mapping whose values are its keys: decodes a structure into tensor names."""
+
+    def __getitem__(self, name: str) -> str:  # type: ignore[override]
+        return name
+
+
+def _references(structure: Any) -> list[str]:
+    if isinstance(structure, dict):
+        if "__tensor__" in structure:
+            return [structure["__tensor__"]]
+        return [name for value in structure.values() for name in _references(value)]
+    if isinstance(structure, list):
+        return [name for value in structure for name in _references(value)]
+    return []
+
+
 @dataclass
 class Checkpoint:
     """What ``load_checkpoint`` read. The weights stay on disk: load them with
-    ``tierflow.models.load_model(checkpoint.path)`` (memory-mapped)."""
+    ``tierflow.models.load_model(checkpoint.path)``; so do the optimizer's states
+    (``optimizer``, read a tensor at a time or whole with ``optimizer_state``)."""
     path: Path
     step: int
     trainer_state: dict
-    optimizer_state: list[dict | None] | None  # one state dict per stage, as saved
+    optimizer: OptimizerFile | None
     config: dict  # config.json
     has_tokenizer: bool
+
+    @property
+    def optimizer_state(self) -> list[dict | None] | None:
+        """The optimizer states, one state dict per stage as saved, read whole."""
+        return self.optimizer.read_all() if self.optimizer is not None else None
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
@@ -339,7 +417,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
                             "earlier step_N") from None
     from ..models.load import read_safetensors_index
     read_safetensors_index(path)  # the weights are there and their headers parse
-    optimizer_state = None
+    optimizer = None
     opt_file = path / "optimizer.safetensors"
     if opt_file.is_file():
         with _open_safetensors(opt_file) as f:
@@ -351,7 +429,6 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             except (ValueError, KeyError) as e:
                 raise TierflowError(f"{opt_file} is not a tierflow optimizer state ({e}): resume "
                                     "from an earlier step_N") from None
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-        optimizer_state = unflatten_optimizer_states(tensors, structure)
-    return Checkpoint(path, step, trainer_state, optimizer_state, config,
+        optimizer = OptimizerFile(opt_file, structure)
+    return Checkpoint(path, step, trainer_state, optimizer, config,
                       (path / "tokenizer.json").is_file())

@@ -72,7 +72,7 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
     extra = plan.costs.extra
     per, dtypes = precision.per, precision.dtypes
     activations = max(0, plan.simulation.peak - grads)
-    reserved = extra.get("reserved", 0)
+    reserved = extra.get("reserved", 0) or extra.get("optimizer states", 0)  # or fit's own
     master = min(precision.master, reserved)
     kinds = [("weights", extra.get("parameters", 0)), ("gradients", grads),
              ("master", master), ("moments", reserved - master),
@@ -96,12 +96,20 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                        f"moments {per.moments:g})")]
     for name, value in kinds:
         if name == "master":
+            below = extra.get("optimizer states on disk", 0)
             rows.append((f"optimizer states (reserved{shard})",
-                         f"{format_bytes(reserved)} (master + moments)"))
+                         f"{format_bytes(reserved)} (master + moments)" + (
+                             f"; {format_bytes(below)} on the disk tier" if below else "")))
         label = f"  {name}" if name in ("master", "moments") else name
         note = f" ({notes[name]})" if name in notes else ""
         rows.append((label, format_bytes(value) + note))
     rows.append(("total (predicted peak)", format_bytes(plan.predicted_peak)))
+    on_disk = [(extra.get("optimizer states on disk", 0), "optimizer states"),
+               (extra.get("streamed bytes", 0) if extra.get("weights tier") == "disk" else 0,
+                f"weights of {len(extra.get('streamed stages', []))} streamed stages")]
+    if any(nbytes for nbytes, _ in on_disk):
+        rows.append(("disk tier", " + ".join(f"{format_bytes(n)} {what}" for n, what in on_disk
+                                             if n)))
     free = (f"{format_bytes(budget - plan.predicted_peak)} of the {format_bytes(budget)} "
             "budget" if budget else "- (no --ram budget)")
     step = (f"{plan.predicted_time * grad_accum * 1e3:.0f} ms ({grad_accum} x "
@@ -114,7 +122,8 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                                        "moment_scales": per.moment_scales, "total": per.total},
                   trainable_parameters=precision.trainable, precision=dict(dtypes),
                   predicted_peak=int(plan.predicted_peak), budget=budget,
-                  strategy=plan.strategy, predicted_step_s=plan.predicted_time * grad_accum)
+                  strategy=plan.strategy, predicted_step_s=plan.predicted_time * grad_accum,
+                  disk_bytes={what: int(n) for n, what in on_disk if n})
     if dist is not None:
         n = dist["world_size"]
         parallel = (f"{n} ranks ({dist['backend']}); ZeRO-2: AdamW moments and reduced "

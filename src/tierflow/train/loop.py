@@ -26,7 +26,7 @@ import math
 import signal
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import TierflowError
 from ..paths import require_writable_dir
@@ -81,6 +81,7 @@ def _train(opts: TrainOptions) -> int:
 
     from .. import api, measure  # noqa: F401
     from ..dist import join_from_env, world_size_from_env
+    from ..exec.disk import check_disk_directory
     from .checkpoint import load_checkpoint
 
     baseline = measure.maxrss_bytes()
@@ -98,6 +99,10 @@ def _train(opts: TrainOptions) -> int:
     require_writable_dir(out, "--out")
     if opts.tensorboard:
         require_writable_dir(opts.tensorboard, "--tensorboard")
+    if opts.trace:
+        require_writable_dir(Path(opts.trace).parent, "--trace")
+    if opts.disk:
+        check_disk_directory(opts.disk)
     log_path = Path(opts.log) if opts.log else out / "log.jsonl"
     budget = parse_bytes(opts.ram, what="--ram") if opts.ram else None
 
@@ -115,14 +120,31 @@ def _train(opts: TrainOptions) -> int:
 
 def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
                     budget: int | None, world, baseline: int) -> int:
-    """Build or load the model, check the run's identity, then ``_run`` (every rank)."""
+    """Build or load the model (onto the disk tier with ``--disk``), then train it (every
+    rank)."""
     from .. import measure
-    from .logger import Logger
-    from .model import build_model, run_identity
+    from .model import build_model
 
     # --- the model, with its precision, and the run it belongs to
     precision = opts.precision(measure.fast_bf16())
-    model = build_model(opts, ckpt, data, precision)
+    with contextlib.ExitStack() as scratch:
+        offload = None
+        if opts.disk:  # the disk tier: a scratch directory of this run, removed at the end
+            from ..exec.disk import DiskStore, scratch_directory
+            from ..exec.offload import OffloadedParameters
+            offload = OffloadedParameters(DiskStore(scratch.enter_context(
+                scratch_directory(opts.disk))))
+        model = build_model(opts, ckpt, data, precision, offload)
+        return _train_model(opts, ckpt, data, out, log_path, budget, world, baseline,
+                            precision, model)
+
+
+def _train_model(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
+                 budget: int | None, world, baseline: int, precision, model) -> int:
+    """Check the run's identity, open the logs, then ``_run``."""
+    from .logger import Logger
+    from .model import run_identity
+
     identity, run_hash = run_identity(opts, ckpt, data, model, precision)
 
     tokens_per_step = opts.batch_size * opts.grad_accum * opts.seq_len
@@ -161,12 +183,14 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     from ..api import fit
     from ..config import FitConfig
     from ..dist import ShardedOptimizer, bus_bandwidth, step_seconds
+    from ..exec.offload import offloaded_parameters
     from ..precision import autocast_context
     from .checkpoint import latest_checkpoint, save_checkpoint
     from .codec import capture_rng, restore_rng
     from .data import Batches, eval_batches
     from .logger import PlanPrecision, eval_line, plan_section, section, train_line
     from .optimizer import LocalOptimizer, build_optimizer, param_groups, reserved_bytes
+    from .owned import OwnedOptimizer
     from .schedule import lr_at
 
     # [Options]
@@ -217,9 +241,18 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     reserve = -(-reserved_bytes(trainable, precision) // ranks)  # this rank's shard
     sample_batch = torch.zeros(opts.batch_size // ranks, opts.seq_len + 1, dtype=torch.long)
     sample = {"input_ids": sample_batch[:, :-1], "shift_labels": sample_batch[:, 1:]}
+    config = FitConfig(planner=RECOMPUTE[opts.recompute], compile=opts.compile,
+                       stream=opts.stream, prefetch_depth=opts.prefetch)
+    groups = param_groups(params, opts)
     with torch.random.fork_rng(devices=[]), autocast():
-        module = fit(model, sample, ram=budget, reserve=reserve,
-                     config=FitConfig(planner=RECOMPUTE[opts.recompute], compile=opts.compile))
+        if opts.disk:  # tierflow owns the optimizer: weights and states may live on disk
+            module = fit(model, sample, ram=budget, config=config,
+                         optimizer=lambda ps: build_optimizer(param_groups(list(ps), opts), opts,
+                                                              precision),
+                         grad_accum=opts.grad_accum,
+                         max_grad_norm=opts.clip if opts.clip > 0 else None)
+        else:
+            module = fit(model, sample, ram=budget, reserve=reserve, config=config)
     grads = sum(p.nbytes for p in trainable)
     dist_figures = None
     if world is not None:
@@ -238,9 +271,10 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     logger.print(module.plan.explain())
     logger.record("plan", **fields)
 
-    groups = param_groups(params, opts)
-    if world is None:
-        optimizer: Any = LocalOptimizer(build_optimizer(groups, opts, precision), params)
+    if opts.disk:
+        optimizer: Any = OwnedOptimizer(module, params, opts)
+    elif world is None:
+        optimizer = LocalOptimizer(build_optimizer(groups, opts, precision), params)
     else:
         optimizer = ShardedOptimizer(world, [list(stage.parameters())
                                              for stage in module.chain.stages],
@@ -250,7 +284,9 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     start = 0
     if ckpt is not None:
         state = ckpt.trainer_state
-        if ckpt.optimizer_state:
+        if opts.disk:  # stage by stage, straight to the disk tier
+            optimizer.load_checkpoint(ckpt)
+        elif ckpt.optimizer is not None:
             optimizer.load_state_dict(ckpt.optimizer_state[0])
         batches.index = int(state["data"]["index"])
         restore_rng(state["rng"])
@@ -271,16 +307,29 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     flops_per_step = model_flops_per_token(model, opts.seq_len) * tokens_per_step
 
     def save(step: int) -> Path:
-        optimizer_state = optimizer.state_dict()  # gathered on rank 0 (every rank calls it)
+        if opts.disk:  # weights and states read from the disk tier as they are written
+            optimizer.settle()
+            offloaded = offloaded_parameters(model)
+            optimizer_state = optimizer.skeleton()
+            stream = {"materialize_optimizer": optimizer.materialize,
+                      "materialize_weights": lambda name, t: offloaded.current_copy(t)
+                      if t in offloaded else t}
+        else:
+            optimizer_state = optimizer.state_dict()  # gathered on rank 0 (every rank calls it)
+            stream = {}
         if not main:
             return out / f"step_{step}"
-        path = save_checkpoint(out, step, model, tokenizer_file=data.tokenizer_file,
-                               optimizer_state=[optimizer_state],
-                               trainer_state={"step": step, "data": batches.state(),
-                                              "rng": capture_rng(), "identity": identity,
-                                              "config_hash": run_hash, "options": opts.as_dict(),
-                                              "total_steps": total,
-                                              "tokens": step * tokens_per_step})
+        try:
+            path = save_checkpoint(out, step, model, tokenizer_file=data.tokenizer_file,
+                                   optimizer_state=[optimizer_state], **stream,
+                                   trainer_state={"step": step, "data": batches.state(),
+                                                  "rng": capture_rng(), "identity": identity,
+                                                  "config_hash": run_hash,
+                                                  "options": opts.as_dict(), "total_steps": total,
+                                                  "tokens": step * tokens_per_step})
+        finally:
+            if opts.disk:
+                optimizer.finished_writing()  # drop the last stage's states read for it
         logger.record("checkpoint", step=step, path=str(path))
         return path
 
@@ -311,14 +360,13 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     last_saved = start if ckpt is not None else None
     step = start
     step_s = 0.0
-    with _Interrupt() as interrupt:
+    with _Interrupt() as interrupt, _traced(opts.trace, logger):
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
             if world is not None:
                 world.step = step
             lr = lr_at(step - 1, lr=opts.lr, warmup=warmup, total=total, min_lr=min_lr)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            optimizer.set_lr(lr)
             micro = []
             for k in range(opts.grad_accum):
                 optimizer.micro_batch(last=k == opts.grad_accum - 1)
@@ -383,6 +431,23 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     logger.print(f"done: {total} steps; saved {path}")
     logger.record("done", step=total, path=str(path))
     return 0
+
+
+@contextlib.contextmanager
+def _traced(path: str | None, logger) -> Iterator[None]:
+    """With ``--trace FILE``: record every step's spans and write them when the loop ends
+    (however it ends: an interrupted or failed run's trace is the one to look at)."""
+    if path is None:
+        yield
+        return
+    from ..exec.trace import recording
+    with recording() as recorder:
+        try:
+            yield
+        finally:
+            recorder.write(path)
+            logger.print(f"trace: {path} ({len(recorder.events)} events; open it in "
+                         "https://ui.perfetto.dev or chrome://tracing)")
 
 
 def _autocast_name(matmul: str) -> str:

@@ -11,31 +11,38 @@ line that names the differences.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 import torch
 
 from ..errors import TierflowError
+from ..exec.offload import OffloadedParameters
 from ..precision import PrecisionConfig, apply_precision
 from .codec import config_hash, differences, model_arch, spec_arch
 from .data import DataDir
 from .options import TrainOptions
 
 
-def build_model(opts: TrainOptions, ckpt, data: DataDir, precision: PrecisionConfig):
-    """The model to train, in training mode, with ``precision`` applied."""
+def build_model(opts: TrainOptions, ckpt, data: DataDir, precision: PrecisionConfig,
+                offload: OffloadedParameters | None = None):
+    """The model to train, in training mode, with ``precision`` applied. With ``offload``
+    (``--disk``) it is built or loaded straight onto the disk tier, a module or a tensor at
+    a time, and never exists whole in memory."""
     from ..models.load import load_model
     from ..models.presets import PRESETS
 
     spec = opts.model
     if ckpt is not None:
-        model = load_model(ckpt.path, dtype=torch.float32)
+        model = load_model(ckpt.path, dtype=torch.float32, offload=offload)
     elif spec in PRESETS:
-        model = load_model(spec, vocab_size=data.vocab_size, dtype=torch.float32, seed=opts.seed)
+        model = load_model(spec, vocab_size=data.vocab_size, dtype=torch.float32, seed=opts.seed,
+                           offload=offload)
     else:
-        model = load_model(spec, dtype=torch.float32)
-    _check_finite(model, ckpt.path if ckpt is not None else spec)
+        model = load_model(spec, dtype=torch.float32, offload=offload)
+    if ckpt is not None or spec not in PRESETS:  # a random init is finite
+        _check_finite(model, ckpt.path if ckpt is not None else spec, offload)
     model_vocab = int(model.config.vocab_size)
     if data.max_token >= model_vocab:
         raise TierflowError(f"--data {data.path} holds token id {data.max_token} but the model "
@@ -52,11 +59,18 @@ def build_model(opts: TrainOptions, ckpt, data: DataDir, precision: PrecisionCon
     return model
 
 
-def _check_finite(model, source) -> None:
-    with torch.no_grad():  # a sum is inf or nan when an element is (no mask of the model's size)
-        bad = [(name, int((~torch.isfinite(p)).sum())) for name, p in model.named_parameters()
-               if p.is_floating_point() and not math.isfinite(float(p.sum()))]
-        bad = [(name, k) for name, k in bad if k]  # an overflowing sum of finite values
+def _check_finite(model, source, offload: OffloadedParameters | None) -> None:
+    bad = []
+    for name, p in model.named_parameters():
+        if not p.is_floating_point():
+            continue
+        # a sum is inf or nan when an element is (no mask of the model's size); an
+        # overflowing sum of finite values is counted out by the second look
+        with torch.no_grad(), offload.resident([p]) if offload else contextlib.nullcontext():
+            if not math.isfinite(float(p.sum())):
+                count = int((~torch.isfinite(p)).sum())
+                if count:
+                    bad.append((name, count))
     if bad:
         where = ", ".join(f"{n} ({k} values)" for n, k in bad[:3])
         raise TierflowError(f"the weights of {source} hold inf or nan in {where}"

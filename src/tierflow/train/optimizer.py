@@ -62,9 +62,9 @@ class LocalOptimizer:
         self.optimizer = optimizer
         self.params = params
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups  # load_state_dict replaces the list
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:  # load_state_dict replaces the list
+            group["lr"] = lr
 
     def micro_batch(self, last: bool) -> None:
         """Nothing to synchronise in one process."""

@@ -29,6 +29,7 @@ from ..units import parse_bytes
 if TYPE_CHECKING:
     from ..precision import PrecisionConfig
 
+STREAM = ("auto", "all")
 RECOMPUTE = {"auto": "auto", "none": "keep-all", "all": "checkpoint-all"}
 DTYPES = ("auto", "fp32", "bf16")
 # the precision flags and their choices (tierflow.precision.config's, without importing torch)
@@ -42,6 +43,9 @@ class TrainOptions:
     model: str | None = None  # a preset name or a local Hugging Face directory
     data: str | None = None  # a directory written by tierflow tokenize
     ram: str | None = None  # RAM budget, e.g. "4GiB"; None: no budget
+    disk: str | None = None  # a directory for the disk tier (weights and optimizer states)
+    stream: str = "auto"  # with --disk: stream the weights that must (auto) or all of them
+    prefetch: int = 2  # with --disk: streamed stages read ahead of use (0: on demand)
     seq_len: int = 256
     batch_size: int = 4
     grad_accum: int = 1
@@ -68,6 +72,7 @@ class TrainOptions:
     compile: bool = False
     recompute: str = "auto"
     tensorboard: str | None = None  # a directory for TensorBoard event files
+    trace: str | None = None  # a Chrome-trace JSON file of the executed steps
     dist_timeout: float = 300.0  # seconds a rank waits for the others (torchrun runs)
     config: str | None = None
     # the options given by a flag or the config file (the rest may come from a checkpoint)
@@ -83,7 +88,7 @@ class TrainOptions:
                                 "'tierflow tokenize' (train.bin, eval.bin, tokenizer.json)")
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_steps"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("warmup", "seed", "eval_every", "save_every"):
+        for name in ("warmup", "seed", "eval_every", "save_every", "prefetch"):
             _check_int(name, getattr(self, name), minimum=0)
         for name in ("lr", "min_lr", "weight_decay", "clip", "epochs", "dist_timeout"):
             _check_float(name, getattr(self, name),
@@ -100,6 +105,13 @@ class TrainOptions:
         if self.dtype not in DTYPES:
             raise TierflowError(f"--dtype {self.dtype!r} is unknown: use fp32, bf16 or auto")
         self._validate_precision(world_size)
+        if self.stream not in STREAM:
+            raise TierflowError(f"--stream {self.stream!r} is unknown: use auto or all")
+        if self.disk is not None:
+            self._validate_disk(world_size)
+        elif self.stream != "auto":
+            raise TierflowError(f"--stream {self.stream} streams weights from the disk tier: "
+                                "give --disk DIR too")
         if self.recompute not in RECOMPUTE:
             raise TierflowError(f"--recompute {self.recompute!r} is unknown: use auto, none "
                                 "or all")
@@ -109,6 +121,21 @@ class TrainOptions:
             raise TierflowError(f"compile = {self.compile!r} in the config file is not a "
                                 "boolean: use true or false")
         return self
+
+    def _validate_disk(self, world_size: int) -> None:
+        """What the disk tier runs: one process, fp32 weights and AdamW states, bf16 or fp32
+        matmuls, no torch.compile (the combinations it is tested with)."""
+        refused = [(world_size > 1, f"{world_size} ranks (torchrun)", "one process"),
+                   (self.model_dtype != "fp32", f"--model-dtype {self.model_dtype}",
+                    "--model-dtype fp32"),
+                   (self.optim_dtype != "fp32", f"--optim-dtype {self.optim_dtype}",
+                    "--optim-dtype fp32"),
+                   (self.matmul_dtype == "fp8", "--matmul-dtype fp8", "--matmul-dtype bf16"),
+                   (self.compile is True, "--compile", "no --compile")]
+        for bad, what, fix in refused:
+            if bad:
+                raise TierflowError(f"--disk {self.disk} cannot be combined with {what} yet: "
+                                    f"use {fix} with --disk, or leave --disk out")
 
     def _validate_precision(self, world_size: int) -> None:
         for name, choices in PRECISION.items():
@@ -161,10 +188,10 @@ class TrainOptions:
 
     def inherit(self, saved: dict[str, Any]) -> None:
         """With --resume: the options of the checkpoint's run for those not given now
-        (--out, --log, --resume and --config are never inherited)."""
+        (--out, --log, --resume, --config and --trace are never inherited)."""
         for f in fields(self):
             if f.name in saved and f.name not in self.given and f.name not in (
-                    "given", "out", "log", "resume", "config"):
+                    "given", "out", "log", "resume", "config", "trace"):
                 setattr(self, f.name, saved[f.name])
 
 
@@ -215,6 +242,9 @@ _HELP = {
                       "directory (config.json + model.safetensors)"),
     "data": ("DIR", "a directory written by 'tierflow tokenize'"),
     "ram": ("SIZE", "RAM budget for the training step, e.g. 4GiB (default: none)"),
+    "disk": ("DIR", "an existing directory for the disk tier: the weights and AdamW states "
+                    "that do not fit --ram live there between uses (a scratch subdirectory, "
+                    "removed at the end; checkpoints still go to --out)"),
     "seq_len": ("N", "tokens per sequence (default 256)"),
     "batch_size": ("N", "sequences per micro-batch over all ranks (the global batch): under "
                         "torchrun each rank takes batch-size / ranks of them (default 4)"),
@@ -251,6 +281,13 @@ _HELP = {
     "recompute": (None, "activation recomputation: auto (the planner), none or all"),
     "tensorboard": ("DIR", "also write TensorBoard event files (loss, grad norm, lr, tok/s, "
                            "RAM, eval loss) to DIR"),
+    "stream": (None, "with --disk: auto streams the weights of the fewest stages that make the "
+                     "step fit --ram (the planner's choice), all streams every stage's weights "
+                     "and keeps the optimizer states on disk"),
+    "prefetch": ("N", "with --disk: streamed stages read ahead of the one computing (default "
+                      "2; 0 reads each on demand)"),
+    "trace": ("FILE", "write a Chrome-trace JSON of every step (compute, disk reads and "
+                      "writes, optimizer), for Perfetto or chrome://tracing"),
     "dist_timeout": ("S", "under torchrun: seconds a rank waits for the others before it "
                           "stops with an error naming the rank that died (default 300)"),
     "config": ("FILE", "a TOML file of options; flags win over it"),
@@ -258,7 +295,7 @@ _HELP = {
 _TYPES = {"seq_len": _int, "batch_size": _int, "grad_accum": _int, "steps": _int,
           "epochs": _float, "lr": _float, "warmup": _int, "min_lr": _float,
           "weight_decay": _float, "clip": _float, "seed": _int, "eval_every": _int,
-          "eval_steps": _int, "save_every": _int, "dist_timeout": _float}
+          "eval_steps": _int, "save_every": _int, "dist_timeout": _float, "prefetch": _int}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -277,6 +314,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         elif f.name == "recompute":
             parser.add_argument("--recompute", choices=tuple(RECOMPUTE), default=None,
                                 help=help_text)
+        elif f.name == "stream":
+            parser.add_argument("--stream", choices=STREAM, default=None, help=help_text)
         else:
             parser.add_argument(_flag(f.name), dest=f.name, type=_TYPES.get(f.name, str),
                                 default=None, metavar=metavar, help=help_text)
@@ -310,7 +349,8 @@ def read_toml(path: Path) -> dict[str, Any]:
         if name not in known:
             raise TierflowError(f"--config {path} has an unknown option {key!r}: known options "
                                 f"are {', '.join(sorted(k.replace('_', '-') for k in known))}")
-        if name in ("ram", "model", "data", "out", "resume", "log", "tensorboard") \
+        if name in ("ram", "disk", "model", "data", "out", "resume", "log", "tensorboard",
+                    "trace") \
                 and value is not None:
             value = str(value)
         if name in ("epochs", "lr", "min_lr", "weight_decay", "clip", "dist_timeout") \

@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""W2 (tinyllama-1.1b, seq 1024, batch 2, bf16 autocast, AdamW) trained by `tierflow train
+--ram R --disk DIR` against Hugging Face gradient checkpointing, each in a fresh process.
+
+    ./run python benchmarks/train_w2.py [--steps 3] [--ram 4GiB,2GiB,8GiB] [--disk DIR]
+
+The peer is `peers.py train --mode hf-ckpt --arch tinyllama-1.1b --seq 1024 --batch 2`
+(AdamW lr 1e-4, no clipping). tierflow trains the same preset on random tokens with the same
+optimizer settings (`--lr 1e-4 --warmup 0 --clip 0 --weight-decay 0.01`: torch's default),
+its model built module by module onto the disk tier (it never exists whole in memory), at
+each `--ram` budget with weights read two stages ahead, and at the first budget also with
+prefetch off (`--prefetch 0`: the overlap check). Every run is wrapped in `/usr/bin/time -v`.
+
+Reported per run: the median step time of the steps after the first (warm-up), tok/s and
+the ratio to the peer, the peak RSS above the post-import baseline (the trainer's `ram` figure,
+`ru_maxrss` minus the RSS after importing torch and transformers) next to `/usr/bin/time`'s
+maximum RSS, the predicted step time and peak from the [Plan], and from a trace of every step
+how long compute, the optimizer and the disk were busy. The end-of-run checkpoint (weights and
+AdamW states, written stage by stage from the disk tier) is timed too. Writes
+benchmarks/results/train-w2-<date>.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from random_tokens import random_token_files
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT.parent / "shared" / "peers" / "peers.py"
+RESULTS = ROOT / "benchmarks" / "results"
+SEQ, BATCH, VOCAB = 1024, 2, 32000
+ROWS = ("compute", "optimizer", "disk read", "disk write")
+
+
+def peer(steps: int) -> dict:
+    cmd = [sys.executable, str(PEERS), "train", "--mode", "hf-ckpt", "--arch", "tinyllama-1.1b",
+           "--seq", str(SEQ), "--batch", str(BATCH), "--steps", str(steps)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"the peer failed:\n{proc.stderr[-3000:]}")
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"run": "peer: train-hf-ckpt", "step_s_median": row["step_s_median"],
+            "tok_s": row["tok_s"], "peak_rss_gib": round(row["peak_rss_gib"]
+                                                         - row["baseline_rss_gib"], 3)}
+
+
+def tierflow(ram: str, prefetch: int, steps: int, data: Path, disk: Path, work: Path) -> dict:
+    """One `tierflow train` run in a fresh process under /usr/bin/time -v."""
+    name = f"--ram {ram} --prefetch {prefetch}"
+    out, log = work / "out", work / "log.jsonl"
+    trace = RESULTS / f"train-w2-{dt.date.today().isoformat()}-{ram}-prefetch{prefetch}.trace.json"
+    cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "tierflow", "train",
+           "--model", "tinyllama-1.1b", "--data", str(data), "--seq-len", str(SEQ),
+           "--batch-size", str(BATCH), "--steps", str(steps), "--dtype", "bf16",
+           "--lr", "1e-4", "--warmup", "0", "--clip", "0", "--weight-decay", "0.01",
+           "--eval-every", "0", "--ram", ram, "--disk", str(disk), "--prefetch", str(prefetch),
+           "--out", str(out), "--log", str(log), "--trace", str(trace)]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    started = dt.datetime.now()
+    load = os.getloadavg()[0]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = (dt.datetime.now() - started).total_seconds()
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    records: dict[str, list[dict]] = {}
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        records.setdefault(record["kind"], []).append(record)
+    train = records["train"]
+    step = statistics.median(r["ms"] / 1e3 for r in train[1:])
+    plan = records["plan"][0]
+    maxrss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)[1])
+    events = json.loads(trace.read_text())["traceEvents"]
+    tids = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M"}
+    busy = {row: round(sum(e["dur"] for e in events if e["ph"] == "X" and e["tid"] == tids[row])
+                       / 1e6 / len(train), 1) for row in ROWS}
+    checkpoint = [r for r in records["checkpoint"]] if "checkpoint" in records else []
+    print(f"  {name}: {wall:.0f} s, step {step:.1f} s (load {load:.1f} before)", flush=True)
+    return {"run": f"tierflow {name}", "ram": ram, "prefetch": prefetch,
+            "step_s_median": round(step, 2), "tok_s": round(BATCH * SEQ / step, 2),
+            "steps_s": [round(r["ms"] / 1e3, 1) for r in train],
+            "peak_rss_gib": round(max(r["ram_bytes"] for r in train) / 2**30, 3),
+            "time_v_max_rss_gib": round(maxrss * 1024 / 2**30, 3),
+            "predicted_step_s": round(plan["predicted_step_s"], 1),
+            "predicted_peak_gib": round(plan["predicted_peak"] / 2**30, 3),
+            "disk_gib": {k: round(v / 2**30, 2) for k, v in plan["disk_bytes"].items()},
+            "busy_s_per_step": busy, "wall_s": round(wall), "load_before": round(load, 2),
+            "checkpoints": len(checkpoint), "trace": str(trace.relative_to(ROOT))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--ram", default="4GiB,2GiB,8GiB")
+    parser.add_argument("--disk", default=None, help="where the disk tier and checkpoints go "
+                                                     "(default: a temporary directory)")
+    parser.add_argument("--skip-peer", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = dt.date.today().isoformat()
+    rows = [] if args.skip_peer else [peer(args.steps)]
+    if rows:
+        print(f"  peer: step {rows[0]['step_s_median']} s", flush=True)
+    rams = args.ram.split(",")
+    configs = [(rams[0], 2), (rams[0], 0)] + [(ram, 2) for ram in rams[1:]]
+    with tempfile.TemporaryDirectory(dir=args.disk) as tmp:
+        data = random_token_files(Path(tmp) / "data", VOCAB)
+        for ram, prefetch in configs:
+            work = Path(tmp) / f"run-{ram}-{prefetch}"
+            disk = work / "disk"
+            disk.mkdir(parents=True)
+            rows.append(tierflow(ram, prefetch, args.steps, data, disk, work))
+            shutil.rmtree(work)  # the checkpoint: 13 GiB of weights and AdamW states
+    peer_tok_s = rows[0]["tok_s"] if not args.skip_peer else None
+    lines = [f"# W2 trained by `tierflow train --disk` ({stamp})", "",
+             "tinyllama-1.1b, seq 1024, batch 2, bf16 autocast, fp32 weights and AdamW states; "
+             f"each row a fresh process; median of the {args.steps - 1} steps after the first. "
+             "Peak RSS is above the post-import baseline.", "",
+             "| run | tok/s | vs hf-ckpt | peak RSS GiB | time -v max RSS GiB | predicted step s "
+             "| measured step s | busy per step: compute / optimizer / disk read / disk write (s) "
+             "| load before |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        busy = row.get("busy_s_per_step")
+        ratio = f"{row['tok_s'] / peer_tok_s:.2f}x" if peer_tok_s else "-"
+        lines.append(f"| {row['run']} | {row['tok_s']} | {ratio} | {row['peak_rss_gib']} | "
+                     f"{row.get('time_v_max_rss_gib', '-')} | {row.get('predicted_step_s', '-')} "
+                     f"| {row['step_s_median']} | "
+                     f"{' / '.join(str(busy[k]) for k in ROWS) if busy else '-'} | "
+                     f"{row.get('load_before', '-')} |")
+    ours = [r for r in rows if "prefetch" in r]
+    if len(ours) > 1:
+        on, off = ours[0]["step_s_median"], ours[1]["step_s_median"]
+        lines += ["", f"Overlap: with prefetch {on} s, without {off} s: {on / off:.2f}x."]
+    (RESULTS / f"train-w2-{stamp}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"train-w2-{stamp}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""``tierflow train --disk``: the optimizer that ``tierflow.fit`` owns, seen by the loop.
+
+With a disk tier, tierflow owns the optimizer (one AdamW per stage, updated during the
+backward or in a pass after the last micro-batch; see ``exec/optimizer.py``) so that weights
+and optimizer states can live on disk between uses. The loop still talks to the interface
+of ``optimizer.LocalOptimizer``; this class provides it: the learning rate, the gradient
+norm the update measured, and checkpoints.
+
+Checkpoints hold the single-process format (one ``state_dict()`` over all parameters, the
+decay group first, as ``LocalOptimizer`` and the ZeRO shards write it), so a run may resume
+with or without ``--disk``. They are written and read one stage at a time: the states of a
+model larger than the RAM budget never exist in memory at once.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint
+from .optimizer import param_groups
+from .options import TrainOptions
+
+_NAME = re.compile(r"^opt\.0\.state\.(\d+)\.(.+)$")  # flatten_optimizer_states' names
+
+
+class OwnedOptimizer:
+    """The per-stage optimizers of a fitted module, with ``LocalOptimizer``'s interface."""
+
+    def __init__(self, module: Any, params: list[nn.Parameter], opts: TrainOptions):
+        self.module = module
+        self.owned = module.optimizer
+        order = [p for group in param_groups(params, opts) for p in group["params"]]
+        self._global = {id(p): k for k, p in enumerate(order)}  # single-process index
+        self._group_sizes = [len(g["params"]) for g in param_groups(params, opts)]
+        # per stage: its optimizer's local index -> the single-process index
+        self._local = [[self._global[id(p)] for group in param_groups(ps, opts)
+                        for p in group["params"]] for ps in self.owned.stage_params]
+        self._where = {g: (i, k) for i, indices in enumerate(self._local)
+                       for k, g in enumerate(indices)}
+        self._cached: tuple[int, dict] | None = None
+
+    # ------------------------------------------------------------------ the loop's interface
+
+    def set_lr(self, lr: float) -> None:
+        self.owned.set_lr(lr)
+
+    def micro_batch(self, last: bool) -> None:
+        """Nothing to do: the module counts its micro-batches."""
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """The norm the updates measured (they clipped by ``max_norm`` already, as planned)."""
+        norm = self.module.last_grad_norm
+        return float(norm) if norm is not None else float("nan")
+
+    def step(self) -> None:
+        """Nothing to do: every stage was updated during or right after the backward."""
+
+    def state_bytes(self) -> int:
+        return self.owned.state_bytes()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def settle(self) -> None:
+        """Wait until every weight and state transfer is done (before reading them)."""
+        if self.module.streamer is not None:
+            self.module.streamer.settle()
+        self.owned.wait()
+
+    def skeleton(self) -> dict:
+        """The single-process ``state_dict()`` with meta tensors for the states (their shapes
+        and dtypes): what ``materialize`` fills in, stage by stage, while it is written."""
+        groups: list[dict] = []
+        state: dict[int, dict] = {}
+        for i, opt in enumerate(self.owned.optimizers):
+            if opt is None:
+                continue
+            local = opt.state_dict()
+            if not groups:
+                groups = [{k: v for k, v in g.items() if k != "params"}
+                          for g in local["param_groups"]]
+            on_disk = self.owned.offloaded_shapes(i)
+            for k, values in local["state"].items():
+                state[self._local[i][k]] = {
+                    key: _placeholder(*on_disk[(k, key)]) if (k, key) in on_disk else value
+                    for key, value in values.items()}
+        start = 0
+        for group, size in zip(groups, self._group_sizes):
+            group["params"] = list(range(start, start + size))
+            start += size
+        return {"state": state, "param_groups": groups}
+
+    def materialize(self, name: str, placeholder: torch.Tensor) -> torch.Tensor:
+        """The values of ``name`` (``opt.0.state.<index>.<key>``), reading its stage's states
+        when it is the first of them to be written."""
+        match = _NAME.match(name)
+        if match is None:
+            return placeholder
+        i, k = self._where[int(match[1])]
+        if self._cached is None or self._cached[0] != i:
+            self._cached = None  # one stage in memory at a time
+            self._cached = (i, self.owned.stage_state_dict(i))
+        return self._cached[1]["state"][k][match[2]]
+
+    def finished_writing(self) -> None:
+        self._cached = None
+
+    def load_checkpoint(self, ckpt: Checkpoint) -> None:
+        """Each stage's states from the checkpoint (single-process format), one at a time."""
+        if ckpt.optimizer is None:
+            return
+        full = ckpt.optimizer.references()[0]  # tensor names in place of tensors
+        groups = full["param_groups"]
+        for i, opt in enumerate(self.owned.optimizers):
+            if opt is None:
+                continue
+            local: dict[int, dict] = {}
+            for k, g in enumerate(self._local[i]):
+                if g in full["state"]:
+                    local[k] = {key: ckpt.optimizer.read(value) if isinstance(value, str)
+                                else value for key, value in full["state"][g].items()}
+            sizes = [len(group["params"]) for group in opt.param_groups]
+            start, local_groups = 0, []
+            for group, size in zip(groups, sizes):
+                local_groups.append({**group, "params": list(range(start, start + size))})
+                start += size
+            self.owned.load_stage_state(i, {"state": local, "param_groups": local_groups})
+
+
+def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta")

@@ -1,0 +1,102 @@
+"""tierflow train --disk: weights and AdamW states on the disk tier give the losses of the
+in-memory run; its checkpoints are the same format (resume across the two, either way);
+--trace writes the executed steps; the disk tier's errors are one line."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from cli_support import assert_error_line, make_train_env, records, run_main
+from safetensors.torch import load_file
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return make_train_env(tmp_path_factory.mktemp("train-disk"))
+
+
+def train_args(env, out, *extra):
+    return ["train", "--model", env["model"], "--data", env["data"], "--seq-len", "32",
+            "--batch-size", "2", "--dtype", "fp32", "--lr", "1e-2", "--warmup", "0",
+            "--eval-every", "0", "--steps", str(STEPS), "--save-every", "2", "--out", str(out),
+            *extra]
+
+
+def losses(out) -> list[float]:
+    return [r["loss"] for r in records(out / "log.jsonl", "train")]
+
+
+def train(capsys, *args) -> str:
+    code, out, err = run_main(*args, capsys=capsys)
+    assert code == 0, err
+    return out
+
+
+@pytest.mark.parametrize("grad_accum", ["1", "2"])
+def test_disk_run_matches_the_in_memory_run(env, tmp_path, capsys, grad_accum):
+    """fp32, every stage streamed (--stream all): the same losses, gradient norms and
+    weights as the in-memory run, with accumulation 1 (updates in the backward, clipped:
+    one pass after it) and 2."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    train(capsys, *train_args(env, tmp_path / "ram", "--grad-accum", grad_accum))
+    out = train(capsys, *train_args(env, tmp_path / "disk-run", "--grad-accum", grad_accum,
+                                    "--disk", str(disk), "--stream", "all",
+                                    "--trace", str(tmp_path / "trace.json")))
+    assert "disk tier" in out and "streamed stages" in out, out
+    ram, on_disk = losses(tmp_path / "ram"), losses(tmp_path / "disk-run")
+    assert len(ram) == STEPS
+    torch.testing.assert_close(on_disk, ram, rtol=1e-5, atol=0.0)
+    norms = [[r["norm"] for r in records(tmp_path / run / "log.jsonl", "train")]
+             for run in ("ram", "disk-run")]
+    torch.testing.assert_close(norms[1], norms[0], rtol=1e-4, atol=0.0)
+    final = [load_file(str(tmp_path / run / f"step_{STEPS}" / "model.safetensors"))
+             for run in ("ram", "disk-run")]
+    assert final[0].keys() == final[1].keys()
+    for name in final[0]:
+        torch.testing.assert_close(final[1][name], final[0][name], rtol=1e-4, atol=1e-6)
+    assert list(disk.iterdir()) == []  # the run's scratch directory is gone
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    rows = {e["args"]["name"]: e["tid"] for e in trace if e["ph"] == "M"}
+    reads = [e for e in trace if e["ph"] == "X" and e["tid"] == rows["disk read"]]
+    assert any(e["name"].startswith("read weights") for e in reads)
+    assert any(e["name"].startswith("read optimizer states") for e in reads)
+
+
+def test_checkpoints_resume_across_disk_and_memory(env, tmp_path, capsys):
+    """A --disk checkpoint resumes in memory and an in-memory one resumes with --disk, each
+    giving the uninterrupted run's losses: both write the single-process format."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    on_disk = ("--disk", str(disk), "--stream", "all")
+    train(capsys, *train_args(env, tmp_path / "ram"))
+    train(capsys, *train_args(env, tmp_path / "disk-run", *on_disk))
+    expected = losses(tmp_path / "ram")[2:]
+    train(capsys, "train", "--resume", str(tmp_path / "disk-run" / "step_2"), "--out",
+          str(tmp_path / "to-ram"))
+    train(capsys, "train", "--resume", str(tmp_path / "ram" / "step_2"), "--out",
+          str(tmp_path / "to-disk"), *on_disk)
+    for run in ("to-ram", "to-disk"):
+        torch.testing.assert_close(losses(tmp_path / run), expected, rtol=1e-5, atol=0.0)
+    names = [load_file(str(tmp_path / run / "step_2" / "optimizer.safetensors")).keys()
+             for run in ("ram", "disk-run")]
+    assert set(names[0]) == set(names[1])
+
+
+def test_disk_errors_are_one_line(env, tmp_path, capsys):
+    missing = tmp_path / "missing"
+    code, _, err = run_main(*train_args(env, tmp_path / "a", "--disk", str(missing)),
+                            capsys=capsys)
+    assert code == 2
+    assert_error_line(err, [str(missing), "does not exist"])
+    code, _, err = run_main(*train_args(env, tmp_path / "b", "--stream", "all"), capsys=capsys)
+    assert code == 2
+    assert_error_line(err, ["--stream all", "--disk"])
+    code, _, err = run_main(*train_args(env, tmp_path / "c", "--disk", str(tmp_path),
+                                        "--optim-dtype", "int8"), capsys=capsys)
+    assert code == 2
+    assert_error_line(err, ["--disk", "--optim-dtype int8", "--optim-dtype fp32"])
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
