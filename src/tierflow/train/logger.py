@@ -25,15 +25,20 @@ def format_rate(tok_s: float) -> str:
 
 
 def train_line(*, step: int, total: int, ms: float, norm: float, loss: float, tok_s: float,
-               sol: float | None, ram_bytes: int | None, budget: int | None) -> str:
+               sol: float | None, ram_bytes: int | None, budget: int | None,
+               gpu_bytes: int | None = None, gpu_budget: int | None = None) -> str:
     """``[T] step 12 [ 3.1%] | 1869 ms | norm 4.31 | loss 3.282 | 35.1k tok/s | sol 42.9% |
-    ram 3.1/4.0 GiB``."""
+    ram 3.1/4.0 GiB``, and ``| gpu 7.2/8.0 GiB`` when a CUDA GPU trains."""
     pct = 100.0 * step / total if total else 100.0
     sol_text = f"{100 * sol:.1f}%" if sol is not None else "-"
-    ram = "-" if ram_bytes is None else f"{ram_bytes / GIB:.1f}"
-    ram += f"/{budget / GIB:.1f} GiB" if budget else "/- GiB"
-    return (f"[T] step {step} [{pct:4.1f}%] | {ms:.0f} ms | norm {norm:.2f} | loss {loss:.3f} | "
-            f"{format_rate(tok_s)} tok/s | sol {sol_text} | ram {ram}")
+    line = (f"[T] step {step} [{pct:4.1f}%] | {ms:.0f} ms | norm {norm:.2f} | loss {loss:.3f} | "
+            f"{format_rate(tok_s)} tok/s | sol {sol_text} | ram {_used(ram_bytes, budget)}")
+    return line + (f" | gpu {_used(gpu_bytes, gpu_budget)}" if gpu_bytes is not None else "")
+
+
+def _used(nbytes: int | None, budget: int | None) -> str:
+    used = "-" if nbytes is None else f"{nbytes / GIB:.1f}"
+    return used + (f"/{budget / GIB:.1f} GiB" if budget else "/- GiB")
 
 
 def eval_line(*, step: int, loss: float, ppl: float, ms: float) -> str:

@@ -31,8 +31,8 @@ from typing import Any, Iterator
 from ..errors import TierflowError
 from ..paths import require_writable_dir
 from ..seeding import derived_seed
-from ..units import parse_bytes
 from .data import DataDir, open_data
+from .device import ComputeTier
 from .options import RECOMPUTE, TrainOptions
 from .sol import cpu_model, model_flops_per_token, peak_matmul_flops
 
@@ -104,13 +104,13 @@ def _train(opts: TrainOptions) -> int:
     if opts.disk:
         check_disk_directory(opts.disk)
     log_path = Path(opts.log) if opts.log else out / "log.jsonl"
-    budget = parse_bytes(opts.ram, what="--ram") if opts.ram else None
+    tier = ComputeTier.from_options(opts)
 
     world = join_from_env(opts.dist_timeout)
     if world is None:
-        return _train_in_world(opts, ckpt, data, out, log_path, budget, None, baseline)
+        return _train_in_world(opts, ckpt, data, out, log_path, tier, None, baseline)
     try:
-        code = _train_in_world(opts, ckpt, data, out, log_path, budget, world, baseline)
+        code = _train_in_world(opts, ckpt, data, out, log_path, tier, world, baseline)
     except BaseException:
         world.close(finished=False)
         raise
@@ -119,7 +119,7 @@ def _train(opts: TrainOptions) -> int:
 
 
 def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
-                    budget: int | None, world, baseline: int) -> int:
+                    tier: ComputeTier, world, baseline: int) -> int:
     """Build or load the model (onto the disk tier with ``--disk``), then train it (every
     rank)."""
     from .. import measure
@@ -135,12 +135,12 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
             offload = OffloadedParameters(DiskStore(scratch.enter_context(
                 scratch_directory(opts.disk))))
         model = build_model(opts, ckpt, data, precision, offload)
-        return _train_model(opts, ckpt, data, out, log_path, budget, world, baseline,
-                            precision, model)
+        return _train_model(opts, ckpt, data, out, log_path, tier, world, baseline,
+                            precision, model.to(tier.device) if offload is None else model)
 
 
 def _train_model(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
-                 budget: int | None, world, baseline: int, precision, model) -> int:
+                 tier: ComputeTier, world, baseline: int, precision, model) -> int:
     """Check the run's identity, open the logs, then ``_run``."""
     from .logger import Logger
     from .model import run_identity
@@ -164,7 +164,7 @@ def _train_model(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: P
         if opts.tensorboard and main:
             from .tensorboard import EventWriter
             board = EventWriter(opts.tensorboard)
-        return _run(opts=opts, data=data, out=out, logger=logger, budget=budget, board=board,
+        return _run(opts=opts, data=data, out=out, logger=logger, tier=tier, board=board,
                     precision=precision, model=model, identity=identity, run_hash=run_hash,
                     ckpt=ckpt, total=total, warmup=warmup, min_lr=min_lr,
                     tokens_per_step=tokens_per_step, baseline=baseline, world=world)
@@ -174,7 +174,7 @@ def _train_model(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: P
         logger.close()
 
 
-def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | None, board,
+def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeTier, board,
          precision, model, identity: dict, run_hash: str, ckpt, total: int, warmup: int,
          min_lr: float, tokens_per_step: int, baseline: int, world) -> int:
     import torch
@@ -205,11 +205,13 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
 
     # [System]
     peak_dtype = "fp32" if matmul == "fp32" else "bf16"  # fp8 is held to bf16's peak here
-    peak = peak_matmul_flops(peak_dtype)
+    on_cpu = tier.device.type == "cpu"
+    peak = peak_matmul_flops(peak_dtype) if on_cpu else 0.0  # SOL is measured on CPUs only
     system = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model(),
-              "bf16 native": measure.fast_bf16(), "dtype": _autocast_name(matmul),
-              "precision": _precision_words(precision),
-              "peak matmul": f"{peak / 1e9:.1f} GFLOP/s ({peak_dtype}, measured)"}
+              "bf16 native": measure.fast_bf16(), "device": tier.describe(),
+              "dtype": _autocast_name(matmul), "precision": _precision_words(precision),
+              "peak matmul": f"{peak / 1e9:.1f} GFLOP/s ({peak_dtype}, measured)" if on_cpu
+              else "- (measured on CPUs only: no SOL on the GPU)"}
     if world is not None:
         system["ranks"] = f"{world.size} ({world.backend}); this machine's figures are rank 0's"
     logger.print()
@@ -235,24 +237,26 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
     # [Plan]: per rank (budgets are per rank; each rank runs batch-size / ranks rows)
     ranks = world.size if world is not None else 1
     main = world is None or world.is_main
-    autocast = functools.partial(autocast_context, precision, "cpu")
+    autocast = functools.partial(autocast_context, precision, tier.device.type)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     reserve = -(-reserved_bytes(trainable, precision) // ranks)  # this rank's shard
-    sample_batch = torch.zeros(opts.batch_size // ranks, opts.seq_len + 1, dtype=torch.long)
+    sample_batch = torch.zeros(opts.batch_size // ranks, opts.seq_len + 1, dtype=torch.long,
+                               device=tier.device)
     sample = {"input_ids": sample_batch[:, :-1], "shift_labels": sample_batch[:, 1:]}
     config = FitConfig(planner=RECOMPUTE[opts.recompute], compile=opts.compile,
-                       stream=opts.stream, prefetch_depth=opts.prefetch)
+                       stream=opts.stream, prefetch_depth=opts.prefetch,
+                       simulated_gpu=tier.simulated)
     groups = param_groups(params, opts)
     with torch.random.fork_rng(devices=[]), autocast():
         if opts.disk:  # tierflow owns the optimizer: weights and states may live on disk
-            module = fit(model, sample, ram=budget, config=config,
+            module = fit(model, sample, **tier.fit_budgets(), config=config,
                          optimizer=lambda ps: build_optimizer(param_groups(list(ps), opts), opts,
                                                               precision),
                          grad_accum=opts.grad_accum,
                          max_grad_norm=opts.clip if opts.clip > 0 else None)
         else:
-            module = fit(model, sample, ram=budget, reserve=reserve, config=config)
+            module = fit(model, sample, **tier.fit_budgets(), reserve=reserve, config=config)
     grads = sum(p.nbytes for p in trainable)
     dist_figures = None
     if world is not None:
@@ -262,7 +266,8 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
                         "predicted_comm_s": step_seconds(ranks, grads, grads, bus)}
     per = precision.bytes_per_parameter()
     table, fields = plan_section(
-        module.plan, grads=grads, budget=budget, grad_accum=opts.grad_accum, dist=dist_figures,
+        module.plan, grads=grads, budget=tier.plan_budget, grad_accum=opts.grad_accum,
+        dist=dist_figures,
         precision=PlanPrecision(per, trainable=sum(p.numel() for p in trainable),
                                 master=int(per.master * sum(p.numel() for p in trainable)) // ranks,
                                 dtypes=precision.to_dict()))
@@ -338,7 +343,8 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
         model.eval()
         mine = evals if world is None else evals[world.rank::ranks]  # whole batches per rank
         with torch.no_grad(), autocast():
-            losses = [float(module(input_ids=b[:, :-1], shift_labels=b[:, 1:]).loss) for b in mine]
+            losses = [float(module(input_ids=b[:, :-1], shift_labels=b[:, 1:]).loss)
+                      for b in (b.to(tier.device) for b in mine)]
         model.train()
         total_loss, count = sum(losses), len(losses)
         if world is not None:
@@ -370,7 +376,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
             micro = []
             for k in range(opts.grad_accum):
                 optimizer.micro_batch(last=k == opts.grad_accum - 1)
-                batch = batches.next()
+                batch = batches.next().to(tier.device)
                 with autocast():
                     loss = module(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
                 (loss / opts.grad_accum).backward()
@@ -401,10 +407,12 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, budget: int | 
             tok_s = tokens_per_step / step_s
             logger.print(train_line(step=step, total=total, ms=step_s * 1e3, norm=norm_value,
                                     loss=loss_value, tok_s=tok_s, sol=sol,
-                                    ram_bytes=max(ram_ranks), budget=budget))
+                                    ram_bytes=max(ram_ranks), budget=tier.rss_budget,
+                                    gpu_bytes=tier.gpu_peak(), gpu_budget=tier.gpu))
             logger.record("train", step=step, total=total, loss=loss_value, norm=norm_value, lr=lr,
                           ms=step_s * 1e3, tok_s=tok_s, sol=sol, ram_bytes=max(ram_ranks),
-                          ram_bytes_per_rank=ram_ranks, budget=budget,
+                          ram_bytes_per_rank=ram_ranks, budget=tier.rss_budget,
+                          gpu_bytes=tier.gpu_peak(), gpu_budget=tier.gpu,
                           optimizer_state_bytes_per_rank=[int(r[1]) for r in per_rank],
                           tokens=step * tokens_per_step)
             if board is not None:

@@ -43,6 +43,8 @@ class TrainOptions:
     model: str | None = None  # a preset name or a local Hugging Face directory
     data: str | None = None  # a directory written by tierflow tokenize
     ram: str | None = None  # RAM budget, e.g. "4GiB"; None: no budget
+    gpu: str | None = None  # GPU budget: train on CUDA with host RAM (--ram) below
+    simulate_gpu: bool = False  # with --gpu: plan and run the CPU as a GPU of that size
     disk: str | None = None  # a directory for the disk tier (weights and optimizer states)
     stream: str = "auto"  # with --disk: stream the weights that must (auto) or all of them
     prefetch: int = 2  # with --disk: streamed stages read ahead of use (0: on demand)
@@ -117,10 +119,30 @@ class TrainOptions:
                                 "or all")
         if self.ram is not None:
             parse_bytes(self.ram, what="--ram")
+        self._validate_gpu(world_size)
         if not isinstance(self.compile, bool):
             raise TierflowError(f"compile = {self.compile!r} in the config file is not a "
                                 "boolean: use true or false")
         return self
+
+    def _validate_gpu(self, world_size: int) -> None:
+        if not isinstance(self.simulate_gpu, bool):
+            raise TierflowError(f"simulate_gpu = {self.simulate_gpu!r} in the config file is not "
+                                "a boolean: use true or false")
+        if self.gpu is None:
+            if self.simulate_gpu:
+                raise TierflowError("--simulate-gpu needs --gpu SIZE: the budget of the GPU to "
+                                    "simulate")
+            return
+        parse_bytes(self.gpu, what="--gpu")
+        if world_size > 1:
+            raise TierflowError(f"--gpu {self.gpu} under torchrun ({world_size} ranks) is not "
+                                "built yet: train the ranks on the CPU with --ram, or run one "
+                                "process")
+        if self.disk is not None and not self.simulate_gpu:
+            raise TierflowError(f"--disk {self.disk} with a CUDA --gpu is not built yet (the "
+                                "disk tier streams into host memory): leave --disk out, or "
+                                "try the plan with --simulate-gpu")
 
     def _validate_disk(self, world_size: int) -> None:
         """What the disk tier runs: one process, fp32 weights and AdamW states, bf16 or fp32
@@ -242,6 +264,9 @@ _HELP = {
                       "directory (config.json + model.safetensors)"),
     "data": ("DIR", "a directory written by 'tierflow tokenize'"),
     "ram": ("SIZE", "RAM budget for the training step, e.g. 4GiB (default: none)"),
+    "gpu": ("SIZE", "GPU budget, e.g. 8GiB: train on the CUDA GPU, host RAM (--ram) below it"),
+    "simulate_gpu": (None, "with --gpu: plan and run on the CPU as if it were a GPU of that "
+                           "size (host RAM and --disk below it), to try a GPU plan without one"),
     "disk": ("DIR", "an existing directory for the disk tier: the weights and AdamW states "
                     "that do not fit --ram live there between uses (a scratch subdirectory, "
                     "removed at the end; checkpoints still go to --out)"),
@@ -304,8 +329,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name == "given":
             continue
         metavar, help_text = _HELP[f.name]
-        if f.name == "compile":
-            parser.add_argument("--compile", action="store_true", default=None, help=help_text)
+        if f.name in ("compile", "simulate_gpu"):
+            parser.add_argument(_flag(f.name), action="store_true", default=None,
+                                help=help_text)
         elif f.name == "dtype":
             parser.add_argument("--dtype", choices=DTYPES, default=None, help=help_text)
         elif f.name in PRECISION:
@@ -349,7 +375,7 @@ def read_toml(path: Path) -> dict[str, Any]:
         if name not in known:
             raise TierflowError(f"--config {path} has an unknown option {key!r}: known options "
                                 f"are {', '.join(sorted(k.replace('_', '-') for k in known))}")
-        if name in ("ram", "disk", "model", "data", "out", "resume", "log", "tensorboard",
+        if name in ("ram", "gpu", "disk", "model", "data", "out", "resume", "log", "tensorboard",
                     "trace") \
                 and value is not None:
             value = str(value)

@@ -1,0 +1,57 @@
+"""tierflow train --gpu: without CUDA it is one line pointing at --ram and --simulate-gpu; a
+simulated GPU (the CPU planned as a GPU of --gpu bytes, host RAM and --disk below) trains
+with the losses of the plain CPU run."""
+from __future__ import annotations
+
+import pytest
+import torch
+from cli_support import assert_error_line, make_train_env, records, run_main
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return make_train_env(tmp_path_factory.mktemp("train-device"))
+
+
+def train_args(env, out, *extra):
+    return ["train", "--model", env["model"], "--data", env["data"], "--seq-len", "32",
+            "--batch-size", "2", "--dtype", "fp32", "--lr", "1e-2", "--warmup", "0",
+            "--eval-every", "0", "--steps", str(STEPS), "--out", str(out), *extra]
+
+
+def losses(out) -> list[float]:
+    return [r["loss"] for r in records(out / "log.jsonl", "train")]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
+def test_gpu_without_cuda_is_one_line(env, tmp_path, capsys):
+    code, _, err = run_main(*train_args(env, tmp_path / "a", "--gpu", "8GiB"), capsys=capsys)
+    assert code == 2
+    assert_error_line(err, ["--gpu 8GiB", "CUDA", "--ram", "--simulate-gpu"])
+    code, _, err = run_main(*train_args(env, tmp_path / "b", "--simulate-gpu"), capsys=capsys)
+    assert code == 2
+    assert_error_line(err, ["--simulate-gpu needs --gpu"])
+    assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+
+
+def test_simulated_gpu_matches_the_cpu_run(env, tmp_path, capsys):
+    """Two tiers (a 64 MiB simulated GPU over RAM) and three (and the disk below, every
+    stage's weights and the AdamW states streamed): fp32 losses as on the CPU."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    code, _, err = run_main(*train_args(env, tmp_path / "cpu"), capsys=capsys)
+    assert code == 0, err
+    gpu = ("--gpu", "64MiB", "--simulate-gpu", "--ram", "1GiB")
+    code, out, err = run_main(*train_args(env, tmp_path / "gpu", *gpu), capsys=capsys)
+    assert code == 0, err
+    assert "gpu (simulated on the CPU); budgets: gpu 64.00 MiB, ram 1.00 GiB" in out, out
+    code, out, err = run_main(*train_args(env, tmp_path / "tiers", *gpu, "--disk", str(disk),
+                                          "--stream", "all"), capsys=capsys)
+    assert code == 0, err
+    assert "disk tier" in out, out
+    expected = losses(tmp_path / "cpu")
+    assert len(expected) == STEPS
+    for run in ("gpu", "tiers"):
+        torch.testing.assert_close(losses(tmp_path / run), expected, rtol=1e-5, atol=0.0)
