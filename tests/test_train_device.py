@@ -55,3 +55,42 @@ def test_simulated_gpu_matches_the_cpu_run(env, tmp_path, capsys):
     assert len(expected) == STEPS
     for run in ("gpu", "tiers"):
         torch.testing.assert_close(losses(tmp_path / run), expected, rtol=1e-5, atol=0.0)
+
+
+def _out_of_memory_at(monkeypatch, calls: set[int]) -> None:
+    """The fitted module's forward raises a GPU out-of-memory error on these calls (1-based)."""
+    from tierflow.module import TierflowModule
+    forward = TierflowModule.forward
+    count = [0]
+
+    def failing(self, *args, **kwargs):
+        count[0] += 1
+        if count[0] in calls:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the test)")
+        return forward(self, *args, **kwargs)
+    monkeypatch.setattr(TierflowModule, "forward", failing)
+
+
+def test_gpu_out_of_memory_replans_and_retries_the_step_once(env, tmp_path, capsys,
+                                                             monkeypatch):
+    """An out-of-memory error in step 2 re-plans under 80% of the predicted peak and runs
+    the step again from its first batch and RNG state: the losses of an undisturbed run.
+    A second one in the same step is one line and exit code 2."""
+    gpu = ("--gpu", "256MiB", "--simulate-gpu", "--ram", "1GiB", "--seq-len", "128",
+           "--batch-size", "8")  # activations enough for a plan under 80% of keep-all's peak
+    code, _, err = run_main(*train_args(env, tmp_path / "plain", *gpu), capsys=capsys)
+    assert code == 0, err
+    with monkeypatch.context() as patch:
+        _out_of_memory_at(patch, {2})
+        code, out, err = run_main(*train_args(env, tmp_path / "oom", *gpu), capsys=capsys)
+    assert code == 0, err
+    assert "the GPU ran out of memory at step 2: re-planned under" in out, out
+    replan = records(tmp_path / "oom" / "log.jsonl", "replan")
+    assert len(replan) == 1 and replan[0]["gpu_budget"] < 256 << 20
+    torch.testing.assert_close(losses(tmp_path / "oom"), losses(tmp_path / "plain"),
+                               rtol=1e-6, atol=0.0)
+    with monkeypatch.context() as patch:
+        _out_of_memory_at(patch, {2, 3})
+        code, _, err = run_main(*train_args(env, tmp_path / "twice", *gpu), capsys=capsys)
+    assert code == 2
+    assert_error_line(err, ["ran out of memory again at step 2", "--gpu"])

@@ -21,6 +21,7 @@ prints, logs and writes checkpoints in the single-process format. The optimizer 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import signal
@@ -28,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import TierflowError
+from ..errors import BudgetError, TierflowError
+from ..units import format_bytes
 from ..paths import require_writable_dir
 from ..seeding import derived_seed
 from .data import DataDir, open_data
@@ -248,15 +250,19 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
                        stream=opts.stream, prefetch_depth=opts.prefetch,
                        simulated_gpu=tier.simulated)
     groups = param_groups(params, opts)
-    with torch.random.fork_rng(devices=[]), autocast():
-        if opts.disk:  # tierflow owns the optimizer: weights and states may live on disk
-            module = fit(model, sample, **tier.fit_budgets(), config=config,
-                         optimizer=lambda ps: build_optimizer(param_groups(list(ps), opts), opts,
-                                                              precision),
-                         grad_accum=opts.grad_accum,
-                         max_grad_norm=opts.clip if opts.clip > 0 else None)
-        else:
-            module = fit(model, sample, **tier.fit_budgets(), reserve=reserve, config=config)
+
+    def plan_step(tier: ComputeTier):
+        """``tierflow.fit`` under ``tier``'s budgets (again after a GPU out-of-memory)."""
+        with torch.random.fork_rng(devices=[]), autocast():
+            if opts.disk:  # tierflow owns the optimizer: weights and states may live on disk
+                return fit(model, sample, **tier.fit_budgets(), config=config,
+                           optimizer=lambda ps: build_optimizer(param_groups(list(ps), opts),
+                                                                opts, precision),
+                           grad_accum=opts.grad_accum,
+                           max_grad_norm=opts.clip if opts.clip > 0 else None)
+            return fit(model, sample, **tier.fit_budgets(), reserve=reserve, config=config)
+
+    module = plan_step(tier)
     grads = sum(p.nbytes for p in trainable)
     dist_figures = None
     if world is not None:
@@ -358,6 +364,47 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
         if board is not None:
             board.scalars(step, {"eval/loss": loss})
 
+    def forward_backward() -> float:
+        """One step's micro-batches, forward and backward; their mean loss."""
+        micro = []
+        for k in range(opts.grad_accum):
+            optimizer.micro_batch(last=k == opts.grad_accum - 1)
+            batch = batches.next().to(tier.device)
+            with autocast():
+                loss = module(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
+            (loss / opts.grad_accum).backward()
+            micro.append(loss.detach().float())
+        return float(torch.stack(micro).mean())
+
+    def replan_after_oom(step: int) -> None:
+        """Plan the step again under 80% of the predicted peak that did not fit (or, when no
+        plan fits that, 10% above the least budget that does, if that is below the peak)."""
+        nonlocal module, tier
+        was, peak = tier.gpu, module.plan.predicted_peak
+        optimizer.zero_grad()
+        module = None
+        if tier.device.type == "cuda":
+            torch.cuda.empty_cache()
+        tier = dataclasses.replace(tier, gpu=int(0.8 * min(was, peak)))
+        try:
+            module = plan_step(tier)
+        except BudgetError as e:
+            least = int(e.smallest * 1.1)  # a margin: planning again measures the stages again
+            if least >= peak:
+                raise TierflowError(f"the GPU ran out of memory at step {step} and no plan "
+                                    f"needs less than the {format_bytes(peak)} that did not fit "
+                                    "(the least that works is "
+                                    f"{format_bytes(e.smallest)}): give a smaller --batch-size "
+                                    "or --seq-len, or free the GPU") from None
+            tier = dataclasses.replace(tier, gpu=least)
+            module = plan_step(tier)
+        logger.print(f"the GPU ran out of memory at step {step}: re-planned under "
+                     f"{format_bytes(tier.gpu)} (was {format_bytes(was)}, predicted peak "
+                     f"{format_bytes(peak)}): {module.plan.strategy}, predicted peak "
+                     f"{format_bytes(module.plan.predicted_peak)}; retrying the step once")
+        logger.record("replan", step=step, gpu_budget=tier.gpu, previous_budget=was,
+                      predicted_peak=module.plan.predicted_peak, strategy=module.plan.strategy)
+
     if start >= total:
         logger.print(f"\nthe checkpoint is at step {start}, the run has {total} steps: nothing "
                      "to do (raise --steps to train further)")
@@ -373,15 +420,22 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
                 world.step = step
             lr = lr_at(step - 1, lr=opts.lr, warmup=warmup, total=total, min_lr=min_lr)
             optimizer.set_lr(lr)
-            micro = []
-            for k in range(opts.grad_accum):
-                optimizer.micro_batch(last=k == opts.grad_accum - 1)
-                batch = batches.next().to(tier.device)
-                with autocast():
-                    loss = module(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
-                (loss / opts.grad_accum).backward()
-                micro.append(loss.detach().float())
-            loss_value = float(torch.stack(micro).mean())
+            position, rng = batches.index, capture_rng()
+            try:
+                loss_value = forward_backward()
+            except torch.OutOfMemoryError:
+                if tier.gpu is None or opts.disk:  # no plan of ours to shrink
+                    raise
+                replan_after_oom(step)
+                batches.index = position
+                restore_rng(rng)
+                try:
+                    loss_value = forward_backward()
+                except torch.OutOfMemoryError:
+                    raise TierflowError(
+                        f"the GPU ran out of memory again at step {step}, under the re-planned "
+                        f"budget of {format_bytes(tier.gpu)}: give a smaller --gpu (what else "
+                        "uses the GPU is not in the budget) or a smaller --batch-size") from None
             if world is not None:  # the ranks' means of equal row counts: the global mean
                 means = world.all_gather([loss_value], "loss average")
                 loss_value = sum(r[0] for r in means) / ranks

@@ -74,6 +74,9 @@ class LocalOptimizer:
 
     def step(self) -> None:
         self.optimizer.step()
+        self.zero_grad()
+
+    def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
     def state_bytes(self) -> int:
