@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import BudgetError, TierflowError
-from ..units import format_bytes
 from ..paths import require_writable_dir
 from ..seeding import derived_seed
+from ..units import format_bytes
 from .data import DataDir, open_data
 from .device import ComputeTier
 from .options import RECOMPUTE, TrainOptions
