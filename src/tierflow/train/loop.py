@@ -264,6 +264,9 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
 
     module = plan_step(tier)
     grads = sum(p.nbytes for p in trainable)
+    if opts.disk:  # each stage's gradients are freed by its update: one stage's at a time
+        grads = max((sum(p.nbytes for p in ps) for ps in module.optimizer.stage_params),
+                    default=0)
     dist_figures = None
     if world is not None:
         bus = bus_bandwidth(world, torch.device("cpu"))
