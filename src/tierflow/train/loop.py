@@ -218,7 +218,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
         system["ranks"] = f"{world.size} ({world.backend}); this machine's figures are rank 0's"
     logger.print()
     logger.print(section("System", list(system.items())))
-    logger.record("system", **system, peak_matmul_flops=peak)
+    logger.record("system", **system, peak_matmul_flops=peak, rss_baseline_bytes=baseline)
 
     # [Dataset]
     eval_tokens = len(data.eval) if data.eval is not None else 0
