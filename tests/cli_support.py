@@ -38,6 +38,19 @@ def make_train_env(root: Path, names: tuple[str, ...] = STDLIB_FILES) -> dict:
     return {"root": root, "data": str(root / "data"), "model": str(root / "model")}
 
 
+def fp32_train_args(env: dict, out: Path, steps: int, *extra: str) -> list[str]:
+    """``tierflow train`` of the tiny model on the tiny corpus, fp32, no warmup or eval: the
+    runs that compare placements (or devices) loss for loss."""
+    return ["train", "--model", env["model"], "--data", env["data"], "--seq-len", "32",
+            "--batch-size", "2", "--dtype", "fp32", "--lr", "1e-2", "--warmup", "0",
+            "--eval-every", "0", "--steps", str(steps), "--out", str(out), *extra]
+
+
+def train_losses(out: Path) -> list[float]:
+    """The losses of a run's ``[T]`` records, from its ``out/log.jsonl``."""
+    return [r["loss"] for r in records(out / "log.jsonl", "train")]
+
+
 def run_main(*args, capsys):
     """(exit code, stdout, stderr) of ``tierflow ARGS``."""
     try:

@@ -1,11 +1,19 @@
 """tierflow train --gpu: without CUDA it is one line pointing at --ram and --simulate-gpu; a
 simulated GPU (the CPU planned as a GPU of --gpu bytes, host RAM and --disk below) trains
-with the losses of the plain CPU run."""
+with the losses of the plain CPU run; a GPU out-of-memory error re-plans and reruns the step
+once (injected: a CPU never raises one)."""
 from __future__ import annotations
 
 import pytest
 import torch
-from cli_support import assert_error_line, make_train_env, records, run_main
+from cli_support import (
+    assert_error_line,
+    fp32_train_args,
+    make_train_env,
+    records,
+    run_main,
+    train_losses,
+)
 
 STEPS = 3
 
@@ -16,13 +24,7 @@ def env(tmp_path_factory):
 
 
 def train_args(env, out, *extra):
-    return ["train", "--model", env["model"], "--data", env["data"], "--seq-len", "32",
-            "--batch-size", "2", "--dtype", "fp32", "--lr", "1e-2", "--warmup", "0",
-            "--eval-every", "0", "--steps", str(STEPS), "--out", str(out), *extra]
-
-
-def losses(out) -> list[float]:
-    return [r["loss"] for r in records(out / "log.jsonl", "train")]
+    return fp32_train_args(env, out, STEPS, *extra)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
@@ -51,10 +53,10 @@ def test_simulated_gpu_matches_the_cpu_run(env, tmp_path, capsys):
                                           "--stream", "all"), capsys=capsys)
     assert code == 0, err
     assert "disk tier" in out, out
-    expected = losses(tmp_path / "cpu")
+    expected = train_losses(tmp_path / "cpu")
     assert len(expected) == STEPS
     for run in ("gpu", "tiers"):
-        torch.testing.assert_close(losses(tmp_path / run), expected, rtol=1e-5, atol=0.0)
+        torch.testing.assert_close(train_losses(tmp_path / run), expected, rtol=1e-5, atol=0.0)
 
 
 def _out_of_memory_at(monkeypatch, calls: set[int]) -> None:
@@ -87,7 +89,7 @@ def test_gpu_out_of_memory_replans_and_retries_the_step_once(env, tmp_path, caps
     assert "the GPU ran out of memory at step 2: re-planned under" in out, out
     replan = records(tmp_path / "oom" / "log.jsonl", "replan")
     assert len(replan) == 1 and replan[0]["gpu_budget"] < 256 << 20
-    torch.testing.assert_close(losses(tmp_path / "oom"), losses(tmp_path / "plain"),
+    torch.testing.assert_close(train_losses(tmp_path / "oom"), train_losses(tmp_path / "plain"),
                                rtol=1e-6, atol=0.0)
     with monkeypatch.context() as patch:
         _out_of_memory_at(patch, {2, 3})

@@ -7,7 +7,14 @@ import json
 
 import pytest
 import torch
-from cli_support import assert_error_line, make_train_env, records, run_main
+from cli_support import (
+    assert_error_line,
+    fp32_train_args,
+    make_train_env,
+    records,
+    run_main,
+    train_losses,
+)
 from safetensors.torch import load_file
 
 STEPS = 4
@@ -19,14 +26,7 @@ def env(tmp_path_factory):
 
 
 def train_args(env, out, *extra):
-    return ["train", "--model", env["model"], "--data", env["data"], "--seq-len", "32",
-            "--batch-size", "2", "--dtype", "fp32", "--lr", "1e-2", "--warmup", "0",
-            "--eval-every", "0", "--steps", str(STEPS), "--save-every", "2", "--out", str(out),
-            *extra]
-
-
-def losses(out) -> list[float]:
-    return [r["loss"] for r in records(out / "log.jsonl", "train")]
+    return fp32_train_args(env, out, STEPS, "--save-every", "2", *extra)
 
 
 def train(capsys, *args) -> str:
@@ -47,7 +47,7 @@ def test_disk_run_matches_the_in_memory_run(env, tmp_path, capsys, grad_accum):
                                     "--disk", str(disk), "--stream", "all",
                                     "--trace", str(tmp_path / "trace.json")))
     assert "disk tier" in out and "streamed stages" in out, out
-    ram, on_disk = losses(tmp_path / "ram"), losses(tmp_path / "disk-run")
+    ram, on_disk = train_losses(tmp_path / "ram"), train_losses(tmp_path / "disk-run")
     assert len(ram) == STEPS
     torch.testing.assert_close(on_disk, ram, rtol=1e-5, atol=0.0)
     norms = [[r["norm"] for r in records(tmp_path / run / "log.jsonl", "train")]
@@ -74,13 +74,13 @@ def test_checkpoints_resume_across_disk_and_memory(env, tmp_path, capsys):
     on_disk = ("--disk", str(disk), "--stream", "all")
     train(capsys, *train_args(env, tmp_path / "ram"))
     train(capsys, *train_args(env, tmp_path / "disk-run", *on_disk))
-    expected = losses(tmp_path / "ram")[2:]
+    expected = train_losses(tmp_path / "ram")[2:]
     train(capsys, "train", "--resume", str(tmp_path / "disk-run" / "step_2"), "--out",
           str(tmp_path / "to-ram"))
     train(capsys, "train", "--resume", str(tmp_path / "ram" / "step_2"), "--out",
           str(tmp_path / "to-disk"), *on_disk)
     for run in ("to-ram", "to-disk"):
-        torch.testing.assert_close(losses(tmp_path / run), expected, rtol=1e-5, atol=0.0)
+        torch.testing.assert_close(train_losses(tmp_path / run), expected, rtol=1e-5, atol=0.0)
     names = [load_file(str(tmp_path / run / "step_2" / "optimizer.safetensors")).keys()
              for run in ("ram", "disk-run")]
     assert set(names[0]) == set(names[1])
