@@ -100,3 +100,38 @@ def test_disk_errors_are_one_line(env, tmp_path, capsys):
     assert code == 2
     assert_error_line(err, ["--disk", "--optim-dtype int8", "--optim-dtype fp32"])
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+
+
+def test_a_full_disk_tier_mid_run_is_one_line_and_keeps_the_checkpoint(env, tmp_path, capsys,
+                                                                        monkeypatch):
+    """The disk tier fills up after the step-2 checkpoint: one line naming the directory and
+    the fix, exit code 2, step_2 intact and nothing later written."""
+    import errno
+
+    from tierflow.exec import disk as disk_module
+    from tierflow.train import checkpoint as ckpt_module
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    full = [False]
+    save, sync = ckpt_module.save_checkpoint, disk_module.os.fdatasync
+
+    def save_then_fill(*args, **kwargs):
+        path = save(*args, **kwargs)
+        full[0] = True
+        return path
+
+    def fdatasync(fd):
+        if full[0]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return sync(fd)
+    monkeypatch.setattr(ckpt_module, "save_checkpoint", save_then_fill)
+    monkeypatch.setattr(disk_module.os, "fdatasync", fdatasync)
+    out = tmp_path / "run"
+    code, _, err = run_main(*train_args(env, out, "--disk", str(disk), "--stream", "all"),
+                            capsys=capsys)
+    assert code == 2
+    assert_error_line(err, [f"the disk tier {disk}", "is full", "free space there"])
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("step_")) == ["step_2"]
+    state = load_file(str(out / "step_2" / "model.safetensors"))
+    assert state and all(torch.isfinite(t).all() for t in state.values())
+    assert list(disk.iterdir()) == []
