@@ -13,7 +13,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -61,6 +63,22 @@ class DiskStore:
                 _drop_cache(f.fileno())
         except OSError as e:
             raise _disk_error(e, self.directory) from None
+
+
+class WriteBacklog:
+    """The writes one writer thread still has to do, at most ``limit`` of them: admitting one
+    more waits for the oldest. Each pending write holds its tensors in memory until they are
+    on disk, and the plan counts ``limit`` of them, not a queue that grows for as long as the
+    disk writes slower than the compute produces (measured: 2 GiB over a 4 GiB budget)."""
+
+    def __init__(self, limit: int = 1):
+        self.limit = limit
+        self._pending: deque[Future] = deque()
+
+    def admit(self, write: Future) -> None:
+        self._pending.append(write)
+        while len(self._pending) > self.limit:
+            self._pending.popleft().result()
 
 
 def measure_bandwidth(directory: str | Path, nbytes: int = 64 << 20) -> float:

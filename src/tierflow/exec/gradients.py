@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
-from .disk import DiskStore
+from .disk import DiskStore, WriteBacklog
 from .trace import span
 
 
@@ -26,6 +26,7 @@ class GradientStash:
         self.stage_params = stage_params
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-grad-write")
         self._writes: dict[int, Future] = {}
+        self._backlog = WriteBacklog()  # one stage's gradients waiting for the disk at most
         self._stashed: dict[int, list[nn.Parameter]] = {}  # stage -> params with grads on disk
         self.square_norms: dict[int, float] = {}
 
@@ -39,6 +40,7 @@ class GradientStash:
         if measure:
             self.square_norms[i] = sum(float(g.detach().float().square().sum()) for g in grads)
         self._writes[i] = self._writer.submit(self._write, i, grads)
+        self._backlog.admit(self._writes[i])
         self._stashed[i] = params
 
     def _write(self, i: int, grads: list[torch.Tensor]) -> None:

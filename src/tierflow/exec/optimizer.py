@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..chain.base import Chain
-from .disk import DiskStore
+from .disk import DiskStore, WriteBacklog
 from .memory import DeviceMeter, HostMeter
 from .stage_call import storage_key
 from .trace import span
@@ -53,6 +53,7 @@ class OwnedOptimizer:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-state-write")
         self._reads: dict[int, Future] = {}
         self._writes: dict[int, Future] = {}
+        self._backlog = WriteBacklog()  # the states of one stage waiting for the disk at most
         owned = [j for j, opt in enumerate(self.optimizers) if opt is not None]
         self._first_update = owned[-1] if owned else -1
         self._square_norm: float | None = None
@@ -187,6 +188,7 @@ class OwnedOptimizer:
         for state, key, _, _ in entries:
             state[key] = _EVICTED
         self._writes[i] = self._writer.submit(self._write, i, tensors)
+        self._backlog.admit(self._writes[i])
 
     def _write(self, i: int, tensors: list[torch.Tensor]) -> None:
         with span(f"write optimizer states {i}", "disk write"):

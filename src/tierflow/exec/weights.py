@@ -14,6 +14,7 @@ from typing import Sequence
 from torch import nn
 
 from ..plan.ops import Backward, Forward, Op, Update
+from .disk import WriteBacklog
 from .offload import OffloadedParameters
 from .trace import span
 
@@ -32,6 +33,7 @@ class WeightStreamer:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-write")
         self._reads: dict[int, Future] = {}
         self._writes: dict[int, Future] = {}
+        self._backlog = WriteBacklog()  # one stage's weights waiting for the disk at most
         self._resident: set[int] = set()
         for params in stage_params.values():  # the weights move to disk now (if not there)
             for p in params:
@@ -122,6 +124,7 @@ class WeightStreamer:
         """Write stage i's (updated) weights to disk, then drop them, on the writer thread."""
         params = self.stage_params[i]
         self._writes[i] = self._writer.submit(self._write_and_empty, i, params)
+        self._backlog.admit(self._writes[i])
         self._resident.discard(i)
 
     def _write_and_empty(self, i: int, params: list[nn.Parameter]) -> None:
