@@ -55,9 +55,16 @@ class TapeOffload:
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-tape-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-tape-read")
         self._tapes: dict[int, _StageTape] = {}
+        self._unwritten: list[Future] = []  # writes of the stage whose forward ran last
 
     def hooks(self, i: int) -> tuple[Any, Any]:
-        """(pack, unpack) for stage i's taped forward."""
+        """(pack, unpack) for stage i's taped forward. The tapes of the stages before it
+        must be on the lower tier first: the plan counts one stage's tape in memory while it
+        is written, not a queue that grows while the disk writes slower than the forward
+        computes (measured: 1.9 GiB over a 4 GiB budget)."""
+        for write in self._unwritten:
+            write.result()
+        self._unwritten.clear()
         tape = self._tapes.setdefault(i, _StageTape())
 
         def pack(t: torch.Tensor) -> torch.Tensor | _Handle:
@@ -68,6 +75,7 @@ class TapeOffload:
             handle = _Handle(name, t.shape, t.dtype, t.device,
                              self._writer.submit(self._write, i, name, t.detach()))
             tape.handles.append(handle)
+            self._unwritten.append(handle.written)
             return handle
 
         return pack, self._unpack
