@@ -281,6 +281,28 @@ def test_tapes_offloaded_instead_of_recomputed(tmp_path, family, monkeypatch):
     assert written and any(f.name.startswith("tape-") for f in tmp_path.iterdir())
 
 
+def test_streamed_weights_do_not_wait_in_memory_for_an_offloaded_tape(tmp_path, monkeypatch):
+    """Every stage streamed and its tape offloaded: a stage's weights leave after its forward
+    (the tape on disk does not need them) and come back for its backward, so no more than
+    the stages around the one computing are resident (the planner counts no more), and the
+    training is plain PyTorch's."""
+    from tierflow.exec import tapes as tapes_module
+
+    monkeypatch.setattr(tapes_module, "MIN_BYTES", 1)
+    model = tiny_hf("llama", layers=6)
+    reference = copy.deepcopy(model)
+    sample = hf_sample()
+    module = tierflow.fit(model, sample, optimizer=_adamw, disk=tmp_path,
+                          config=FitConfig(planner="keep-all", offload_tapes="all",
+                                           stream="all", prefetch_depth=1))
+    train_side_by_side(module, reference, sample, _adamw)
+    stages = module.streamer.stage_params
+    largest = max(sum(p.nbytes for p in ps) for ps in stages.values())
+    every = sum(p.nbytes for ps in stages.values() for p in ps)
+    peak = module.streamer.offloaded.peak_resident_bytes
+    assert peak <= 4 * largest < every, (peak, largest, every)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_a_checkpoint_loaded_onto_disk_equals_from_pretrained(tmp_path, family):
     """load_model(DIR, offload=...) reads each tensor once and sends it to the disk tier:

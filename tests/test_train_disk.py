@@ -75,8 +75,10 @@ def test_checkpoints_resume_across_disk_and_memory(env, tmp_path, capsys):
     train(capsys, *train_args(env, tmp_path / "ram"))
     train(capsys, *train_args(env, tmp_path / "disk-run", *on_disk))
     expected = train_losses(tmp_path / "ram")[2:]
-    train(capsys, "train", "--resume", str(tmp_path / "disk-run" / "step_2"), "--out",
-          str(tmp_path / "to-ram"))
+    out = train(capsys, "train", "--resume", str(tmp_path / "disk-run" / "step_2"), "--out",
+                str(tmp_path / "to-ram"), "--disk", "none")
+    options = records(tmp_path / "to-ram" / "log.jsonl", "options")[-1]
+    assert "disk tier" not in out and options["disk"] is None and options["stream"] == "auto"
     train(capsys, "train", "--resume", str(tmp_path / "ram" / "step_2"), "--out",
           str(tmp_path / "to-disk"), *on_disk)
     for run in ("to-ram", "to-disk"):

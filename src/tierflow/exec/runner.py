@@ -64,6 +64,7 @@ class StepRun:
         self.tape_offload = tapes
         self.x: dict[int, torch.Tensor] = {}
         self.tapes: dict[int, Taped] = {}
+        self.tapes_below: set[int] = set()  # stages whose live tape is on the lower tier
         self.grads: dict[int, torch.Tensor] = {}
         self.rng: dict[int, RngState] = {}
         self.buffers: dict[int, BufferState] = {}
@@ -112,8 +113,8 @@ class StepRun:
             assert self.update is not None, "plan updates parameters but no optimizer is owned"
             with span(str(op), "optimizer"):
                 self.update(op.stage)
-        if self.streamer is not None:
-            self.streamer.after(self.ops, position, set(self.tapes))
+        if self.streamer is not None:  # a tape on the lower tier does not hold the weights
+            self.streamer.after(self.ops, position, set(self.tapes) - self.tapes_below)
         if self.ledger is not None:
             self._account()
 
@@ -153,12 +154,15 @@ class StepRun:
                 taped = forward_taped(stage, x, self.ctx, self.autocast, input_grad=input_grad,
                                       offload=hooks)
                 self.tapes[i] = taped
+                if offload:
+                    self.tapes_below.add(i)
                 self.x[i + 1] = taped.y.detach()
             else:
                 self.x[i + 1] = forward_plain(stage, x, self.ctx, self.autocast)
 
     def _backward(self, i: int) -> None:
         taped = self.tapes.pop(i)
+        self.tapes_below.discard(i)
         grad_y = self.grads.pop(i + 1)
         grad_x = backward_taped(taped, grad_y)
         del taped, grad_y

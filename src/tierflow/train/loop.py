@@ -17,6 +17,12 @@ batch (``tierflow.dist``): gradients are reduce-scattered stage by stage during 
 the optimizer updates this rank's shard (ZeRO-2) and the parameters are all-gathered; rank 0
 prints, logs and writes checkpoints in the single-process format. The optimizer is built in
 ``optimizer.build_optimizer`` alone, for one process and for the shards alike.
+
+With ``--disk DIR`` the model lives on a disk tier and ``tierflow.fit`` owns the optimizer
+(``owned.py``: updates during the backward, checkpoints streamed stage by stage); ``--gpu``
+moves the compute to CUDA or a simulated GPU (``device.py``), where an out-of-memory error
+re-plans the step once. ``header.py`` prints the sections before the first step and
+``guards.py`` wraps the step loop (Ctrl-C, ``--trace``).
 """
 from __future__ import annotations
 
@@ -24,10 +30,9 @@ import contextlib
 import dataclasses
 import functools
 import math
-import signal
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from ..errors import BudgetError, TierflowError
 from ..paths import require_writable_dir
@@ -35,36 +40,16 @@ from ..seeding import derived_seed
 from ..units import format_bytes
 from .data import DataDir, open_data
 from .device import ComputeTier
+from .guards import Interrupt, traced
+from .header import print_header
 from .options import RECOMPUTE, TrainOptions
-from .sol import cpu_model, model_flops_per_token, peak_matmul_flops
+from .sol import model_flops_per_token
 
 INTERRUPTED = 130
 DEFAULT_STEPS = 100
 
 
 # ---------------------------------------------------------------- the run
-
-class _Interrupt:
-    """SIGINT sets a flag the loop checks between steps; a second one interrupts at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = None
-
-    def __enter__(self) -> "_Interrupt":
-        with contextlib.suppress(ValueError):  # not the main thread
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-
 
 def train(opts: TrainOptions) -> int:
     """Run ``tierflow train`` with validated ``opts``; returns the exit code. Under torchrun
@@ -190,51 +175,14 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     from .checkpoint import latest_checkpoint, save_checkpoint
     from .codec import capture_rng, restore_rng
     from .data import Batches, eval_batches
-    from .logger import PlanPrecision, eval_line, plan_section, section, train_line
+    from .logger import PlanPrecision, eval_line, plan_section, train_line
     from .optimizer import LocalOptimizer, build_optimizer, param_groups, reserved_bytes
     from .owned import OwnedOptimizer
     from .schedule import lr_at
 
-    # [Options]
-    matmul = precision.matmul_dtype
-    shown = opts.as_dict()
-    shown.update({"steps": total, "warmup": warmup, "min_lr": min_lr,
-                  "dtype": _autocast_name(matmul), "matmul_dtype": matmul, "out": str(out),
-                  "log": str(logger.path)})
-    logger.print(section("Options", [(k.replace("_", "-"), "-" if v is None else v)
-                                     for k, v in shown.items()]))
-    logger.record("options", **shown)
-
-    # [System]
-    peak_dtype = "fp32" if matmul == "fp32" else "bf16"  # fp8 is held to bf16's peak here
-    on_cpu = tier.device.type == "cpu"
-    peak = peak_matmul_flops(peak_dtype) if on_cpu else 0.0  # SOL is measured on CPUs only
-    system = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model(),
-              "bf16 native": measure.fast_bf16(), "device": tier.describe(),
-              "dtype": _autocast_name(matmul), "precision": _precision_words(precision),
-              "peak matmul": f"{peak / 1e9:.1f} GFLOP/s ({peak_dtype}, measured)" if on_cpu
-              else "- (measured on CPUs only: no SOL on the GPU)"}
-    if world is not None:
-        system["ranks"] = f"{world.size} ({world.backend}); this machine's figures are rank 0's"
-    logger.print()
-    logger.print(section("System", list(system.items())))
-    logger.record("system", **system, peak_matmul_flops=peak, rss_baseline_bytes=baseline)
-
-    # [Dataset]
-    eval_tokens = len(data.eval) if data.eval is not None else 0
-    dataset = [("train", f"{len(data.train):,} tokens ({data.path / 'train.bin'})"),
-               ("eval", f"{eval_tokens:,} tokens" + (f" ({data.path / 'eval.bin'})" if data.eval
-                                                     is not None else " (no eval.bin)")),
-               ("vocab", f"{data.vocab_size:,} (model {model.config.vocab_size:,})"),
-               ("seq len", opts.seq_len),
-               ("tokens per step", f"{tokens_per_step:,} ({opts.batch_size} x {opts.grad_accum} x "
-                                   f"{opts.seq_len})"),
-               ("epochs", f"{total * tokens_per_step / len(data.train):.2f} over {total} steps")]
-    logger.print()
-    logger.print(section("Dataset", dataset))
-    logger.record("dataset", train_tokens=len(data.train), eval_tokens=eval_tokens,
-                  vocab_size=data.vocab_size, seq_len=opts.seq_len,
-                  tokens_per_step=tokens_per_step, steps=total)
+    peak = print_header(logger, opts=opts, precision=precision, tier=tier, world=world,
+                        data=data, model=model, total=total, warmup=warmup, min_lr=min_lr,
+                        out=out, tokens_per_step=tokens_per_step, baseline=baseline)
 
     # [Plan]: per rank (budgets are per rank; each rank runs batch-size / ranks rows)
     ranks = world.size if world is not None else 1
@@ -416,7 +364,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     last_saved = start if ckpt is not None else None
     step = start
     step_s = 0.0
-    with _Interrupt() as interrupt, _traced(opts.trace, logger):
+    with Interrupt() as interrupt, traced(opts.trace, logger):
         for step in range(start + 1, total + 1):
             t0 = time.perf_counter()
             if world is not None:
@@ -496,38 +444,3 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     logger.print(f"done: {total} steps; saved {path}")
     logger.record("done", step=total, path=str(path))
     return 0
-
-
-@contextlib.contextmanager
-def _traced(path: str | None, logger) -> Iterator[None]:
-    """With ``--trace FILE``: record every step's spans and write them when the loop ends
-    (however it ends: an interrupted or failed run's trace is the one to look at)."""
-    if path is None:
-        yield
-        return
-    from ..exec.trace import recording
-    with recording() as recorder:
-        try:
-            yield
-        finally:
-            recorder.write(path)
-            logger.print(f"trace: {path} ({len(recorder.events)} events; open it in "
-                         "https://ui.perfetto.dev or chrome://tracing)")
-
-
-def _autocast_name(matmul: str) -> str:
-    """What ``--dtype`` names for a matmul dtype: the autocast mode (fp8 runs inside bf16)."""
-    return "fp32" if matmul == "fp32" else "bf16"
-
-
-def _precision_words(precision) -> str:
-    """``weights bf16, master none (stochastic rounding), moments int8, matmuls fp8 (...)``."""
-    master = {"fp32": "fp32", "none": "none (stochastic rounding)"}[precision.master]
-    if precision.model_dtype == "fp32":
-        master = "- (fp32 weights are their own)"
-    matmul = precision.matmul_dtype
-    if matmul == "fp8":
-        matmul = (f"fp8 e4m3 (gradients {precision.fp8_grad}; torch._scaled_mm, emulated on "
-                  "this CPU)")
-    return (f"weights {precision.model_dtype}, master {master}, moments "
-            f"{precision.optim_dtype}, matmuls {matmul}")

@@ -107,6 +107,8 @@ class TrainOptions:
         if self.dtype not in DTYPES:
             raise TierflowError(f"--dtype {self.dtype!r} is unknown: use fp32, bf16 or auto")
         self._validate_precision(world_size)
+        if self.disk == "none":  # resuming a --disk run in memory
+            self.disk = None
         if self.stream not in STREAM:
             raise TierflowError(f"--stream {self.stream!r} is unknown: use auto or all")
         if self.disk is not None:
@@ -210,10 +212,13 @@ class TrainOptions:
 
     def inherit(self, saved: dict[str, Any]) -> None:
         """With --resume: the options of the checkpoint's run for those not given now
-        (--out, --log, --resume, --config and --trace are never inherited)."""
+        (--out, --log, --resume, --config and --trace are never inherited; nor are --stream
+        and --prefetch when --disk is given, ``--disk none`` included)."""
+        never = {"given", "out", "log", "resume", "config", "trace"}
+        if "disk" in self.given:
+            never |= {"stream", "prefetch"}
         for f in fields(self):
-            if f.name in saved and f.name not in self.given and f.name not in (
-                    "given", "out", "log", "resume", "config", "trace"):
+            if f.name in saved and f.name not in self.given and f.name not in never:
                 setattr(self, f.name, saved[f.name])
 
 
@@ -269,7 +274,8 @@ _HELP = {
                            "size (host RAM and --disk below it), to try a GPU plan without one"),
     "disk": ("DIR", "an existing directory for the disk tier: the weights and AdamW states "
                     "that do not fit --ram live there between uses (a scratch subdirectory, "
-                    "removed at the end; checkpoints still go to --out)"),
+                    "removed at the end; checkpoints still go to --out); --resume keeps the "
+                    "run's --disk unless given, 'none' for no disk tier"),
     "seq_len": ("N", "tokens per sequence (default 256)"),
     "batch_size": ("N", "sequences per micro-batch over all ranks (the global batch): under "
                         "torchrun each rank takes batch-size / ranks of them (default 4)"),

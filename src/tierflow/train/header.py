@@ -1,0 +1,81 @@
+"""The sections a run prints before its first step: ``[Options]`` (every option, defaults
+resolved), ``[System]`` (torch, threads, CPU, the device and its budgets, precision, the
+measured peak matmul rate that SOL is relative to) and ``[Dataset]``; each also a JSON record.
+``[Plan]`` follows from ``logger.plan_section`` once the step is planned."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .. import measure
+from .data import DataDir
+from .device import ComputeTier
+from .logger import section
+from .options import TrainOptions
+from .sol import cpu_model, peak_matmul_flops
+
+
+def print_header(logger, *, opts: TrainOptions, precision, tier: ComputeTier, world,
+                 data: DataDir, model, total: int, warmup: int, min_lr: float, out: Path,
+                 tokens_per_step: int, baseline: int) -> float:
+    """Print and record the three sections; returns the peak matmul FLOP/s (0 off the CPU)."""
+    # [Options]
+    matmul = precision.matmul_dtype
+    shown = opts.as_dict()
+    shown.update({"steps": total, "warmup": warmup, "min_lr": min_lr,
+                  "dtype": _autocast_name(matmul), "matmul_dtype": matmul, "out": str(out),
+                  "log": str(logger.path)})
+    logger.print(section("Options", [(k.replace("_", "-"), "-" if v is None else v)
+                                     for k, v in shown.items()]))
+    logger.record("options", **shown)
+
+    # [System]
+    peak_dtype = "fp32" if matmul == "fp32" else "bf16"  # fp8 is held to bf16's peak here
+    on_cpu = tier.device.type == "cpu"
+    peak = peak_matmul_flops(peak_dtype) if on_cpu else 0.0  # SOL is measured on CPUs only
+    system = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model(),
+              "bf16 native": measure.fast_bf16(), "device": tier.describe(),
+              "dtype": _autocast_name(matmul), "precision": _precision_words(precision),
+              "peak matmul": f"{peak / 1e9:.1f} GFLOP/s ({peak_dtype}, measured)" if on_cpu
+              else "- (measured on CPUs only: no SOL on the GPU)"}
+    if world is not None:
+        system["ranks"] = f"{world.size} ({world.backend}); this machine's figures are rank 0's"
+    logger.print()
+    logger.print(section("System", list(system.items())))
+    logger.record("system", **system, peak_matmul_flops=peak, rss_baseline_bytes=baseline)
+
+    # [Dataset]
+    eval_tokens = len(data.eval) if data.eval is not None else 0
+    dataset = [("train", f"{len(data.train):,} tokens ({data.path / 'train.bin'})"),
+               ("eval", f"{eval_tokens:,} tokens" + (f" ({data.path / 'eval.bin'})" if data.eval
+                                                     is not None else " (no eval.bin)")),
+               ("vocab", f"{data.vocab_size:,} (model {model.config.vocab_size:,})"),
+               ("seq len", opts.seq_len),
+               ("tokens per step", f"{tokens_per_step:,} ({opts.batch_size} x {opts.grad_accum} x "
+                                   f"{opts.seq_len})"),
+               ("epochs", f"{total * tokens_per_step / len(data.train):.2f} over {total} steps")]
+    logger.print()
+    logger.print(section("Dataset", dataset))
+    logger.record("dataset", train_tokens=len(data.train), eval_tokens=eval_tokens,
+                  vocab_size=data.vocab_size, seq_len=opts.seq_len,
+                  tokens_per_step=tokens_per_step, steps=total)
+    return peak
+
+
+def _autocast_name(matmul: str) -> str:
+    """What ``--dtype`` names for a matmul dtype: the autocast mode (fp8 runs inside bf16)."""
+    return "fp32" if matmul == "fp32" else "bf16"
+
+
+def _precision_words(precision) -> str:
+    """``weights bf16, master none (stochastic rounding), moments int8, matmuls fp8 (...)``."""
+    master = {"fp32": "fp32", "none": "none (stochastic rounding)"}[precision.master]
+    if precision.model_dtype == "fp32":
+        master = "- (fp32 weights are their own)"
+    matmul = precision.matmul_dtype
+    if matmul == "fp8":
+        matmul = (f"fp8 e4m3 (gradients {precision.fp8_grad}; torch._scaled_mm, emulated on "
+                  "this CPU)")
+    return (f"weights {precision.model_dtype}, master {master}, moments "
+            f"{precision.optim_dtype}, matmuls {matmul}")
