@@ -14,3 +14,11 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def own_cache(monkeypatch, tmp_path_factory):
     monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+@pytest.fixture(scope="module")
+def train_env(tmp_path_factory):
+    """A tiny tokenized corpus and a tiny Llama saved with save_pretrained (one per test
+    module): see ``cli_support.make_train_env``."""
+    from cli_support import make_train_env
+    return make_train_env(tmp_path_factory.mktemp("train"))

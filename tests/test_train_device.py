@@ -6,21 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cli_support import (
-    assert_error_line,
-    fp32_train_args,
-    make_train_env,
-    records,
-    run_main,
-    train_losses,
-)
+from cli_support import assert_error_line, fp32_train_args, records, run_main, train_losses
 
 STEPS = 3
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return make_train_env(tmp_path_factory.mktemp("train-device"))
 
 
 def train_args(env, out, *extra):
@@ -28,28 +16,28 @@ def train_args(env, out, *extra):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU")
-def test_gpu_without_cuda_is_one_line(env, tmp_path, capsys):
-    code, _, err = run_main(*train_args(env, tmp_path / "a", "--gpu", "8GiB"), capsys=capsys)
+def test_gpu_without_cuda_is_one_line(train_env, tmp_path, capsys):
+    code, _, err = run_main(*train_args(train_env, tmp_path / "a", "--gpu", "8GiB"), capsys=capsys)
     assert code == 2
     assert_error_line(err, ["--gpu 8GiB", "CUDA", "--ram", "--simulate-gpu"])
-    code, _, err = run_main(*train_args(env, tmp_path / "b", "--simulate-gpu"), capsys=capsys)
+    code, _, err = run_main(*train_args(train_env, tmp_path / "b", "--simulate-gpu"), capsys=capsys)
     assert code == 2
     assert_error_line(err, ["--simulate-gpu needs --gpu"])
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
 
 
-def test_simulated_gpu_matches_the_cpu_run(env, tmp_path, capsys):
+def test_simulated_gpu_matches_the_cpu_run(train_env, tmp_path, capsys):
     """Two tiers (a 64 MiB simulated GPU over RAM) and three (and the disk below, every
     stage's weights and the AdamW states streamed): fp32 losses as on the CPU."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    code, _, err = run_main(*train_args(env, tmp_path / "cpu"), capsys=capsys)
+    code, _, err = run_main(*train_args(train_env, tmp_path / "cpu"), capsys=capsys)
     assert code == 0, err
     gpu = ("--gpu", "64MiB", "--simulate-gpu", "--ram", "1GiB")
-    code, out, err = run_main(*train_args(env, tmp_path / "gpu", *gpu), capsys=capsys)
+    code, out, err = run_main(*train_args(train_env, tmp_path / "gpu", *gpu), capsys=capsys)
     assert code == 0, err
     assert "gpu (simulated on the CPU); budgets: gpu 64.00 MiB, ram 1.00 GiB" in out, out
-    code, out, err = run_main(*train_args(env, tmp_path / "tiers", *gpu, "--disk", str(disk),
+    code, out, err = run_main(*train_args(train_env, tmp_path / "tiers", *gpu, "--disk", str(disk),
                                           "--stream", "all"), capsys=capsys)
     assert code == 0, err
     assert "disk tier" in out, out
@@ -73,18 +61,18 @@ def _out_of_memory_at(monkeypatch, calls: set[int]) -> None:
     monkeypatch.setattr(TierflowModule, "forward", failing)
 
 
-def test_gpu_out_of_memory_replans_and_retries_the_step_once(env, tmp_path, capsys,
+def test_gpu_out_of_memory_replans_and_retries_the_step_once(train_env, tmp_path, capsys,
                                                              monkeypatch):
     """An out-of-memory error in step 2 re-plans under 80% of the predicted peak and runs
     the step again from its first batch and RNG state: the losses of an undisturbed run.
     A second one in the same step is one line and exit code 2."""
     gpu = ("--gpu", "256MiB", "--simulate-gpu", "--ram", "1GiB", "--seq-len", "128",
            "--batch-size", "8")  # activations enough for a plan under 80% of keep-all's peak
-    code, _, err = run_main(*train_args(env, tmp_path / "plain", *gpu), capsys=capsys)
+    code, _, err = run_main(*train_args(train_env, tmp_path / "plain", *gpu), capsys=capsys)
     assert code == 0, err
     with monkeypatch.context() as patch:
         _out_of_memory_at(patch, {2})
-        code, out, err = run_main(*train_args(env, tmp_path / "oom", *gpu), capsys=capsys)
+        code, out, err = run_main(*train_args(train_env, tmp_path / "oom", *gpu), capsys=capsys)
     assert code == 0, err
     assert "the GPU ran out of memory at step 2: re-planned under" in out, out
     replan = records(tmp_path / "oom" / "log.jsonl", "replan")
@@ -93,6 +81,6 @@ def test_gpu_out_of_memory_replans_and_retries_the_step_once(env, tmp_path, caps
                                rtol=1e-6, atol=0.0)
     with monkeypatch.context() as patch:
         _out_of_memory_at(patch, {2, 3})
-        code, _, err = run_main(*train_args(env, tmp_path / "twice", *gpu), capsys=capsys)
+        code, _, err = run_main(*train_args(train_env, tmp_path / "twice", *gpu), capsys=capsys)
     assert code == 2
     assert_error_line(err, ["ran out of memory again at step 2", "--gpu"])

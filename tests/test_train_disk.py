@@ -7,22 +7,10 @@ import json
 
 import pytest
 import torch
-from cli_support import (
-    assert_error_line,
-    fp32_train_args,
-    make_train_env,
-    records,
-    run_main,
-    train_losses,
-)
+from cli_support import assert_error_line, fp32_train_args, records, run_main, train_losses
 from safetensors.torch import load_file
 
 STEPS = 4
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return make_train_env(tmp_path_factory.mktemp("train-disk"))
 
 
 def train_args(env, out, *extra):
@@ -36,15 +24,15 @@ def train(capsys, *args) -> str:
 
 
 @pytest.mark.parametrize("grad_accum", ["1", "2"])
-def test_disk_run_matches_the_in_memory_run(env, tmp_path, capsys, grad_accum):
+def test_disk_run_matches_the_in_memory_run(train_env, tmp_path, capsys, grad_accum):
     """fp32, every stage streamed (--stream all): the same losses, gradient norms and
     weights as the in-memory run, with accumulation 1 (updates in the backward, clipped:
     one pass after it) and 2."""
     disk = tmp_path / "disk"
     disk.mkdir()
-    train(capsys, *train_args(env, tmp_path / "ram", "--grad-accum", grad_accum))
-    out = train(capsys, *train_args(env, tmp_path / "disk-run", "--grad-accum", grad_accum,
-                                    "--disk", str(disk), "--stream", "all",
+    train(capsys, *train_args(train_env, tmp_path / "ram", "--grad-accum", grad_accum))
+    out = train(capsys, *train_args(train_env, tmp_path / "disk-run", "--grad-accum",
+                                    grad_accum, "--disk", str(disk), "--stream", "all",
                                     "--trace", str(tmp_path / "trace.json")))
     assert "disk tier" in out and "streamed stages" in out, out
     ram, on_disk = train_losses(tmp_path / "ram"), train_losses(tmp_path / "disk-run")
@@ -66,14 +54,14 @@ def test_disk_run_matches_the_in_memory_run(env, tmp_path, capsys, grad_accum):
     assert any(e["name"].startswith("read optimizer states") for e in reads)
 
 
-def test_checkpoints_resume_across_disk_and_memory(env, tmp_path, capsys):
+def test_checkpoints_resume_across_disk_and_memory(train_env, tmp_path, capsys):
     """A --disk checkpoint resumes in memory and an in-memory one resumes with --disk, each
     giving the uninterrupted run's losses: both write the single-process format."""
     disk = tmp_path / "disk"
     disk.mkdir()
     on_disk = ("--disk", str(disk), "--stream", "all")
-    train(capsys, *train_args(env, tmp_path / "ram"))
-    train(capsys, *train_args(env, tmp_path / "disk-run", *on_disk))
+    train(capsys, *train_args(train_env, tmp_path / "ram"))
+    train(capsys, *train_args(train_env, tmp_path / "disk-run", *on_disk))
     expected = train_losses(tmp_path / "ram")[2:]
     out = train(capsys, "train", "--resume", str(tmp_path / "disk-run" / "step_2"), "--out",
                 str(tmp_path / "to-ram"), "--disk", "none")
@@ -88,24 +76,25 @@ def test_checkpoints_resume_across_disk_and_memory(env, tmp_path, capsys):
     assert set(names[0]) == set(names[1])
 
 
-def test_disk_errors_are_one_line(env, tmp_path, capsys):
+def test_disk_errors_are_one_line(train_env, tmp_path, capsys):
     missing = tmp_path / "missing"
-    code, _, err = run_main(*train_args(env, tmp_path / "a", "--disk", str(missing)),
+    code, _, err = run_main(*train_args(train_env, tmp_path / "a", "--disk", str(missing)),
                             capsys=capsys)
     assert code == 2
     assert_error_line(err, [str(missing), "does not exist"])
-    code, _, err = run_main(*train_args(env, tmp_path / "b", "--stream", "all"), capsys=capsys)
+    code, _, err = run_main(*train_args(train_env, tmp_path / "b", "--stream", "all"),
+                            capsys=capsys)
     assert code == 2
     assert_error_line(err, ["--stream all", "--disk"])
-    code, _, err = run_main(*train_args(env, tmp_path / "c", "--disk", str(tmp_path),
+    code, _, err = run_main(*train_args(train_env, tmp_path / "c", "--disk", str(tmp_path),
                                         "--optim-dtype", "int8"), capsys=capsys)
     assert code == 2
     assert_error_line(err, ["--disk", "--optim-dtype int8", "--optim-dtype fp32"])
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
 
 
-def test_a_full_disk_tier_mid_run_is_one_line_and_keeps_the_checkpoint(env, tmp_path, capsys,
-                                                                        monkeypatch):
+def test_a_full_disk_tier_mid_run_is_one_line_and_keeps_the_checkpoint(train_env, tmp_path,
+                                                                        capsys, monkeypatch):
     """The disk tier fills up after the step-2 checkpoint: one line naming the directory and
     the fix, exit code 2, step_2 intact and nothing later written."""
     import errno
@@ -129,7 +118,7 @@ def test_a_full_disk_tier_mid_run_is_one_line_and_keeps_the_checkpoint(env, tmp_
     monkeypatch.setattr(ckpt_module, "save_checkpoint", save_then_fill)
     monkeypatch.setattr(disk_module.os, "fdatasync", fdatasync)
     out = tmp_path / "run"
-    code, _, err = run_main(*train_args(env, out, "--disk", str(disk), "--stream", "all"),
+    code, _, err = run_main(*train_args(train_env, out, "--disk", str(disk), "--stream", "all"),
                             capsys=capsys)
     assert code == 2
     assert_error_line(err, [f"the disk tier {disk}", "is full", "free space there"])
