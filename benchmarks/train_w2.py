@@ -89,7 +89,6 @@ def tierflow(ram: str, prefetch: int, steps: int, data: Path, disk: Path, work: 
     tids = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M"}
     busy = {row: round(sum(e["dur"] for e in events if e["ph"] == "X" and e["tid"] == tids[row])
                        / 1e6 / len(train), 1) for row in ROWS}
-    checkpoint = [r for r in records["checkpoint"]] if "checkpoint" in records else []
     print(f"  {name}: {wall:.0f} s, step {step:.1f} s (load {load:.1f} before)", flush=True)
     return {"run": f"tierflow {name}", "ram": ram, "prefetch": prefetch,
             "step_s_median": round(step, 2), "tok_s": round(BATCH * SEQ / step, 2),
@@ -102,7 +101,7 @@ def tierflow(ram: str, prefetch: int, steps: int, data: Path, disk: Path, work: 
             "predicted_peak_gib": round(plan["predicted_peak"] / 2**30, 3),
             "disk_gib": {k: round(v / 2**30, 2) for k, v in plan["disk_bytes"].items()},
             "busy_s_per_step": busy, "wall_s": round(wall), "load_before": round(load, 2),
-            "checkpoints": len(checkpoint), "trace": str(trace.relative_to(ROOT))}
+            "checkpoints": len(records.get("checkpoint", [])), "trace": str(trace.relative_to(ROOT))}
 
 
 def main() -> None:

@@ -51,6 +51,19 @@ def train_losses(out: Path) -> list[float]:
     return [r["loss"] for r in records(out / "log.jsonl", "train")]
 
 
+def spy_saved_models(monkeypatch) -> list:
+    """The models the trainer passes to ``save_checkpoint``, in order (the saving goes on)."""
+    from tierflow.train import checkpoint as ckpt_module
+    saved = []
+    original = ckpt_module.save_checkpoint
+
+    def spy(out_dir, step, model, **kw):
+        saved.append(model)
+        return original(out_dir, step, model, **kw)
+    monkeypatch.setattr(ckpt_module, "save_checkpoint", spy)
+    return saved
+
+
 def run_main(*args, capsys):
     """(exit code, stdout, stderr) of ``tierflow ARGS``."""
     try:

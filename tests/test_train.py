@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_support import make_train_env, records, run_killed_beside_full, run_main
+from cli_support import make_train_env, records, run_killed_beside_full, run_main, spy_saved_models
 
 from tierflow import cli
-from tierflow.train import checkpoint as ckpt_module
 from tierflow.train.options import TrainOptions, from_args
 from tierflow.train.schedule import lr_at
 
@@ -43,13 +42,7 @@ def train_args(env, out, *extra):
 
 def test_train_prints_logs_and_saves_a_loadable_checkpoint(env, tmp_path, capsys, monkeypatch):
     from transformers import AutoModelForCausalLM
-    saved = []
-    original = ckpt_module.save_checkpoint
-
-    def spy(out_dir, step, model, **kw):
-        saved.append(model)
-        return original(out_dir, step, model, **kw)
-    monkeypatch.setattr(ckpt_module, "save_checkpoint", spy)
+    saved = spy_saved_models(monkeypatch)
     code, out, err = run_main(*train_args(env, tmp_path / "run", "--steps", "4", "--eval-every",
                                           "2", "--eval-steps", "2", "--ram", "1GiB"), capsys=capsys)
     assert code == 0, err

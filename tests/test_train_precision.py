@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_support import assert_error_line, make_train_env, records, run_killed_beside_full, run_main
+from cli_support import (
+    assert_error_line,
+    make_train_env,
+    records,
+    run_killed_beside_full,
+    run_main,
+    spy_saved_models,
+)
 from safetensors import safe_open
 
 from tierflow.train.options import TrainOptions
@@ -66,14 +73,7 @@ def test_plan_rows_follow_the_precision(env, tmp_path, capsys, flags, total, mas
 def test_checkpoint_is_bf16_and_loads_with_transformers(env, tmp_path, capsys, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from tierflow.train import checkpoint as ckpt_module
-    saved = []
-    original = ckpt_module.save_checkpoint
-
-    def spy(out_dir, step, model, **kw):
-        saved.append(model)
-        return original(out_dir, step, model, **kw)
-    monkeypatch.setattr(ckpt_module, "save_checkpoint", spy)
+    saved = spy_saved_models(monkeypatch)
     code, _, err = run_main(*train_args(env, tmp_path / "run", "--steps", "3", *SIX),
                             capsys=capsys)
     assert code == 0, err

@@ -330,7 +330,7 @@ class OptimizerFile:
 
     def references(self) -> list[dict | None]:
         """The state dicts with each tensor's name in its place (read them with ``read``)."""
-        return unflatten_optimizer_states(_Names(self.tensors), self.structure)
+        return unflatten_optimizer_states({name: name for name in self.tensors}, self.structure)
 
     def read(self, name: str) -> torch.Tensor:
         from ..safetensors_io import read_tensor
@@ -345,13 +345,6 @@ class OptimizerFile:
         """Every state dict, with its tensors in memory."""
         return unflatten_optimizer_states({name: self.read(name) for name in self.tensors},
                                           self.structure)
-
-
-class _Names(dict):
-    """A mapping whose values are its keys: decodes a structure into tensor names."""
-
-    def __getitem__(self, name: str) -> str:  # type: ignore[override]
-        return name
 
 
 def _references(structure: Any) -> list[str]:

@@ -177,7 +177,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     from .data import Batches, eval_batches
     from .logger import PlanPrecision, eval_line, plan_section, train_line
     from .optimizer import LocalOptimizer, build_optimizer, param_groups, reserved_bytes
-    from .owned import OwnedOptimizer
+    from .owned import FitOwnedOptimizer
     from .schedule import lr_at
 
     peak = print_header(logger, opts=opts, precision=precision, tier=tier, world=world,
@@ -234,7 +234,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     logger.record("plan", **fields)
 
     if opts.disk:
-        optimizer: Any = OwnedOptimizer(module, params, opts)
+        optimizer: Any = FitOwnedOptimizer(module, params, opts)
     elif world is None:
         optimizer = LocalOptimizer(build_optimizer(groups, opts, precision), params)
     else:
@@ -371,11 +371,12 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
                 world.step = step
             lr = lr_at(step - 1, lr=opts.lr, warmup=warmup, total=total, min_lr=min_lr)
             optimizer.set_lr(lr)
-            position, rng = batches.index, capture_rng()
+            retry = tier.gpu is not None and not opts.disk  # a GPU plan of ours to shrink
+            position, rng = batches.index, capture_rng() if retry else None
             try:
                 loss_value = forward_backward()
             except torch.OutOfMemoryError:
-                if tier.gpu is None or opts.disk:  # no plan of ours to shrink
+                if not retry:
                     raise
                 replan_after_oom(step)
                 batches.index = position

@@ -26,7 +26,7 @@ from .options import TrainOptions
 _NAME = re.compile(r"^opt\.0\.state\.(\d+)\.(.+)$")  # flatten_optimizer_states' names
 
 
-class OwnedOptimizer:
+class FitOwnedOptimizer:
     """The per-stage optimizers of a fitted module, with ``LocalOptimizer``'s interface."""
 
     def __init__(self, module: Any, params: list[nn.Parameter], opts: TrainOptions):
