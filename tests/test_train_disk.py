@@ -4,6 +4,7 @@ in-memory run; its checkpoints are the same format (resume across the two, eithe
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -99,24 +100,26 @@ def test_a_full_disk_tier_mid_run_is_one_line_and_keeps_the_checkpoint(train_env
     the fix, exit code 2, step_2 intact and nothing later written."""
     import errno
 
-    from tierflow.exec import disk as disk_module
     from tierflow.train import checkpoint as ckpt_module
     disk = tmp_path / "disk"
     disk.mkdir()
     full = [False]
-    save, sync = ckpt_module.save_checkpoint, disk_module.os.fdatasync
+    save, sync, pwrite = ckpt_module.save_checkpoint, os.fdatasync, os.pwrite
 
     def save_then_fill(*args, **kwargs):
         path = save(*args, **kwargs)
         full[0] = True
         return path
 
-    def fdatasync(fd):
-        if full[0]:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return sync(fd)
+    def failing(call):  # a direct write fails in pwrite, one through the page cache at sync
+        def after_the_checkpoint(*args):
+            if full[0]:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return call(*args)
+        return after_the_checkpoint
     monkeypatch.setattr(ckpt_module, "save_checkpoint", save_then_fill)
-    monkeypatch.setattr(disk_module.os, "fdatasync", fdatasync)
+    monkeypatch.setattr(os, "fdatasync", failing(sync))
+    monkeypatch.setattr(os, "pwrite", failing(pwrite))
     out = tmp_path / "run"
     code, _, err = run_main(*train_args(train_env, out, "--disk", str(disk), "--stream", "all"),
                             capsys=capsys)

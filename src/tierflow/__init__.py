@@ -8,10 +8,19 @@ Low-precision training (``tierflow.precision``): ``PrecisionConfig`` says how we
 copy, AdamW moments and matmuls are stored and run; ``apply_precision(model, config)`` applies
 it to a built model, ``autocast_context(config, "cpu")`` is the mode to run it under and
 ``make_optimizer(groups, config, lr=...)`` the AdamW that matches.
+
+Importing tierflow before torch sets ``THP_MEM_ALLOC_ENABLE=1`` (unless it is set): torch then
+aligns CPU tensors of 2 MiB and more to pages and backs them with huge pages where it can,
+so that the disk tier can read and write them by DMA (``exec/file_io.py``) and fresh tensors
+fault in 2 MiB at a time. torch reads the variable once, at its first allocation; imported
+after torch, tierflow works the same, copying through a small aligned buffer instead.
 """
 from __future__ import annotations
 
+import os
 from typing import Any
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from .errors import BudgetError, TierflowError
 from .units import format_bytes, parse_bytes

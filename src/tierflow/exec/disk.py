@@ -1,13 +1,10 @@
-"""The disk tier: tensors kept in files under a directory and read back into fresh buffers.
-
-Written data is synced and then dropped from the page cache (``posix_fadvise``), and so is
-read data, so that the disk tier never holds RAM behind the budget's back: the page cache is
-not in the process's RSS, but it is the machine's memory all the same.
+"""The disk tier: tensors kept in files under a directory, one file per key, and read back
+into given buffers (``file_io`` moves the bytes: past the page cache where it can), plus the
+checks and one-line errors for the directory that holds it.
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import shutil
@@ -22,14 +19,17 @@ import torch
 
 from ..errors import TierflowError
 from ..units import format_bytes
+from .file_io import direct_io_supported, file_bytes, read_tensors, write_tensors
 
 
 class DiskStore:
-    """Flat files of raw tensor bytes, one per key, in ``directory``."""
+    """Flat files of raw tensor bytes, one per key, in ``directory``; ``direct`` says whether
+    they bypass the page cache (None: whenever the file system allows it)."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, direct: bool | None = None):
         self.directory = Path(directory)
         _check_directory(self.directory)
+        self.direct = direct_io_supported(self.directory) if direct is None else direct
         self.sizes: dict[str, int] = {}
 
     @property
@@ -38,31 +38,23 @@ class DiskStore:
         return sum(self.sizes.values())
 
     def write(self, key: str, tensors: list[torch.Tensor]) -> None:
-        """Store ``tensors`` (CPU, contiguous) back to back under ``key``, durably."""
-        path = self.directory / f"{key}.bin"
+        """Store ``tensors`` (CPU, contiguous) back to back under ``key``, on the device."""
         try:
-            with open(path, "wb", buffering=0) as f:
-                for t in tensors:
-                    f.write(_as_bytes(t))
-                os.fdatasync(f.fileno())
-                _drop_cache(f.fileno())
+            write_tensors(self.directory / f"{key}.bin", tensors, self.direct)
         except OSError as e:
             raise _disk_error(e, self.directory) from None
-        self.sizes[key] = sum(t.nbytes for t in tensors)
+        self.sizes[key] = file_bytes(tensors, self.direct)
 
     def read(self, key: str, tensors: list[torch.Tensor]) -> None:
         """Fill ``tensors`` (shaped as they were written) from the file under ``key``."""
         path = self.directory / f"{key}.bin"
         try:
-            with open(path, "rb", buffering=0) as f:
-                for t in tensors:
-                    view = _as_bytes(t)
-                    if f.readinto(view) != len(view):
-                        raise TierflowError(f"{path} is shorter than the tensors written to it: "
-                                            f"the offload directory was changed during the run")
-                _drop_cache(f.fileno())
+            complete = read_tensors(path, tensors, self.direct)
         except OSError as e:
             raise _disk_error(e, self.directory) from None
+        if not complete:
+            raise TierflowError(f"{path} is shorter than the tensors written to it: "
+                                f"the offload directory was changed during the run")
 
 
 class WriteBacklog:
@@ -91,21 +83,6 @@ def measure_bandwidth(directory: str | Path, nbytes: int = 64 << 20) -> float:
     elapsed = time.perf_counter() - start
     (store.directory / "bandwidth-probe.bin").unlink()
     return 2 * nbytes / max(elapsed, 1e-9)
-
-
-def _as_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes, in place. Not through numpy: exporting a storage to numpy marks it
-    not resizable for good, and streamed weights resize theirs (see exec/weights.py)."""
-    if t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError("disk tensors must be contiguous CPU tensors")
-    if t.nbytes == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * t.nbytes).from_address(t.data_ptr())).cast("B")
-
-
-def _drop_cache(fd: int) -> None:
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
 
 def check_disk_directory(directory: str | Path) -> None:
