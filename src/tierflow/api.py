@@ -113,9 +113,9 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         chain, placed = _auto_head_chunk(attempt)
     plan = placed.plan
     states = placed.states.store if placed.states else None
-    owned = OwnedOptimizer(chain, optimizer, states) if optimizer is not None else None
-    streamer = _stream(model, chain, placed, config.prefetch_depth,
-                       updates_in_backward=not deferred)
+    owned = OwnedOptimizer(chain, optimizer, states, read_ahead=placed.depth > 0) \
+        if optimizer is not None else None
+    streamer = _stream(model, chain, placed, updates_in_backward=not deferred)
     updates = None
     if deferred:
         stash = GradientStash(placed.weights.store, streamer.stage_params) if streamer else None
@@ -129,12 +129,13 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     tapes = None
     if placed.tapes is not None:
         tapes = TapeOffload(placed.tapes.store, set(placed.tape_stages),
-                            {storage_key(p) for p in model.parameters()})
+                            {storage_key(p) for p in model.parameters()},
+                            read_ahead=placed.depth > 0)
     return TierflowModule(model, chain, plan, autocast, device, owned, log, streamer,
                           updates, tapes)
 
 
-def _stream(model: nn.Module, chain: Chain, placed: Placement, depth: int, *,
+def _stream(model: nn.Module, chain: Chain, placed: Placement, *,
             updates_in_backward: bool) -> WeightStreamer | None:
     """Hand the streamed stages' weights to a streamer and bring every other weight of a model
     that starts on disk into memory for good."""
@@ -150,7 +151,7 @@ def _stream(model: nn.Module, chain: Chain, placed: Placement, depth: int, *,
         offloaded = OffloadedParameters(placed.weights.store)
         attach(model, offloaded)
     names = {id(p): name for name, p in model.named_parameters()}
-    streamer = WeightStreamer(streamed, offloaded, depth, names, updates_in_backward)
+    streamer = WeightStreamer(streamed, offloaded, placed.depth, names, updates_in_backward)
     streamer.prefetch(placed.plan.ops)
     return streamer
 

@@ -22,7 +22,7 @@ class FitConfig:
     headroom: float = 0.0  # fraction of the budget kept free for what tierflow cannot see
     compile: bool = False  # torch.compile stages that share a kernel (decoder layers), once
     stream: str = "auto"  # stage weights on the disk tier: when needed / never / every stage
-    prefetch_depth: int = 2  # streamed stages read ahead of the one computing (0: on demand)
+    prefetch_depth: int | None = None  # stages read ahead of use (0: on demand); None: chosen
     simulated_gpu: bool = False  # a CPU model planned as on a GPU of fit(gpu=), RAM below
     offload_tapes: str = "auto"  # tapes on the lower tier, not recomputed: auto/never/all
 
@@ -41,7 +41,7 @@ class FitConfig:
         if self.offload_tapes not in STREAMING:
             raise ValueError(f"offload_tapes {self.offload_tapes!r} is unknown: use one of "
                              f"{', '.join(STREAMING)}")
-        if self.prefetch_depth < 0:
+        if self.prefetch_depth is not None and self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth={self.prefetch_depth} must be at least 0")
         if not 0.0 <= self.headroom < 1.0:
             raise ValueError(f"headroom={self.headroom} must be in [0, 1)")

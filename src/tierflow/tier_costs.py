@@ -44,6 +44,7 @@ class Candidate:
     weights: LowerTier | None
     streamed: frozenset[int]
     notes: tuple[str, ...]
+    depth: int  # stages whose weights, states and tapes are read ahead (0: on demand)
     tapes: LowerTier | None = None
     tape_stages: frozenset[int] = frozenset()
 
@@ -59,12 +60,12 @@ def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier,
         if not stages:
             continue
         costs = offloaded_tape_costs(c.costs, set(stages), read_bytes_per_s=tier.bandwidth,
-                                     write_bytes_per_s=tier.bandwidth)
+                                     write_bytes_per_s=tier.bandwidth, read_ahead=c.depth > 0)
         costs = replace(costs, extra={**costs.extra, "tapes tier": tier.name})
         total = format_bytes(costs.extra["offloaded tape bytes"])
+        back = "one backward ahead" if c.depth else "when their backward needs them"
         why = (f"the tapes of {len(stages)} stages ({total} in all) go to {where(tier)} as "
-               f"the forward saves them and come back one backward ahead, instead of being "
-               f"recomputed")
+               f"the forward saves them and come back {back}, instead of being recomputed")
         out.append(replace(c, costs=costs, notes=c.notes + (why,), tapes=tier,
                            tape_stages=stages))
     return out
@@ -77,17 +78,22 @@ def where(home: LowerTier) -> str:
 
 
 def states_below(resident: ChainCosts, base: ChainCosts, stages: list, state_of: list[int],
-                  home: LowerTier) -> ChainCosts:
+                  home: LowerTier, read_ahead: bool = True) -> ChainCosts:
     """``resident`` with the optimizer states on a lower tier: each stage's states are read
     during its backward and written back after its update (only the part of that I/O that
-    outlasts the backward costs time); the next stage's and the last one's are in flight."""
+    outlasts the backward costs time); the next stage's and the last one's are in flight.
+    Without ``read_ahead`` a stage's states are read at its update (the read costs its whole
+    time) and only the last one's write is in flight."""
     moved = []
     for i, stage in enumerate(stages):
-        io = 2 * state_of[i] / home.bandwidth
+        read = write = state_of[i] / home.bandwidth
+        exposed = max(0.0, read + write - stage.bwd_time) if read_ahead else \
+            read + max(0.0, write - stage.bwd_time)
         moved.append(replace(stage, update_transient=stage.update_transient + state_of[i],
-                             update_time=stage.update_time + max(0.0, io - stage.bwd_time)))
+                             update_time=stage.update_time + exposed))
+    in_flight = (2 if read_ahead else 1) * max(state_of, default=0)
     return replace(resident, stages=tuple(moved),
-                   static_bytes=base.static_bytes + 2 * max(state_of, default=0),
+                   static_bytes=base.static_bytes + in_flight,
                    extra={**base.extra, f"optimizer states on {home.name}": sum(state_of)})
 
 
@@ -104,7 +110,7 @@ def lower_bytes(candidate: Candidate, base: ChainCosts, state_of: list[int],
 
 
 def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
-              seconds_per_byte: float, depth: int) -> tuple[ChainCosts, UpdatePass]:
+                   seconds_per_byte: float) -> tuple[ChainCosts, UpdatePass]:
     """A candidate's costs when updates are deferred: the plan's Update(i) only hands a
     streamed stage's gradients to the lower tier (written behind its backward); resident
     stages' gradients stay for the whole step; the optimizer work moves to the update pass."""
@@ -123,11 +129,12 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
             stages.append(replace(s, update_time=0.0, update_transient=0))
             persistent += grads
             work = max(work, state_of[i] if states else 0)
-        seconds += max(seconds_per_byte * params, io)
+        update = seconds_per_byte * params
+        seconds += max(update, io) if candidate.depth else update + io  # read ahead, or not
     costs = replace(candidate.costs, stages=tuple(stages),
                     static_bytes=candidate.costs.static_bytes + persistent)
     # the stage updating (its in-backward update transient: states, weights, temporaries),
     # `depth` stages read ahead and one written back behind
-    peak = costs.static_bytes + (depth + 1) * work + max(
+    peak = costs.static_bytes + (candidate.depth + 1) * work + max(
         (s.update_transient for s in candidate.costs.stages), default=0)
     return costs, UpdatePass(seconds, peak)

@@ -3,8 +3,9 @@ the stage weights stay on the compute tier or live on a lower tier between uses 
 under a simulated GPU, host RAM first, then the disk).
 
 Every placement that could work is planned (the same rotor plan under the same budget, on the
-costs that placement implies) and the fastest plan that fits every tier wins; when nothing
-fits, the error of the placement that came closest is raised.
+costs that placement implies), at each prefetch depth unless the config fixes one, and the
+fastest plan that fits every tier wins; when nothing fits, the error of the placement that
+came closest is raised.
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from .tier_costs import (
 )
 from .units import format_bytes
 
+PREFETCH_DEPTHS = (0, 1, 2)  # what the planner tries when the config leaves the depth open
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -59,6 +61,7 @@ class Placement:
     update_pass: UpdatePass | None = None
     tapes: LowerTier | None = None  # where the offloaded tapes go
     tape_stages: frozenset[int] = frozenset()
+    depth: int = 1  # stages whose weights, states and tapes are read ahead (0: on demand)
 
     @property
     def predicted_time(self) -> float:
@@ -91,35 +94,12 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
                        static_bytes=costs.static_bytes + state_bytes,
                        extra={**costs.extra, "optimizer states": state_bytes})
     streamable = stage_parameters_to_stream(chain.stages)
+    depths = PREFETCH_DEPTHS if config.prefetch_depth is None else (config.prefetch_depth,)
     candidates: list[Candidate] = []
-    for home in [None, *lower]:
-        if home is None:
-            with_states, notes = resident, ()
-        else:
-            with_states = states_below(resident, costs, stages, state_of, home)
-            notes = (f"the optimizer states ({format_bytes(state_bytes)}) live in {where(home)}"
-                     f", read ahead of each stage's update and written back after "
-                     f"({format_bytes(home.bandwidth)}/s measured)",)
-        if config.stream != "all":
-            candidates.append(Candidate(with_states, home, None, frozenset(), notes))
-        if home is None or config.stream == "never":
-            continue
-        for source in weights_tiers if weights_tiers is not None else lower:
-            for streamed in _stream_sets(with_states, streamable, budget, config, tier,
-                                         source.bandwidth):
-                moved = streamed_costs(with_states, set(streamed),
-                                       read_bytes_per_s=source.bandwidth,
-                                       write_bytes_per_s=source.bandwidth,
-                                       depth=config.prefetch_depth)
-                moved = replace(moved, extra={**moved.extra, "weights tier": source.name})
-                why = (f"the weights of {len(streamed)} of {len(chain)} stages "
-                       f"({format_bytes(moved.extra['streamed bytes'])}) live in "
-                       f"{where(source)}, read {config.prefetch_depth} stages ahead of use and "
-                       f"written back after each update")
-                candidates.append(Candidate(moved, home, source, frozenset(streamed),
-                                             notes + (why,)))
-    if lower and config.offload_tapes != "never":
-        candidates = with_offloaded_tapes(candidates, lower[0], config)
+    for depth in depths:
+        candidates += _candidates(resident, costs, stages, state_of, state_bytes, chain,
+                                  streamable, budget, config, tier, lower, depth,
+                                  weights_tiers if weights_tiers is not None else lower)
     plans, error = [], None
     for candidate in candidates:
         try:
@@ -134,6 +114,44 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
     if not plans:
         raise error
     return min(plans, key=lambda placed: placed.predicted_time)
+
+
+def _candidates(resident: ChainCosts, costs: ChainCosts, stages: list, state_of: list[int],
+                state_bytes: int, chain: Chain, streamable: dict[int, list[nn.Parameter]],
+                budget: int | None, config: FitConfig, tier: str, lower: list[LowerTier],
+                depth: int, weights_tiers: list[LowerTier]) -> list[Candidate]:
+    """The placements read ``depth`` stages ahead: the optimizer states on the compute tier
+    or on each lower tier, with the weights of the largest stages (or all) streamed from a
+    lower tier too, and each of those with its tapes offloaded."""
+    candidates: list[Candidate] = []
+    ahead = f"read {depth} stages ahead of use" if depth else "read when needed"
+    for home in [None, *lower]:
+        if home is None:
+            with_states, notes = resident, ()
+        else:
+            with_states = states_below(resident, costs, stages, state_of, home, depth > 0)
+            notes = (f"the optimizer states ({format_bytes(state_bytes)}) live in {where(home)}"
+                     f", {'read ahead of' if depth else 'read at'} each stage's update and "
+                     f"written back after ({format_bytes(home.bandwidth)}/s measured)",)
+        if config.stream != "all":
+            candidates.append(Candidate(with_states, home, None, frozenset(), notes, depth))
+        if home is None or config.stream == "never":
+            continue
+        for source in weights_tiers:
+            for streamed in _stream_sets(with_states, streamable, budget, config, tier,
+                                         source.bandwidth, depth):
+                moved = streamed_costs(with_states, set(streamed),
+                                       read_bytes_per_s=source.bandwidth,
+                                       write_bytes_per_s=source.bandwidth, depth=depth)
+                moved = replace(moved, extra={**moved.extra, "weights tier": source.name})
+                why = (f"the weights of {len(streamed)} of {len(chain)} stages "
+                       f"({format_bytes(moved.extra['streamed bytes'])}) live in "
+                       f"{where(source)}, {ahead} and written back after each update")
+                candidates.append(Candidate(moved, home, source, frozenset(streamed),
+                                             notes + (why,), depth))
+    if lower and config.offload_tapes != "never":
+        candidates = with_offloaded_tapes(candidates, lower[0], config)
+    return candidates
 
 
 def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
@@ -158,8 +176,9 @@ def _plan(candidate: Candidate, base: ChainCosts, state_of: list[int], seconds_p
     """The candidate's plan, checked against every tier's budget (BudgetError if over)."""
     costs, update_pass, notes = candidate.costs, None, candidate.notes
     if deferred:
-        costs, update_pass = deferred_costs(candidate, base, state_of, seconds_per_byte,
-                                       config.prefetch_depth)
+        costs, update_pass = deferred_costs(candidate, base, state_of, seconds_per_byte)
+    if candidate.states or candidate.weights or candidate.tapes:
+        costs = replace(costs, extra={**costs.extra, "prefetch depth": candidate.depth})
     plan = make_plan(costs, budget, config, tier=tier)
     if update_pass is not None:
         if budget is not None and update_pass.peak > budget:
@@ -182,12 +201,12 @@ def _plan(candidate: Candidate, base: ChainCosts, state_of: list[int], seconds_p
                               smallest=held)
     return Placement(replace(plan, notes=plan.notes + notes), candidate.states,
                      candidate.weights, candidate.streamed, update_pass, candidate.tapes,
-                     candidate.tape_stages)
+                     candidate.tape_stages, candidate.depth)
 
 
 def _stream_sets(costs: ChainCosts, streamable: dict[int, list[nn.Parameter]],
                  budget: int | None, config: FitConfig, tier: str,
-                 bandwidth: float) -> list[tuple[int, ...]]:
+                 bandwidth: float, depth: int) -> list[tuple[int, ...]]:
     """The stage sets worth streaming: every streamable stage, and (under a budget) the
     fewest of the largest stages that make a plan fit, found by bisection."""
     order = sorted(streamable, key=lambda i: -costs.stages[i].param_bytes)
@@ -199,7 +218,7 @@ def _stream_sets(costs: ChainCosts, streamable: dict[int, list[nn.Parameter]],
 
     def fits(count: int) -> bool:
         moved = streamed_costs(costs, set(order[:count]), read_bytes_per_s=bandwidth,
-                               write_bytes_per_s=bandwidth, depth=config.prefetch_depth)
+                               write_bytes_per_s=bandwidth, depth=depth)
         try:
             make_plan(moved, budget, config, tier=tier)
         except BudgetError:

@@ -30,9 +30,11 @@ class OwnedOptimizer:
     updates. Updates run in backward order (the last stage first), so while one stage is
     updated the states of the next one to update are read on an I/O thread, and the states
     just updated are written back on another: two stages' states besides the one updating.
+    Without ``read_ahead`` (a prefetch depth of 0) each stage's states are read at its update.
     """
 
-    def __init__(self, chain: Chain, factory: OptimizerFactory, disk: DiskStore | None = None):
+    def __init__(self, chain: Chain, factory: OptimizerFactory, disk: DiskStore | None = None,
+                 read_ahead: bool = True):
         owner: dict[int, int] = {}
         params: dict[int, nn.Parameter] = {}
         for i, stage in enumerate(chain.stages):
@@ -47,6 +49,7 @@ class OwnedOptimizer:
         self.optimizers: list[torch.optim.Optimizer | None] = [
             factory(ps) if ps else None for ps in self.stage_params]
         self.disk = disk
+        self.read_ahead = read_ahead
         self._offloaded: list[list[tuple[dict, str, torch.Size, torch.dtype]]] = [
             [] for _ in chain.stages]
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-state-read")
@@ -78,7 +81,8 @@ class OwnedOptimizer:
         opt.step()
         opt.zero_grad(set_to_none=True)
         self._evict(i)
-        self._prefetch(self._next_update(i))
+        if self.read_ahead:
+            self._prefetch(self._next_update(i))
 
     def _next_update(self, i: int) -> int:
         """The stage updated after stage i: the closest lower one with an optimizer, or after

@@ -1,5 +1,6 @@
 """Tapes on a lower tier: what a stage's forward saves for its backward, written out as it is
-saved and read back one stage ahead of that backward, instead of being recomputed.
+saved and read back one stage ahead of that backward (or, without read-ahead, as the backward
+unpacks it), instead of being recomputed.
 
 ``TapeOffload.hooks(i)`` gives the pack/unpack pair of ``saved_tensors_hooks`` for stage i's
 forward: a saved tensor of at least ``min_bytes`` that is not a parameter or a step-constant
@@ -46,12 +47,13 @@ class TapeOffload:
     """The offloaded tapes of one fitted module, in ``store``."""
 
     def __init__(self, store: DiskStore | HostStore, stages: set[int], keep: set[int],
-                 min_bytes: int | None = None):
+                 min_bytes: int | None = None, read_ahead: bool = True):
         self.store = store
         self.stages = stages  # whose tapes go down when held across other operations
         self.keep = keep  # storage keys never offloaded: the parameters
         self.context: set[int] = set()  # and this step's context tensors (masks, rotary tables)
         self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
+        self.read_ahead = read_ahead  # read a tape one backward ahead, or when it is unpacked
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-tape-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-tape-read")
         self._tapes: dict[int, _StageTape] = {}
@@ -81,7 +83,10 @@ class TapeOffload:
         return pack, self._unpack
 
     def prefetch(self, i: int) -> None:
-        """Start reading stage i's offloaded tensors back (a no-op if it has none)."""
+        """Start reading stage i's offloaded tensors back (a no-op if it has none, or without
+        read-ahead)."""
+        if not self.read_ahead:
+            return
         for handle in self._tapes.get(i, _StageTape()).handles:
             if handle.read is None:
                 handle.read = self._reader.submit(self._read, handle)

@@ -5,10 +5,13 @@ Pure data. A streamed stage's weights are not static any more: they are resident
 stage runs (a forward, a backward, the update after it) and while its tape lives, so they
 join the stage's tape and its transients; ``depth`` stages fetched ahead, plus one stage
 being written back after its update, are the buffers the streaming adds to the static bytes.
-Reads are overlapped with compute (a stage's forward costs the longer of the two; with
-``depth`` 0 a stage is read when it is needed, and its forward costs both); the
-write-back of updated weights runs beside the next backward, so only the part of it that
-outlasts the stage's own backward time is added.
+With ``depth`` 0 a stage is read when it is needed, and its forward costs both the read
+and the compute. With ``depth`` d a stage's read starts d stages before its forward, so it
+has about d stages of compute to hide behind: on a chain of like stages (the decoder layers
+that dominate), d times its own; its forward costs the longer of its compute and a d-th of
+its read. A deeper prefetch costs a buffer of the largest streamed stage per stage of depth.
+The write-back of updated weights runs beside the next backward, so only the part of it
+that outlasts the stage's own backward time is added.
 """
 from __future__ import annotations
 
@@ -27,8 +30,7 @@ def streamed_costs(costs: ChainCosts, streamed: set[int], *, read_bytes_per_s: f
     stages = list(costs.stages)
     moved = 0
     for i in sorted(streamed):
-        stages[i] = _streamed_stage(stages[i], read_bytes_per_s, write_bytes_per_s,
-                                    overlapped=depth > 0)
+        stages[i] = _streamed_stage(stages[i], read_bytes_per_s, write_bytes_per_s, depth)
         moved += stages[i].param_bytes
     largest = max(costs.stages[i].param_bytes for i in streamed)
     buffers = min(depth + 1, len(streamed)) * largest
@@ -38,12 +40,11 @@ def streamed_costs(costs: ChainCosts, streamed: set[int], *, read_bytes_per_s: f
                    static_bytes=costs.static_bytes - moved + buffers, extra=extra)
 
 
-def _streamed_stage(s: StageCost, read_bps: float, write_bps: float, *,
-                    overlapped: bool) -> StageCost:
+def _streamed_stage(s: StageCost, read_bps: float, write_bps: float, depth: int) -> StageCost:
     read = s.param_bytes / read_bps
     write = s.param_bytes / write_bps
     return replace(s,
-                   fwd_time=max(s.fwd_time, read) if overlapped else s.fwd_time + read,
+                   fwd_time=max(s.fwd_time, read / depth) if depth else s.fwd_time + read,
                    tape=s.tape + s.param_bytes,
                    fwd_transient_nograd=s.fwd_transient_nograd + s.param_bytes,
                    update_transient=s.update_transient + s.param_bytes,

@@ -6,7 +6,9 @@ next-later stage's backward runs, so between the two it costs no compute-tier me
 bytes move from the stage's ``tape`` into its forward and backward transients. Two tapes are
 in flight at any time (one being written, one read ahead), the static bytes that offloading
 adds. The write overlaps the stage's own forward and the read the previous backward: only
-the part of each that outlasts that compute is added to the stage's time. Rotor, run on these
+the part of each that outlasts that compute is added to the stage's time. Without read-ahead
+(``read_ahead=False``, a prefetch depth of 0) a tape is read when its backward needs it: the
+whole read is added, and only the tape being written is in flight. Rotor, run on these
 costs, then keeps tapes where it used to recompute, as long as the tier keeps up.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from .costs import ChainCosts
 
 
 def offloaded_tape_costs(costs: ChainCosts, stages: set[int], *, read_bytes_per_s: float,
-                         write_bytes_per_s: float) -> ChainCosts:
+                         write_bytes_per_s: float, read_ahead: bool = True) -> ChainCosts:
     """``costs`` with the tapes of ``stages`` kept on the lower tier."""
     if not stages:
         return costs
@@ -27,12 +29,13 @@ def offloaded_tape_costs(costs: ChainCosts, stages: set[int], *, read_bytes_per_
         write = s.tape / write_bytes_per_s
         read = s.tape / read_bytes_per_s
         previous_bwd = costs.stages[i + 1].bwd_time if i + 1 < costs.length else 0.0
+        hidden_by = previous_bwd if read_ahead else 0.0
         moved[i] = replace(s, tape=0,
                            fwd_transient=s.fwd_transient + s.tape,
                            bwd_transient=s.bwd_transient + s.tape,
                            fwd_time=s.fwd_time + max(0.0, write - s.fwd_time),
-                           bwd_time=s.bwd_time + max(0.0, read - previous_bwd))
-    in_flight = 2 * max(costs.stages[i].tape for i in stages)
+                           bwd_time=s.bwd_time + max(0.0, read - hidden_by))
+    in_flight = (2 if read_ahead else 1) * max(costs.stages[i].tape for i in stages)
     extra = {**costs.extra, "offloaded tapes": sorted(stages),
              "offloaded tape bytes": sum(costs.stages[i].tape for i in stages)}
     return replace(costs, stages=tuple(moved), static_bytes=costs.static_bytes + in_flight,

@@ -113,8 +113,10 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                (extra.get("streamed bytes", 0) if extra.get("weights tier") == "disk" else 0,
                 f"weights of {len(extra.get('streamed stages', []))} streamed stages")]
     if any(nbytes for nbytes, _ in on_disk):
+        depth = extra.get("prefetch depth", 0)
+        ahead = f"read {depth} stages ahead" if depth else "read when needed (no prefetch)"
         rows.append(("disk tier", " + ".join(f"{format_bytes(n)} {what}" for n, what in on_disk
-                                             if n)))
+                                             if n) + f"; {ahead}"))
     free = (f"{format_bytes(budget - plan.predicted_peak)} of the {format_bytes(budget)} "
             "budget" if budget else "- (no --ram budget)")
     step = (f"{plan.predicted_time * grad_accum * 1e3:.0f} ms ({grad_accum} x "
@@ -128,7 +130,8 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                   trainable_parameters=precision.trainable, precision=dict(dtypes),
                   predicted_peak=int(plan.predicted_peak), budget=budget,
                   strategy=plan.strategy, predicted_step_s=plan.predicted_time * grad_accum,
-                  disk_bytes={what: int(n) for n, what in on_disk if n})
+                  disk_bytes={what: int(n) for n, what in on_disk if n},
+                  prefetch_depth=extra.get("prefetch depth"))
     if dist is not None:
         n = dist["world_size"]
         parallel = (f"{n} ranks ({dist['backend']}); ZeRO-2: AdamW moments and reduced "

@@ -47,7 +47,7 @@ class TrainOptions:
     simulate_gpu: bool = False  # with --gpu: plan and run the CPU as a GPU of that size
     disk: str | None = None  # a directory for the disk tier (weights and optimizer states)
     stream: str = "auto"  # with --disk: stream the weights that must (auto) or all of them
-    prefetch: int = 2  # with --disk: streamed stages read ahead of use (0: on demand)
+    prefetch: int | None = None  # with --disk: stages read ahead (0: on demand); None: planned
     seq_len: int = 256
     batch_size: int = 4
     grad_accum: int = 1
@@ -315,8 +315,9 @@ _HELP = {
     "stream": (None, "with --disk: auto streams the weights of the fewest stages that make the "
                      "step fit --ram (the planner's choice), all streams every stage's weights "
                      "and keeps the optimizer states on disk"),
-    "prefetch": ("N", "with --disk: streamed stages read ahead of the one computing (default "
-                      "2; 0 reads each on demand)"),
+    "prefetch": ("N", "with --disk: stages whose weights, optimizer states and tapes are read "
+                      "ahead of the one computing (default: the planner's choice, the fastest "
+                      "that fits --ram; 0 reads each on demand)"),
     "trace": ("FILE", "write a Chrome-trace JSON of every step (compute, disk reads and "
                       "writes, optimizer), for Perfetto or chrome://tracing"),
     "dist_timeout": ("S", "under torchrun: seconds a rank waits for the others before it "

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""What disk I/O on a background thread costs the compute beside it: one tinyllama-1.1b
+decoder layer (hidden 2048, MLP 5632, 32 heads, 4 KV heads; batch 2, seq 1024, bf16
+autocast) runs its forward without grad, its forward with grad and its backward (what a
+checkpointed step does per layer) alone, then beside a thread that writes and reads a
+256 MiB tensor through the disk tier's store without pause, through the page cache and past
+it (O_DIRECT). Each configuration runs in a fresh process.
+
+    ./run python benchmarks/io_interference.py [--dir DIR] [--repeats 6]
+
+Reported: the median time of the three passes over the repeats after the first, the ratio to
+the layer alone, and the disk bandwidth the thread got. Writes
+benchmarks/results/io-interference-<date>.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+MODES = ("alone", "page cache", "direct")
+
+
+def measure(mode: str, directory: Path, repeats: int) -> dict:
+    """In this process: the layer's pass times with ``mode``'s I/O thread beside it."""
+    import tierflow  # noqa: F401  (first: torch page-aligns large tensors, see its __init__)
+    import torch
+    from tierflow.exec.disk import DiskStore
+    from tierflow.models.presets import preset_config
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = preset_config("tinyllama-1.1b")
+    config._attn_implementation = "sdpa"
+    layer, rope = LlamaDecoderLayer(config, 0), LlamaRotaryEmbedding(config)
+    x = torch.randn(2, 1024, config.hidden_size, requires_grad=True)  # (batch, seq, hidden)
+    positions = torch.arange(1024)[None].expand(2, -1)
+    stop, moved = threading.Event(), [0]
+
+    def io(store: DiskStore) -> None:
+        block = torch.ones(64 << 20)  # 256 MiB
+        while not stop.is_set():
+            store.write("block", [block])
+            store.read("block", [block])
+            moved[0] += 2 * block.nbytes
+
+    if mode != "alone":
+        store = DiskStore(directory, direct=mode == "direct")
+        threading.Thread(target=io, args=(store,), daemon=True).start()
+    times, start = [], time.perf_counter()
+    for _ in range(repeats):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            embeddings = rope(x, positions)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                layer(x, position_embeddings=embeddings)
+            t1 = time.perf_counter()
+            out = layer(x, position_embeddings=embeddings)
+            out = out[0] if isinstance(out, tuple) else out
+            t2 = time.perf_counter()
+        out.float().sum().backward()
+        times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    elapsed = time.perf_counter() - start
+    stop.set()
+    steady = times[1:]
+    return {"mode": mode, "forward_s": statistics.median(t[0] for t in steady),
+            "forward_grad_s": statistics.median(t[1] for t in steady),
+            "backward_s": statistics.median(t[2] for t in steady),
+            "io_gb_s": moved[0] / elapsed / 1e9, "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", default=None, help="where the I/O thread's file goes "
+                        "(default: a temporary directory)")
+    parser.add_argument("--repeats", type=int, default=6)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child, Path(args.dir), args.repeats)))
+        return
+    rows = []
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        for mode in MODES:
+            cmd = [sys.executable, __file__, "--child", mode, "--dir", directory,
+                   "--repeats", str(args.repeats)]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(rows[-1], flush=True)
+    alone = rows[0]
+    total = lambda r: r["forward_s"] + r["forward_grad_s"] + r["backward_s"]  # noqa: E731
+    lines = ["# Disk I/O beside compute (" + dt.date.today().isoformat() + ")", "",
+             "One tinyllama-1.1b decoder layer, batch 2, seq 1024, bf16 autocast, "
+             f"{alone['threads']} compute threads; medians of {args.repeats - 1} repeats; each "
+             "row a fresh process. `benchmarks/io_interference.py`.", "",
+             "| I/O thread beside it | forward s | forward with grad s | backward s | "
+             "all three vs alone | disk GB/s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['mode']} | {r['forward_s']:.3f} | {r['forward_grad_s']:.3f} | "
+                     f"{r['backward_s']:.3f} | {total(r) / total(alone):.2f}x | "
+                     f"{r['io_gb_s']:.2f} |")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"io-interference-{dt.date.today().isoformat()}"
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
