@@ -31,7 +31,7 @@ MODES = ("alone", "page cache", "direct")
 
 def measure(mode: str, directory: Path, repeats: int) -> dict:
     """In this process: the layer's pass times with ``mode``'s I/O thread beside it."""
-    import tierflow  # noqa: F401  (first: torch page-aligns large tensors, see its __init__)
+    import tierflow  # noqa: F401, I001  (first: torch then page-aligns large tensors)
     import torch
     from tierflow.exec.disk import DiskStore
     from tierflow.models.presets import preset_config

@@ -2,15 +2,16 @@
 """W2 (tinyllama-1.1b, seq 1024, batch 2, bf16 autocast, AdamW) trained by `tierflow train
 --ram R --disk DIR` against Hugging Face gradient checkpointing, each in a fresh process.
 
-    ./run python benchmarks/train_w2.py [--steps 3] [--runs 4GiB:2,4GiB:0,2GiB:2,8GiB:2]
+    ./run python benchmarks/train_w2.py [--steps 3] [--runs 4GiB,4GiB:0,2GiB,8GiB]
                                         [--disk DIR]
 
 The peer is `peers.py train --mode hf-ckpt --arch tinyllama-1.1b --seq 1024 --batch 2`
 (AdamW lr 1e-4, no clipping). tierflow trains the same preset on random tokens with the same
 optimizer settings (`--lr 1e-4 --warmup 0 --clip 0 --weight-decay 0.01`: torch's default),
 its model built module by module onto the disk tier (it never exists whole in memory), once
-per `--runs` entry RAM:PREFETCH (by default at 4 GiB with weights read two stages ahead and
-with prefetch off, `--prefetch 0`, the overlap check; then at 2 and 8 GiB). Every run is
+per `--runs` entry RAM[:PREFETCH] (by default at 4 GiB with the prefetch depth the planner
+chooses and with prefetch off, `--prefetch 0`: weights, optimizer states and tapes read when
+needed, the overlap check; then at 2 and 8 GiB). Every run is
 wrapped in `/usr/bin/time -v`; a run that fails is reported with its error line.
 
 Reported per run: the median step time of the steps after the first (warm-up), tok/s and
@@ -56,17 +57,22 @@ def peer(steps: int) -> dict:
                                                          - row["baseline_rss_gib"], 3)}
 
 
-def tierflow(ram: str, prefetch: int, steps: int, data: Path, disk: Path, work: Path) -> dict:
-    """One `tierflow train` run in a fresh process under /usr/bin/time -v."""
-    name = f"--ram {ram} --prefetch {prefetch}"
+def tierflow(ram: str, prefetch: int | None, steps: int, data: Path, disk: Path,
+             work: Path) -> dict:
+    """One `tierflow train` run in a fresh process under /usr/bin/time -v (``prefetch`` None:
+    the planner's choice)."""
+    name = f"--ram {ram}" + (f" --prefetch {prefetch}" if prefetch is not None else "")
+    depth = "auto" if prefetch is None else prefetch
     out, log = work / "out", work / "log.jsonl"
-    trace = RESULTS / f"train-w2-{dt.date.today().isoformat()}-{ram}-prefetch{prefetch}.trace.json"
+    trace = RESULTS / f"train-w2-{dt.date.today().isoformat()}-{ram}-prefetch{depth}.trace.json"
     cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "tierflow", "train",
            "--model", "tinyllama-1.1b", "--data", str(data), "--seq-len", str(SEQ),
            "--batch-size", str(BATCH), "--steps", str(steps), "--dtype", "bf16",
            "--lr", "1e-4", "--warmup", "0", "--clip", "0", "--weight-decay", "0.01",
-           "--eval-every", "0", "--ram", ram, "--disk", str(disk), "--prefetch", str(prefetch),
+           "--eval-every", "0", "--ram", ram, "--disk", str(disk),
            "--out", str(out), "--log", str(log), "--trace", str(trace)]
+    if prefetch is not None:
+        cmd += ["--prefetch", str(prefetch)]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     started = dt.datetime.now()
     load = os.getloadavg()[0]
@@ -98,6 +104,7 @@ def tierflow(ram: str, prefetch: int, steps: int, data: Path, disk: Path, work: 
             "time_v_above_baseline_gib": round(
                 (maxrss * 1024 - records["system"][0]["rss_baseline_bytes"]) / 2**30, 3),
             "predicted_step_s": round(plan["predicted_step_s"], 1),
+            "prefetch_depth": plan.get("prefetch_depth"),
             "predicted_peak_gib": round(plan["predicted_peak"] / 2**30, 3),
             "disk_gib": {k: round(v / 2**30, 2) for k, v in plan["disk_bytes"].items()},
             "busy_s_per_step": busy, "wall_s": round(wall), "load_before": round(load, 2),
@@ -107,8 +114,9 @@ def tierflow(ram: str, prefetch: int, steps: int, data: Path, disk: Path, work: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--runs", default="4GiB:2,4GiB:0,2GiB:2,8GiB:2",
-                        help="comma-separated RAM:PREFETCH, one tierflow run each")
+    parser.add_argument("--runs", default="4GiB,4GiB:0,2GiB,8GiB",
+                        help="comma-separated RAM[:PREFETCH], one tierflow run each (no "
+                             "PREFETCH: the planner chooses)")
     parser.add_argument("--disk", default=None, help="where the disk tier and checkpoints go "
                                                      "(default: a temporary directory)")
     parser.add_argument("--skip-peer", action="store_true", help=argparse.SUPPRESS)
@@ -118,12 +126,12 @@ def main() -> None:
     rows = [] if args.skip_peer else [peer(args.steps)]
     if rows:
         print(f"  peer: step {rows[0]['step_s_median']} s", flush=True)
-    configs = [(ram, int(prefetch)) for ram, prefetch in
+    configs = [(ram, int(prefetch[0]) if prefetch else None) for ram, *prefetch in
                (run.split(":") for run in args.runs.split(","))]
     with tempfile.TemporaryDirectory(dir=args.disk) as tmp:
         data = random_token_files(Path(tmp) / "data", VOCAB)
         for ram, prefetch in configs:
-            work = Path(tmp) / f"run-{ram}-{prefetch}"
+            work = Path(tmp) / f"run-{ram}-{prefetch if prefetch is not None else 'auto'}"
             disk = work / "disk"
             disk.mkdir(parents=True)
             rows.append(tierflow(ram, prefetch, args.steps, data, disk, work))
@@ -135,28 +143,29 @@ def main() -> None:
              "Peak RSS is above the post-import baseline: over the steps (the trainer's "
              "figure) and over the whole run (`/usr/bin/time -v`).", "",
              "| run | tok/s | vs hf-ckpt | peak RSS GiB (steps) | time -v max RSS GiB (whole run, "
-             "incl. the checkpoint) | predicted step s "
+             "incl. the checkpoint) | prefetch depth | predicted step s "
              "| measured step s | busy per step: compute / optimizer / disk read / disk write (s) "
-             "| load before |", "|---|---|---|---|---|---|---|---|---|"]
+             "| load before |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['run']} | failed: {row['error']} ||||||||")
+            lines.append(f"| {row['run']} | failed: {row['error']} |||||||||")
             continue
         busy = row.get("busy_s_per_step")
         ratio = f"{row['tok_s'] / peer_tok_s:.2f}x" if peer_tok_s else "-"
         lines.append(f"| {row['run']} | {row['tok_s']} | {ratio} | {row['peak_rss_gib']} | "
                      f"{row.get('time_v_above_baseline_gib', '-')} | "
-                     f"{row.get('predicted_step_s', '-')} "
+                     f"{row.get('prefetch_depth', '-')} | {row.get('predicted_step_s', '-')} "
                      f"| {row['step_s_median']} | "
                      f"{' / '.join(str(busy[k]) for k in ROWS) if busy else '-'} | "
                      f"{row.get('load_before', '-')} |")
     by_run = {(r["ram"], r["prefetch"]): r for r in rows if "prefetch" in r and "error" not in r}
     for (ram, prefetch), row in by_run.items():
         off = by_run.get((ram, 0))
-        if prefetch > 0 and off is not None:
+        if prefetch != 0 and off is not None:
             on_s, off_s = row["step_s_median"], off["step_s_median"]
-            lines += ["", f"Overlap at {ram}: with prefetch {prefetch} {on_s} s per step, "
-                          f"without {off_s} s: {on_s / off_s:.2f}x."]
+            lines += ["", f"Overlap at {ram}: with prefetch (depth {row['prefetch_depth']}) "
+                          f"{on_s} s per step, without (depth 0: nothing read ahead) {off_s} s: "
+                          f"{on_s / off_s:.2f}x."]
     (RESULTS / f"train-w2-{stamp}.md").write_text("\n".join(lines) + "\n")
     (RESULTS / f"train-w2-{stamp}.json").write_text(json.dumps(rows, indent=1) + "\n")
     print("\n".join(lines))

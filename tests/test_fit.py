@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tierflow
+from tierflow.exec.file_io import ALIGN
 from tierflow.plan import Plan
 from tierflow.plan.rotor import rotor, smallest_budget
 from tierflow.plan.simulate import simulate
@@ -149,8 +150,10 @@ def test_optimizer_states_on_disk_match_plain_adamw(tmp_path):
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
     module.optimizer.wait()  # state writes run on an I/O thread
-    assert module.optimizer.disk.bytes == states
-    assert sum(f.stat().st_size for f in tmp_path.glob("optimizer-*.bin")) == states
+    on_disk = sum(f.stat().st_size for f in tmp_path.glob("optimizer-*.bin"))
+    assert module.optimizer.disk.bytes == on_disk
+    moments = 2 * len(list(model.parameters()))  # direct files pad each to a block
+    assert states <= on_disk < states + ALIGN * moments
 
 
 def test_disk_directory_errors(tmp_path):

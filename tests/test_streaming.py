@@ -69,6 +69,31 @@ def test_weights_read_on_demand_without_prefetch(tmp_path):
                                            prefetch_depth=0))
     train_side_by_side(module, reference, sample, _adamw, steps=2)
     assert module.streamer._reads == {}  # nothing was read ahead
+    assert module.optimizer._reads == {}  # nor the optimizer states
+    assert not module.optimizer.read_ahead
+
+
+def test_the_planner_chooses_the_prefetch_depth(tmp_path):
+    """With no depth given, the placement's depth is one the planner tried, and the streamer,
+    the optimizer and the [Plan] figures all use it."""
+    module = tierflow.fit(tiny_hf("llama", layers=2), hf_sample(), optimizer=_adamw,
+                          disk=tmp_path, config=FitConfig(stream="all"))
+    depth = module.plan.costs.extra["prefetch depth"]
+    assert depth in (0, 1, 2)
+    assert module.streamer.depth == depth
+    assert module.optimizer.read_ahead == (depth > 0)
+
+
+def test_a_deeper_prefetch_hides_a_read_behind_more_compute():
+    """A stage's read has d stages of compute to hide behind: its forward costs the longer
+    of its compute and a d-th of the read; read on demand (d = 0) it costs both."""
+    stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=400, output_bytes=10,
+                      tape=30)
+    costs = ChainCosts(stages=(stage,) * 4, input_bytes=10, static_bytes=1000)
+    forward = {d: streamed_costs(costs, {1, 2, 3}, read_bytes_per_s=100.0,
+                                 write_bytes_per_s=100.0, depth=d).stages[1].fwd_time
+               for d in (0, 1, 2, 4)}
+    assert forward == {0: 5.0, 1: 4.0, 2: 2.0, 4: 1.0}
 
 
 def test_evaluation_fetches_streamed_weights(tmp_path):
