@@ -3,8 +3,9 @@
 
 Direct I/O moves the bytes by DMA between the tensor's memory and the device: the CPU copies
 nothing and no page-cache pages are made and dropped. On two cores that is most of the cost
-of a disk tier: a thread reading through the page cache beside a Llama layer's forward and
-backward slowed them 1.7x, one reading directly 1.05x (``benchmarks/io_interference.py``).
+of a disk tier: a thread writing and reading through the page cache beside a Llama layer's
+forward and backward slowed them 1.33x, one doing the same past it not measurably (0.94x;
+``benchmarks/io_interference.py``).
 
 Direct I/O wants the memory address, the file offset and the length aligned to the device's
 block size (``ALIGN`` covers 512-byte and 4 KiB devices). Each tensor starts at an aligned
