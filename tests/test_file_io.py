@@ -93,3 +93,21 @@ def test_a_file_shorter_than_its_tensors_is_one_error(tmp_path):
         store.write("short", [torch.ones(100)])
         with pytest.raises(TierflowError, match="shorter than the tensors"):
             store.read("short", [torch.empty(100), torch.empty(100 + ALIGN)])
+
+
+def test_pool_views_are_aligned_and_a_given_back_buffer_is_reused():
+    from tierflow.exec.buffers import BufferPool
+    pool = BufferPool(keep=1)
+    shapes = [(torch.Size([3, 5]), torch.float32), (torch.Size([7]), torch.bfloat16),
+              (torch.Size([2, 2]), torch.int64)]
+    flat, views = pool.views(shapes)
+    assert [(v.shape, v.dtype) for v in views] == shapes
+    assert all((v.data_ptr() - flat.data_ptr()) % ALIGN == 0 for v in views)
+    for k, v in enumerate(views):
+        v.fill_(k + 1)
+    assert all(bool((v == k + 1).all()) for k, v in enumerate(views))  # no overlaps
+    pool.give(flat)
+    again, _ = pool.views(shapes[:1])  # smaller: the free buffer fits
+    assert again.data_ptr() == flat.data_ptr()
+    bigger, _ = pool.views([(torch.Size([4 * ALIGN]), torch.float32)])
+    assert bigger.data_ptr() != flat.data_ptr()  # too small to reuse: a new buffer

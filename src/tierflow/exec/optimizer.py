@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..chain.base import Chain
+from .buffers import BufferPool
 from .disk import DiskStore, WriteBacklog
 from .memory import DeviceMeter, HostMeter
 from .stage_call import storage_key
@@ -31,6 +32,7 @@ class OwnedOptimizer:
     updated the states of the next one to update are read on an I/O thread, and the states
     just updated are written back on another: two stages' states besides the one updating.
     Without ``read_ahead`` (a prefetch depth of 0) each stage's states are read at its update.
+    States read from disk live in buffers of a pool, given back once they are written again.
     """
 
     def __init__(self, chain: Chain, factory: OptimizerFactory, disk: DiskStore | None = None,
@@ -57,6 +59,8 @@ class OwnedOptimizer:
         self._reads: dict[int, Future] = {}
         self._writes: dict[int, Future] = {}
         self._backlog = WriteBacklog()  # the states of one stage waiting for the disk at most
+        self._pool = BufferPool()
+        self._flat: dict[int, torch.Tensor] = {}  # stage -> the pool buffer its states view
         owned = [j for j, opt in enumerate(self.optimizers) if opt is not None]
         self._first_update = owned[-1] if owned else -1
         self._square_norm: float | None = None
@@ -103,7 +107,7 @@ class OwnedOptimizer:
         if not entries:
             return copy.deepcopy(state)
         pending = self._writes.get(i)
-        buffers = self._read(i, [(shape, dtype) for _, _, shape, dtype in entries], pending)
+        _, buffers = self._read(i, [(shape, dtype) for _, _, shape, dtype in entries], pending)
         stored = {(id(live), key): buffer for (live, key, _, _), buffer in zip(entries, buffers)}
         params = [p for group in opt.param_groups for p in group["params"]]  # index k: params[k]
         copied = {}
@@ -156,13 +160,14 @@ class OwnedOptimizer:
             self._reads[i] = self._reader.submit(self._read, i, shapes, self._writes.get(i))
 
     def _read(self, i: int, shapes: list[tuple[torch.Size, torch.dtype]],
-              pending: Future | None) -> list[torch.Tensor]:
+              pending: Future | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(pool buffer, stage i's states viewing it), read from disk."""
         if pending is not None:
             pending.result()
         with span(f"read optimizer states {i}", "disk read"):
-            buffers = [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]
+            flat, buffers = self._pool.views(shapes)
             self.disk.read(f"optimizer-{i}", buffers)
-        return buffers
+        return flat, buffers
 
     def _fetch(self, i: int) -> None:
         """Put stage i's offloaded states back in its optimizer, read from disk."""
@@ -170,7 +175,7 @@ class OwnedOptimizer:
         if not entries:
             return
         self._prefetch(i)
-        buffers = self._reads.pop(i).result()
+        self._flat[i], buffers = self._reads.pop(i).result()
         for (state, key, _, _), buffer in zip(entries, buffers):
             state[key] = buffer
         entries.clear()
@@ -191,12 +196,16 @@ class OwnedOptimizer:
                     tensors.append(value.contiguous())
         for state, key, _, _ in entries:
             state[key] = _EVICTED
-        self._writes[i] = self._writer.submit(self._write, i, tensors)
+        self._writes[i] = self._writer.submit(self._write, i, tensors, self._flat.pop(i, None))
         self._backlog.admit(self._writes[i])
 
-    def _write(self, i: int, tensors: list[torch.Tensor]) -> None:
+    def _write(self, i: int, tensors: list[torch.Tensor], flat: torch.Tensor | None) -> None:
+        """Write stage i's states; then the pool buffer they were read into (if any) is free:
+        nothing views it any more (the states were just evicted, or replaced by a load)."""
         with span(f"write optimizer states {i}", "disk write"):
             self.disk.write(f"optimizer-{i}", tensors)
+        if flat is not None:
+            self._pool.give(flat)
 
     def wait(self) -> None:
         """Until every state write has reached the disk (and raise a write's error)."""

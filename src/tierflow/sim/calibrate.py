@@ -4,8 +4,9 @@ The matmul peaks are the trainer's own speed-of-light figures (``train/sol.py``:
 2048x2048 matmuls per dtype at the current thread count), so a predicted MFU and the
 trainer's printed SOL % share one denominator. The profile is cached as
 ``hardware-cpu.json`` beside sol's ``calibration.json`` in the user's cache directory,
-keyed by CPU model, thread count and torch version; ``tierflow calibrate`` measures it
-again.
+keyed by CPU model, thread count, torch version and what the measurement measures (a
+profile measured by an older tierflow is measured again); ``tierflow calibrate`` measures
+it again.
 """
 from __future__ import annotations
 
@@ -24,13 +25,15 @@ from .hardware import Hardware
 # of the 2048x2048 matmul peak in a training step's matmuls (measured on W1: 0.85-0.95)
 CPU_MATMUL_EFFICIENCY = 0.9
 CPU_MEMORY_EFFICIENCY = 1.0
+_VERSION = 2  # of what is measured: 2 times the disk past the page cache (exec/file_io.py)
 _COPY_BYTES = 256 << 20
 _DISK_BYTES = 128 << 20
 
 
 def _key() -> str:
     import torch
-    return f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    return (f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+            f"|v{_VERSION}")
 
 
 def _cache_file() -> Path:

@@ -1,0 +1,57 @@
+"""Reusable byte buffers for what the disk tier reads back again and again (a stage's
+optimizer states, every step).
+
+A fresh buffer per read is fresh memory: under an exact RAM budget (``exec/memory.py``)
+every large allocation is its own mapping, so each read first faults its pages in, on the
+I/O thread, beside the compute. The decoder layers of a model have states of one size, so a
+buffer freed by one stage's write fits the next stage's read: the pool keeps ``keep`` free
+buffers for that, which the plan already counts as the read-ahead it holds.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from .file_io import ALIGN
+
+
+class BufferPool:
+    """Flat byte buffers, taken for a group of tensors and given back when none of them is
+    used any more."""
+
+    def __init__(self, keep: int = 1):
+        self.keep = keep
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def views(self, shapes: Sequence[tuple[torch.Size, torch.dtype]]
+              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(flat buffer, one tensor per (shape, dtype) viewing it): each starts at an
+        ``ALIGN`` boundary of the buffer, so that a page-aligned buffer reads directly."""
+        sizes = [shape.numel() * dtype.itemsize for shape, dtype in shapes]
+        offsets, total = [], 0
+        for size in sizes:
+            offsets.append(total)
+            total += -(-size // ALIGN) * ALIGN
+        flat = self._take(total)
+        views = [flat[start:start + size].view(dtype).view(shape)
+                 for (shape, dtype), start, size in zip(shapes, offsets, sizes)]
+        return flat, views
+
+    def give(self, flat: torch.Tensor) -> None:
+        """``flat`` is free again: keep it for a later read (the largest ``keep`` free ones)."""
+        with self._lock:
+            self._free.append(flat)
+            self._free.sort(key=torch.Tensor.numel, reverse=True)
+            del self._free[self.keep:]
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= nbytes]
+            if fits:
+                best = min(fits, key=torch.Tensor.numel)
+                self._free.remove(best)
+                return best
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8)
