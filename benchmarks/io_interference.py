@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from layer_passes import all_passes, time_layer_passes
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 MODES = ("alone", "page cache", "direct")
@@ -34,14 +35,7 @@ def measure(mode: str, directory: Path, repeats: int) -> dict:
     import tierflow  # noqa: F401, I001  (first: torch then page-aligns large tensors)
     import torch
     from tierflow.exec.disk import DiskStore
-    from tierflow.models.presets import preset_config
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    config = preset_config("tinyllama-1.1b")
-    config._attn_implementation = "sdpa"
-    layer, rope = LlamaDecoderLayer(config, 0), LlamaRotaryEmbedding(config)
-    x = torch.randn(2, 1024, config.hidden_size, requires_grad=True)  # (batch, seq, hidden)
-    positions = torch.arange(1024)[None].expand(2, -1)
     stop, moved = threading.Event(), [0]
 
     def io(store: DiskStore) -> None:
@@ -54,26 +48,11 @@ def measure(mode: str, directory: Path, repeats: int) -> dict:
     if mode != "alone":
         store = DiskStore(directory, direct=mode == "direct")
         threading.Thread(target=io, args=(store,), daemon=True).start()
-    times, start = [], time.perf_counter()
-    for _ in range(repeats):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            embeddings = rope(x, positions)
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                layer(x, position_embeddings=embeddings)
-            t1 = time.perf_counter()
-            out = layer(x, position_embeddings=embeddings)
-            out = out[0] if isinstance(out, tuple) else out
-            t2 = time.perf_counter()
-        out.float().sum().backward()
-        times.append((t1 - t0, t2 - t1, time.perf_counter() - t2))
+    start = time.perf_counter()
+    row = time_layer_passes(repeats)
     elapsed = time.perf_counter() - start
     stop.set()
-    steady = times[1:]
-    return {"mode": mode, "forward_s": statistics.median(t[0] for t in steady),
-            "forward_grad_s": statistics.median(t[1] for t in steady),
-            "backward_s": statistics.median(t[2] for t in steady),
-            "io_gb_s": moved[0] / elapsed / 1e9, "threads": torch.get_num_threads()}
+    return {"mode": mode, **row, "io_gb_s": moved[0] / elapsed / 1e9}
 
 
 def main() -> None:
@@ -95,7 +74,6 @@ def main() -> None:
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(rows[-1], flush=True)
     alone = rows[0]
-    total = lambda r: r["forward_s"] + r["forward_grad_s"] + r["backward_s"]  # noqa: E731
     lines = ["# Disk I/O beside compute (" + dt.date.today().isoformat() + ")", "",
              "One tinyllama-1.1b decoder layer, batch 2, seq 1024, bf16 autocast, "
              f"{alone['threads']} compute threads; medians of {args.repeats - 1} repeats; each "
@@ -104,7 +82,7 @@ def main() -> None:
              "all three vs alone | disk GB/s |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['mode']} | {r['forward_s']:.3f} | {r['forward_grad_s']:.3f} | "
-                     f"{r['backward_s']:.3f} | {total(r) / total(alone):.2f}x | "
+                     f"{r['backward_s']:.3f} | {all_passes(r) / all_passes(alone):.2f}x | "
                      f"{r['io_gb_s']:.2f} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = RESULTS / f"io-interference-{dt.date.today().isoformat()}"

@@ -3,7 +3,7 @@
 --ram R --disk DIR` against Hugging Face gradient checkpointing, each in a fresh process.
 
     ./run python benchmarks/train_w2.py [--steps 3] [--runs 4GiB,4GiB:0,2GiB,8GiB]
-                                        [--disk DIR]
+                                        [--disk DIR] [--tag TAG]
 
 The peer is `peers.py train --mode hf-ckpt --arch tinyllama-1.1b --seq 1024 --batch 2`
 (AdamW lr 1e-4, no clipping). tierflow trains the same preset on random tokens with the same
@@ -20,7 +20,7 @@ the ratio to the peer, the peak RSS above the post-import baseline (the trainer'
 maximum RSS, the predicted step time and peak from the [Plan], and from a trace of every step
 how long compute, the optimizer and the disk were busy. The end-of-run checkpoint (weights and
 AdamW states, written stage by stage from the disk tier) is timed too. Writes
-benchmarks/results/train-w2-<date>.{md,json}.
+benchmarks/results/train-w2-<date>[-TAG].{md,json} (and a Chrome trace per run).
 """
 from __future__ import annotations
 
@@ -58,13 +58,13 @@ def peer(steps: int) -> dict:
 
 
 def tierflow(ram: str, prefetch: int | None, steps: int, data: Path, disk: Path,
-             work: Path) -> dict:
+             work: Path, stamp: str) -> dict:
     """One `tierflow train` run in a fresh process under /usr/bin/time -v (``prefetch`` None:
     the planner's choice)."""
     name = f"--ram {ram}" + (f" --prefetch {prefetch}" if prefetch is not None else "")
     depth = "auto" if prefetch is None else prefetch
     out, log = work / "out", work / "log.jsonl"
-    trace = RESULTS / f"train-w2-{dt.date.today().isoformat()}-{ram}-prefetch{depth}.trace.json"
+    trace = RESULTS / f"train-w2-{stamp}-{ram}-prefetch{depth}.trace.json"
     cmd = ["/usr/bin/time", "-v", sys.executable, "-m", "tierflow", "train",
            "--model", "tinyllama-1.1b", "--data", str(data), "--seq-len", str(SEQ),
            "--batch-size", str(BATCH), "--steps", str(steps), "--dtype", "bf16",
@@ -108,7 +108,8 @@ def tierflow(ram: str, prefetch: int | None, steps: int, data: Path, disk: Path,
             "predicted_peak_gib": round(plan["predicted_peak"] / 2**30, 3),
             "disk_gib": {k: round(v / 2**30, 2) for k, v in plan["disk_bytes"].items()},
             "busy_s_per_step": busy, "wall_s": round(wall), "load_before": round(load, 2),
-            "checkpoints": len(records.get("checkpoint", [])), "trace": str(trace.relative_to(ROOT))}
+            "checkpoints": len(records.get("checkpoint", [])),
+            "trace": str(trace.relative_to(ROOT))}
 
 
 def main() -> None:
@@ -119,10 +120,12 @@ def main() -> None:
                              "PREFETCH: the planner chooses)")
     parser.add_argument("--disk", default=None, help="where the disk tier and checkpoints go "
                                                      "(default: a temporary directory)")
+    parser.add_argument("--tag", default="", help="added to the result files' names, to keep "
+                                                  "two runs of one day apart")
     parser.add_argument("--skip-peer", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stamp = dt.date.today().isoformat()
+    stamp = dt.date.today().isoformat() + (f"-{args.tag}" if args.tag else "")
     rows = [] if args.skip_peer else [peer(args.steps)]
     if rows:
         print(f"  peer: step {rows[0]['step_s_median']} s", flush=True)
@@ -134,7 +137,7 @@ def main() -> None:
             work = Path(tmp) / f"run-{ram}-{prefetch if prefetch is not None else 'auto'}"
             disk = work / "disk"
             disk.mkdir(parents=True)
-            rows.append(tierflow(ram, prefetch, args.steps, data, disk, work))
+            rows.append(tierflow(ram, prefetch, args.steps, data, disk, work, stamp))
             shutil.rmtree(work)  # the checkpoint: 13 GiB of weights and AdamW states
     peer_tok_s = rows[0]["tok_s"] if not args.skip_peer else None
     lines = [f"# W2 trained by `tierflow train --disk` ({stamp})", "",
@@ -161,7 +164,7 @@ def main() -> None:
     by_run = {(r["ram"], r["prefetch"]): r for r in rows if "prefetch" in r and "error" not in r}
     for (ram, prefetch), row in by_run.items():
         off = by_run.get((ram, 0))
-        if prefetch != 0 and off is not None:
+        if row["prefetch_depth"] and off is not None:
             on_s, off_s = row["step_s_median"], off["step_s_median"]
             lines += ["", f"Overlap at {ram}: with prefetch (depth {row['prefetch_depth']}) "
                           f"{on_s} s per step, without (depth 0: nothing read ahead) {off_s} s: "

@@ -119,8 +119,10 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                                              if n) + f"; {ahead}"))
     free = (f"{format_bytes(budget - plan.predicted_peak)} of the {format_bytes(budget)} "
             "budget" if budget else "- (no --ram budget)")
+    updates = ("updates inside the backward included, an update pass after it not"
+               if plan.costs.optimizer_owned else "optimizer not included")
     step = (f"{plan.predicted_time * grad_accum * 1e3:.0f} ms ({grad_accum} x "
-            f"{plan.predicted_time * 1e3:.0f} ms forward+backward, optimizer not included)")
+            f"{plan.predicted_time * 1e3:.0f} ms forward+backward, {updates})")
     rows += [("free", free), ("strategy", plan.strategy), ("predicted step", step)]
     fields: dict[str, Any] = {k: int(v) for k, v in kinds}
     fields["optimizer states (reserved)"] = int(reserved)  # master + moments
