@@ -13,15 +13,10 @@ Writes benchmarks/results/allocator-cost-<date>.{md,json}.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-from layer_passes import all_passes, time_layer_passes
+from layer_passes import in_fresh_processes, pass_table, save, time_layer_passes
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 MODES = ("glibc default", "caching (32 MiB)", "exact (1 MiB)")
 
 
@@ -43,27 +38,9 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.child, args.repeats)))
         return
-    rows = []
-    for mode in MODES:
-        cmd = [sys.executable, __file__, "--child", mode, "--repeats", str(args.repeats)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(rows[-1], flush=True)
-    base = rows[0]
-    lines = ["# malloc thresholds and compute (" + dt.date.today().isoformat() + ")", "",
-             "One tinyllama-1.1b decoder layer, batch 2, seq 1024, bf16 autocast, "
-             f"{base['threads']} compute threads; medians of {args.repeats - 1} repeats; each "
-             "row a fresh process. `benchmarks/allocator_cost.py`.", "",
-             "| malloc thresholds | forward s | forward with grad s | backward s | "
-             "all three vs default |", "|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['mode']} | {r['forward_s']:.3f} | {r['forward_grad_s']:.3f} | "
-                     f"{r['backward_s']:.3f} | {all_passes(r) / all_passes(base):.2f}x |")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"allocator-cost-{dt.date.today().isoformat()}"
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
-    print("\n".join(lines))
+    rows = in_fresh_processes(__file__, MODES, ["--repeats", str(args.repeats)])
+    save("allocator-cost", pass_table("malloc thresholds and compute", __file__,
+                                      "malloc thresholds", rows, args.repeats), rows)
 
 
 if __name__ == "__main__":

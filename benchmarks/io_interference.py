@@ -15,18 +15,14 @@ benchmarks/results/io-interference-<date>.{md,json}.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from layer_passes import all_passes, time_layer_passes
+from layer_passes import in_fresh_processes, pass_table, save, time_layer_passes
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 MODES = ("alone", "page cache", "direct")
 
 
@@ -65,30 +61,12 @@ def main() -> None:
     if args.child:
         print(json.dumps(measure(args.child, Path(args.dir), args.repeats)))
         return
-    rows = []
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
-        for mode in MODES:
-            cmd = [sys.executable, __file__, "--child", mode, "--dir", directory,
-                   "--repeats", str(args.repeats)]
-            proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
-            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-            print(rows[-1], flush=True)
-    alone = rows[0]
-    lines = ["# Disk I/O beside compute (" + dt.date.today().isoformat() + ")", "",
-             "One tinyllama-1.1b decoder layer, batch 2, seq 1024, bf16 autocast, "
-             f"{alone['threads']} compute threads; medians of {args.repeats - 1} repeats; each "
-             "row a fresh process. `benchmarks/io_interference.py`.", "",
-             "| I/O thread beside it | forward s | forward with grad s | backward s | "
-             "all three vs alone | disk GB/s |", "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['mode']} | {r['forward_s']:.3f} | {r['forward_grad_s']:.3f} | "
-                     f"{r['backward_s']:.3f} | {all_passes(r) / all_passes(alone):.2f}x | "
-                     f"{r['io_gb_s']:.2f} |")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = RESULTS / f"io-interference-{dt.date.today().isoformat()}"
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
-    print("\n".join(lines))
+        rows = in_fresh_processes(__file__, MODES, ["--dir", directory,
+                                                    "--repeats", str(args.repeats)])
+    lines = pass_table("Disk I/O beside compute", __file__, "I/O thread beside it", rows,
+                       args.repeats, ("disk GB/s", lambda r: f"{r['io_gb_s']:.2f}"))
+    save("io-interference", lines, rows)
 
 
 if __name__ == "__main__":

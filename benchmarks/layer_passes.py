@@ -4,8 +4,16 @@ per layer: the forward without grad, the forward with grad and the backward. Sha
 benchmarks that ask what slows that compute down. Not a benchmark itself."""
 from __future__ import annotations
 
+import datetime as dt
+import json
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
 def time_layer_passes(repeats: int) -> dict:
@@ -42,3 +50,42 @@ def time_layer_passes(repeats: int) -> dict:
 
 def all_passes(row: dict) -> float:
     return row["forward_s"] + row["forward_grad_s"] + row["backward_s"]
+
+
+def in_fresh_processes(script: str, modes: Sequence[str], args: Sequence[str]) -> list[dict]:
+    """``script --child MODE *args`` once per mode, each a fresh process whose last line of
+    output is its row (JSON)."""
+    rows = []
+    for mode in modes:
+        cmd = [sys.executable, script, "--child", mode, *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def pass_table(title: str, script: str, condition: str, rows: list[dict], repeats: int,
+               extra: tuple[str, Callable[[dict], str]] | None = None) -> list[str]:
+    """A Markdown table of the rows' pass times, each against the first row's."""
+    base = rows[0]
+    heading = f" {extra[0]} |" if extra else ""
+    lines = [f"# {title} ({dt.date.today().isoformat()})", "",
+             "One tinyllama-1.1b decoder layer, batch 2, seq 1024, bf16 autocast, "
+             f"{base['threads']} compute threads; medians of {repeats - 1} repeats; each row a "
+             f"fresh process. `benchmarks/{Path(script).name}`.", "",
+             f"| {condition} | forward s | forward with grad s | backward s | all three vs "
+             f"{base['mode']} |{heading}", "|---|---|---|---|---|" + ("---|" if extra else "")]
+    for r in rows:
+        cell = f" {extra[1](r)} |" if extra else ""
+        lines.append(f"| {r['mode']} | {r['forward_s']:.3f} | {r['forward_grad_s']:.3f} | "
+                     f"{r['backward_s']:.3f} | {all_passes(r) / all_passes(base):.2f}x |{cell}")
+    return lines
+
+
+def save(name: str, lines: list[str], rows: list[dict]) -> None:
+    """benchmarks/results/<name>-<date>.{md,json}, and the table on stdout."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"{name}-{dt.date.today().isoformat()}"
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    print("\n".join(lines))
