@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .file_io import ALIGN
+from .file_io import round_up
 
 
 class BufferPool:
@@ -34,7 +34,7 @@ class BufferPool:
         offsets, total = [], 0
         for size in sizes:
             offsets.append(total)
-            total += -(-size // ALIGN) * ALIGN
+            total += round_up(size)
         flat = self._take(total)
         views = [flat[start:start + size].view(dtype).view(shape)
                  for (shape, dtype), start, size in zip(shapes, offsets, sizes)]

@@ -11,9 +11,10 @@ import shutil
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -57,20 +58,35 @@ class DiskStore:
                                 f"the offload directory was changed during the run")
 
 
-class WriteBacklog:
-    """The writes one writer thread still has to do, at most ``limit`` of them: admitting one
-    more waits for the oldest. Each pending write holds its tensors in memory until they are
-    on disk, and the plan counts ``limit`` of them, not a queue that grows for as long as the
-    disk writes slower than the compute produces (measured: 2 GiB over a 4 GiB budget)."""
+class WriteBehind:
+    """One writer thread for a tier's writes, the last one of each stage kept by stage, and
+    at most ``limit`` of them queued: submitting one more waits for the oldest. Each pending
+    write holds its tensors in memory until they are on disk, and the plan counts ``limit``
+    of them, not a queue that grows for as long as the disk writes slower than the compute
+    produces (measured: 2 GiB over a 4 GiB budget)."""
 
-    def __init__(self, limit: int = 1):
+    def __init__(self, name: str, limit: int = 1):
         self.limit = limit
+        self.writes: dict[int, Future] = {}  # stage -> its last write
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
         self._pending: deque[Future] = deque()
 
-    def admit(self, write: Future) -> None:
-        self._pending.append(write)
+    def submit(self, stage: int, write: Callable[..., None], *args: Any) -> Future:
+        """Run ``write(*args)`` on the writer thread as stage ``stage``'s write."""
+        future = self._executor.submit(write, *args)
+        self.writes[stage] = future
+        self._pending.append(future)
         while len(self._pending) > self.limit:
             self._pending.popleft().result()
+        return future
+
+    def wait(self) -> None:
+        """Until every write has reached the disk (and raise a write's error)."""
+        for future in list(self.writes.values()):
+            future.result()
+
+    def shutdown(self) -> None:
+        self._executor.shutdown()
 
 
 def measure_bandwidth(directory: str | Path, nbytes: int = 64 << 20) -> float:

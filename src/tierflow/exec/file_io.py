@@ -57,7 +57,7 @@ def direct_io_supported(directory: Path) -> bool:
 def file_bytes(tensors: Sequence[torch.Tensor], direct: bool) -> int:
     """The size of the file that holds ``tensors``: padded to ``ALIGN`` each when direct."""
     if direct:
-        return sum(_round_up(t.nbytes) for t in tensors)
+        return sum(round_up(t.nbytes) for t in tensors)
     return sum(t.nbytes for t in tensors)
 
 
@@ -72,7 +72,7 @@ def write_tensors(path: Path, tensors: Sequence[torch.Tensor], direct: bool) -> 
         offset = 0
         for t in tensors:
             _write_direct(fd, t, offset)
-            offset += _round_up(t.nbytes)
+            offset += round_up(t.nbytes)
         if os.fstat(fd).st_size != offset:  # a file reused for other shapes
             os.ftruncate(fd, offset)
     finally:
@@ -90,7 +90,7 @@ def read_tensors(path: Path, tensors: Sequence[torch.Tensor], direct: bool) -> b
         for t in tensors:
             if not _read_direct(fd, t, offset):
                 return False
-            offset += _round_up(t.nbytes)
+            offset += round_up(t.nbytes)
         return True
     finally:
         os.close(fd)
@@ -117,7 +117,7 @@ def _write_direct(fd: int, t: torch.Tensor, offset: int) -> None:
     for begin in range(start, len(view), len(bounce)):
         chunk = min(len(bounce), len(view) - begin)
         ctypes.memmove(address, t.data_ptr() + begin, chunk)
-        padded = _round_up(chunk)
+        padded = round_up(chunk)
         ctypes.memset(address + chunk, 0, padded - chunk)
         _pwrite_all(fd, bounce[:padded], offset + begin)
 
@@ -130,7 +130,7 @@ def _read_direct(fd: int, t: torch.Tensor, offset: int) -> bool:
     bounce, address = _bounce()
     for begin in range(start, len(view), len(bounce)):
         chunk = min(len(bounce), len(view) - begin)
-        if not _pread_all(fd, bounce[:_round_up(chunk)], offset + begin):
+        if not _pread_all(fd, bounce[:round_up(chunk)], offset + begin):
             return False
         ctypes.memmove(t.data_ptr() + begin, address, chunk)
     return True
@@ -171,7 +171,8 @@ def _bounce() -> tuple[memoryview, int]:
     return bounce
 
 
-def _round_up(nbytes: int) -> int:
+def round_up(nbytes: int) -> int:
+    """``nbytes`` rounded up to a whole number of ``ALIGN`` blocks."""
     return -(-nbytes // ALIGN) * ALIGN
 
 

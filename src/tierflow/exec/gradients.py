@@ -9,12 +9,10 @@ so the global norm is known when the backward ends.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
-
 import torch
 from torch import nn
 
-from .disk import DiskStore, WriteBacklog
+from .disk import DiskStore, WriteBehind
 from .trace import span
 
 
@@ -24,9 +22,7 @@ class GradientStash:
     def __init__(self, store: DiskStore, stage_params: dict[int, list[nn.Parameter]]):
         self.store = store
         self.stage_params = stage_params
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-grad-write")
-        self._writes: dict[int, Future] = {}
-        self._backlog = WriteBacklog()  # one stage's gradients waiting for the disk at most
+        self._writer = WriteBehind("tierflow-grad-write")  # one stage's gradients queued
         self._stashed: dict[int, list[nn.Parameter]] = {}  # stage -> params with grads on disk
         self.square_norms: dict[int, float] = {}
 
@@ -39,8 +35,7 @@ class GradientStash:
             p.grad = None
         if measure:
             self.square_norms[i] = sum(float(g.detach().float().square().sum()) for g in grads)
-        self._writes[i] = self._writer.submit(self._write, i, grads)
-        self._backlog.admit(self._writes[i])
+        self._writer.submit(i, self._write, i, grads)
         self._stashed[i] = params
 
     def _write(self, i: int, grads: list[torch.Tensor]) -> None:
@@ -51,7 +46,7 @@ class GradientStash:
         """Put stage i's stashed gradients back in ``.grad`` (a no-op when none are)."""
         if i not in self._stashed:
             return
-        self._writes.pop(i).result()
+        self._writer.writes.pop(i).result()
         params = self._stashed.pop(i)
         with span(f"read gradients {i}", "disk read"):
             buffers = [torch.empty(p.shape, dtype=p.dtype) for p in params]

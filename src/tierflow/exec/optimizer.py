@@ -14,7 +14,7 @@ from torch import nn
 
 from ..chain.base import Chain
 from .buffers import BufferPool
-from .disk import DiskStore, WriteBacklog
+from .disk import DiskStore, WriteBehind
 from .memory import DeviceMeter, HostMeter
 from .stage_call import storage_key
 from .trace import span
@@ -55,10 +55,8 @@ class OwnedOptimizer:
         self._offloaded: list[list[tuple[dict, str, torch.Size, torch.dtype]]] = [
             [] for _ in chain.stages]
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-state-read")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-state-write")
+        self._writer = WriteBehind("tierflow-state-write")  # one stage's states queued
         self._reads: dict[int, Future] = {}
-        self._writes: dict[int, Future] = {}
-        self._backlog = WriteBacklog()  # the states of one stage waiting for the disk at most
         self._pool = BufferPool()
         self._flat: dict[int, torch.Tensor] = {}  # stage -> the pool buffer its states view
         owned = [j for j, opt in enumerate(self.optimizers) if opt is not None]
@@ -106,7 +104,7 @@ class OwnedOptimizer:
         state = opt.state_dict()  # evicted tensors are placeholders in it
         if not entries:
             return copy.deepcopy(state)
-        pending = self._writes.get(i)
+        pending = self._writer.writes.get(i)
         _, buffers = self._read(i, [(shape, dtype) for _, _, shape, dtype in entries], pending)
         stored = {(id(live), key): buffer for (live, key, _, _), buffer in zip(entries, buffers)}
         params = [p for group in opt.param_groups for p in group["params"]]  # index k: params[k]
@@ -157,7 +155,8 @@ class OwnedOptimizer:
         entries = self._offloaded[i]
         if entries and i not in self._reads:
             shapes = [(shape, dtype) for _, _, shape, dtype in entries]
-            self._reads[i] = self._reader.submit(self._read, i, shapes, self._writes.get(i))
+            self._reads[i] = self._reader.submit(self._read, i, shapes,
+                                               self._writer.writes.get(i))
 
     def _read(self, i: int, shapes: list[tuple[torch.Size, torch.dtype]],
               pending: Future | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -196,8 +195,7 @@ class OwnedOptimizer:
                     tensors.append(value.contiguous())
         for state, key, _, _ in entries:
             state[key] = _EVICTED
-        self._writes[i] = self._writer.submit(self._write, i, tensors, self._flat.pop(i, None))
-        self._backlog.admit(self._writes[i])
+        self._writer.submit(i, self._write, i, tensors, self._flat.pop(i, None))
 
     def _write(self, i: int, tensors: list[torch.Tensor], flat: torch.Tensor | None) -> None:
         """Write stage i's states; then the pool buffer they were read into (if any) is free:
@@ -209,8 +207,7 @@ class OwnedOptimizer:
 
     def wait(self) -> None:
         """Until every state write has reached the disk (and raise a write's error)."""
-        for future in list(self._writes.values()):
-            future.result()
+        self._writer.wait()
 
     def set_lr(self, lr: float) -> None:
         for opt in self.optimizers:

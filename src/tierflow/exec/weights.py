@@ -14,7 +14,7 @@ from typing import Sequence
 from torch import nn
 
 from ..plan.ops import Backward, Forward, Op, Update
-from .disk import WriteBacklog
+from .disk import WriteBehind
 from .offload import OffloadedParameters
 from .trace import span
 
@@ -30,10 +30,8 @@ class WeightStreamer:
         self.offloaded = offloaded
         self.depth = depth
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-read")
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-write")
+        self._writer = WriteBehind("tierflow-write")  # one stage's weights queued
         self._reads: dict[int, Future] = {}
-        self._writes: dict[int, Future] = {}
-        self._backlog = WriteBacklog()  # one stage's weights waiting for the disk at most
         self._resident: set[int] = set()
         for params in stage_params.values():  # the weights move to disk now (if not there)
             for p in params:
@@ -86,8 +84,7 @@ class WeightStreamer:
         self._reads.pop(i).result()
 
     def wait_writes(self) -> None:
-        for future in list(self._writes.values()):
-            future.result()
+        self._writer.wait()
 
     def settle(self) -> None:
         """Until no read or write is in flight: every weight is then either resident with its
@@ -109,7 +106,7 @@ class WeightStreamer:
             if i not in self._reads:
                 self._reads[i] = _done()
             return
-        pending = self._writes.get(i)
+        pending = self._writer.writes.get(i)
         self._reads[i] = self._reader.submit(self._read, i, pending)
         self._resident.add(i)
 
@@ -123,8 +120,7 @@ class WeightStreamer:
     def write_back(self, i: int) -> None:
         """Write stage i's (updated) weights to disk, then drop them, on the writer thread."""
         params = self.stage_params[i]
-        self._writes[i] = self._writer.submit(self._write_and_empty, i, params)
-        self._backlog.admit(self._writes[i])
+        self._writer.submit(i, self._write_and_empty, i, params)
         self._resident.discard(i)
 
     def _write_and_empty(self, i: int, params: list[nn.Parameter]) -> None:
