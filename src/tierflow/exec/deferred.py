@@ -15,6 +15,7 @@ import math
 
 from torch import nn
 
+from .grad_norm import square_norm
 from .gradients import GradientStash
 from .optimizer import OwnedOptimizer
 from .trace import span
@@ -85,5 +86,4 @@ class DeferredUpdates:
 
 
 def _square_norm(params: list[nn.Parameter]) -> float:
-    return sum(float(p.grad.detach().float().square().sum()) for p in params
-               if p.grad is not None)
+    return square_norm(p.grad for p in params if p.grad is not None)

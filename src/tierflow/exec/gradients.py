@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .disk import DiskStore, WriteBehind
+from .grad_norm import square_norm
 from .trace import span
 
 
@@ -34,7 +35,7 @@ class GradientStash:
         for p in params:
             p.grad = None
         if measure:
-            self.square_norms[i] = sum(float(g.detach().float().square().sum()) for g in grads)
+            self.square_norms[i] = square_norm(grads)
         self._writer.submit(i, self._write, i, grads)
         self._stashed[i] = params
 

@@ -15,6 +15,7 @@ from torch import nn
 from ..chain.base import Chain
 from .buffers import BufferPool
 from .disk import DiskStore, WriteBehind
+from .grad_norm import square_norm
 from .memory import DeviceMeter, HostMeter
 from .stage_call import storage_key
 from .trace import span
@@ -74,8 +75,8 @@ class OwnedOptimizer:
         if self.measures_norm:
             if i == self._first_update:  # a new step's updates begin (the last stage first)
                 self._square_norm = 0.0
-            self._square_norm += sum(float(p.grad.detach().float().square().sum())
-                                     for p in self.stage_params[i] if p.grad is not None)
+            self._square_norm += square_norm(p.grad for p in self.stage_params[i]
+                                             if p.grad is not None)
         if scale != 1.0:
             for p in self.stage_params[i]:
                 if p.grad is not None:
