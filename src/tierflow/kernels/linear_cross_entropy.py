@@ -12,9 +12,10 @@ right away, the gradient of the mean loss with respect to the logits, which it c
 the gradients of ``hidden``, ``weight`` and ``bias``. Those gradients are the only thing the
 autograd graph keeps; backward just scales them by the incoming gradient.
 
-Extra memory: O(chunk_tokens * vocab) for one chunk's logits, plus a gradient buffer shaped
-like ``hidden`` and one shaped like ``weight`` (float32 while accumulating over chunks when the
-matmul runs in bf16/fp16, then cast to ``weight.dtype``).
+Extra memory: O(chunk_tokens * vocab) for one chunk's logits (buffers that every chunk
+reuses), plus a gradient buffer shaped like ``hidden`` and one shaped like ``weight`` (float32
+while accumulating over chunks when the matmul runs in bf16/fp16, then cast to
+``weight.dtype``).
 
 Rows whose label is ``ignore_index`` (the last position of every sequence when ``shift=True``,
 masked prompt tokens) are skipped: they contribute neither loss nor gradient, so their logits
@@ -128,47 +129,65 @@ def _loss_and_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
         if need_h:
             grad_hidden = torch.zeros((n_tokens, h), dtype=hidden.dtype, device=device)  # (N, h)
         if need_w and n_chunks > 1:
-            grad_weight = torch.zeros((vocab, h), dtype=acc_dtype, device=device)  # (V, h)
+            grad_weight = torch.empty((vocab, h), dtype=acc_dtype, device=device)  # (V, h)
             # low precision: each chunk's product lands here, then is added in fp32
             gw_chunk = torch.empty((vocab, h), dtype=compute_dtype, device=device) if low else None
         if need_b:
             grad_bias = torch.zeros((vocab,), dtype=torch.float32, device=device)  # (V,)
+        # one chunk's logits, reused by every chunk: fresh (c, V) blocks per chunk cost a page
+        # fault per page on CPU, more than the elementwise work on them
+        c = min(chunk_tokens, n_valid)
+        logits32 = torch.empty((c, vocab), dtype=torch.float32, device=device)  # (c, V)
+        logits_low = torch.empty((c, vocab), dtype=compute_dtype, device=device) \
+            if low else logits32  # (c, V) what the matmul writes
+        grad_low = torch.empty_like(logits_low) if low and any_grad else logits32  # (c, V)
 
         for start in range(0, n_valid, chunk_tokens):
-            r = rows[start:start + chunk_tokens]  # (c,)
-            t_c = targets.index_select(0, r)  # (c,)
-            h_c = hidden_flat.index_select(0, r).to(compute_dtype)  # (c, h)
+            r = rows[start:start + chunk_tokens]  # (n,)
+            n = r.numel()
+            t_c = targets.index_select(0, r)  # (n,)
+            h_c = hidden_flat.index_select(0, r).to(compute_dtype)  # (n, h)
             if b_c is None:
-                logits = torch.mm(h_c, w_c.t())  # (c, V) in compute dtype
+                torch.mm(h_c, w_c.t(), out=logits_low[:n])  # (n, V) in compute dtype
             else:
-                logits = torch.addmm(b_c, h_c, w_c.t())  # (c, V)
-            logits = logits.float()  # (c, V) fp32, as HF upcasts before the loss
-            lse = torch.logsumexp(logits, dim=1)  # (c,)
-            target_logit = logits.gather(1, t_c[:, None]).squeeze(1)  # (c,)
-            loss_sum += (lse - target_logit).sum()
+                torch.addmm(b_c, h_c, w_c.t(), out=logits_low[:n])  # (n, V)
+            z = logits32[:n]  # (n, V) fp32, as HF upcasts before the loss
+            if low:
+                z.copy_(logits_low[:n])
+            target_logit = z.gather(1, t_c[:, None]).squeeze(1)  # (n,)
+            top = z.amax(dim=1)  # (n,)
+            z.sub_(top[:, None]).exp_()  # (n, V) exp(logits - max)
+            total = z.sum(dim=1)  # (n,)
+            loss_sum += (top + total.log() - target_logit).sum()  # logsumexp - target logit
             if not any_grad:
-                del logits  # free before the next chunk's logits exist
                 continue
 
-            # d(mean loss)/d(logits) = (softmax - onehot) / n_valid, built in place in `logits`
-            probs = logits.sub_(lse[:, None]).exp_()  # (c, V) softmax
-            probs.scatter_add_(1, t_c[:, None], probs.new_full((r.numel(), 1), -1.0))
-            probs.mul_(inv_n)  # (c, V) fp32 grad of the logits
+            # d(mean loss)/d(logits) = (softmax - onehot) / n_valid, built in place in `z`
+            probs = z.mul_((inv_n / total)[:, None])  # (n, V) softmax / n_valid
+            probs.scatter_add_(1, t_c[:, None], probs.new_full((n, 1), -inv_n))
             if need_b:
                 grad_bias += probs.sum(0)  # (V,)
-            g = probs.to(compute_dtype)  # (c, V), as autograd casts it back through .float()
+            g = grad_low[:n]  # (n, V), as autograd casts it back through .float()
+            if low:
+                g.copy_(probs)
             if need_h:
-                gh_c = torch.mm(g, w_c)  # (c, h)
+                gh_c = torch.mm(g, w_c)  # (n, h)
                 grad_hidden.index_copy_(0, r, gh_c.to(hidden.dtype))
             if need_w:
                 if n_chunks == 1:
                     grad_weight = torch.mm(g.t(), h_c)  # (V, h), exactly what autograd does
-                elif low:
-                    torch.mm(g.t(), h_c, out=gw_chunk)  # (V, h)
-                    grad_weight += gw_chunk
+                elif not low:
+                    if start == 0:
+                        torch.mm(g.t(), h_c, out=grad_weight)  # (V, h)
+                    else:
+                        grad_weight.addmm_(g.t(), h_c)  # (V, h)
                 else:
-                    grad_weight.addmm_(g.t(), h_c)  # (V, h)
-            del logits, probs, g
+                    torch.mm(g.t(), h_c, out=gw_chunk)  # (V, h)
+                    if start == 0:
+                        grad_weight.copy_(gw_chunk)
+                    else:
+                        grad_weight += gw_chunk
+        del logits32, logits_low, grad_low
 
         loss = loss_sum / n_valid if n_valid else loss_sum / 0.0  # 0/0 = NaN, like HF
 
