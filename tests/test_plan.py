@@ -37,6 +37,20 @@ def test_keep_all_and_checkpoint_all_costs():
     assert ckpt.peak < keep.peak
 
 
+def test_growth_is_what_each_op_adds_at_its_peak():
+    c = chain_costs(3)
+    sim = simulate(c, keep_all(c))
+    growth = sim.growth()
+    assert len(growth) == len(sim.timeline)
+    # the first forward: its output, tape and transient over x0 (counted from nothing)
+    assert growth[0] == sim.timeline[0].peak
+    # every later op: its peak over what the op before it left
+    for k in range(1, len(growth)):
+        assert growth[k] == max(0, sim.timeline[k].peak - sim.timeline[k - 1].resident)
+    assert growth[1] == 100 + 300 + 5  # Forward(1): output, tape, transient
+    assert max(growth) <= sim.peak
+
+
 def test_simulator_rejects_invalid_plans():
     c = chain_costs(2)
     with pytest.raises(InvalidPlan, match="tape"):

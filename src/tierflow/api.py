@@ -21,9 +21,9 @@ from .exec.context import AutocastMode, untouched
 from .exec.deferred import DeferredUpdates
 from .exec.gradients import GradientStash
 from .exec.memory import (
-    CACHING_SLACK,
     CACHING_THRESHOLD,
     EXACT_THRESHOLD,
+    HostRoom,
     configure_host_allocator,
     meter_for,
     return_free_memory,
@@ -105,6 +105,9 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     started = time.perf_counter()
     autocast = AutocastMode.capture(device.type)
     before = meter_for(device).current()  # what the first runs leave resident counts from here
+    # the RSS the budget does not cover: the process itself, less the parameters it holds
+    outside_budget = before - sum({storage_key(p): p.untyped_storage().nbytes()
+                                   for p in model.parameters()}.values())
     attempt = functools.partial(_profile_and_plan, model, sample, device, autocast, budget, tier,
                                 reserved, optimizer, lower, config, say, before, deferred)
     if config.head_chunk_tokens is not None:
@@ -120,11 +123,14 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     if deferred:
         stash = GradientStash(placed.weights.store, streamer.stage_params) if streamer else None
         updates = DeferredUpdates(owned, grad_accum, max_grad_norm, streamer, stash)
-    if exact_host and plan.predicted_peak * CACHING_SLACK <= budget:
-        configure_host_allocator(CACHING_THRESHOLD)  # room for malloc's caches: faster steps
+    host_room = None
+    if exact_host:  # profiled with exact thresholds; steps cache, and trim where they must
+        configure_host_allocator(CACHING_THRESHOLD)
+        host_room = HostRoom(budget + outside_budget)
         plan = replace(plan, notes=plan.notes + (
-            f"the budget leaves room for malloc's caching (x{CACHING_SLACK} of the predicted "
-            f"peak), so freed memory is kept for reuse instead of returned at once",))
+            "malloc keeps freed memory for reuse (no page faults on fresh memory) and gives "
+            "it back before an operation only when the RSS plus what the operation adds "
+            "would pass the budget",))
     say(f"planned in {time.perf_counter() - started:.1f} s: {plan.strategy}")
     tapes = None
     if placed.tapes is not None:
@@ -132,7 +138,7 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
                             {storage_key(p) for p in model.parameters()},
                             read_ahead=placed.depth > 0)
     return TierflowModule(model, chain, plan, autocast, device, owned, log, streamer,
-                          updates, tapes)
+                          updates, tapes, host_room)
 
 
 def _stream(model: nn.Module, chain: Chain, placed: Placement, *,

@@ -12,6 +12,7 @@ from .errors import TierflowError
 from .exec.context import AutocastMode
 from .exec.deferred import DeferredUpdates
 from .exec.function import RunPlan
+from .exec.memory import HostRoom
 from .exec.optimizer import OwnedOptimizer
 from .exec.runner import Ledger, StepRun
 from .exec.stage_call import context_tensors, forward_plain, storage_key
@@ -32,7 +33,8 @@ class TierflowModule(nn.Module):
     def __init__(self, model: nn.Module, chain: Chain, plan: Plan, autocast: AutocastMode,
                  device: torch.device, optimizer: OwnedOptimizer | None, log: list[str],
                  streamer: WeightStreamer | None = None,
-                 deferred: DeferredUpdates | None = None, tapes: TapeOffload | None = None):
+                 deferred: DeferredUpdates | None = None, tapes: TapeOffload | None = None,
+                 host_room: HostRoom | None = None):
         super().__init__()
         self.model = model
         self._chain = chain
@@ -43,6 +45,8 @@ class TierflowModule(nn.Module):
         self._streamer = streamer
         self._deferred = deferred
         self._tapes = tapes
+        self._host_room = host_room
+        self._growth = plan.simulation.growth() if host_room is not None else []
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
         self._forward_count = len(plan.forward_ops)
         self.ledger = Ledger({storage_key(p) for p in model.parameters()})
@@ -111,14 +115,19 @@ class TierflowModule(nn.Module):
                       self._device, update, self.ledger, self._streamer,
                       before_backward=deferred.before_backward if deferred else None,
                       backward_done=deferred.backward_done if deferred else None,
-                      tapes=self._tapes)
+                      tapes=self._tapes, before_op=self._make_room if self._host_room else None)
         y = RunPlan.apply(run, x0, self._anchor)
         return self._chain.wrap_output(y, ctx)
+
+    def _make_room(self, position: int) -> None:
+        self._host_room.make_room(self._growth[position])
 
     def _run_without_grad(self, x: torch.Tensor, ctx: Any, autocast: AutocastMode) -> torch.Tensor:
         """Evaluation: every stage once in order, streamed weights fetched around their use."""
         ops = [Forward(i, tape=False) for i in range(len(self._chain))]
         for i, op in enumerate(ops):
+            if self._host_room is not None:  # no stage adds more than the plan's largest op
+                self._host_room.make_room(max(self._growth))
             if self._streamer is not None:
                 self._streamer.before(op)
             x = forward_plain(self._chain.stages[i], x, ctx, autocast)

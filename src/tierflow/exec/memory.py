@@ -5,8 +5,9 @@ means. For that to track live tensors, glibc must hand freed blocks back to the 
 ``configure_host_allocator`` pins malloc's mmap threshold (the dynamic threshold otherwise
 grows to 32 MiB and keeps freed activations resident, up to ~25% above the live bytes on W1).
 The price is a page fault on every fresh page: on W1 a step takes ~30% longer. So ``fit``
-profiles with the exact setting when a RAM budget is given, and lets malloc cache again
-when the plan leaves the budget room for that slack.
+profiles with the exact setting when a RAM budget is given, then lets malloc cache freed
+blocks again and ``HostRoom`` gives them back only before an operation that could otherwise
+push the RSS past the budget.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 EXACT_THRESHOLD = 1 << 20  # blocks of 1 MiB and more get their own mapping, freed at once
 CACHING_THRESHOLD = 32 << 20  # glibc's own steady state: freed blocks stay for reuse
-CACHING_SLACK = 1.25  # RSS over live bytes seen on W1 with caching (eager; ~1.0 compiled)
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -53,6 +53,22 @@ def return_free_memory() -> None:
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
+
+
+class HostRoom:
+    """Keeps the RSS under ``limit`` while malloc caches freed blocks: before an operation
+    that may add ``nbytes`` at its peak, the caches go back to the kernel if the RSS now (live
+    bytes plus malloc's free blocks) plus ``nbytes`` would pass the limit. Steps far from the
+    budget keep their caches (no page faults); steps near it pay the faults where needed."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  # bytes of RSS, the process's own share included
+        self.trims = 0
+
+    def make_room(self, nbytes: int) -> None:
+        if rss_bytes() + nbytes > self.limit:
+            return_free_memory()
+            self.trims += 1
 
 
 def rss_bytes() -> int:

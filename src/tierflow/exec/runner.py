@@ -49,7 +49,8 @@ class StepRun:
                  streamer: WeightStreamer | None = None,
                  before_backward: Callable[[int], None] | None = None,
                  backward_done: Callable[[], None] | None = None,
-                 tapes: TapeOffload | None = None):
+                 tapes: TapeOffload | None = None,
+                 before_op: Callable[[int], None] | None = None):
         self.chain = chain
         self.ops = ops
         self.forward_count = forward_count
@@ -62,6 +63,7 @@ class StepRun:
         self.before_backward = before_backward  # e.g. earlier micro-batches' gradients back
         self.backward_done = backward_done  # e.g. the deferred update pass
         self.tape_offload = tapes
+        self.before_op = before_op  # e.g. making host RAM room for ops[position]
         self.x: dict[int, torch.Tensor] = {}
         self.tapes: dict[int, Taped] = {}
         self.tapes_below: set[int] = set()  # stages whose live tape is on the lower tier
@@ -92,6 +94,8 @@ class StepRun:
 
     def _run(self, position: int) -> None:
         op = self.ops[position]
+        if self.before_op is not None:
+            self.before_op(position)
         if self.streamer is not None:
             with span("wait for weights", "compute"):
                 self.streamer.before(op)

@@ -35,6 +35,12 @@ class Simulation:
     def total_peak(self, costs: ChainCosts) -> int:
         return self.peak + costs.static_bytes
 
+    def growth(self) -> list[int]:
+        """Per op: the most bytes it adds while it runs over what was held before it (the
+        first op counted from nothing)."""
+        held = [0] + [event.resident for event in self.timeline[:-1]]
+        return [max(0, event.peak - before) for event, before in zip(self.timeline, held)]
+
 
 class _State:
     def __init__(self, costs: ChainCosts):

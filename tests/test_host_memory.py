@@ -1,0 +1,36 @@
+"""The host allocator policy of RAM budgets: malloc caches freed blocks, HostRoom gives them
+back before an operation that would otherwise pass the budget."""
+import sys
+
+import pytest
+import torch
+
+from tierflow.exec.memory import CACHING_THRESHOLD, HostRoom, configure_host_allocator, rss_bytes
+
+MIB = 1 << 20
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+
+
+def _cache_freed_blocks() -> int:
+    """Touch and free 48 MiB in 4 MiB blocks (below the mmap threshold: malloc keeps them)."""
+    configure_host_allocator(CACHING_THRESHOLD)
+    blocks = [torch.ones(4 * MIB // 4) for _ in range(12)]  # 12 x 4 MiB, pages touched
+    del blocks
+    return rss_bytes()
+
+
+def test_room_left_keeps_malloc_caches():
+    cached = _cache_freed_blocks()
+    room = HostRoom(limit=cached + 256 * MIB)
+    room.make_room(64 * MIB)
+    assert room.trims == 0
+    assert rss_bytes() > cached - 8 * MIB  # the freed blocks are still resident
+
+
+def test_no_room_gives_the_caches_back():
+    cached = _cache_freed_blocks()
+    room = HostRoom(limit=cached)
+    room.make_room(MIB)  # RSS + 1 MiB passes the limit
+    assert room.trims == 1
+    assert rss_bytes() < cached - 32 * MIB  # most of the 48 MiB went back to the kernel
