@@ -21,9 +21,11 @@ from .exec.context import AutocastMode, untouched
 from .exec.deferred import DeferredUpdates
 from .exec.gradients import GradientStash
 from .exec.memory import (
+    CACHE_RESERVE,
     CACHING_THRESHOLD,
     EXACT_THRESHOLD,
     HostRoom,
+    caching_allocator,
     configure_host_allocator,
     meter_for,
     return_free_memory,
@@ -104,6 +106,8 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         else log.append
     started = time.perf_counter()
     autocast = AutocastMode.capture(device.type)
+    if device.type == "cpu":
+        return_free_memory()  # what malloc cached before fit is not the process's to keep
     before = meter_for(device).current()  # what the first runs leave resident counts from here
     # the RSS the budget does not cover: the process itself, less the parameters it holds
     outside_budget = before - sum({storage_key(p): p.untyped_storage().nbytes()
@@ -126,7 +130,10 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     host_room = None
     if exact_host:  # profiled with exact thresholds; steps cache, and trim where they must
         configure_host_allocator(CACHING_THRESHOLD)
-        host_room = HostRoom(budget + outside_budget)
+        # malloc's caches may fill the room the plan leaves, less a reserve for what the
+        # process gains outside tierflow's view (lazy imports, the caller's own tensors)
+        cached_up_to = max(plan.predicted_peak, int(budget * (1 - CACHE_RESERVE)))
+        host_room = HostRoom(cached_up_to + outside_budget)
         plan = replace(plan, notes=plan.notes + (
             "malloc keeps freed memory for reuse (no page faults on fresh memory) and gives "
             "it back before an operation only when the RSS plus what the operation adds "
@@ -187,6 +194,7 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
     """Cut the model into a chain, measure its stages and plan the step under the budget.
     ``before`` is the RSS when fit began: growth since then is the runtime's resident share."""
     meter = meter_for(device)
+    exact_host = budget is not None and tier == "ram"  # memory measured with exact thresholds
     offloaded = offloaded_parameters(model)
     args, kwargs = _as_call(sample)
     # runs of the whole model, under the caller's autocast without its weight-cast cache
@@ -199,7 +207,8 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
     with untouched(model, device):
         stage_costs, shared = profile_chain(chain, x0, ctx, autocast, meter,
                                             resident=offloaded.resident if offloaded else None,
-                                            repeats=config.profile_repeats, log=say)
+                                            repeats=config.profile_repeats, log=say,
+                                            timing=caching_allocator if exact_host else None)
     # what running the model left resident (kernel caches, compiled code, allocator slack):
     # it stays for the whole run, so it is planned as static
     if device.type == "cpu":

@@ -11,6 +11,7 @@ push the RSS past the budget.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -18,6 +19,7 @@ import resource
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -25,6 +27,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 EXACT_THRESHOLD = 1 << 20  # blocks of 1 MiB and more get their own mapping, freed at once
 CACHING_THRESHOLD = 32 << 20  # glibc's own steady state: freed blocks stay for reuse
+CACHE_RESERVE = 0.05  # of a RAM budget that malloc's caches leave free
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -44,6 +47,18 @@ def configure_host_allocator(threshold: int = EXACT_THRESHOLD) -> bool:
         return False
     ok = libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1
     return libc.mallopt(_M_TRIM_THRESHOLD, 2 * threshold) == 1 and ok
+
+
+@contextlib.contextmanager
+def caching_allocator() -> Iterator[None]:
+    """Run the block with malloc's caching thresholds, then give its caches back and pin the
+    exact ones again (to time work as steps run it while memory is measured exactly)."""
+    configure_host_allocator(CACHING_THRESHOLD)
+    try:
+        yield
+    finally:
+        configure_host_allocator(EXACT_THRESHOLD)
+        return_free_memory()
 
 
 def return_free_memory() -> None:

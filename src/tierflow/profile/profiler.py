@@ -44,12 +44,13 @@ def stage_parameters(stage: nn.Module) -> list[nn.Parameter]:
 
 def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
                   meter: HostMeter | DeviceMeter, *, repeats: int = 2,
-                  log: Any = None, resident: Callable[[list[nn.Parameter]], Any] | None = None
-                  ) -> tuple[list[StageCost], int]:
+                  log: Any = None, resident: Callable[[list[nn.Parameter]], Any] | None = None,
+                  timing: Callable[[], Any] | None = None) -> tuple[list[StageCost], int]:
     """Costs of every stage (parameter bytes are those the stage alone uses) and the bytes of
     gradients of parameters shared between stages (tied embeddings). ``resident(params)``,
     when given, is a context that holds a stage's weights while it runs (a model whose
-    weights start on disk)."""
+    weights start on disk). ``timing``, when given, is a context to time the stages in (the
+    allocator the steps will use, when memory is measured under another)."""
     resident = resident or (lambda params: contextlib.nullcontext())
     owners = _parameter_users(chain)
     shared = {key for key, users in owners.items() if len(users) > 1}
@@ -68,7 +69,7 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
             started = time.perf_counter()
             with resident(stage_parameters(stage)):
                 _CACHE[key] = _measure(stage, x, ctx, autocast, meter, held, input_grad,
-                                       repeats)
+                                       repeats, timing)
             if log is not None:
                 log(f"profiled {chain.names[i]} in {time.perf_counter() - started:.1f} s")
         m = _CACHE[key]
@@ -101,55 +102,73 @@ def with_update_costs(costs: list[StageCost], seconds_per_byte: float,
             for c, big in zip(costs, largest)]
 
 
+@dataclass(frozen=True)
+class _Round:
+    """One forward without a tape, one with, and the backward of a stage."""
+    fwd_time: float
+    bwd_time: float
+    output_bytes: int
+    tape: int
+    output_in_tape: bool
+    fwd_transient: int
+    fwd_transient_nograd: int
+    bwd_transient: int
+
+
 def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
              meter: HostMeter | DeviceMeter, held: set[int], input_grad: bool,
-             repeats: int) -> _Measured:
+             repeats: int, timing: Callable[[], Any] | None) -> _Measured:
+    """Memory from ``repeats`` rounds after a warm-up round; times from the same rounds, or,
+    when ``timing`` is given (a context that sets the allocator the steps will run with),
+    from ``repeats`` rounds inside it after one more warm-up round."""
+    run = lambda: _round(stage, x, ctx, autocast, meter, held, input_grad)  # noqa: E731
+    memory = [run() for _ in range(repeats + 1)][1:]
+    timed = memory
+    if timing is not None:
+        with timing():
+            timed = [run() for _ in range(repeats + 1)][1:]
+    last = memory[-1]
+    return _Measured(fwd_time=statistics.median(r.fwd_time for r in timed),
+                     bwd_time=statistics.median(r.bwd_time for r in timed),
+                     output_bytes=last.output_bytes, tape=last.tape,
+                     output_in_tape=last.output_in_tape,
+                     fwd_transient=max(r.fwd_transient for r in memory),
+                     fwd_transient_nograd=max(r.fwd_transient_nograd for r in memory),
+                     bwd_transient=max(r.bwd_transient for r in memory))
+
+
+def _round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
+           meter: HostMeter | DeviceMeter, held: set[int], input_grad: bool) -> _Round:
     params = stage_parameters(stage)
-    fwd_times, fwd_plain_times, bwd_times = [], [], []
-    nograd_transient = tape_transient = bwd_transient = 0
-    tape = out_bytes = 0
-    output_in_tape = False
-    for rep in range(repeats + 1):  # the first round warms up kernels and is not timed
-        base = meter.current()
-        meter.reset_peak()
-        start = time.perf_counter()
-        y = forward_plain(stage, x, ctx, autocast)
-        fwd_plain_times.append(time.perf_counter() - start)
-        out_bytes = y.untyped_storage().nbytes()
-        if rep:  # memory, like time, is read on the timed rounds only
-            nograd_transient = max(nograd_transient, meter.peak() - base - out_bytes)
-        del y
+    base = meter.current()
+    meter.reset_peak()
+    y = forward_plain(stage, x, ctx, autocast)
+    out_bytes = y.untyped_storage().nbytes()
+    nograd_transient = meter.peak() - base - out_bytes
+    del y
 
-        base = meter.current()
-        meter.reset_peak()
-        start = time.perf_counter()
-        taped = forward_taped(stage, x, ctx, autocast, input_grad=input_grad)
-        fwd_times.append(time.perf_counter() - start)
-        tape = tape_bytes(taped, held)
-        output_in_tape = storage_key(taped.y) in taped.saved
-        if rep:
-            tape_transient = max(tape_transient, meter.peak() - base - out_bytes - tape)
+    base = meter.current()
+    meter.reset_peak()
+    start = time.perf_counter()
+    taped = forward_taped(stage, x, ctx, autocast, input_grad=input_grad)
+    fwd_time = time.perf_counter() - start
+    tape = tape_bytes(taped, held)
+    output_in_tape = storage_key(taped.y) in taped.saved
+    tape_transient = meter.peak() - base - out_bytes - tape
 
-        grad_y = _unit_gradient(taped.y)
-        inputs = ([taped.xin] if taped.xin.requires_grad else []) + params
-        base = meter.current()
-        meter.reset_peak()
-        start = time.perf_counter()
-        grads = torch.autograd.grad(taped.y, inputs, grad_y, allow_unused=True) if inputs else ()
-        bwd_times.append(time.perf_counter() - start)
-        made = sum(g.nbytes for g in grads if g is not None)
-        if rep:
-            bwd_transient = max(bwd_transient, meter.peak() - base - made)
-        del grads, taped, grad_y
-    return _Measured(fwd_time=_typical(fwd_times), bwd_time=_typical(bwd_times),
-                     output_bytes=out_bytes, tape=tape, output_in_tape=output_in_tape,
-                     fwd_transient=max(0, tape_transient), fwd_transient_nograd=max(0, nograd_transient),
-                     bwd_transient=max(0, bwd_transient))
-
-
-def _typical(times: list[float]) -> float:
-    """Median of the timed rounds (the first, warm-up, round excluded)."""
-    return statistics.median(times[1:]) if len(times) > 1 else times[0]
+    grad_y = _unit_gradient(taped.y)
+    inputs = ([taped.xin] if taped.xin.requires_grad else []) + params
+    base = meter.current()
+    meter.reset_peak()
+    start = time.perf_counter()
+    grads = torch.autograd.grad(taped.y, inputs, grad_y, allow_unused=True) if inputs else ()
+    bwd_time = time.perf_counter() - start
+    made = sum(g.nbytes for g in grads if g is not None)
+    bwd_transient = meter.peak() - base - made
+    return _Round(fwd_time=fwd_time, bwd_time=bwd_time, output_bytes=out_bytes, tape=tape,
+                  output_in_tape=output_in_tape, fwd_transient=max(0, tape_transient),
+                  fwd_transient_nograd=max(0, nograd_transient),
+                  bwd_transient=max(0, bwd_transient))
 
 
 def _unit_gradient(y: torch.Tensor) -> torch.Tensor:
