@@ -295,7 +295,8 @@ def test_tapes_offloaded_instead_of_recomputed(tmp_path, family, monkeypatch):
     written = []
     original = tapes_module.TapeOffload._write
     monkeypatch.setattr(tapes_module.TapeOffload, "_write",
-                        lambda self, i, key, t: (written.append(key), original(self, i, key, t)))
+                        lambda self, i, key, t, order: (written.append(key),
+                                                        original(self, i, key, t, order)))
     monkeypatch.setattr(tapes_module, "MIN_BYTES", 1)  # tiny tapes: offload them all
     model = tiny_hf(family, layers=3, dropout=0.1)
     reference = copy.deepcopy(model)
@@ -306,6 +307,26 @@ def test_tapes_offloaded_instead_of_recomputed(tmp_path, family, monkeypatch):
     assert not module.plan.recomputed_stages()
     train_side_by_side(module, reference, sample, _adamw)
     assert written and any(f.name.startswith("tape-") for f in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced"])
+def test_offloaded_tapes_keep_their_strides(tmp_path, layout):
+    """A saved tensor read back from the disk tier has the shape, strides and values it was
+    saved with (compiled backward kernels assert strides): a dense permuted layout is written
+    as it lies in memory, anything else through a copy."""
+    from tierflow.exec.disk import DiskStore
+    from tierflow.exec.tapes import TapeOffload
+
+    offload = TapeOffload(DiskStore(tmp_path), {0}, set(), min_bytes=1)
+    base = torch.randn(4, 6, 8)
+    saved = base.transpose(1, 2) if layout == "transposed" else base[:, ::2]
+    pack, unpack = offload.hooks(0)
+    handle = pack(saved)
+    assert not isinstance(handle, torch.Tensor)  # it went to disk
+    offload.prefetch(0)
+    back = unpack(handle)
+    assert back.shape == saved.shape and back.stride() == saved.stride()
+    torch.testing.assert_close(back, saved)
 
 
 def test_streamed_weights_do_not_wait_in_memory_for_an_offloaded_tape(tmp_path, monkeypatch):

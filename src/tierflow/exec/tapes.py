@@ -32,8 +32,10 @@ class _Handle:
 
     key: str
     shape: torch.Size
+    stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
+    order: list[int] | None  # t.permute(order) is contiguous (None: t is not dense)
     written: Future
     read: Future | None = None
 
@@ -74,8 +76,9 @@ class TapeOffload:
             if t.nbytes < self.min_bytes or key in self.keep or key in self.context:
                 return t
             name = f"tape-{i}-{len(tape.handles)}"
-            handle = _Handle(name, t.shape, t.dtype, t.device,
-                             self._writer.submit(self._write, i, name, t.detach()))
+            order = _dense_order(t)
+            handle = _Handle(name, t.shape, t.stride(), t.dtype, t.device, order,
+                             self._writer.submit(self._write, i, name, t.detach(), order))
             tape.handles.append(handle)
             self._unwritten.append(handle.written)
             return handle
@@ -95,16 +98,24 @@ class TapeOffload:
         """Stage i's backward is done: forget its handles."""
         self._tapes.pop(i, None)
 
-    def _write(self, i: int, key: str, t: torch.Tensor) -> None:
+    def _write(self, i: int, key: str, t: torch.Tensor, order: list[int] | None) -> None:
+        data = t.permute(order) if order is not None else t.contiguous()  # no copy if dense
         with span(f"write tape {i}", "disk write"):
-            self.store.write(key, [t.contiguous()])
+            self.store.write(key, [data])
 
     def _read(self, handle: _Handle) -> torch.Tensor:
+        """The saved tensor with its own strides (compiled backward kernels assert them)."""
         handle.written.result()
-        buffer = torch.empty(handle.shape, dtype=handle.dtype, device=handle.device)
+        shape = [handle.shape[d] for d in handle.order] if handle.order is not None \
+            else handle.shape
+        buffer = torch.empty(shape, dtype=handle.dtype, device=handle.device)
         with span(f"read tape {handle.key}", "disk read"):
             self.store.read(handle.key, [buffer])
-        return buffer
+        if handle.order is not None:  # the same dense layout, dimensions in their own order
+            return buffer.as_strided(handle.shape, handle.stride)
+        strided = torch.empty_strided(handle.shape, handle.stride, dtype=handle.dtype,
+                                      device=handle.device)
+        return strided.copy_(buffer)
 
     def _unpack(self, saved: torch.Tensor | _Handle) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
@@ -112,3 +123,10 @@ class TapeOffload:
         if saved.read is None:
             saved.read = self._reader.submit(self._read, saved)
         return saved.read.result()
+
+
+def _dense_order(t: torch.Tensor) -> list[int] | None:
+    """Dimensions from outermost to innermost if ``t`` covers its memory densely in some
+    order of its dimensions (contiguous, transposed, permuted), else None."""
+    order = sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.size(d)))
+    return order if t.permute(order).is_contiguous() else None
