@@ -21,7 +21,6 @@ from .exec.context import AutocastMode, untouched
 from .exec.deferred import DeferredUpdates
 from .exec.gradients import GradientStash
 from .exec.memory import (
-    CACHE_RESERVE,
     CACHING_THRESHOLD,
     EXACT_THRESHOLD,
     HostRoom,
@@ -130,10 +129,9 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     host_room = None
     if exact_host:  # profiled with exact thresholds; steps cache, and trim where they must
         configure_host_allocator(CACHING_THRESHOLD)
-        # malloc's caches may fill the room the plan leaves, less a reserve for what the
-        # process gains outside tierflow's view (lazy imports, the caller's own tensors)
-        cached_up_to = max(plan.predicted_peak, int(budget * (1 - CACHE_RESERVE)))
-        host_room = HostRoom(cached_up_to + outside_budget)
+        # malloc's caches stay while the RSS is under the predicted peak: the peak a user
+        # measures is then the plan's, and the room the budget leaves stays free
+        host_room = HostRoom(plan.predicted_peak + outside_budget)
         plan = replace(plan, notes=plan.notes + (
             "malloc keeps freed memory for reuse (no page faults on fresh memory) and gives "
             "it back before an operation only when the RSS plus what the operation adds "

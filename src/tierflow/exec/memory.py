@@ -27,7 +27,6 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 EXACT_THRESHOLD = 1 << 20  # blocks of 1 MiB and more get their own mapping, freed at once
 CACHING_THRESHOLD = 32 << 20  # glibc's own steady state: freed blocks stay for reuse
-CACHE_RESERVE = 0.05  # of a RAM budget that malloc's caches leave free
 
 
 def _glibc() -> ctypes.CDLL | None:
