@@ -25,7 +25,10 @@ from .hardware import Hardware
 # of the 2048x2048 matmul peak in a training step's matmuls (measured on W1: 0.85-0.95)
 CPU_MATMUL_EFFICIENCY = 0.9
 CPU_MEMORY_EFFICIENCY = 1.0
-_VERSION = 2  # of what is measured: 2 times the disk past the page cache (exec/file_io.py)
+_VERSION = 3  # of what is measured: 2 times the disk past the page cache (exec/file_io.py),
+# 3 adds the attention kernels' and the trainer's AdamW rates
+_ATTENTION_SHAPE = (1, 8, 1024, 64)  # batch, heads, sequence, head dim: a W1-like layer
+_OPTIMIZER_PARAMS = 1 << 23  # elements of the parameter the AdamW probe updates
 _COPY_BYTES = 256 << 20
 _DISK_BYTES = 128 << 20
 
@@ -67,13 +70,18 @@ def calibrate(disk_dir: str | Path | None = None) -> Hardware:
     flops = {dtype: peak_matmul_flops(dtype) for dtype in ("fp32", "bf16")}
     read, write = disk_bandwidth(directory)
     copy = memcpy_bandwidth()
+    attention = attention_flops() / flops["bf16"]
+    optimizer = optimizer_bandwidth()
     profile = Hardware(
         name="cpu", about=f"measured on this machine: {cpu_model()}, {_threads()} threads",
         gpu_bytes=None, peak_flops=flops, memory_bw=copy, host_link_bw=None,
-        host_memory_bw=copy, disk_read_bw=read, disk_write_bw=write,
+        host_memory_bw=optimizer, disk_read_bw=read, disk_write_bw=write,
         matmul_efficiency=CPU_MATMUL_EFFICIENCY, memory_efficiency=CPU_MEMORY_EFFICIENCY,
         ram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        attention_efficiency=attention,
         notes=(f"matmul efficiency {CPU_MATMUL_EFFICIENCY} of the measured 2048x2048 peak",
+               f"causal attention at {attention:.2f} of the bf16 peak (measured)",
+               f"AdamW at {optimizer / 1e9:.1f} GB/s of modelled traffic (measured)",
                "no GPU: RAM is the compute tier, the disk the offload tier"))
     with contextlib.suppress(OSError):
         cache = _cache_file()
@@ -97,6 +105,43 @@ def memcpy_bandwidth(nbytes: int = _COPY_BYTES) -> float:
     dst.copy_(src)  # fault the pages in
     best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
     return nbytes / best
+
+
+def attention_flops(shape: tuple[int, int, int, int] = _ATTENTION_SHAPE) -> float:
+    """FLOP/s of causal attention in bf16 (``scaled_dot_product_attention`` forward and
+    backward, as a decoder layer runs it), counted as the planner counts them: QK^T and AV
+    over half of the s x s scores, the backward twice the forward. The best of three."""
+    import torch
+    import torch.nn.functional as F
+    batch, heads, seq, dim = shape
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))  # (batch, heads, seq, dim)
+
+    def step() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    step()  # warm-up
+    best = min(_timed(step) for _ in range(3))
+    forward = 2.0 * batch * seq * seq * heads * dim  # QK^T + AV, causal
+    return 3 * forward / best
+
+
+def optimizer_bandwidth(n: int = _OPTIMIZER_PARAMS) -> float:
+    """Bytes per second of the trainer's AdamW (fp32 weights and moments) in the planner's
+    traffic model (``Precision.update_traffic`` bytes per parameter and step). The best of
+    three steps of one ``n``-element parameter."""
+    import torch
+
+    from ..plan.placement import Precision
+    from ..precision.adamw import AdamW
+    weight = torch.nn.Parameter(torch.zeros(n))
+    weight.grad = torch.full((n,), 1e-3)
+    optimizer = AdamW([weight], lr=1e-4)
+    optimizer.step()  # creates the moments
+    best = min(_timed(optimizer.step) for _ in range(3))
+    return Precision(weights=4, grads=4, master=0, moments=8).update_traffic * n / best
 
 
 def disk_bandwidth(directory: Path, nbytes: int = _DISK_BYTES) -> tuple[float, float]:

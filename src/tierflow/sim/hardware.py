@@ -22,9 +22,12 @@ class Hardware:
 
     ``peak_flops`` maps a matmul dtype (``fp32``, ``bf16``, ``fp8``) to the dense peak; a dtype
     missing from it is not supported there. ``matmul_efficiency`` is the fraction of that
-    peak training matmuls reach (the MFU of a compute-bound step); ``memory_efficiency`` the
-    fraction of ``memory_bw`` that element-wise kernels reach. Host link and disk figures
-    are already the rates reached in practice, not the nominal ones.
+    peak training matmuls reach (the MFU of a compute-bound step); ``attention_efficiency``
+    the fraction causal attention's kernels reach (None: the matmuls' fraction);
+    ``memory_efficiency`` the fraction of ``memory_bw`` that element-wise kernels reach.
+    ``host_memory_bw`` prices the host optimizer: bytes of its modelled traffic per second.
+    Host link and disk figures are already the rates reached in practice, not the nominal
+    ones.
     """
 
     name: str
@@ -39,6 +42,8 @@ class Hardware:
     matmul_efficiency: float
     memory_efficiency: float
     ram_bytes: int | None = None  # installed RAM, for the defaults of --ram; None: unknown
+    attention_efficiency: float | None = None  # of the bf16 peak, causal attention's
+    # forward + backward (flash kernels); None: as the matmuls
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -132,6 +137,13 @@ def effective_flops(hw: Hardware, dtype: str) -> float:
     """FLOP/s that training matmuls in ``dtype`` reach on ``hw``: peak x efficiency."""
     scale = FP8_EFFICIENCY_SCALE if dtype == "fp8" else 1.0
     return hw.flops(dtype) * hw.matmul_efficiency * scale
+
+
+def effective_attention_flops(hw: Hardware, dtype: str) -> float:
+    """FLOP/s that causal attention (forward and backward) reaches on ``hw``."""
+    if hw.attention_efficiency is None:
+        return effective_flops(hw, dtype)
+    return hw.flops(dtype) * hw.attention_efficiency
 
 
 def hardware(name: str) -> Hardware:

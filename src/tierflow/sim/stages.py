@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan.costs import ChainCosts, StageCost
-from .hardware import Hardware, effective_flops
+from .hardware import Hardware, effective_attention_flops, effective_flops
 from .precision import RunPrecision
 from .shapes import ModelShape
 
@@ -47,9 +47,17 @@ class StepShape:
 
 def layer_flops(shape: ModelShape, step: StepShape) -> float:
     """Forward matmul FLOPs of one decoder layer: projections, MLP and causal attention."""
-    dense = 2.0 * step.tokens * shape.layer_matmul_params()
-    attention = 2.0 * step.batch * step.seq * step.seq * shape.q_width  # QK^T + AV, causal
-    return dense + attention
+    return dense_flops(shape, step) + attention_flops(shape, step)
+
+
+def dense_flops(shape: ModelShape, step: StepShape) -> float:
+    """Forward FLOPs of one decoder layer's projections and MLP."""
+    return 2.0 * step.tokens * shape.layer_matmul_params()
+
+
+def attention_flops(shape: ModelShape, step: StepShape) -> float:
+    """Forward FLOPs of one decoder layer's causal attention: QK^T and AV, half of s x s."""
+    return 2.0 * step.batch * step.seq * step.seq * shape.q_width
 
 
 def head_flops(shape: ModelShape, step: StepShape) -> float:
@@ -79,6 +87,9 @@ def chain_costs(shape: ModelShape, step: StepShape, precision: RunPrecision, hw:
     """
     regime = precision.regime
     flops = effective_flops(hw, precision.matmul)
+    attention_rate = effective_attention_flops(hw, precision.matmul)
+    # one layer's forward matmul time, attention at the rate its kernels reach
+    layer_seconds = dense_flops(shape, step) / flops + attention_flops(shape, step) / attention_rate
     memory = hw.memory_bw * hw.memory_efficiency
     act = 4 if regime == "fp32" or regime == "autocast" else 2  # residual stream width
     width = 4 if precision.model == "fp32" else 2
@@ -86,18 +97,17 @@ def chain_costs(shape: ModelShape, step: StepShape, precision: RunPrecision, hw:
 
     fwd_traffic, bwd_traffic = TRAFFIC[regime]
 
-    def timed(name: str, fwd_flops: float, tape: int, params: int, **kw) -> StageCost:
-        fwd = fwd_flops / flops + fwd_traffic * tape / memory
-        bwd = 2 * fwd_flops / flops + bwd_traffic * tape / memory
-        return StageCost(name, fwd, bwd, params * width, kw.pop("output_bytes", x_bytes), tape,
-                         **kw)
+    def timed(name: str, matmul_seconds: float, tape: int, params: int) -> StageCost:
+        fwd = matmul_seconds + fwd_traffic * tape / memory
+        bwd = 2 * matmul_seconds + bwd_traffic * tape / memory
+        return StageCost(name, fwd, bwd, params * width, x_bytes, tape)
 
     tied = shape.vocab * shape.hidden if shape.tied else 0  # its gradient is "shared"
     embed = StageCost("embed", x_bytes / memory,
                       (shape.embed_params() * width + x_bytes) / memory,
                       (shape.embed_params() - tied) * width, x_bytes, 0, input_grad=False)
     layer_tape = layer_activation_bytes(shape, step, regime)
-    layers = [timed(f"layers.{i}", layer_flops(shape, step), layer_tape, shape.layer_params())
+    layers = [timed(f"layers.{i}", layer_seconds, layer_tape, shape.layer_params())
               for i in range(shape.layers)]
     chunk = min(HEAD_CHUNK, step.tokens)
     logits = chunk * shape.vocab * 4
