@@ -6,8 +6,9 @@
 For each configuration, in fresh processes: `tierflow plan --hardware cpu --json` predicts
 the step time and the peak RAM, then `tierflow train` runs it on random tokens under the
 same `--ram` budget, and the table gives predicted vs measured and the error. The budget is
-1.1 x the predicted peak, so the trainer keeps malloc's thresholds pinned (see
-docs/architecture.md, "Memory on the CPU") and its RSS tracks its live bytes. Measured step:
+1.1 x the predicted peak (W2: the issue's fixed budgets); the trainer profiles memory with
+malloc's thresholds pinned and steps with its caches kept under the plan's peak (see
+docs/architecture.md, "Memory on the CPU"). Measured step:
 the median of the steps after the first; measured peak: the largest RAM figure the trainer
 logged (peak RSS above the RSS after imports). The issue's acceptance: step within 15%,
 peak RAM within 10%.
