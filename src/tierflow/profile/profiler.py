@@ -25,6 +25,8 @@ from ..plan.costs import StageCost
 
 @dataclass(frozen=True)
 class _Measured:
+    """A stage's times and bytes: of one round (a forward without a tape, one with, and the
+    backward), or over several (median times, largest transients)."""
     fwd_time: float
     bwd_time: float
     output_bytes: int
@@ -102,19 +104,6 @@ def with_update_costs(costs: list[StageCost], seconds_per_byte: float,
             for c, big in zip(costs, largest)]
 
 
-@dataclass(frozen=True)
-class _Round:
-    """One forward without a tape, one with, and the backward of a stage."""
-    fwd_time: float
-    bwd_time: float
-    output_bytes: int
-    tape: int
-    output_in_tape: bool
-    fwd_transient: int
-    fwd_transient_nograd: int
-    bwd_transient: int
-
-
 def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
              meter: HostMeter | DeviceMeter, held: set[int], input_grad: bool,
              repeats: int, timing: Callable[[], Any] | None) -> _Measured:
@@ -138,7 +127,7 @@ def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: A
 
 
 def _round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
-           meter: HostMeter | DeviceMeter, held: set[int], input_grad: bool) -> _Round:
+           meter: HostMeter | DeviceMeter, held: set[int], input_grad: bool) -> _Measured:
     params = stage_parameters(stage)
     base = meter.current()
     meter.reset_peak()
@@ -165,7 +154,7 @@ def _round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: Aut
     bwd_time = time.perf_counter() - start
     made = sum(g.nbytes for g in grads if g is not None)
     bwd_transient = meter.peak() - base - made
-    return _Round(fwd_time=fwd_time, bwd_time=bwd_time, output_bytes=out_bytes, tape=tape,
+    return _Measured(fwd_time=fwd_time, bwd_time=bwd_time, output_bytes=out_bytes, tape=tape,
                   output_in_tape=output_in_tape, fwd_transient=max(0, tape_transient),
                   fwd_transient_nograd=max(0, nograd_transient),
                   bwd_transient=max(0, bwd_transient))
