@@ -135,7 +135,7 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         plan = replace(plan, notes=plan.notes + (
             "malloc keeps freed memory for reuse (no page faults on fresh memory) and gives "
             "it back before an operation only when the RSS plus what the operation adds "
-            "would pass the budget",))
+            "would pass the predicted peak",))
     say(f"planned in {time.perf_counter() - started:.1f} s: {plan.strategy}")
     tapes = None
     if placed.tapes is not None:

@@ -47,6 +47,7 @@ class TierflowModule(nn.Module):
         self._tapes = tapes
         self._host_room = host_room
         self._growth = plan.simulation.growth() if host_room is not None else []
+        self._largest_growth = max(self._growth, default=0)  # no stage adds more in eval
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
         self._forward_count = len(plan.forward_ops)
         self.ledger = Ledger({storage_key(p) for p in model.parameters()})
@@ -126,8 +127,8 @@ class TierflowModule(nn.Module):
         """Evaluation: every stage once in order, streamed weights fetched around their use."""
         ops = [Forward(i, tape=False) for i in range(len(self._chain))]
         for i, op in enumerate(ops):
-            if self._host_room is not None:  # no stage adds more than the plan's largest op
-                self._host_room.make_room(max(self._growth))
+            if self._host_room is not None:
+                self._host_room.make_room(self._largest_growth)
             if self._streamer is not None:
                 self._streamer.before(op)
             x = forward_plain(self._chain.stages[i], x, ctx, autocast)

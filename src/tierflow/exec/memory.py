@@ -7,7 +7,7 @@ grows to 32 MiB and keeps freed activations resident, up to ~25% above the live 
 The price is a page fault on every fresh page: on W1 a step takes ~30% longer. So ``fit``
 profiles with the exact setting when a RAM budget is given, then lets malloc cache freed
 blocks again and ``HostRoom`` gives them back only before an operation that could otherwise
-push the RSS past the budget.
+push the RSS past the plan's predicted peak.
 """
 from __future__ import annotations
 
