@@ -3,6 +3,7 @@
 
     ./run python benchmarks/calibration.py [--only NAME ...] [--steps 4]
 
+First `tierflow calibrate` measures this machine's cpu profile afresh (kept in the JSON).
 For each configuration, in fresh processes: `tierflow plan --hardware cpu --json` predicts
 the step time and the peak RAM, then `tierflow train` runs it on random tokens under the
 same `--ram` budget, and the table gives predicted vs measured and the error. The budget is
@@ -185,6 +186,11 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown configurations {sorted(unknown)}")
     configs = [c for c in CONFIGS if args.only is None or c.name in args.only]
+    # the cpu profile the predictions use, measured afresh (cached for the plans below)
+    profile = _shell([sys.executable, "-m", "tierflow", "calibrate"])
+    if profile.returncode != 0:
+        raise SystemExit(f"tierflow calibrate failed: {_error_line(profile.stderr)}")
+    print(profile.stdout, flush=True)
     rows = run(configs, args.steps)
     table = markdown(rows)
     print(table)
@@ -193,7 +199,8 @@ def main() -> int:
     suffix = "" if args.only is None else "-" + "-".join(args.only)
     (args.out / f"calibration-{date}{suffix}.md").write_text(table + "\n")
     (args.out / f"calibration-{date}{suffix}.json").write_text(
-        json.dumps({"date": date, "load_average": os.getloadavg(), "rows": rows}, indent=1)
+        json.dumps({"date": date, "load_average": os.getloadavg(),
+                    "profile": profile.stdout.splitlines(), "rows": rows}, indent=1)
         + "\n")
     return 0
 

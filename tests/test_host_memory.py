@@ -34,3 +34,16 @@ def test_no_room_gives_the_caches_back():
     room.make_room(MIB)  # RSS + 1 MiB passes the limit
     assert room.trims == 1
     assert rss_bytes() < cached - 32 * MIB  # most of the 48 MiB went back to the kernel
+
+
+def test_cached_blocks_serve_the_growth_without_a_trim():
+    cached = _cache_freed_blocks()
+    room = HostRoom(limit=cached)
+    room.make_room(MIB)  # the first trim measures what is resident outside malloc
+    assert room.trims == 1
+    cached = _cache_freed_blocks()  # 48 MiB free in malloc's caches again
+    room.limit = cached
+    room.make_room(16 * MIB)  # served by the cached blocks: the RSS will not grow
+    assert room.trims == 1
+    room.make_room(96 * MIB)  # 48 MiB beyond the caches: they go back
+    assert room.trims == 2

@@ -384,8 +384,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         *[(f"matmul {dtype}", f"{flops / 1e12:.3f} TFLOP/s") for dtype, flops in
           hw.peak_flops.items()],
         ("memcpy", f"{hw.memory_bw / 1e9:.1f} GB/s"),
-        ("attention", f"{hw.attention_efficiency:.2f} of the bf16 peak"
-         if hw.attention_efficiency is not None else "as the matmuls"),
+        ("in a layer", f"matmuls at {hw.matmul_efficiency:.2f} of the peak, attention at "
+         f"{hw.attention_efficiency:.2f}, element-wise at {hw.memory_efficiency:.2f} of memcpy"),
         ("AdamW", f"{hw.host_memory_bw / 1e9:.1f} GB/s of modelled traffic"),
         ("disk read", f"{hw.disk_read_bw / 1e9:.2f} GB/s"),
         ("disk write", f"{hw.disk_write_bw / 1e9:.2f} GB/s"),

@@ -71,18 +71,52 @@ def return_free_memory() -> None:
 
 class HostRoom:
     """Keeps the RSS under ``limit`` while malloc caches freed blocks: before an operation
-    that may add ``nbytes`` at its peak, the caches go back to the kernel if the RSS now (live
-    bytes plus malloc's free blocks) plus ``nbytes`` would pass the limit. Steps far from the
-    budget keep their caches (no page faults); steps near it pay the faults where needed."""
+    that may add ``nbytes`` at its peak, the caches go back to the kernel if the RSS now plus
+    what the operation needs beyond malloc's resident free blocks would pass the limit. Steps
+    far from the budget keep their caches (no page faults); steps near it pay the faults where
+    needed.
+
+    malloc's resident free blocks are the RSS less the bytes malloc has handed out less what
+    is resident outside malloc (code, stacks), which is measured right after each trim, when
+    the caches are empty. Until the first trim they count as none.
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit  # bytes of RSS, the process's own share included
         self.trims = 0
+        self._outside_malloc: int | None = None
 
     def make_room(self, nbytes: int) -> None:
-        if rss_bytes() + nbytes > self.limit:
+        rss = rss_bytes()
+        if rss + max(0, nbytes - self._cached(rss)) > self.limit:
             return_free_memory()
             self.trims += 1
+            in_use = malloc_in_use()
+            self._outside_malloc = None if in_use is None else rss_bytes() - in_use
+
+    def _cached(self, rss: int) -> int:
+        """Bytes of malloc's free blocks that are resident now (0 when unknown)."""
+        in_use = malloc_in_use()
+        if in_use is None or self._outside_malloc is None:
+            return 0
+        return max(0, rss - in_use - self._outside_malloc)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def malloc_in_use() -> int | None:
+    """Bytes malloc has handed out and not had back, mapped blocks included (glibc 2.33+'s
+    ``mallinfo2``); None elsewhere."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
 
 
 def rss_bytes() -> int:

@@ -2,7 +2,9 @@
 
 The matmul peaks are the trainer's own speed-of-light figures (``train/sol.py``: the best of
 2048x2048 matmuls per dtype at the current thread count), so a predicted MFU and the
-trainer's printed SOL % share one denominator. The profile is cached as
+trainer's printed SOL % share one denominator. The fractions of those peaks that a training
+step reaches (matmuls, attention, element-wise work) come from one eager decoder layer run
+here (``layer_probe.py``). The profile is cached as
 ``hardware-cpu.json`` beside sol's ``calibration.json`` in the user's cache directory,
 keyed by CPU model, thread count, torch version and what the measurement measures (a
 profile measured by an older tierflow is measured again); ``tierflow calibrate`` measures
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -20,14 +23,11 @@ from pathlib import Path
 
 from ..train.sol import _cache_dir, cpu_model, peak_matmul_flops
 from .hardware import Hardware
+from .layer_probe import measure_layer_rates
 
-# What the cpu profile assumes beyond what it measures: eager PyTorch reaches this fraction
-# of the 2048x2048 matmul peak in a training step's matmuls (measured on W1: 0.85-0.95)
-CPU_MATMUL_EFFICIENCY = 0.9
-CPU_MEMORY_EFFICIENCY = 1.0
-_VERSION = 3  # of what is measured: 2 times the disk past the page cache (exec/file_io.py),
-# 3 adds the attention kernels' and the trainer's AdamW rates
-_ATTENTION_SHAPE = (1, 8, 1024, 64)  # batch, heads, sequence, head dim: a W1-like layer
+_VERSION = 4  # of what is measured: 2 times the disk past the page cache (exec/file_io.py),
+# 3 adds the attention kernels' and the trainer's AdamW rates, 4 takes the matmul, attention
+# and element-wise fractions from an eager decoder layer
 _OPTIMIZER_PARAMS = 1 << 23  # elements of the parameter the AdamW probe updates
 _COPY_BYTES = 256 << 20
 _DISK_BYTES = 128 << 20
@@ -70,17 +70,21 @@ def calibrate(disk_dir: str | Path | None = None) -> Hardware:
     flops = {dtype: peak_matmul_flops(dtype) for dtype in ("fp32", "bf16")}
     read, write = disk_bandwidth(directory)
     copy = memcpy_bandwidth()
-    attention = attention_flops() / flops["bf16"]
+    layer = measure_layer_rates(flops["bf16"], copy)
     optimizer = optimizer_bandwidth()
     profile = Hardware(
         name="cpu", about=f"measured on this machine: {cpu_model()}, {_threads()} threads",
         gpu_bytes=None, peak_flops=flops, memory_bw=copy, host_link_bw=None,
         host_memory_bw=optimizer, disk_read_bw=read, disk_write_bw=write,
-        matmul_efficiency=CPU_MATMUL_EFFICIENCY, memory_efficiency=CPU_MEMORY_EFFICIENCY,
+        matmul_efficiency=layer.matmul_efficiency, memory_efficiency=layer.memory_efficiency,
         ram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        attention_efficiency=attention,
-        notes=(f"matmul efficiency {CPU_MATMUL_EFFICIENCY} of the measured 2048x2048 peak",
-               f"causal attention at {attention:.2f} of the bf16 peak (measured)",
+        attention_efficiency=layer.attention_efficiency,
+        notes=(f"matmuls at {layer.matmul_efficiency:.2f} of the 2048x2048 peak in an eager "
+               f"decoder layer (measured)",
+               f"causal attention at {layer.attention_efficiency:.2f} of the bf16 peak "
+               f"(measured)",
+               f"element-wise work at {layer.memory_efficiency:.2f} of memcpy's bandwidth "
+               f"(measured)",
                f"AdamW at {optimizer / 1e9:.1f} GB/s of modelled traffic (measured)",
                "no GPU: RAM is the compute tier, the disk the offload tier"))
     with contextlib.suppress(OSError):
@@ -98,40 +102,19 @@ def _threads() -> int:
 
 
 def memcpy_bandwidth(nbytes: int = _COPY_BYTES) -> float:
-    """Bytes copied per second by ``Tensor.copy_`` of ``nbytes``: the best of five."""
+    """Bytes copied per second by ``Tensor.copy_`` of ``nbytes``: the median of five (what
+    a step's copies see, not the luckiest run)."""
     import torch
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
-    return nbytes / best
-
-
-def attention_flops(shape: tuple[int, int, int, int] = _ATTENTION_SHAPE) -> float:
-    """FLOP/s of causal attention in bf16 (``scaled_dot_product_attention`` forward and
-    backward, as a decoder layer runs it), counted as the planner counts them: QK^T and AV
-    over half of the s x s scores, the backward twice the forward. The best of three."""
-    import torch
-    import torch.nn.functional as F
-    batch, heads, seq, dim = shape
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(shape, dtype=torch.bfloat16, requires_grad=True)
-                   for _ in range(3))  # (batch, heads, seq, dim)
-
-    def step() -> None:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-
-    step()  # warm-up
-    best = min(_timed(step) for _ in range(3))
-    forward = 2.0 * batch * seq * seq * heads * dim  # QK^T + AV, causal
-    return 3 * forward / best
+    return nbytes / statistics.median(_timed(lambda: dst.copy_(src)) for _ in range(5))
 
 
 def optimizer_bandwidth(n: int = _OPTIMIZER_PARAMS) -> float:
     """Bytes per second of the trainer's AdamW (fp32 weights and moments) in the planner's
-    traffic model (``Precision.update_traffic`` bytes per parameter and step). The best of
-    three steps of one ``n``-element parameter."""
+    traffic model (``Precision.update_traffic`` bytes per parameter and step). The median of
+    five steps of one ``n``-element parameter."""
     import torch
 
     from ..plan.placement import Precision
@@ -140,8 +123,8 @@ def optimizer_bandwidth(n: int = _OPTIMIZER_PARAMS) -> float:
     weight.grad = torch.full((n,), 1e-3)
     optimizer = AdamW([weight], lr=1e-4)
     optimizer.step()  # creates the moments
-    best = min(_timed(optimizer.step) for _ in range(3))
-    return Precision(weights=4, grads=4, master=0, moments=8).update_traffic * n / best
+    seconds = statistics.median(_timed(optimizer.step) for _ in range(5))
+    return Precision(weights=4, grads=4, master=0, moments=8).update_traffic * n / seconds
 
 
 def disk_bandwidth(directory: Path, nbytes: int = _DISK_BYTES) -> tuple[float, float]:

@@ -78,6 +78,25 @@ def layer_activation_bytes(shape: ModelShape, step: StepShape, regime: str) -> i
     return int(per_token * step.tokens) + weights_copy
 
 
+def head_traffic(shape: ModelShape, step: StepShape, regime: str) -> float:
+    """Bytes the fused LM head's element-wise passes move (kernels/linear_cross_entropy.py).
+
+    Per chunk of fp32 logits L: the max (L), subtracting it (2L), exp (2L), the sum (L) and
+    the scaled softmax gradient (2L); with bf16 matmuls also the logits' copy to fp32 and the
+    gradient's back (1.5L each) and the chunk's weight gradient added into the fp32
+    accumulator (10 bytes per weight); once per step the weight's cast to bf16 under autocast
+    (6 bytes per weight).
+    """
+    chunk = min(HEAD_CHUNK, step.tokens)
+    chunks = step.tokens / chunk
+    logits = chunk * shape.vocab * 4
+    weights = shape.vocab * shape.hidden
+    if regime == "fp32":
+        return chunks * 8 * logits
+    cast = 6 * weights if regime == "autocast" else 0
+    return chunks * (11 * logits + 10 * weights) + cast
+
+
 def chain_costs(shape: ModelShape, step: StepShape, precision: RunPrecision, hw: Hardware, *,
                 reserved: int = 0) -> ChainCosts:
     """The costs the profiler would measure for one micro-batch on ``hw``.
@@ -114,8 +133,8 @@ def chain_costs(shape: ModelShape, step: StepShape, precision: RunPrecision, hw:
     tape_factor, nograd_factor = HEAD_TRANSIENT[regime]
     head_tape = step.tokens * (2 * act * shape.hidden + 4) + shape.vocab * shape.hidden * 4
     # the fused head computes its gradients during the forward: all its FLOPs are there
-    head = StageCost("head", 3 * head_flops(shape, step) / flops + 3 * logits / memory
-                     * (step.tokens / chunk), head_tape / memory,
+    head = StageCost("head", 3 * head_flops(shape, step) / flops
+                     + head_traffic(shape, step, regime) / memory, head_tape / memory,
                      shape.head_params() * width, 4, head_tape,
                      fwd_transient=int(tape_factor * logits),
                      fwd_transient_nograd=int(nograd_factor * logits))

@@ -1,0 +1,109 @@
+"""How fast eager PyTorch runs a decoder layer here: the rates ``stages.py`` prices layers at.
+
+The analytic model splits a layer's time into matmuls (FLOPs at a fraction of the matmul
+peak), causal attention (FLOPs at its own fraction) and element-wise work (the traffic
+``TRAFFIC`` counts, at a fraction of memcpy's bandwidth). Micro-benchmarks of each part
+alone are too kind: in a real layer the matmuls read transposed operands and write fresh
+outputs, and the element-wise work is many small eager kernels, dtype casts under autocast
+and Python between them. So ``tierflow calibrate`` runs one Llama decoder layer of a probe
+shape (not a shape the calibration table checks) forward and backward under bf16 autocast,
+as the CPU trainer does, attributes its time with ``torch.profiler`` and returns the three
+fractions that make the model's layer time equal the measured one.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, fields
+
+from .precision import RunPrecision
+from .shapes import ModelShape, shape_from_config
+from .stages import TRAFFIC, StepShape, attention_flops, dense_flops, layer_activation_bytes
+
+# hidden 1024, 16 heads of 64, 4 KV heads, SwiGLU 2816; 4 sequences of 1024 tokens
+PROBE_CONFIG = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 1024,
+                "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 4,
+                "vocab_size": 256, "max_position_embeddings": 1024}
+PROBE_STEP = StepShape(seq=1024, batch=4)
+_MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+_ATTENTION_MARK = "scaled_dot_product"  # flash attention's forward and backward kernels
+
+
+@dataclass(frozen=True)
+class LayerRates:
+    """Fractions of the peaks that one eager decoder layer reaches on this machine."""
+
+    matmul_efficiency: float  # of the bf16 matmul peak
+    attention_efficiency: float  # of the bf16 matmul peak, causal attention fwd + bwd
+    memory_efficiency: float  # of memcpy's bandwidth, for TRAFFIC's element-wise bytes
+    layer_seconds: float  # the probe layer's forward + backward, measured
+
+
+def measure_layer_rates(peak_bf16: float, memory_bw: float, repeats: int = 5) -> LayerRates:
+    """Time ``repeats`` forward + backward passes of the probe layer after a warm-up, split
+    each one's time by what the profiler attributes to matmuls and attention (the rest is
+    element-wise work and the Python between kernels), express each part as a fraction of
+    its peak and take the median of each fraction (the element-wise part is a difference of
+    timings: one slow repeat would swing it)."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = LlamaConfig(**{k: v for k, v in PROBE_CONFIG.items() if k != "model_type"})
+    config._attn_implementation = "sdpa"
+    shape = shape_from_config(PROBE_CONFIG, "probe")
+    step = PROBE_STEP
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        layer, rope = LlamaDecoderLayer(config, 0), LlamaRotaryEmbedding(config)
+        x = torch.randn(step.batch, step.seq, shape.hidden, requires_grad=True)  # (b, s, h)
+    positions = torch.arange(step.seq)[None].expand(step.batch, -1)  # (b, s)
+
+    def forward_backward() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x, position_embeddings=rope(x, positions))
+            out = out[0] if isinstance(out, tuple) else out  # (b, s, h)
+        out.float().sum().backward()
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+
+    for _ in range(2):  # warm-up: kernels chosen, malloc's caches filled
+        forward_backward()
+    splits = [_profiled(forward_backward) for _ in range(repeats)]
+    rates = [_rates(shape, step, peak_bf16, memory_bw, *split) for split in splits]
+    return LayerRates(*(statistics.median(getattr(r, f.name) for r in rates)
+                        for f in fields(LayerRates)))
+
+
+def _profiled(fn) -> tuple[float, float, float, float]:
+    """(seconds, matmul, attention, element-wise) of one run of ``fn``: the wall time, what
+    the profiler attributes to matmul and attention kernels, and the rest."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # ~1 ms over ~0.5 s
+        seconds = _timed(fn)
+    matmul = attention = 0.0
+    for event in prof.key_averages():
+        if event.key in _MATMUL_OPS:
+            matmul += event.self_cpu_time_total / 1e6
+        elif _ATTENTION_MARK in event.key:
+            attention += event.self_cpu_time_total / 1e6
+    return seconds, matmul, attention, max(seconds - matmul - attention, 1e-3 * seconds)
+
+
+def _rates(shape: ModelShape, step: StepShape, peak_bf16: float, memory_bw: float,
+           seconds: float, matmul: float, attention: float, elementwise: float) -> LayerRates:
+    """The fractions that price the probe's parts at the seconds they took (forward and
+    backward: the backward costs twice the forward's FLOPs)."""
+    fwd_traffic, bwd_traffic = TRAFFIC["autocast"]
+    tape = layer_activation_bytes(shape, step, RunPrecision("fp32", "none", "fp32", "bf16").regime)
+    return LayerRates(
+        matmul_efficiency=3 * dense_flops(shape, step) / (matmul * peak_bf16),
+        attention_efficiency=3 * attention_flops(shape, step) / (attention * peak_bf16),
+        memory_efficiency=(fwd_traffic + bwd_traffic) * tape / (elementwise * memory_bw),
+        layer_seconds=seconds)
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
