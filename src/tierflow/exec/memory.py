@@ -77,8 +77,11 @@ class HostRoom:
     needed.
 
     malloc's resident free blocks are the RSS less the bytes malloc has handed out less what
-    is resident outside malloc (code, stacks), which is measured right after each trim, when
-    the caches are empty. Until the first trim they count as none.
+    is resident outside malloc (code, stacks). That last part is measured right after each
+    trim, when the caches are empty, and the largest measurement is kept: blocks handed out
+    but not yet touched (a buffer an I/O thread is about to fill) make one measurement low,
+    and a low one would count live bytes as cache. Until the first trim, and while the RSS is
+    past the limit, they count as none.
     """
 
     def __init__(self, limit: int) -> None:
@@ -92,12 +95,14 @@ class HostRoom:
             return_free_memory()
             self.trims += 1
             in_use = malloc_in_use()
-            self._outside_malloc = None if in_use is None else rss_bytes() - in_use
+            if in_use is not None:
+                outside = rss_bytes() - in_use
+                self._outside_malloc = max(outside, self._outside_malloc or outside)
 
     def _cached(self, rss: int) -> int:
         """Bytes of malloc's free blocks that are resident now (0 when unknown)."""
         in_use = malloc_in_use()
-        if in_use is None or self._outside_malloc is None:
+        if in_use is None or self._outside_malloc is None or rss > self.limit:
             return 0
         return max(0, rss - in_use - self._outside_malloc)
 
