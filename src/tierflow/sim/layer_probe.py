@@ -16,7 +16,7 @@ import statistics
 import time
 from dataclasses import dataclass, fields
 
-from .precision import RunPrecision
+from ..errors import TierflowError
 from .shapes import ModelShape, shape_from_config
 from .stages import TRAFFIC, StepShape, attention_flops, dense_flops, layer_activation_bytes
 
@@ -79,7 +79,7 @@ def _profiled(fn) -> tuple[float, float, float, float]:
     """(seconds, matmul, attention, element-wise) of one run of ``fn``: the wall time, what
     the profiler attributes to matmul and attention kernels, and the rest."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:  # ~1 ms over ~0.5 s
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # ~1 ms over ~1 s
         seconds = _timed(fn)
     matmul = attention = 0.0
     for event in prof.key_averages():
@@ -87,6 +87,10 @@ def _profiled(fn) -> tuple[float, float, float, float]:
             matmul += event.self_cpu_time_total / 1e6
         elif _ATTENTION_MARK in event.key:
             attention += event.self_cpu_time_total / 1e6
+    if not matmul or not attention:
+        raise TierflowError(f"the profiler saw no {'matmul' if not matmul else 'attention'} "
+                            f"kernels in the probe layer (this torch names them otherwise): "
+                            f"calibration needs {_MATMUL_OPS} and {_ATTENTION_MARK}* ops")
     return seconds, matmul, attention, max(seconds - matmul - attention, 1e-3 * seconds)
 
 
@@ -94,8 +98,8 @@ def _rates(shape: ModelShape, step: StepShape, peak_bf16: float, memory_bw: floa
            seconds: float, matmul: float, attention: float, elementwise: float) -> LayerRates:
     """The fractions that price the probe's parts at the seconds they took (forward and
     backward: the backward costs twice the forward's FLOPs)."""
-    fwd_traffic, bwd_traffic = TRAFFIC["autocast"]
-    tape = layer_activation_bytes(shape, step, RunPrecision("fp32", "none", "fp32", "bf16").regime)
+    fwd_traffic, bwd_traffic = TRAFFIC["autocast"]  # fp32 weights, bf16 matmuls: the trainer's
+    tape = layer_activation_bytes(shape, step, "autocast")
     return LayerRates(
         matmul_efficiency=3 * dense_flops(shape, step) / (matmul * peak_bf16),
         attention_efficiency=3 * attention_flops(shape, step) / (attention * peak_bf16),
