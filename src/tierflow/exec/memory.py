@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import os
 import resource
 import sys
@@ -29,12 +30,24 @@ EXACT_THRESHOLD = 1 << 20  # blocks of 1 MiB and more get their own mapping, fre
 CACHING_THRESHOLD = 32 << 20  # glibc's own steady state: freed blocks stay for reuse
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
+    """glibc, loaded once (``find_library`` runs ``ldconfig``), or None elsewhere."""
     if not sys.platform.startswith("linux"):
         return None
     name = ctypes.util.find_library("c")
     libc = ctypes.CDLL(name) if name else None
-    return libc if libc is not None and hasattr(libc, "mallopt") else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        return None
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
+    return libc
 
 
 def configure_host_allocator(threshold: int = EXACT_THRESHOLD) -> bool:
@@ -91,7 +104,7 @@ class HostRoom:
 
     def make_room(self, nbytes: int) -> None:
         rss = rss_bytes()
-        if rss + max(0, nbytes - self._cached(rss)) > self.limit:
+        if rss + nbytes > self.limit and rss + nbytes - self._cached(rss) > self.limit:
             return_free_memory()
             self.trims += 1
             in_use = malloc_in_use()
@@ -107,19 +120,12 @@ class HostRoom:
         return max(0, rss - in_use - self._outside_malloc)
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-
 def malloc_in_use() -> int | None:
     """Bytes malloc has handed out and not had back, mapped blocks included (glibc 2.33+'s
     ``mallinfo2``); None elsewhere."""
     libc = _glibc()
     if libc is None or not hasattr(libc, "mallinfo2"):
         return None
-    libc.mallinfo2.restype = _MallInfo2
     info = libc.mallinfo2()
     return info.uordblks + info.hblkhd
 

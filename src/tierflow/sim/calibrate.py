@@ -18,12 +18,11 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from ..train.sol import _cache_dir, cpu_model, peak_matmul_flops
 from .hardware import Hardware
-from .layer_probe import measure_layer_rates
+from .layer_probe import measure_layer_rates, timed
 
 _VERSION = 4  # of what is measured: 2 times the disk past the page cache (exec/file_io.py),
 # 3 adds the attention kernels' and the trainer's AdamW rates, 4 takes the matmul, attention
@@ -108,7 +107,7 @@ def memcpy_bandwidth(nbytes: int = _COPY_BYTES) -> float:
     src = torch.ones(nbytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in
-    return nbytes / statistics.median(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    return nbytes / statistics.median(timed(lambda: dst.copy_(src)) for _ in range(5))
 
 
 def optimizer_bandwidth(n: int = _OPTIMIZER_PARAMS) -> float:
@@ -123,7 +122,7 @@ def optimizer_bandwidth(n: int = _OPTIMIZER_PARAMS) -> float:
     weight.grad = torch.full((n,), 1e-3)
     optimizer = AdamW([weight], lr=1e-4)
     optimizer.step()  # creates the moments
-    seconds = statistics.median(_timed(optimizer.step) for _ in range(5))
+    seconds = statistics.median(timed(optimizer.step) for _ in range(5))
     return Precision(weights=4, grads=4, master=0, moments=8).update_traffic * n / seconds
 
 
@@ -136,12 +135,6 @@ def disk_bandwidth(directory: Path, nbytes: int = _DISK_BYTES) -> tuple[float, f
     with tempfile.TemporaryDirectory(dir=directory, prefix="tierflow-disk-probe-") as tmp:
         store = DiskStore(tmp)
         probe = torch.ones(nbytes // 4, dtype=torch.float32)
-        write = _timed(lambda: store.write("probe", [probe]))
-        read = _timed(lambda: store.read("probe", [probe]))
+        write = timed(lambda: store.write("probe", [probe]))
+        read = timed(lambda: store.read("probe", [probe]))
     return nbytes / read, nbytes / write
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return max(time.perf_counter() - start, 1e-9)

@@ -80,7 +80,7 @@ def _profiled(fn) -> tuple[float, float, float, float]:
     the profiler attributes to matmul and attention kernels, and the rest."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:  # ~1 ms over ~1 s
-        seconds = _timed(fn)
+        seconds = timed(fn)
     matmul = attention = 0.0
     for event in prof.key_averages():
         if event.key in _MATMUL_OPS:
@@ -107,7 +107,8 @@ def _rates(shape: ModelShape, step: StepShape, peak_bf16: float, memory_bw: floa
         layer_seconds=seconds)
 
 
-def _timed(fn) -> float:
+def timed(fn) -> float:
+    """Seconds one call of ``fn`` takes (never 0: rates divide by it)."""
     start = time.perf_counter()
     fn()
-    return time.perf_counter() - start
+    return max(time.perf_counter() - start, 1e-9)
