@@ -15,7 +15,7 @@ from torch import nn
 from .chain import to_chain
 from .chain.base import Chain
 from .config import FitConfig
-from .errors import BudgetError, TierflowError
+from .errors import TierflowError
 from .exec.compile import compile_chain
 from .exec.context import AutocastMode, untouched
 from .exec.deferred import DeferredUpdates
@@ -37,8 +37,10 @@ from .exec.weights import WeightStreamer, stage_parameters_to_stream
 from .module import TierflowModule
 from .plan.choose import make_plan
 from .plan.costs import ChainCosts
+from .plan.tier_costs import LowerTier
+from .plan.tier_search import TierPlan, auto_head_chunk
 from .profile.profiler import profile_chain
-from .tiers import LowerTier, Placement, lower_tiers, place
+from .tiers import lower_tiers, place
 from .units import parse_bytes
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -116,7 +118,7 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     if config.head_chunk_tokens is not None:
         chain, placed = attempt(config.head_chunk_tokens)
     else:
-        chain, placed = _auto_head_chunk(attempt)
+        chain, placed = auto_head_chunk(attempt, lambda result: result[1])
     plan = placed.plan
     states = placed.states.store if placed.states else None
     owned = OwnedOptimizer(chain, optimizer, states, read_ahead=placed.depth > 0) \
@@ -146,7 +148,7 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
                           updates, tapes, host_room)
 
 
-def _stream(model: nn.Module, chain: Chain, placed: Placement, *,
+def _stream(model: nn.Module, chain: Chain, placed: TierPlan, *,
             updates_in_backward: bool) -> WeightStreamer | None:
     """Hand the streamed stages' weights to a streamer and bring every other weight of a model
     that starts on disk into memory for good."""
@@ -167,28 +169,11 @@ def _stream(model: nn.Module, chain: Chain, placed: Placement, *,
     return streamer
 
 
-def _auto_head_chunk(attempt: Callable[[int], tuple[Chain, Placement]]
-                     ) -> tuple[Chain, Placement]:
-    """Large LM-head chunks are faster, small ones need less memory: take the large one when
-    memory does not bind (nothing recomputed or offloaded), else the faster of the two."""
-    try:
-        large = attempt(1024)
-    except BudgetError:
-        return attempt(256)
-    if not large[1].plan.recomputed_stages() and not large[1].on_lower_tiers:
-        return large
-    try:
-        small = attempt(256)
-    except BudgetError:
-        return large
-    return min(large, small, key=lambda result: result[1].predicted_time)
-
-
 def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                       autocast: AutocastMode, budget: int | None, tier: str, reserved: int,
                       optimizer: OptimizerFactory | None, lower: list[LowerTier],
                       config: FitConfig, say: Callable[[str], Any], before: int,
-                      deferred: bool, head_chunk_tokens: int) -> tuple[Chain, Placement]:
+                      deferred: bool, head_chunk_tokens: int) -> tuple[Chain, TierPlan]:
     """Cut the model into a chain, measure its stages and plan the step under the budget.
     ``before`` is the RSS when fit began: growth since then is the runtime's resident share."""
     meter = meter_for(device)
@@ -225,7 +210,7 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                        static_bytes=param_bytes + runtime + reserved, shared_grad_bytes=shared,
                        extra=extra)
     if optimizer is None:
-        return chain, Placement(make_plan(costs, budget, config, tier=tier), None)
+        return chain, TierPlan(make_plan(costs, budget, config, tier=tier), None)
     weights_from = [t for t in lower if offloaded is not None and t.store is offloaded.store]
     return chain, place(costs, chain, optimizer, device, meter, budget, config, tier, lower,
                         deferred, weights_from if offloaded is not None else None)

@@ -16,7 +16,7 @@ from ..chain.base import Chain
 from .buffers import BufferPool
 from .disk import DiskStore, WriteBehind
 from .grad_norm import square_norm
-from .memory import DeviceMeter, HostMeter
+from .memory import DeviceMeter, HostMeter, return_free_memory
 from .stage_call import storage_key
 from .trace import span
 
@@ -226,12 +226,34 @@ class OptimizerProbe:
     state_per_byte: float  # optimizer state bytes per parameter byte
     seconds_per_byte: float  # step time per parameter byte
     transient_per_byte: float  # extra bytes during a step, per byte of the largest parameter
+    transient_bytes: int = 0  # extra bytes during a step, whatever the parameter's size
+
+
+@dataclass(frozen=True)
+class _Step:
+    state: int  # bytes
+    seconds: float
+    transient: int  # bytes
+    nbytes: int  # of the parameter
 
 
 def probe_optimizer(factory: OptimizerFactory, device: torch.device, meter: HostMeter | DeviceMeter,
                     numel: int = 1 << 22) -> OptimizerProbe:
-    """Run the optimizer on a scratch parameter to learn its state size, speed and the
-    temporaries one step allocates."""
+    """Run the optimizer on scratch parameters of ``numel`` and 4 x ``numel`` elements to
+    learn its state size, its speed and the temporaries one step allocates. Temporaries that
+    grow with the parameter are priced per byte of it; ones that do not (an optimizer that
+    works through a parameter a slice at a time, as tierflow's AdamW does) as fixed bytes."""
+    small = _probe_step(factory, device, meter, numel)
+    large = _probe_step(factory, device, meter, 4 * numel)
+    per_byte = large.transient > 2 * small.transient  # 4x the elements, about 4x the bytes
+    return OptimizerProbe(large.state / large.nbytes, large.seconds / large.nbytes,
+                          large.transient / large.nbytes if per_byte else 0.0,
+                          0 if per_byte else large.transient)
+
+
+def _probe_step(factory: OptimizerFactory, device: torch.device,
+                meter: HostMeter | DeviceMeter, numel: int) -> _Step:
+    """State bytes, seconds and temporaries of one step on a parameter of ``numel``."""
     probe = nn.Parameter(torch.zeros(numel, device=device))
     opt = factory([probe])
     probe.grad = torch.full_like(probe, 1e-3)
@@ -239,12 +261,12 @@ def probe_optimizer(factory: OptimizerFactory, device: torch.device, meter: Host
     state = sum(t.nbytes for s in opt.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor) and t.numel() > 1)
     rounds = 3
+    if device.type == "cpu":  # else the step's first free may trim free memory left by
+        return_free_memory()  # earlier work, and the RSS would fall by more than it adds
     base = meter.current()
     meter.reset_peak()
     start = time.perf_counter()
     for _ in range(rounds):
         opt.step()
     seconds = (time.perf_counter() - start) / rounds
-    transient = max(0, meter.peak() - base)
-    nbytes = probe.nbytes
-    return OptimizerProbe(state / nbytes, seconds / nbytes, transient / nbytes)
+    return _Step(state, seconds, max(0, meter.peak() - base), probe.nbytes)

@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
+from ..plan.tape_offload import MIN_TAPE_BYTES
 from .disk import DiskStore
 from .host_store import HostStore
 from .stage_call import storage_key
 from .trace import span
 
-MIN_BYTES = 1 << 20  # smaller saved tensors stay in memory: not worth a file
+MIN_BYTES = MIN_TAPE_BYTES  # the planner's threshold: tapes it prices are the ones moved
 
 
 @dataclass

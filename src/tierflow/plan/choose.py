@@ -29,9 +29,10 @@ def make_plan(costs: ChainCosts, budget: int | None, config: FitConfig, *,
         ops = keep if config.planner == "keep-all" else checkpoint_all(costs)
         peak = simulate(costs, ops).peak
         if peak > usable:
+            least = budget_for(costs, smallest_budget(costs), config)
             _raise(tier, budget, costs, peak, config,
                    hint=f"or use planner='rotor', which needs at least "
-                        f"{format_bytes(_total(costs, smallest_budget(costs), config), round_up=True)}")
+                        f"{format_bytes(least, round_up=True)}")
         return Plan(config.planner, tuple(ops), costs, budget,
                     (f"planner '{config.planner}' was asked for",))
     if config.planner == "auto" and keep_peak <= usable:
@@ -53,14 +54,14 @@ def make_plan(costs: ChainCosts, budget: int | None, config: FitConfig, *,
                  f"{format_bytes(keep_peak - sim.peak)} less memory)",))
 
 
-def _total(costs: ChainCosts, activations: int, config: FitConfig) -> int:
+def budget_for(costs: ChainCosts, activations: int, config: FitConfig) -> int:
     """The tier budget needed for a given activation peak, headroom included."""
     return int((costs.static_bytes + activations) / (1.0 - config.headroom)) + 1
 
 
 def _raise(tier: str, budget: int, costs: ChainCosts, activations: int, config: FitConfig,
            hint: str = "") -> None:
-    smallest = _total(costs, activations, config)
+    smallest = budget_for(costs, activations, config)
     at_least = format_bytes(smallest, round_up=True)
     raise BudgetError(
         f"{tier} budget {format_bytes(budget)} is below the smallest that works, {at_least} "

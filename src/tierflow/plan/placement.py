@@ -114,6 +114,7 @@ class Problem:
 class KindPlacement:
     resident: int  # the first `resident` stages live on the compute tier
     home: str  # where the other stages live
+    below: tuple[int, ...] | None = None  # which stages live in `home`, when not the last ones
 
 
 @dataclass(frozen=True)
@@ -143,7 +144,9 @@ class Placement:
         if data.pop("format", None) != "tierflow-placement":
             raise ValueError("not a tierflow placement (format: tierflow-placement)")
         for kind in KINDS:
-            data[kind] = KindPlacement(**data[kind])
+            below = data[kind].pop("below", None)
+            data[kind] = KindPlacement(**data[kind],
+                                       below=None if below is None else tuple(below))
         data["notes"] = tuple(data["notes"])
         return cls(**data)
 
@@ -154,6 +157,9 @@ class Placement:
             return f"all on {self.compute_tier}"
         if k.resident == 0:
             return f"all on {k.home}" + (", streamed" if kind == "weights" else "")
+        if k.below is not None:
+            return f"{len(k.below)} of {self.stages} stages on {k.home} (stages " \
+                   f"{', '.join(map(str, k.below))}), the rest on {self.compute_tier}"
         return f"first {k.resident} of {self.stages} stages on {self.compute_tier}, the rest " \
                f"on {k.home}"
 
@@ -322,11 +328,11 @@ def place(problem: Problem) -> Placement:
         smallest[tier] = int(min(ok)) if ok else None
         floors[tier] = int(min(float(b["peaks"][tier].min()) for b in blocks))
     if best is None:
-        raise _infeasible(budgets, smallest, floors)
+        raise infeasible_error(budgets, smallest, floors)
     return _placement(problem, best[1], best[2], budgets, smallest)
 
 
-def _infeasible(budgets: dict[str, int | None], smallest: dict[str, int | None],
+def infeasible_error(budgets: dict[str, int | None], smallest: dict[str, int | None],
                 floors: dict[str, int]) -> PlacementError:
     limited = [t for t, b in budgets.items() if b is not None]
     parts = []

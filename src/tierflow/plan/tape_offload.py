@@ -17,6 +17,8 @@ from dataclasses import replace
 
 from .costs import ChainCosts
 
+MIN_TAPE_BYTES = 1 << 20  # smaller saved tensors stay in memory: not worth a file
+
 
 def offloaded_tape_costs(costs: ChainCosts, stages: set[int], *, read_bytes_per_s: float,
                          write_bytes_per_s: float, read_ahead: bool = True) -> ChainCosts:

@@ -10,7 +10,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -94,14 +94,6 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
             with resident(stage_parameters(stage)):
                 x = forward_plain(stage, x, ctx, autocast)
     return costs, shared_bytes
-
-
-def with_update_costs(costs: list[StageCost], seconds_per_byte: float,
-                      transient_per_byte: float, largest: list[int]) -> list[StageCost]:
-    """Stage costs with the optimizer step priced from a probe of the optimizer."""
-    return [replace(c, update_time=seconds_per_byte * c.param_bytes,
-                    update_transient=int(transient_per_byte * big))
-            for c, big in zip(costs, largest)]
 
 
 def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,

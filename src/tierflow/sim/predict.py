@@ -15,6 +15,7 @@ from .hardware import Hardware
 from .precision import RunPrecision
 from .shapes import ModelShape
 from .stages import StepShape, chain_costs, step_flops
+from .tiered import tiered_placement
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,10 @@ def problem_for(setup: Setup) -> Problem:
 def predict(setup: Setup) -> Prediction:
     """Plan ``setup``; raises PlacementError (a BudgetError) when nothing fits."""
     hw, prec = setup.hardware, setup.run_precision
-    placement = place(problem_for(setup))
+    if setup.disk and not hw.has_gpu:  # RAM computes, over a disk: the trainer's own search
+        placement = tiered_placement(setup)
+    else:
+        placement = place(problem_for(setup))
     step = StepShape(setup.seq, setup.batch)
     tokens = step.tokens * setup.grad_accum
     flops_token = step_flops(setup.shape, step) / step.tokens

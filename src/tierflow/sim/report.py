@@ -19,7 +19,9 @@ def plan_text(pred: Prediction, hw: Hardware) -> str:
     below = list(pl.peaks)[1] if len(pl.peaks) > 1 else "-"
     acts = {"keep": "kept (nothing recomputed)",
             "recompute": f"rotor recomputes {pl.recomputed} stage forwards per micro-batch",
-            "offload": f"saved activations offloaded to {below} and fetched back",
+            "offload": f"saved activations offloaded to {below} and fetched back"
+                       + (f"; rotor recomputes {pl.recomputed} stage forwards"
+                          if pl.recomputed else ""),
             "offload+recompute": f"stage boundaries offloaded to {below}, every stage "
                                  f"recomputed"}
     rows: list[tuple[str, object]] = [

@@ -78,7 +78,8 @@ def layer_activation_bytes(shape: ModelShape, step: StepShape, regime: str) -> i
     return int(per_token * step.tokens) + weights_copy
 
 
-def head_traffic(shape: ModelShape, step: StepShape, regime: str) -> float:
+def head_traffic(shape: ModelShape, step: StepShape, regime: str,
+                 head_chunk: int = HEAD_CHUNK) -> float:
     """Bytes the fused LM head's element-wise passes move (kernels/linear_cross_entropy.py).
 
     Per chunk of fp32 logits L: the max (L), subtracting it (2L), exp (2L), the sum (L) and
@@ -87,7 +88,7 @@ def head_traffic(shape: ModelShape, step: StepShape, regime: str) -> float:
     accumulator (10 bytes per weight); once per step the weight's cast to bf16 under autocast
     (6 bytes per weight).
     """
-    chunk = min(HEAD_CHUNK, step.tokens)
+    chunk = min(head_chunk, step.tokens)
     chunks = step.tokens / chunk
     logits = chunk * shape.vocab * 4
     weights = shape.vocab * shape.hidden
@@ -98,11 +99,12 @@ def head_traffic(shape: ModelShape, step: StepShape, regime: str) -> float:
 
 
 def chain_costs(shape: ModelShape, step: StepShape, precision: RunPrecision, hw: Hardware, *,
-                reserved: int = 0) -> ChainCosts:
+                reserved: int = 0, head_chunk: int = HEAD_CHUNK) -> ChainCosts:
     """The costs the profiler would measure for one micro-batch on ``hw``.
 
     ``param_bytes`` are in the model dtype; ``static_bytes`` holds the parameters, the
-    runtime and ``reserved`` (e.g. the optimizer states the caller keeps on this tier).
+    runtime and ``reserved`` (e.g. the optimizer states the caller keeps on this tier);
+    ``head_chunk``: tokens per chunk of the fused LM head's logits.
     """
     regime = precision.regime
     flops = effective_flops(hw, precision.matmul)
@@ -116,10 +118,15 @@ def chain_costs(shape: ModelShape, step: StepShape, precision: RunPrecision, hw:
 
     fwd_traffic, bwd_traffic = TRAFFIC[regime]
 
+    # a forward without tape under autocast casts the layer's weights to bf16 all the same:
+    # with a tape the copies are saved (layer_activation_bytes), without one they are transient
+    casts = 2 * shape.layer_matmul_params() if regime == "autocast" else 0
+
     def timed(name: str, matmul_seconds: float, tape: int, params: int) -> StageCost:
         fwd = matmul_seconds + fwd_traffic * tape / memory
         bwd = 2 * matmul_seconds + bwd_traffic * tape / memory
-        return StageCost(name, fwd, bwd, params * width, x_bytes, tape)
+        return StageCost(name, fwd, bwd, params * width, x_bytes, tape,
+                         fwd_transient_nograd=casts)
 
     tied = shape.vocab * shape.hidden if shape.tied else 0  # its gradient is "shared"
     embed = StageCost("embed", x_bytes / memory,
@@ -128,13 +135,14 @@ def chain_costs(shape: ModelShape, step: StepShape, precision: RunPrecision, hw:
     layer_tape = layer_activation_bytes(shape, step, regime)
     layers = [timed(f"layers.{i}", layer_seconds, layer_tape, shape.layer_params())
               for i in range(shape.layers)]
-    chunk = min(HEAD_CHUNK, step.tokens)
+    chunk = min(head_chunk, step.tokens)
     logits = chunk * shape.vocab * 4
     tape_factor, nograd_factor = HEAD_TRANSIENT[regime]
     head_tape = step.tokens * (2 * act * shape.hidden + 4) + shape.vocab * shape.hidden * 4
     # the fused head computes its gradients during the forward: all its FLOPs are there
     head = StageCost("head", 3 * head_flops(shape, step) / flops
-                     + head_traffic(shape, step, regime) / memory, head_tape / memory,
+                     + head_traffic(shape, step, regime, head_chunk) / memory,
+                     head_tape / memory,
                      shape.head_params() * width, 4, head_tape,
                      fwd_transient=int(tape_factor * logits),
                      fwd_transient_nograd=int(nograd_factor * logits))
@@ -145,4 +153,4 @@ def chain_costs(shape: ModelShape, step: StepShape, precision: RunPrecision, hw:
                       static_bytes=params + runtime + reserved,
                       shared_grad_bytes=tied * width,
                       extra={"parameters": params, "reserved": reserved, "runtime": runtime,
-                             "source": "analytic", "regime": regime})
+                             "source": "analytic", "regime": regime, "head chunk": chunk})

@@ -2,30 +2,31 @@
 and how keeping optimizer states, streamed weights, tapes or deferred updates there changes a
 chain's costs (the planner's only input) and the bytes each lower tier must hold.
 
-``tiers.place`` builds one ``Candidate`` per placement from these and plans each.
+Pure data. ``tier_search.place_on_tiers`` builds one ``Candidate`` per placement from these
+and plans each.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
-from .config import FitConfig
-from .exec import tapes as tape_offload
-from .exec.disk import DiskStore
-from .exec.host_store import HostStore
-from .plan.costs import ChainCosts
-from .plan.tape_offload import offloaded_tape_costs
-from .units import format_bytes
+from ..config import FitConfig
+from ..units import format_bytes
+from .costs import ChainCosts
+from .tape_offload import offloaded_tape_costs
 
 
 @dataclass(frozen=True)
 class LowerTier:
-    """A tier below the compute tier: its store, its measured bandwidth each way, its budget
-    (None: as large as its free space)."""
+    """A tier below the compute tier: its bandwidth each way (measured, or a hardware
+    profile's), its budget (None: as large as its free space), where it is in words, and the
+    executor's store for it (None when the plan is only a prediction)."""
 
     name: str  # "ram" or "disk"
-    store: DiskStore | HostStore
     bandwidth: float  # bytes per second
     budget: int | None = None
+    about: str = ""  # e.g. "the disk tier (/scratch)"
+    store: Any = None  # exec.disk.DiskStore or exec.host_store.HostStore
 
 
 @dataclass(frozen=True)
@@ -49,14 +50,13 @@ class Candidate:
     tape_stages: frozenset[int] = frozenset()
 
 
-def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier,
-                          config: FitConfig) -> list[Candidate]:
-    """Each candidate also with the tapes of 1 MiB and more on ``tier`` (only those with
-    ``offload_tapes='all'``)."""
+def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier, config: FitConfig,
+                         min_bytes: int) -> list[Candidate]:
+    """Each candidate also with the tapes of ``min_bytes`` and more on ``tier`` (only those
+    with ``offload_tapes='all'``)."""
     out = [] if config.offload_tapes == "all" else list(candidates)
     for c in candidates:
-        stages = frozenset(i for i, s in enumerate(c.costs.stages)
-                           if s.tape >= tape_offload.MIN_BYTES)
+        stages = frozenset(i for i, s in enumerate(c.costs.stages) if s.tape >= min_bytes)
         if not stages:
             continue
         costs = offloaded_tape_costs(c.costs, set(stages), read_bytes_per_s=tier.bandwidth,
@@ -64,17 +64,11 @@ def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier,
         costs = replace(costs, extra={**costs.extra, "tapes tier": tier.name})
         total = format_bytes(costs.extra["offloaded tape bytes"])
         back = "one backward ahead" if c.depth else "when their backward needs them"
-        why = (f"the tapes of {len(stages)} stages ({total} in all) go to {where(tier)} as "
+        why = (f"the tapes of {len(stages)} stages ({total} in all) go to {tier.about} as "
                f"the forward saves them and come back {back}, instead of being recomputed")
         out.append(replace(c, costs=costs, notes=c.notes + (why,), tapes=tier,
                            tape_stages=stages))
     return out
-
-
-def where(home: LowerTier) -> str:
-    if isinstance(home.store, DiskStore):
-        return f"the disk tier ({home.store.directory})"
-    return "host RAM (the tier below the simulated GPU)"
 
 
 def states_below(resident: ChainCosts, base: ChainCosts, stages: list, state_of: list[int],

@@ -1,0 +1,161 @@
+"""``tierflow plan`` on the cpu profile with a disk tier: the trainer's own placement search
+(``plan/tier_search.py``) run on analytic costs.
+
+``tierflow train --disk`` plans with that search on the costs it profiles. Predicting with
+it too means the prediction chooses among the same placements (optimizer states, streamed
+weights, offloaded tapes, prefetch depth, LM-head chunk), priced the same way, with the
+profile's rates where the trainer has its own measurements: the AdamW rate and the disk's
+read and write rates of ``tierflow calibrate``. The result is a ``Placement``, so that
+``tierflow plan`` and ``tierflow sweep`` report it like the GPU planner's.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from ..config import FitConfig
+from ..errors import BudgetError
+from ..plan.ops import Forward
+from ..plan.placement import KindPlacement, Placement, PlacementError, infeasible_error
+from ..plan.tier_costs import LowerTier
+from ..plan.tier_search import (
+    LARGE_HEAD_CHUNK,
+    SMALL_HEAD_CHUNK,
+    TierPlan,
+    TierProblem,
+    UpdateRates,
+    auto_head_chunk,
+    place_on_tiers,
+    smallest_budgets,
+)
+from .stages import StepShape, chain_costs
+
+if TYPE_CHECKING:
+    from .predict import Setup
+
+COMPUTE_TIER = "ram"
+# Temporaries of one step of the trainer's AdamW (precision/adamw.py), by moment dtype, on
+# fp32 weights: it works through a parameter 4M elements at a time, so they do not grow with
+# it. Measured by exec/optimizer.probe_optimizer, the probe the trainer prices them with
+# (tests/test_tiered_prediction.py checks them against it).
+ADAMW_TRANSIENT_BYTES = {"fp32": 32 << 20, "bf16": 108 << 20, "int8": 128 << 20}
+
+
+def tiered_placement(setup: Setup) -> Placement:
+    """The placement ``tierflow train --disk`` would choose for ``setup`` (RAM the compute
+    tier, a disk tier below it); PlacementError with the smallest budget per tier if none
+    fits."""
+    config = FitConfig()
+    try:
+        problem, placed = auto_head_chunk(
+            lambda chunk: _placed(_problem(setup, chunk), setup.ram, config),
+            lambda result: result[1])
+    except BudgetError:
+        raise _nothing_fits(setup, config) from None
+    smallest = smallest_budgets(problem, setup.ram, config, COMPUTE_TIER)
+    return _as_placement(setup, problem, placed, smallest)
+
+
+def _placed(problem: TierProblem, ram: int | None,
+            config: FitConfig) -> tuple[TierProblem, TierPlan]:
+    return problem, place_on_tiers(problem, ram, config, COMPUTE_TIER)
+
+
+def _problem(setup: Setup, head_chunk: int) -> TierProblem:
+    """What the trainer would know before placing: the chain's costs (analytic here), the
+    optimizer's rates, each stage's largest parameter, the disk tier's rate and budget."""
+    hw, shape, prec = setup.hardware, setup.shape, setup.run_precision
+    per = prec.bytes_per_param()
+    costs = chain_costs(shape, StepShape(setup.seq, setup.batch), prec, hw,
+                        head_chunk=head_chunk)
+    width = per.weights
+    vocab_matrix = shape.vocab * shape.hidden * width
+    layer_matrix = shape.hidden * max(shape.mlp, shape.q_width) * width
+    # a tied embedding is shared with the head and stays resident: the embedding stage has
+    # nothing else to stream unless it has learned positions
+    streamable = tuple(i for i in range(costs.length)
+                       if i > 0 or not shape.tied or shape.positions)
+    if setup.disk_bw is not None:
+        bandwidth = setup.disk_bw
+    else:  # a write then a read of the same bytes, as the trainer measures its disk
+        bandwidth = 2 / (1 / hw.disk_read_bw + 1 / hw.disk_write_bw)
+    disk = LowerTier("disk", bandwidth, setup.disk_budget, "the disk tier")
+    return TierProblem(
+        costs=costs,
+        rates=UpdateRates(per.states / per.weights,
+                          per.update_traffic / hw.host_memory_bw / per.weights,
+                          transient_per_byte=0.0,
+                          transient_bytes=ADAMW_TRANSIENT_BYTES[prec.optim]),
+        largest=(vocab_matrix, *[layer_matrix] * shape.layers, vocab_matrix),
+        trainable=shape.total_params() * width, streamable=streamable, lower=(disk,),
+        deferred=setup.grad_accum > 1)
+
+
+def _nothing_fits(setup: Setup, config: FitConfig) -> PlacementError:
+    """The error naming the smallest budget of each tier, over both LM-head chunks."""
+    problems = [_problem(setup, chunk) for chunk in (LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK)]
+
+    def least(budget: int | None, lifted: bool) -> dict[str, int | None]:
+        found: dict[str, int | None] = {}
+        for problem in problems:
+            if lifted:
+                problem = _unbounded_lower(problem)
+            for tier, value in smallest_budgets(problem, budget, config, COMPUTE_TIER).items():
+                if value is not None:
+                    found[tier] = value if found.get(tier) is None else min(found[tier], value)
+                found.setdefault(tier, None)
+        return found
+
+    budgets = {COMPUTE_TIER: setup.ram, "disk": setup.disk_budget}
+    smallest = least(setup.ram, lifted=False)
+    floors = {COMPUTE_TIER: least(setup.ram, lifted=True)[COMPUTE_TIER] or 0,
+              "disk": least(None, lifted=False)["disk"] or 0}
+    return infeasible_error(budgets, smallest, floors)
+
+
+def _unbounded_lower(problem: TierProblem) -> TierProblem:
+    return replace(problem, lower=tuple(replace(t, budget=None) for t in problem.lower))
+
+
+def _as_placement(setup: Setup, problem: TierProblem, placed: TierPlan,
+                  smallest: dict[str, int | None]) -> Placement:
+    """``placed`` in the terms ``tierflow plan`` reports: where each kind lives, the peak
+    and busy time of each tier, the step time and what bounds it."""
+    costs, accum, plan = problem.costs, setup.grad_accum, placed.plan
+    n = costs.length
+    streamed = tuple(sorted(placed.streamed))
+    weights = KindPlacement(n - len(streamed), "disk", streamed or None)
+    grads = weights if problem.deferred and streamed else KindPlacement(n, "disk")
+    optimizer = KindPlacement(0 if placed.states else n, "disk")
+    recomputed = len(plan.recomputed_stages())
+    mode = "offload" if placed.tapes else ("recompute" if recomputed else "keep")
+    update_peak = placed.update_pass.peak if placed.update_pass else 0
+    peaks = {COMPUTE_TIER: max(plan.predicted_peak, update_peak),
+             "disk": dict(placed.held).get("disk", 0)}
+    step = plan.predicted_time * accum + (placed.update_pass.seconds if placed.update_pass
+                                          else 0.0)
+    # bytes over the disk link per step: streamed weights read for each forward and
+    # backward and written after the update; states read and written once; offloaded tapes
+    # written and read once per micro-batch
+    weight_bytes = sum(costs.stages[i].param_bytes for i in streamed)
+    state_bytes = int(problem.rates.state_per_byte * problem.trainable) if placed.states else 0
+    tape_bytes = sum(costs.stages[i].tape for i in placed.tape_stages)
+    bandwidth = problem.lower[0].bandwidth
+    forwards = sum(costs.stages[op.stage].fwd_time for op in plan.ops if isinstance(op, Forward))
+    times = {"compute": accum * (forwards + sum(s.bwd_time for s in costs.stages))
+             + problem.rates.seconds_per_byte * problem.trainable,
+             "disk->ram": (2 * accum * weight_bytes + state_bytes + accum * tape_bytes)
+             / bandwidth,
+             "ram->disk": (weight_bytes + state_bytes + accum * tape_bytes) / bandwidth}
+    name, seconds = max(times.items(), key=lambda kv: kv[1])
+    what = ("compute-bound: the matmuls, element-wise kernels and AdamW" if name == "compute"
+            else f"the {name} link, moving weights, optimizer states or tapes")
+    return Placement(
+        compute_tier=COMPUTE_TIER, stages=n, weights=weights, grads=grads, optimizer=optimizer,
+        activations=mode, recomputed=recomputed, prefetch=placed.depth, peaks=peaks,
+        budgets={COMPUTE_TIER: setup.ram, "disk": setup.disk_budget}, times=times,
+        step_time=step, bottleneck=f"{what} ({seconds:.3g} s, {seconds / step:.0%} of the step)",
+        smallest=smallest,
+        notes=(f"placed by the trainer's own search (plan/tier_search.py) on analytic costs, "
+               f"LM head in chunks of {plan.costs.extra.get('head chunk', '?')} tokens",
+               *plan.notes))

@@ -1,0 +1,92 @@
+"""`tierflow plan` on a cpu profile with a disk tier plans with the trainer's own placement
+search (plan/tier_search.py) on analytic costs: what it reports is what that search chose,
+its smallest budgets are exact, and a budget below them gets the one-line error."""
+from __future__ import annotations
+
+import pytest
+
+from tierflow.config import FitConfig
+from tierflow.plan.placement import PlacementError
+from tierflow.plan.tier_search import place_on_tiers, smallest_budgets
+from tierflow.sim.hardware import Hardware
+from tierflow.sim.predict import Setup, predict
+from tierflow.sim.shapes import load_shape
+from tierflow.sim.tiered import _problem
+
+GIB = 2 ** 30
+# a cpu profile of round numbers (a real one is measured by `tierflow calibrate`)
+CPU = Hardware(name="cpu", about="test", gpu_bytes=None, peak_flops={"fp32": 1e11, "bf16": 4e11},
+               memory_bw=10e9, host_link_bw=None, host_memory_bw=10e9, disk_read_bw=2e9,
+               disk_write_bw=1e9, matmul_efficiency=0.8, memory_efficiency=0.4,
+               attention_efficiency=0.2)
+
+
+def setup(ram: int | None, accum: int = 1, disk_budget: int | None = None) -> Setup:
+    return Setup(shape=load_shape("llama-134m"), hardware=CPU, seq=512, batch=2,
+                 grad_accum=accum, ram=ram, disk=True, disk_budget=disk_budget)
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_prediction_is_the_trainer_search_on_analytic_costs(accum):
+    """The reported peak and step are those of place_on_tiers' choice on the same problem,
+    and the placement fits the budget."""
+    s = setup(int(1.5 * GIB), accum)
+    pl = predict(s).placement
+    chunk = pl.notes[0].split("chunks of ")[1].split()[0]
+    chosen = place_on_tiers(_problem(s, int(chunk)), s.ram, FitConfig(), "ram")
+    step = chosen.plan.predicted_time * accum + (chosen.update_pass.seconds
+                                                 if chosen.update_pass else 0.0)
+    assert pl.step_time == pytest.approx(step)
+    assert pl.peaks["ram"] <= s.ram
+    assert pl.prefetch == chosen.depth
+    assert (pl.optimizer.resident == 0) == (chosen.states is not None)
+    assert pl.weights.resident == pl.stages - len(chosen.streamed)
+
+
+def test_less_ram_moves_more_to_disk_and_costs_time():
+    roomy, tight = predict(setup(8 * GIB)).placement, predict(setup(int(1.2 * GIB))).placement
+    assert tight.peaks["ram"] <= 1.2 * GIB < roomy.peaks["ram"]
+    assert tight.peaks["disk"] > roomy.peaks["disk"]
+    assert tight.step_time >= roomy.step_time
+
+
+def test_smallest_ram_is_exact_and_below_it_the_error_names_it():
+    s = setup(8 * GIB)
+    least = predict(s).placement.smallest["ram"]
+    assert least is not None and least < 8 * GIB
+    assert predict(setup(least + (1 << 20))).placement.peaks["ram"] <= least + (1 << 20)
+    with pytest.raises(PlacementError) as err:
+        predict(setup(least // 2))
+    message = str(err.value)
+    assert "ram needs at least" in message and "\n" not in message
+    assert err.value.smallest_per_tier["ram"] <= least
+
+
+def test_a_small_disk_keeps_everything_in_ram_or_fails():
+    """A disk budget too small for the optimizer states leaves only placements that keep
+    them in RAM; the smallest disk budget reported is what the chosen placement needs."""
+    s = setup(8 * GIB)
+    pl = predict(s).placement
+    problem = _problem(s, 1024)
+    small = smallest_budgets(problem, s.ram, FitConfig(), "ram")
+    assert small["disk"] is not None and small["disk"] <= pl.peaks["disk"]
+    tiny = predict(setup(8 * GIB, disk_budget=1 << 20)).placement
+    assert tiny.peaks["disk"] <= 1 << 20 and tiny.optimizer.resident == tiny.stages
+
+
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "int8"])
+def test_adamw_temporaries_are_what_the_trainer_probe_measures(moments):
+    """The fixed temporaries the prediction prices each update with are what the trainer's
+    own probe measures for its AdamW (which works through a parameter in slices, so they
+    do not grow with it)."""
+    import torch
+
+    from tierflow.exec.memory import meter_for
+    from tierflow.exec.optimizer import probe_optimizer
+    from tierflow.precision.adamw import AdamW
+    from tierflow.sim.tiered import ADAMW_TRANSIENT_BYTES
+
+    probe = probe_optimizer(lambda ps: AdamW(list(ps), lr=1e-3, moment_dtype=moments),
+                            torch.device("cpu"), meter_for(torch.device("cpu")))
+    assert probe.transient_per_byte == 0.0
+    assert probe.transient_bytes == pytest.approx(ADAMW_TRANSIENT_BYTES[moments], rel=0.1)
