@@ -17,8 +17,9 @@ peak RAM within 10%.
 Rows whose trainer feature is missing (`requires`: a flag `tierflow train --help` does not
 list yet) are reported as missing instead of run; a configuration whose plan or run fails
 (no plan fits its budget) is reported with its one-line error. Writes
-benchmarks/results/calibration-<date>.{md,json}. Run it on a quiet machine: the timings
-compare one process with a prediction, so other load on the CPU shows as error.
+benchmarks/results/calibration-<date>[-NAMES][-TAG].{md,json} (the JSON names the commit).
+Run it on a quiet machine: the timings compare one process with a prediction, so other load
+on the CPU shows as error.
 """
 from __future__ import annotations
 
@@ -149,6 +150,15 @@ def run(configs: list[Config], steps: int) -> list[dict]:
     return rows
 
 
+def _commit() -> str:
+    """The checked-out commit the run measured (with ``+changes`` when the tree is dirty)."""
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "src"],
+                           capture_output=True, text=True, check=False).stdout.strip()
+    return head + ("+changes" if dirty else "")
+
+
 def _error_line(stderr: str) -> str:
     """The one-line ``tierflow: error:`` of a failed command (else the end of its stderr)."""
     lines = [line for line in stderr.splitlines() if line.startswith("tierflow: error:")]
@@ -181,6 +191,8 @@ def main() -> int:
                              f"{', '.join(c.name for c in CONFIGS)})")
     parser.add_argument("--steps", type=int, default=4, help="timed steps after one warm-up")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--tag", default="", help="appended to the result files' names, so "
+                        "that a rerun on the same day keeps the earlier results")
     args = parser.parse_args()
     unknown = set(args.only or ()) - {c.name for c in CONFIGS}
     if unknown:
@@ -196,10 +208,11 @@ def main() -> int:
     print(table)
     date = dt.date.today().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "" if args.only is None else "-" + "-".join(args.only)
+    suffix = ("" if args.only is None else "-" + "-".join(args.only)) + \
+        (f"-{args.tag}" if args.tag else "")
     (args.out / f"calibration-{date}{suffix}.md").write_text(table + "\n")
     (args.out / f"calibration-{date}{suffix}.json").write_text(
-        json.dumps({"date": date, "load_average": os.getloadavg(),
+        json.dumps({"date": date, "commit": _commit(), "load_average": os.getloadavg(),
                     "profile": profile.stdout.splitlines(), "rows": rows}, indent=1)
         + "\n")
     return 0

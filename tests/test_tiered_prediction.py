@@ -28,19 +28,23 @@ def setup(ram: int | None, accum: int = 1, disk_budget: int | None = None) -> Se
 
 @pytest.mark.parametrize("accum", [1, 4])
 def test_prediction_is_the_trainer_search_on_analytic_costs(accum):
-    """The reported peak and step are those of place_on_tiers' choice on the same problem,
-    and the placement fits the budget."""
+    """The reported step, peak and placement are those of place_on_tiers' choice on the same
+    problem (with one of the two LM-head chunks the trainer tries), within the budget."""
     s = setup(int(1.5 * GIB), accum)
     pl = predict(s).placement
-    chunk = pl.notes[0].split("chunks of ")[1].split()[0]
-    chosen = place_on_tiers(_problem(s, int(chunk)), s.ram, FitConfig(), "ram")
-    step = chosen.plan.predicted_time * accum + (chosen.update_pass.seconds
-                                                 if chosen.update_pass else 0.0)
-    assert pl.step_time == pytest.approx(step)
+    matches = []
+    for chunk in (1024, 256):
+        chosen = place_on_tiers(_problem(s, chunk), s.ram, FitConfig(), "ram")
+        step = chosen.plan.predicted_time * accum + (chosen.update_pass.seconds
+                                                     if chosen.update_pass else 0.0)
+        peak = max(chosen.plan.predicted_peak,
+                   chosen.update_pass.peak if chosen.update_pass else 0)
+        matches.append(pl.step_time == pytest.approx(step) and pl.peaks["ram"] == peak
+                       and pl.prefetch == chosen.depth
+                       and (pl.optimizer.resident == 0) == (chosen.states is not None)
+                       and pl.weights.resident == pl.stages - len(chosen.streamed))
+    assert any(matches)
     assert pl.peaks["ram"] <= s.ram
-    assert pl.prefetch == chosen.depth
-    assert (pl.optimizer.resident == 0) == (chosen.states is not None)
-    assert pl.weights.resident == pl.stages - len(chosen.streamed)
 
 
 def test_less_ram_moves_more_to_disk_and_costs_time():

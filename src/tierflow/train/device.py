@@ -11,8 +11,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
-from ..errors import TierflowError
+from ..errors import BudgetError, TierflowError
+from ..exec.memory import return_free_memory, rss_bytes
+from ..exec.stage_call import storage_key
 from ..units import format_bytes, parse_bytes
 from .options import TrainOptions
 
@@ -46,11 +49,38 @@ class ComputeTier:
         return "gpu (simulated on the CPU)" if self.simulated else \
             f"gpu ({torch.cuda.get_device_name(self.device)})"
 
-    def fit_budgets(self) -> dict[str, Any]:
-        """The budget arguments of ``tierflow.fit``."""
+    def fit_budgets(self, held: int = 0) -> dict[str, Any]:
+        """The budget arguments of ``tierflow.fit``; ``held``: bytes of the RAM budget the
+        process already takes (``held_outside_the_plan``)."""
         if self.gpu is None:
-            return {"ram": self.ram}
+            return {"ram": None if self.ram is None else self.ram - held}
         return {"gpu": self.gpu, "ram": self.ram}
+
+    def held_outside_the_plan(self, model: nn.Module, baseline: int) -> int:
+        """Bytes the process holds above its post-import RSS ``baseline`` besides the model's
+        resident parameters (which the plan counts): the data, the model's own objects, what
+        building it left allocated. ``--ram`` covers the whole run above that baseline while
+        ``fit`` counts what is resident when it starts as outside its budget, so the
+        trainer hands ``fit`` the budget less this. 0 unless the CPU computes under --ram."""
+        if self.gpu is not None or self.ram is None:
+            return 0
+        return_free_memory()
+        params = {storage_key(p): p.untyped_storage().nbytes() for p in model.parameters()
+                  if p.device.type == "cpu"}
+        return max(0, rss_bytes() - baseline - sum(params.values()))
+
+    def over_budget(self, error: BudgetError, held: int) -> BudgetError:
+        """``error`` of a plan under the budget less ``held``, in terms of --ram."""
+        if not held or error.tier != "ram" or self.ram is None:
+            return error
+        need = error.smallest + held
+        return BudgetError(
+            f"--ram {format_bytes(self.ram)} is below the smallest that works, "
+            f"{format_bytes(need, round_up=True)}: {format_bytes(held)} of it is taken before "
+            f"planning (the data, the model's objects, what building it left allocated) and "
+            f"the step needs {format_bytes(error.smallest, round_up=True)} more: raise --ram "
+            f"to at least {format_bytes(need, round_up=True)}",
+            tier="ram", budget=self.ram, smallest=need)
 
     @property
     def plan_budget(self) -> int | None:

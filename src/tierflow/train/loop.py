@@ -200,15 +200,24 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     groups = param_groups(params, opts)
 
     def plan_step(tier: ComputeTier):
-        """``tierflow.fit`` under ``tier``'s budgets (again after a GPU out-of-memory)."""
-        with torch.random.fork_rng(devices=[]), autocast():
-            if opts.disk:  # tierflow owns the optimizer: weights and states may live on disk
-                return fit(model, sample, **tier.fit_budgets(), config=config,
-                           optimizer=lambda ps: build_optimizer(param_groups(list(ps), opts),
-                                                                opts, precision),
-                           grad_accum=opts.grad_accum,
-                           max_grad_norm=opts.clip if opts.clip > 0 else None)
-            return fit(model, sample, **tier.fit_budgets(), reserve=reserve, config=config)
+        """``tierflow.fit`` under ``tier``'s budgets (again after a GPU out-of-memory), less
+        what the process already holds of --ram."""
+        held = tier.held_outside_the_plan(model, baseline)
+        if held:
+            logger.print(f"{format_bytes(held)} of --ram is held before planning (the data, "
+                         f"the model's objects): the plan gets the rest")
+        try:
+            with torch.random.fork_rng(devices=[]), autocast():
+                if opts.disk:  # tierflow owns the optimizer: weights and states may be on disk
+                    return fit(model, sample, **tier.fit_budgets(held), config=config,
+                               optimizer=lambda ps: build_optimizer(
+                                   param_groups(list(ps), opts), opts, precision),
+                               grad_accum=opts.grad_accum,
+                               max_grad_norm=opts.clip if opts.clip > 0 else None)
+                return fit(model, sample, **tier.fit_budgets(held), reserve=reserve,
+                           config=config)
+        except BudgetError as e:
+            raise tier.over_budget(e, held) from None
 
     module = plan_step(tier)
     grads = sum(p.nbytes for p in trainable)

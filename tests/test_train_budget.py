@@ -1,0 +1,45 @@
+"""--ram covers the whole run above the post-import RSS: what the trainer holds before it plans
+(the data, the model's objects) comes off the budget the plan gets, and a budget too small
+for that says which --ram would work."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tierflow.errors import BudgetError
+from tierflow.exec.memory import return_free_memory, rss_bytes
+from tierflow.train.device import ComputeTier
+
+MIB = 2 ** 20
+
+
+def test_what_is_held_before_planning_comes_off_the_budget_but_not_the_parameters():
+    tier = ComputeTier(torch.device("cpu"), False, None, 1024 * MIB)
+    return_free_memory()
+    baseline = rss_bytes()
+    model = nn.Linear(2048, 2048)  # 16 MiB of parameters: the plan counts them
+    held_data = torch.ones(16 * MIB // 4)  # 16 MiB the plan does not see
+    held = tier.held_outside_the_plan(model, baseline)
+    assert 12 * MIB <= held <= 28 * MIB  # the data, not the parameters (allocator slack aside)
+    assert tier.fit_budgets(held) == {"ram": 1024 * MIB - held}
+    del held_data
+
+
+def test_no_budget_or_a_gpu_holds_nothing_back():
+    model = nn.Linear(4, 4)
+    assert ComputeTier(torch.device("cpu"), False, None, None).held_outside_the_plan(model, 0) == 0
+    simulated = ComputeTier(torch.device("cpu"), True, 512 * MIB, 1024 * MIB)
+    assert simulated.held_outside_the_plan(model, 0) == 0
+    assert simulated.fit_budgets(5 * MIB) == {"gpu": 512 * MIB, "ram": 1024 * MIB}
+
+
+def test_a_plan_that_does_not_fit_names_the_ram_that_would():
+    tier = ComputeTier(torch.device("cpu"), False, None, 2048 * MIB)
+    error = BudgetError("ram budget 1.84 GiB is below the smallest that works", tier="ram",
+                        budget=1884 * MIB, smallest=1980 * MIB)
+    raised = tier.over_budget(error, 164 * MIB)
+    assert raised.smallest == 2144 * MIB and raised.budget == 2048 * MIB
+    message = str(raised)
+    assert message.startswith("--ram 2.00 GiB") and "at least 2.10 GiB" in message
+    assert "\n" not in message and "164.00 MiB" in message
+    assert tier.over_budget(error, 0) is error  # nothing held: the plan's own error
