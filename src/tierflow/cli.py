@@ -386,7 +386,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         ("memcpy", f"{hw.memory_bw / 1e9:.1f} GB/s"),
         ("in a layer", f"matmuls at {hw.matmul_efficiency:.2f} of the peak, attention at "
          f"{hw.attention_efficiency:.2f}, element-wise at {hw.memory_efficiency:.2f} of memcpy"),
-        ("AdamW", f"{hw.host_memory_bw / 1e9:.1f} GB/s of modelled traffic"),
+        ("AdamW", ", ".join(f"{bw / 1e9:.1f} GB/s ({moments} moments)"
+                            for moments, bw in hw.optimizer_bw.items())
+         + " of modelled traffic"),
         ("disk read", f"{hw.disk_read_bw / 1e9:.2f} GB/s"),
         ("disk write", f"{hw.disk_write_bw / 1e9:.2f} GB/s"),
         ("RAM", f"{hw.ram_bytes / 2**30:.1f} GiB" if hw.ram_bytes else "unknown")]), flush=True)

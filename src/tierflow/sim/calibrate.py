@@ -23,10 +23,11 @@ from pathlib import Path
 from ..train.sol import _cache_dir, cpu_model, peak_matmul_flops
 from .hardware import Hardware
 from .layer_probe import measure_layer_rates, timed
+from .precision import OPTIM_DTYPES
 
-_VERSION = 4  # of what is measured: 2 times the disk past the page cache (exec/file_io.py),
+_VERSION = 5  # of what is measured: 2 times the disk past the page cache (exec/file_io.py),
 # 3 adds the attention kernels' and the trainer's AdamW rates, 4 takes the matmul, attention
-# and element-wise fractions from an eager decoder layer
+# and element-wise fractions from an eager decoder layer, 5 AdamW with each moment dtype
 _OPTIMIZER_PARAMS = 1 << 23  # elements of the parameter the AdamW probe updates
 _COPY_BYTES = 256 << 20
 _DISK_BYTES = 128 << 20
@@ -70,21 +71,24 @@ def calibrate(disk_dir: str | Path | None = None) -> Hardware:
     read, write = disk_bandwidth(directory)
     copy = memcpy_bandwidth()
     layer = measure_layer_rates(flops["bf16"], copy)
-    optimizer = optimizer_bandwidth()
+    rates = {moments: optimizer_bandwidth(moments=moments) for moments in OPTIM_DTYPES}
+    optimizer = rates["fp32"]
     profile = Hardware(
         name="cpu", about=f"measured on this machine: {cpu_model()}, {_threads()} threads",
         gpu_bytes=None, peak_flops=flops, memory_bw=copy, host_link_bw=None,
         host_memory_bw=optimizer, disk_read_bw=read, disk_write_bw=write,
         matmul_efficiency=layer.matmul_efficiency, memory_efficiency=layer.memory_efficiency,
         ram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-        attention_efficiency=layer.attention_efficiency,
+        attention_efficiency=layer.attention_efficiency, optimizer_bw=rates,
         notes=(f"matmuls at {layer.matmul_efficiency:.2f} of the 2048x2048 peak in an eager "
                f"decoder layer (measured)",
                f"causal attention at {layer.attention_efficiency:.2f} of the bf16 peak "
                f"(measured)",
                f"element-wise work at {layer.memory_efficiency:.2f} of memcpy's bandwidth "
                f"(measured)",
-               f"AdamW at {optimizer / 1e9:.1f} GB/s of modelled traffic (measured)",
+               "AdamW at " + ", ".join(f"{rate / 1e9:.1f} GB/s ({moments} moments)"
+                                       for moments, rate in rates.items())
+               + " of modelled traffic (measured)",
                "no GPU: RAM is the compute tier, the disk the offload tier"))
     with contextlib.suppress(OSError):
         cache = _cache_file()
@@ -110,20 +114,22 @@ def memcpy_bandwidth(nbytes: int = _COPY_BYTES) -> float:
     return nbytes / statistics.median(timed(lambda: dst.copy_(src)) for _ in range(5))
 
 
-def optimizer_bandwidth(n: int = _OPTIMIZER_PARAMS) -> float:
-    """Bytes per second of the trainer's AdamW (fp32 weights and moments) in the planner's
-    traffic model (``Precision.update_traffic`` bytes per parameter and step). The median of
-    five steps of one ``n``-element parameter."""
+def optimizer_bandwidth(n: int = _OPTIMIZER_PARAMS, moments: str = "fp32") -> float:
+    """Bytes per second of the trainer's AdamW (fp32 weights, ``moments`` moments) in the
+    planner's traffic model (``Precision.update_traffic`` bytes per parameter and step). The
+    median of five steps of one ``n``-element parameter. Low-precision moments move fewer
+    bytes but convert them on every step, so their rate is measured, not scaled."""
     import torch
 
-    from ..plan.placement import Precision
     from ..precision.adamw import AdamW
+    from .precision import RunPrecision
     weight = torch.nn.Parameter(torch.zeros(n))
     weight.grad = torch.full((n,), 1e-3)
-    optimizer = AdamW([weight], lr=1e-4)
+    optimizer = AdamW([weight], lr=1e-4, moment_dtype=moments)
     optimizer.step()  # creates the moments
     seconds = statistics.median(timed(optimizer.step) for _ in range(5))
-    return Precision(weights=4, grads=4, master=0, moments=8).update_traffic * n / seconds
+    traffic = RunPrecision("fp32", "none", moments, "bf16").bytes_per_param().update_traffic
+    return traffic * n / seconds
 
 
 def disk_bandwidth(directory: Path, nbytes: int = _DISK_BYTES) -> tuple[float, float]:

@@ -45,6 +45,13 @@ class Hardware:
     attention_efficiency: float | None = None  # of the bf16 peak, causal attention's
     # forward + backward (flash kernels); None: as the matmuls
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # bytes of modelled traffic per second of the host optimizer by moment dtype, where it
+    # was measured (the cpu profile); a dtype missing here updates at host_memory_bw
+    optimizer_bw: dict[str, float] = field(default_factory=dict)
+
+    def update_bw(self, moments: str) -> float:
+        """Bytes/s of modelled traffic the host optimizer reaches with ``moments``."""
+        return self.optimizer_bw.get(moments, self.host_memory_bw)
 
     @property
     def has_gpu(self) -> bool:

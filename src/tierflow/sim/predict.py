@@ -89,11 +89,11 @@ def problem_for(setup: Setup) -> Problem:
     if setup.disk:
         tiers.append(Tier("disk", setup.disk_budget))
         links.append(Link(disk_read, disk_write))
-    device_bw = hw.memory_bw * hw.memory_efficiency if hw.has_gpu else hw.host_memory_bw
+    device_bw = hw.memory_bw * hw.memory_efficiency if hw.has_gpu else hw.update_bw(prec.optim)
     return Problem(params=params, compute=tuple(s.fwd_time + s.bwd_time for s in costs.stages),
                    precision=per_param, tiers=tuple(tiers), links=tuple(links),
                    activations=options, grad_accum=setup.grad_accum,
-                   host_update_bw=hw.host_memory_bw, device_update_bw=device_bw,
+                   host_update_bw=hw.update_bw(prec.optim), device_update_bw=device_bw,
                    runtime_bytes=costs.extra["runtime"])
 
 

@@ -83,7 +83,7 @@ def _problem(setup: Setup, head_chunk: int) -> TierProblem:
     return TierProblem(
         costs=costs,
         rates=UpdateRates(per.states / per.weights,
-                          per.update_traffic / hw.host_memory_bw / per.weights,
+                          per.update_traffic / hw.update_bw(prec.optim) / per.weights,
                           transient_per_byte=0.0,
                           transient_bytes=ADAMW_TRANSIENT_BYTES[prec.optim]),
         largest=(vocab_matrix, *[layer_matrix] * shape.layers, vocab_matrix),
