@@ -333,7 +333,10 @@ def place(problem: Problem) -> Placement:
 
 
 def infeasible_error(budgets: dict[str, int | None], smallest: dict[str, int | None],
-                floors: dict[str, int]) -> PlacementError:
+                     floors: dict[str, int]) -> PlacementError:
+    """The one-line error naming, per tier, the smallest budget that works with the others
+    (``smallest``; None: none does) or, failing that, what the other tiers would need
+    whatever this one is (``floors``)."""
     limited = [t for t, b in budgets.items() if b is not None]
     parts = []
     for tier in limited:
