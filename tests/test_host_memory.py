@@ -47,3 +47,17 @@ def test_cached_blocks_serve_the_growth_without_a_trim():
     assert room.trims == 1
     room.make_room(96 * MIB)  # 48 MiB beyond the caches: they go back
     assert room.trims == 2
+
+
+def test_fresh_growth_is_not_served_by_cached_blocks():
+    """An operation whose growth is large fresh mappings (a streamed stage's weights and
+    gradients) gets no credit for malloc's cached blocks: past the limit, they go back."""
+    cached = _cache_freed_blocks()
+    room = HostRoom(limit=cached)
+    room.make_room(MIB)  # the first trim measures what is resident outside malloc
+    cached = _cache_freed_blocks()
+    room.limit = cached
+    room.make_room(16 * MIB)  # small blocks: the cache serves them
+    assert room.trims == 1
+    room.make_room(16 * MIB, fresh=True)  # the same growth as new mappings: trim
+    assert room.trims == 2

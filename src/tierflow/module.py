@@ -121,14 +121,19 @@ class TierflowModule(nn.Module):
         return self._chain.wrap_output(y, ctx)
 
     def _make_room(self, position: int) -> None:
-        self._host_room.make_room(self._growth[position])
+        op = self._plan.ops[position]
+        streamed = self._streamer.stage_params if self._streamer is not None else {}
+        # a streamed stage's weights and gradients come as large fresh allocations
+        fresh = getattr(op, "stage", None) in streamed
+        self._host_room.make_room(self._growth[position], fresh=fresh)
 
     def _run_without_grad(self, x: torch.Tensor, ctx: Any, autocast: AutocastMode) -> torch.Tensor:
         """Evaluation: every stage once in order, streamed weights fetched around their use."""
         ops = [Forward(i, tape=False) for i in range(len(self._chain))]
         for i, op in enumerate(ops):
             if self._host_room is not None:
-                self._host_room.make_room(self._largest_growth)
+                streamed = self._streamer is not None and i in self._streamer.stage_params
+                self._host_room.make_room(self._largest_growth, fresh=streamed)
             if self._streamer is not None:
                 self._streamer.before(op)
             x = forward_plain(self._chain.stages[i], x, ctx, autocast)

@@ -94,7 +94,9 @@ class HostRoom:
     trim, when the caches are empty, and the largest measurement is kept: blocks handed out
     but not yet touched (a buffer an I/O thread is about to fill) make one measurement low,
     and a low one would count live bytes as cache. Until the first trim, and while the RSS is
-    past the limit, they count as none.
+    past the limit, they count as none. Nor do they count for an operation whose growth is
+    ``fresh``: allocations of malloc's mmap threshold and more (a streamed stage's weights
+    and their gradients) are new mappings that free blocks cannot serve.
     """
 
     def __init__(self, limit: int) -> None:
@@ -102,9 +104,10 @@ class HostRoom:
         self.trims = 0
         self._outside_malloc: int | None = None
 
-    def make_room(self, nbytes: int) -> None:
+    def make_room(self, nbytes: int, fresh: bool = False) -> None:
         rss = rss_bytes()
-        if rss + nbytes > self.limit and rss + nbytes - self._cached(rss) > self.limit:
+        cached = 0 if fresh else self._cached(rss)
+        if rss + nbytes > self.limit and rss + nbytes - cached > self.limit:
             return_free_memory()
             self.trims += 1
             in_use = malloc_in_use()
