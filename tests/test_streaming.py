@@ -96,6 +96,50 @@ def test_a_deeper_prefetch_hides_a_read_behind_more_compute():
     assert forward == {0: 5.0, 1: 4.0, 2: 2.0, 4: 1.0}
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_reads_ahead_start_before_the_operation_they_overlap(tmp_path, monkeypatch, depth):
+    """With depth d, when a streamed stage's forward or backward starts, the reads of the next
+    d streamed stages the plan uses have started: they overlap that operation (an Update of
+    the same stage between two backwards does not take a place of the read-ahead)."""
+    from tierflow.exec.runner import StepRun
+    from tierflow.exec.weights import WeightStreamer
+
+    events = []
+    fetch, run = WeightStreamer.fetch, StepRun._run
+    forward, backward = StepRun._forward, StepRun._backward
+
+    def logged(kind, method):
+        def call(self, i, *args):
+            events.append((kind, i))
+            return method(self, i, *args)
+        return call
+
+    module = tierflow.fit(tiny_hf("llama", layers=4), hf_sample(), optimizer=_adamw,
+                          disk=tmp_path, config=FitConfig(planner="keep-all", stream="all",
+                                                          prefetch_depth=depth))
+    monkeypatch.setattr(WeightStreamer, "fetch", logged("fetch", fetch))
+    monkeypatch.setattr(StepRun, "_run", logged("run", run))
+    monkeypatch.setattr(StepRun, "_forward", logged("compute", forward))
+    monkeypatch.setattr(StepRun, "_backward", logged("compute", backward))
+    module(**hf_sample()).loss.backward()
+    ops, streamed = module.plan.ops, module.streamer.stage_params
+    checked, position, since = 0, None, 0
+    for k, (kind, value) in enumerate(events):
+        if kind == "run":
+            position, since = value, k
+        if kind != "compute" or value not in streamed:
+            continue
+        ahead = []  # the next streamed stages the plan uses after this operation
+        for later in ops[position + 1:]:
+            j = getattr(later, "stage", None)
+            if j in streamed and j != value and j not in ahead:
+                ahead.append(j)
+        started = {i for what, i in events[since:k] if what == "fetch"}  # by this op's start
+        assert set(ahead[:depth]) <= started, (ops[position], ahead[:depth], started)
+        checked += 1
+    assert checked >= 2 * len(streamed)
+
+
 def test_evaluation_fetches_streamed_weights(tmp_path):
     model = tiny_hf("llama", layers=2)
     reference = copy.deepcopy(model)

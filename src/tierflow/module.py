@@ -99,8 +99,9 @@ class TierflowModule(nn.Module):
         return self._streamer
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._streamer is not None:  # splitting the inputs may run the first stage's modules
-            self._streamer.before(Forward(0, tape=False))  # (the HF adapter's embedding)
+        # splitting the inputs may run the first stage's modules (the HF adapter's embedding)
+        if self._streamer is not None and 0 in self._streamer.stage_params:
+            self._streamer.hold(0)
         autocast = AutocastMode.capture(self._device.type)
         with autocast():  # without the weight-cast cache, as every stage runs
             x0, ctx = self._chain.split_inputs(*args, **kwargs)
@@ -135,7 +136,7 @@ class TierflowModule(nn.Module):
                 streamed = self._streamer is not None and i in self._streamer.stage_params
                 self._host_room.make_room(self._largest_growth, fresh=streamed)
             if self._streamer is not None:
-                self._streamer.before(op)
+                self._streamer.before(ops, i)
             x = forward_plain(self._chain.stages[i], x, ctx, autocast)
             if self._streamer is not None:
                 self._streamer.after(ops, i, set())

@@ -98,7 +98,7 @@ class StepRun:
             self.before_op(position)
         if self.streamer is not None:
             with span("wait for weights", "compute"):
-                self.streamer.before(op)
+                self.streamer.before(self.ops, position)
         if isinstance(op, Forward):
             with span(str(op), "compute"):
                 self._forward(op.stage, op.tape, self._offloads_tape(position))

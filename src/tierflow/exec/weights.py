@@ -3,8 +3,9 @@
 A streamed parameter keeps its ``nn.Parameter`` object, shape and optimizer-state identity;
 only its storage comes and goes (``untyped_storage().resize_``), so the model code and the
 optimizer never notice. One I/O thread reads the next ``depth`` streamed stages of the plan
-while the current one computes; another writes updated weights back after each update and
-frees them once they are on disk. A stage is read again only after its write-back is done.
+while the current one computes (their reads start as the current operation starts, so that
+they overlap it); another writes updated weights back after each update and frees them once
+they are on disk. A stage is read again only after its write-back is done.
 """
 from __future__ import annotations
 
@@ -44,15 +45,18 @@ class WeightStreamer:
 
     # ------------------------------------------------------------------ around plan ops
 
-    def before(self, op: Op) -> None:
-        """Make the weights ``op`` needs resident (waiting for, or starting, their read)."""
-        i = _stage_of(op)
+    def before(self, ops: Sequence[Op], position: int) -> None:
+        """Make the weights ``ops[position]`` needs resident (waiting for, or starting, their
+        read), then start reading the next ``depth`` streamed stages after its own, which
+        arrive while it runs."""
+        i = _stage_of(ops[position])
         if i in self.stage_params:
             self.hold(i)
+        self.prefetch(ops[position + 1:], running=i)
 
     def after(self, ops: Sequence[Op], position: int, taped: set[int]) -> None:
-        """After ``ops[position]``: write back updated weights, drop weights nothing needs
-        before their next fetch, and start reading the next ``depth`` streamed stages."""
+        """After ``ops[position]``: write back updated weights and drop weights nothing needs
+        before their next fetch."""
         op = ops[position]
         i = _stage_of(op)
         if i in self.stage_params:
@@ -61,17 +65,17 @@ class WeightStreamer:
             elif i not in taped and _next_use(ops, position, i) != _next_streamed(
                     ops, position, self.stage_params):
                 self._release(i)
-        self.prefetch(ops[position + 1:])
 
-    def prefetch(self, ops: Sequence[Op]) -> None:
-        """Start reading the first ``depth`` streamed stages that ``ops`` use (at the end of a
-        step, the next step's ops: the same plan runs again)."""
+    def prefetch(self, ops: Sequence[Op], running: int | None = None) -> None:
+        """Start reading the first ``depth`` streamed stages that ``ops`` use besides the
+        ``running`` one, which is resident already (at the end of a step, ``ops`` are the
+        next step's: the same plan runs again)."""
         upcoming: list[int] = []
         if self.depth == 0:  # read on demand, in ``before``
             return
         for op in ops:
             j = _stage_of(op)
-            if j in self.stage_params and j not in upcoming:
+            if j in self.stage_params and j != running and j not in upcoming:
                 upcoming.append(j)
                 if len(upcoming) == self.depth:
                     break
@@ -79,7 +83,8 @@ class WeightStreamer:
             self.fetch(j)
 
     def hold(self, i: int) -> None:
-        """Stage i's weights resident now (for an update outside the plan's ops)."""
+        """Stage i's weights resident now (waiting for their read; for work outside the
+        plan's ops too, such as an update pass or splitting the inputs)."""
         self.fetch(i)
         self._reads.pop(i).result()
 
