@@ -140,6 +140,40 @@ def test_reads_ahead_start_before_the_operation_they_overlap(tmp_path, monkeypat
     assert checked >= 2 * len(streamed)
 
 
+def test_the_update_pass_reads_the_next_stage_while_one_updates(tmp_path, monkeypatch):
+    """After the backward (clipping), each streamed stage's update starts with the read of
+    the next stage it updates (last first) under way, as the planner prices the pass."""
+    from tierflow.exec.optimizer import OwnedOptimizer
+    from tierflow.exec.weights import WeightStreamer
+
+    events = []
+    fetch, step_stage = WeightStreamer.fetch, OwnedOptimizer.step_stage
+
+    def logged_fetch(self, i):
+        events.append(("fetch", i))
+        fetch(self, i)
+
+    def logged_step(self, i, scale=1.0):
+        events.append(("update", i))
+        step_stage(self, i, scale)
+
+    module = tierflow.fit(tiny_hf("llama", layers=4), hf_sample(), optimizer=_adamw,
+                          max_grad_norm=1.0, disk=tmp_path,
+                          config=FitConfig(planner="keep-all", stream="all", prefetch_depth=1))
+    monkeypatch.setattr(WeightStreamer, "fetch", logged_fetch)
+    monkeypatch.setattr(OwnedOptimizer, "step_stage", logged_step)
+    module(**hf_sample()).loss.backward()
+    updates = [k for k, (kind, _) in enumerate(events) if kind == "update"]
+    order = [events[k][1] for k in updates]
+    assert order == sorted(order, reverse=True)
+    streamed = module.streamer.stage_params
+    for previous, k, i in zip(updates, updates[1:], order[1:]):
+        following = [j for j in order if j < i and j in streamed][:1]
+        started = {j for kind, j in events[previous:k] if kind == "fetch"}  # since the last
+        assert set(following) <= started, (i, events)
+    assert len(updates) >= len(streamed)
+
+
 def test_evaluation_fetches_streamed_weights(tmp_path):
     model = tiny_hf("llama", layers=2)
     reference = copy.deepcopy(model)

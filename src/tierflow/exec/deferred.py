@@ -6,8 +6,9 @@ every stage's gradients exist, nor wait for later micro-batches. Here each micro
 backward only completes gradients: a resident stage keeps them in ``.grad``, a streamed
 stage hands them to the disk tier (``GradientStash``). After the last micro-batch of a step
 the global norm gives the clipping factor (as ``torch.nn.utils.clip_grad_norm_``), and one
-pass over the stages, last first, updates each: its weights and gradients are fetched, its
-optimizer states read ahead, its weights written back behind it.
+pass over the stages, last first, updates each: its weights and gradients are fetched, the
+next stages' weights and its optimizer states read ahead (during the update before it), its
+weights written back behind it.
 """
 from __future__ import annotations
 
@@ -74,13 +75,13 @@ class DeferredUpdates:
                 with span("wait for weights", "compute"):
                     self.streamer.hold(i)
                 self.stash.restore(i)
+            for j in order[position + 1:position + 1 + depth]:  # read while stage i updates
+                if j in streamed:
+                    self.streamer.fetch(j)
             with span(f"update {i}", "optimizer"):
                 self.optimizer.step_stage(i, scale)
             if i in streamed:
                 self.streamer.write_back(i)
-            for j in order[position + 1:position + 1 + depth]:
-                if j in streamed:
-                    self.streamer.fetch(j)
         if self.stash is not None:
             self.stash.clear()
 
