@@ -7,7 +7,7 @@ import pytest
 
 from tierflow.config import FitConfig
 from tierflow.plan.placement import PlacementError
-from tierflow.plan.tier_search import place_on_tiers, smallest_budgets
+from tierflow.plan.tier_search import TierSearch, place_on_tiers
 from tierflow.sim.hardware import Hardware
 from tierflow.sim.predict import Setup, predict
 from tierflow.sim.shapes import load_shape
@@ -72,7 +72,7 @@ def test_a_small_disk_keeps_everything_in_ram_or_fails():
     s = setup(8 * GIB)
     pl = predict(s).placement
     problem = _problem(s, 1024)
-    small = smallest_budgets(problem, s.ram, FitConfig(), "ram")
+    small = TierSearch(problem, s.ram, FitConfig(), "ram").smallest_budgets()
     assert small["disk"] is not None and small["disk"] <= pl.peaks["disk"]
     tiny = predict(setup(8 * GIB, disk_budget=1 << 20)).placement
     assert tiny.peaks["disk"] <= 1 << 20 and tiny.optimizer.resident == tiny.stages

@@ -99,49 +99,69 @@ class TierPlan:
         return self.states is not None or self.weights is not None or self.tapes is not None
 
 
+class TierSearch:
+    """Every placement of ``problem`` planned once under ``budget`` (the compute tier's, named
+    ``tier``): the fastest that fits (``best``) and, from the same plans, the smallest budget
+    per tier (``smallest_budgets``, which ``tierflow plan`` reports beside the choice)."""
+
+    def __init__(self, problem: TierProblem, budget: int | None, config: FitConfig,
+                 tier: str) -> None:
+        self.problem, self.budget, self.config, self.tier = problem, budget, config, tier
+        self._candidates, self._state_of = _all_candidates(problem, budget, config, tier)
+        # per candidate: its plan (None: over the compute tier's budget) and why it does not
+        # work (None: it does; else the compute tier's or a lower tier's BudgetError)
+        self._outcomes: list[tuple[TierPlan | None, BudgetError | None]] = []
+        for candidate in self._candidates:
+            try:
+                placed = _plan(candidate, problem, self._state_of, budget, config, tier)
+            except BudgetError as e:
+                self._outcomes.append((None, e))
+                continue
+            try:
+                _check_lower(candidate, placed)
+            except BudgetError as e:
+                self._outcomes.append((placed, e))
+                continue
+            self._outcomes.append((placed, None))
+
+    def best(self) -> TierPlan:
+        """The fastest placement that fits every tier; the closest one's BudgetError if none."""
+        plans = [placed for placed, error in self._outcomes if error is None]
+        if plans:
+            return min(plans, key=lambda placed: placed.predicted_time)
+        errors = [error for _, error in self._outcomes if error is not None]
+        if not errors:
+            least = format_bytes(self.problem.min_tape_bytes)
+            raise TierflowError(f"offload_tapes='all' but no stage saves {least} or more for "
+                                "its backward: use offload_tapes='auto'")
+        raise min(errors, key=lambda e: e.smallest)
+
+    def smallest_budgets(self) -> dict[str, int | None]:
+        """Per tier, the smallest budget that works with the others as given: the compute
+        tier's over the placements whose lower tiers hold what they keep, each lower tier's
+        over the placements that fit the compute budget (None: no placement works whatever
+        it is)."""
+        problem, tier = self.problem, self.tier
+        least: dict[str, list[int]] = {tier: [], **{t.name: [] for t in problem.lower}}
+        for candidate, (placed, _) in zip(self._candidates, self._outcomes):
+            held = _held(candidate, problem, self._state_of)
+            if all(_fits(t, held.get(t.name, 0)) for t in problem.lower):
+                costs, update_pass = _costs(candidate, problem, self._state_of)
+                need = budget_for(costs, smallest_budget(costs), self.config)
+                least[tier].append(max(need, update_pass.peak if update_pass else 0))
+            if placed is None:
+                continue
+            for lower in problem.lower:
+                if all(_fits(t, held.get(t.name, 0)) for t in problem.lower if t is not lower):
+                    least[lower.name].append(held.get(lower.name, 0))
+        return {name: min(values) if values else None for name, values in least.items()}
+
+
 def place_on_tiers(problem: TierProblem, budget: int | None, config: FitConfig,
                    tier: str) -> TierPlan:
     """The fastest placement whose plan fits ``budget`` on the compute tier (named ``tier``)
     and whose lower tiers hold what it keeps there; the closest one's BudgetError if none."""
-    plans, error = [], None
-    candidates, state_of = _all_candidates(problem, budget, config, tier)
-    for candidate in candidates:
-        try:
-            placed = _plan(candidate, problem, state_of, budget, config, tier)
-            _check_lower(candidate, placed)
-            plans.append(placed)
-        except BudgetError as e:
-            error = e if error is None or e.smallest < error.smallest else error
-    if error is None and not plans:
-        least = format_bytes(problem.min_tape_bytes)
-        raise TierflowError(f"offload_tapes='all' but no stage saves {least} or more for its "
-                            "backward: use offload_tapes='auto'")
-    if not plans:
-        raise error
-    return min(plans, key=lambda placed: placed.predicted_time)
-
-
-def smallest_budgets(problem: TierProblem, budget: int | None, config: FitConfig,
-                     tier: str) -> dict[str, int | None]:
-    """Per tier, the smallest budget that works with the others as given: the compute tier's
-    over the placements whose lower tiers hold what they keep, each lower tier's over the
-    placements that fit the compute budget (None: no placement works whatever it is)."""
-    candidates, state_of = _all_candidates(problem, budget, config, tier)
-    least: dict[str, list[int]] = {tier: [], **{t.name: [] for t in problem.lower}}
-    for candidate in candidates:
-        costs, update_pass = _costs(candidate, problem, state_of)
-        held = _held(candidate, problem, state_of)
-        if all(_fits(t, held.get(t.name, 0)) for t in problem.lower):
-            need = budget_for(costs, smallest_budget(costs), config)
-            least[tier].append(max(need, update_pass.peak if update_pass else 0))
-        try:
-            _plan(candidate, problem, state_of, budget, config, tier)
-        except BudgetError:
-            continue
-        for lower in problem.lower:
-            if all(_fits(t, held.get(t.name, 0)) for t in problem.lower if t is not lower):
-                least[lower.name].append(held.get(lower.name, 0))
-    return {name: min(values) if values else None for name, values in least.items()}
+    return TierSearch(problem, budget, config, tier).best()
 
 
 def _fits(lower: LowerTier, held: int) -> bool:

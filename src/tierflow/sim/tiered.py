@@ -23,10 +23,9 @@ from ..plan.tier_search import (
     SMALL_HEAD_CHUNK,
     TierPlan,
     TierProblem,
+    TierSearch,
     UpdateRates,
     auto_head_chunk,
-    place_on_tiers,
-    smallest_budgets,
 )
 from .stages import StepShape, chain_costs
 
@@ -47,18 +46,18 @@ def tiered_placement(setup: Setup) -> Placement:
     fits."""
     config = FitConfig()
     try:
-        problem, placed = auto_head_chunk(
-            lambda chunk: _placed(_problem(setup, chunk), setup.ram, config),
+        search, placed = auto_head_chunk(
+            lambda chunk: _searched(_problem(setup, chunk), setup.ram, config),
             lambda result: result[1])
     except BudgetError:
         raise _nothing_fits(setup, config) from None
-    smallest = smallest_budgets(problem, setup.ram, config, COMPUTE_TIER)
-    return _as_placement(setup, problem, placed, smallest)
+    return _as_placement(setup, search.problem, placed, search.smallest_budgets())
 
 
-def _placed(problem: TierProblem, ram: int | None,
-            config: FitConfig) -> tuple[TierProblem, TierPlan]:
-    return problem, place_on_tiers(problem, ram, config, COMPUTE_TIER)
+def _searched(problem: TierProblem, ram: int | None,
+              config: FitConfig) -> tuple[TierSearch, TierPlan]:
+    search = TierSearch(problem, ram, config, COMPUTE_TIER)
+    return search, search.best()
 
 
 def _problem(setup: Setup, head_chunk: int) -> TierProblem:
@@ -100,7 +99,8 @@ def _nothing_fits(setup: Setup, config: FitConfig) -> PlacementError:
         for problem in problems:
             if lifted:
                 problem = _unbounded_lower(problem)
-            for tier, value in smallest_budgets(problem, budget, config, COMPUTE_TIER).items():
+            search = TierSearch(problem, budget, config, COMPUTE_TIER)
+            for tier, value in search.smallest_budgets().items():
                 if value is not None:
                     found[tier] = value if found.get(tier) is None else min(found[tier], value)
                 found.setdefault(tier, None)
