@@ -18,7 +18,8 @@ Reported per run: the median step time of the steps after the first (warm-up), t
 the ratio to the peer, the peak RSS above the post-import baseline (the trainer's `ram` figure,
 `ru_maxrss` minus the RSS after importing torch and transformers) next to `/usr/bin/time`'s
 maximum RSS, the predicted step time and peak from the [Plan], and from a trace of every step
-how long compute, the optimizer and the disk were busy. The end-of-run checkpoint (weights and
+how long compute, the optimizer and the disk were busy and how long the compute waited for
+streamed weights (`trace_stats.py`). The end-of-run checkpoint (weights and
 AdamW states, written stage by stage from the disk tier) is timed too. Writes
 benchmarks/results/train-w2-<date>[-TAG].{md,json} (and a Chrome trace per run).
 """
@@ -37,12 +38,12 @@ import tempfile
 from pathlib import Path
 
 from random_tokens import random_token_files
+from trace_stats import ROWS, trace_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT.parent / "shared" / "peers" / "peers.py"
 RESULTS = ROOT / "benchmarks" / "results"
 SEQ, BATCH, VOCAB = 1024, 2, 32000
-ROWS = ("compute", "optimizer", "disk read", "disk write")
 
 
 def peer(steps: int) -> dict:
@@ -91,10 +92,7 @@ def tierflow(ram: str, prefetch: int | None, steps: int, data: Path, disk: Path,
     step = statistics.median(r["ms"] / 1e3 for r in train[1:])
     plan = records["plan"][0]
     maxrss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)[1])
-    events = json.loads(trace.read_text())["traceEvents"]
-    tids = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M"}
-    busy = {row: round(sum(e["dur"] for e in events if e["ph"] == "X" and e["tid"] == tids[row])
-                       / 1e6 / len(train), 1) for row in ROWS}
+    busy = trace_stats(trace, len(train))
     print(f"  {name}: {wall:.0f} s, step {step:.1f} s (load {load:.1f} before)", flush=True)
     return {"run": f"tierflow {name}", "ram": ram, "prefetch": prefetch,
             "step_s_median": round(step, 2), "tok_s": round(BATCH * SEQ / step, 2),
@@ -148,7 +146,8 @@ def main() -> None:
              "| run | tok/s | vs hf-ckpt | peak RSS GiB (steps) | time -v max RSS GiB (whole run, "
              "incl. the checkpoint) | prefetch depth | predicted step s "
              "| measured step s | busy per step: compute / optimizer / disk read / disk write (s) "
-             "| load before |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| compute waiting for weights per step (s) | load before |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "error" in row:
             lines.append(f"| {row['run']} | failed: {row['error']} |||||||||")
@@ -160,15 +159,20 @@ def main() -> None:
                      f"{row.get('prefetch_depth', '-')} | {row.get('predicted_step_s', '-')} "
                      f"| {row['step_s_median']} | "
                      f"{' / '.join(str(busy[k]) for k in ROWS) if busy else '-'} | "
+                     f"{busy.get('waiting for weights', '-') if busy else '-'} | "
                      f"{row.get('load_before', '-')} |")
     by_run = {(r["ram"], r["prefetch"]): r for r in rows if "prefetch" in r and "error" not in r}
     for (ram, prefetch), row in by_run.items():
         off = by_run.get((ram, 0))
         if row["prefetch_depth"] and off is not None:
             on_s, off_s = row["step_s_median"], off["step_s_median"]
+            waits = off["busy_s_per_step"]["waiting for weights"]
             lines += ["", f"Overlap at {ram}: with prefetch (depth {row['prefetch_depth']}) "
                           f"{on_s} s per step, without (depth 0: nothing read ahead) {off_s} s: "
-                          f"{on_s / off_s:.2f}x."]
+                          f"{on_s / off_s:.2f}x. Without prefetch the compute waited "
+                          f"{waits} s per step for weights (averaged over all steps, the "
+                          f"first included): hiding every wait would give "
+                          f"{(off_s - waits) / off_s:.2f}x."]
     (RESULTS / f"train-w2-{stamp}.md").write_text("\n".join(lines) + "\n")
     (RESULTS / f"train-w2-{stamp}.json").write_text(json.dumps(rows, indent=1) + "\n")
     print("\n".join(lines))

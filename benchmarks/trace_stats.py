@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""What a `tierflow train --trace` file says about a step: seconds per step each thread row
+was busy (compute, optimizer, disk read, disk write) and how long the compute waited for
+streamed weights (the `wait for weights` spans, inside the compute row's time).
+
+    ./run python benchmarks/trace_stats.py TRACE.json [TRACE.json ...] [--steps N]
+
+`train_w2.py` reports these per run; this script reads them again from committed traces
+(for example, to compare a run's waits with and without prefetch). ``--steps``: the steps
+the trace holds (train_w2.py's runs: 3, the default), the divisor of every figure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+ROWS = ("compute", "optimizer", "disk read", "disk write")
+WAIT = "wait for weights"
+
+
+def trace_stats(trace: Path, steps: int) -> dict[str, float]:
+    """Per step: seconds each row of ``ROWS`` was busy, and the compute's waits for weights."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    tids = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M"}
+    spans = [e for e in events if e["ph"] == "X"]
+    stats = {row: sum(e["dur"] for e in spans if e["tid"] == tids[row]) / 1e6 / steps
+             for row in ROWS}
+    stats["waiting for weights"] = sum(e["dur"] for e in spans if e["name"] == WAIT) / 1e6 / steps
+    return {key: round(value, 1) for key, value in stats.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("traces", nargs="+", type=Path)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    for trace in args.traces:
+        stats = trace_stats(trace, args.steps)
+        print(f"{trace.name}: " + ", ".join(f"{k} {v} s" for k, v in stats.items()))
+
+
+if __name__ == "__main__":
+    main()
