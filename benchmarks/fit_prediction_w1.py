@@ -2,12 +2,12 @@
 """fit's own step prediction for W1 (llama-134m, seq 1024, batch 4, bf16 autocast, AdamW)
 against the measured step, in one fresh `tierflow train` process.
 
-    ./run python benchmarks/fit_prediction_w1.py [--steps 5] [--ram 5GiB]
+    ./run python benchmarks/fit_prediction_w1.py [--steps 5] [--ram 5GiB] [--tag TAG]
 
 `--disk DIR` makes fit own AdamW, so the [Plan]'s predicted step includes the updates made
 inside the backward (without it the trainer's optimizer runs outside fit's plan); at 5 GiB
 the plan keeps everything in RAM. Measured: the median of the steps after the first, on
-random token ids. Writes benchmarks/results/fit-prediction-w1-<date>.{md,json}.
+random token ids. Writes benchmarks/results/fit-prediction-w1-<date>[-TAG].{md,json}.
 """
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--ram", default="5GiB")
+    parser.add_argument("--tag", default="", help="added to the result files' names, to keep "
+                                                  "two runs of one day apart")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -54,7 +56,7 @@ def main() -> None:
            "measured_step_s": round(measured, 2), "steps_s": [round(s, 2) for s in steps],
            "error": round(predicted / measured - 1, 3), "predicted_peak_gib":
            round(plan["predicted_peak"] / 2**30, 2), "peak_gib": round(peak, 2)}
-    stamp = dt.date.today().isoformat()
+    stamp = dt.date.today().isoformat() + (f"-{args.tag}" if args.tag else "")
     lines = [f"# fit's step prediction for W1 ({stamp})", "",
              f"`tierflow train --model llama-134m --seq-len 1024 --batch-size 4 --dtype bf16 "
              f"--ram {args.ram} --disk DIR` ({args.steps} steps; measured: median of the steps "
