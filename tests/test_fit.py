@@ -165,6 +165,31 @@ def test_disk_directory_errors(tmp_path):
         tierflow.fit(model, mlp_sample(), disk=tmp_path)
 
 
+def test_accumulated_gradients_are_planned_as_static():
+    """grad_accum=2 without an owned optimizer: the gradients the caller accumulates are
+    static bytes of the plan (they live through the next micro-batch's forward), and two
+    micro-batches give plain PyTorch's accumulated gradients."""
+    model = tiny_hf("llama", layers=3, dropout=0.1)
+    reference = copy.deepcopy(model)
+    samples = [hf_sample(seed=k) for k in range(2)]
+    single = tierflow.fit(copy.deepcopy(model), samples[0], planner="keep-all")
+    module = tierflow.fit(model, samples[0], planner="keep-all", grad_accum=2)
+    grads = sum(p.nbytes for p in model.parameters() if p.requires_grad)
+    assert module.plan.costs.grads_resident and not single.plan.costs.grads_resident
+    assert module.plan.costs.extra["gradients"] == grads
+    static, runtime = module.plan.costs.static_bytes, module.plan.costs.extra["runtime"]
+    assert static - runtime == single.plan.costs.static_bytes - single.plan.costs.extra[
+        "runtime"] + grads
+    for k, sample in enumerate(samples):
+        torch.manual_seed(k)
+        (module(**sample).loss / 2).backward()
+        torch.manual_seed(k)
+        (reference(**sample).loss / 2).backward()
+    expected = _grads(reference)
+    for name, grad in _grads(model).items():
+        torch.testing.assert_close(grad, expected[name], msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("planner", PLANNERS)
 @pytest.mark.parametrize("source", [SOURCES[0], SOURCES[3]], ids=[SOURCES[0][0], SOURCES[3][0]])
 def test_ledger_holds_exactly_what_the_simulator_predicts(source, planner):

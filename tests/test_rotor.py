@@ -320,3 +320,21 @@ def test_context_bytes_are_part_of_every_budget() -> None:
     assert smallest_budget(with_context) == smallest_budget(costs) + 3 * MiB
     for budget in (smallest_budget(with_context), smallest_budget(with_context) + 5 * MiB):
         assert simulate(with_context, rotor(with_context, budget)).peak <= budget
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_resident_gradients_add_nothing_during_the_step(seed: int) -> None:
+    """With gradients accumulated over micro-batches (``grads_resident``, no owned
+    optimizer), a backward makes no new gradient bytes: the simulator and rotor see the chain
+    as one whose stages own no gradients, and every plan fits its budget."""
+    costs = replace(random_chain(random.Random(seed), 7), optimizer_owned=False)
+    resident = replace(costs, grads_resident=True)
+    bare = replace(costs, shared_grad_bytes=0,
+                   stages=tuple(replace(s, param_bytes=0) for s in costs.stages))
+    assert keep_all_peak(resident) == keep_all_peak(bare) < keep_all_peak(costs)
+    assert smallest_budget(resident) == smallest_budget(bare)
+    for budget in (smallest_budget(resident), keep_all_peak(resident)):
+        ops = rotor(resident, budget, slots=None)
+        assert ops == rotor(bare, budget, slots=None)
+        assert simulate(resident, ops).peak <= budget
+    assert ChainCosts.from_dict(resident.to_dict()) == resident

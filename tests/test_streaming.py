@@ -297,7 +297,7 @@ def test_accumulation_and_clipping_with_an_owned_optimizer(tmp_path, family, str
 
 def test_deferred_update_options_need_an_owned_optimizer():
     with pytest.raises(tierflow.TierflowError, match="pass optimizer="):
-        tierflow.fit(tiny_hf("llama"), hf_sample(), grad_accum=2)
+        tierflow.fit(tiny_hf("llama"), hf_sample(), max_grad_norm=1.0)
     with pytest.raises(tierflow.TierflowError, match="max_grad_norm"):
         tierflow.fit(tiny_hf("llama"), hf_sample(), optimizer=_adamw, max_grad_norm=0.0)
 

@@ -68,7 +68,9 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     With ``optimizer=``, ``grad_accum`` (micro-batches per update: call ``backward()`` that
     many times, on losses divided by it as in plain PyTorch) and ``max_grad_norm`` (clip
     by the global norm, as ``torch.nn.utils.clip_grad_norm_``) move the updates to one pass
-    after the last micro-batch's backward; ``last_grad_norm`` then gives the norm.
+    after the last micro-batch's backward; ``last_grad_norm`` then gives the norm. Without
+    it, ``grad_accum`` > 1 says that your optimizer steps after that many backwards: the
+    gradients then live for the whole step, and the plan holds them as static bytes.
     """
     config = config or FitConfig(planner=planner)
     if planner != "auto" and config.planner != planner:
@@ -82,11 +84,12 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         raise TierflowError(f"grad_accum={grad_accum} must be at least 1")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise TierflowError(f"max_grad_norm={max_grad_norm} must be > 0 (None: no clipping)")
-    if optimizer is None and (grad_accum > 1 or max_grad_norm is not None):
-        raise TierflowError("grad_accum= and max_grad_norm= apply to an optimizer tierflow "
-                            "owns: pass optimizer= too, or accumulate and clip around your own "
-                            "optimizer as in plain PyTorch")
+    if optimizer is None and max_grad_norm is not None:
+        raise TierflowError("max_grad_norm= applies to an optimizer tierflow owns: pass "
+                            "optimizer= too, or clip around your own optimizer as in plain "
+                            "PyTorch")
     deferred = optimizer is not None and (grad_accum > 1 or max_grad_norm is not None)
+    grads_resident = optimizer is None and grad_accum > 1  # accumulated by the caller
     offloaded = offloaded_parameters(model)
     if offloaded is not None and disk is None:
         disk = offloaded.store.directory  # the model's own disk tier
@@ -114,7 +117,8 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     outside_budget = before - sum({storage_key(p): p.untyped_storage().nbytes()
                                    for p in model.parameters()}.values())
     attempt = functools.partial(_profile_and_plan, model, sample, device, autocast, budget, tier,
-                                reserved, optimizer, lower, config, say, before, deferred)
+                                reserved, optimizer, lower, config, say, before, deferred,
+                                grads_resident)
     if config.head_chunk_tokens is not None:
         chain, placed = attempt(config.head_chunk_tokens)
     else:
@@ -173,9 +177,11 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                       autocast: AutocastMode, budget: int | None, tier: str, reserved: int,
                       optimizer: OptimizerFactory | None, lower: list[LowerTier],
                       config: FitConfig, say: Callable[[str], Any], before: int,
-                      deferred: bool, head_chunk_tokens: int) -> tuple[Chain, TierPlan]:
+                      deferred: bool, grads_resident: bool,
+                      head_chunk_tokens: int) -> tuple[Chain, TierPlan]:
     """Cut the model into a chain, measure its stages and plan the step under the budget.
-    ``before`` is the RSS when fit began: growth since then is the runtime's resident share."""
+    ``before`` is the RSS when fit began: growth since then is the runtime's resident share.
+    ``grads_resident``: the caller accumulates gradients over micro-batches (static bytes)."""
     meter = meter_for(device)
     exact_host = budget is not None and tier == "ram"  # memory measured with exact thresholds
     offloaded = offloaded_parameters(model)
@@ -198,8 +204,10 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
         return_free_memory()
     runtime = max(0, meter.current() - before) if device.type == "cpu" else 0
     param_bytes = sum(p.nbytes for p in model.parameters())
+    grads = sum(p.nbytes for p in model.parameters() if p.requires_grad) if grads_resident \
+        else 0
     extra = {"autocast": autocast.describe(), "device": str(device), "parameters": param_bytes,
-             "reserved": reserved, "runtime": runtime}
+             "gradients": grads, "reserved": reserved, "runtime": runtime}
     inputs = [x0] if isinstance(x0, torch.Tensor) else []
     x0_keys = {storage_key(t) for t in inputs}
     context = {storage_key(t): t.untyped_storage().nbytes() for t in context_tensors(ctx)
@@ -207,8 +215,8 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
     costs = ChainCosts(stages=tuple(stage_costs),
                        input_bytes=sum(t.untyped_storage().nbytes() for t in inputs),
                        context_bytes=sum(context.values()),
-                       static_bytes=param_bytes + runtime + reserved, shared_grad_bytes=shared,
-                       extra=extra)
+                       static_bytes=param_bytes + grads + runtime + reserved,
+                       shared_grad_bytes=shared, grads_resident=grads_resident, extra=extra)
     if optimizer is None:
         return chain, TierPlan(make_plan(costs, budget, config, tier=tier), None)
     weights_from = [t for t in lower if offloaded is not None and t.store is offloaded.store]

@@ -44,7 +44,9 @@ class ChainCosts:
 
     `static_bytes` is what lives for the whole step whatever the plan: parameters, optimizer
     states and the runtime's own overhead. Gradient bytes are simulated per stage (they
-    appear at the stage's first backward), so they are not part of it.
+    appear at the stage's first backward), so they are not part of it, unless
+    `grads_resident`: gradients accumulated over micro-batches by an optimizer outside the
+    plan live for the whole step, so they are static and a backward adds none.
     """
 
     stages: tuple[StageCost, ...]
@@ -53,6 +55,7 @@ class ChainCosts:
     static_bytes: int = 0
     optimizer_owned: bool = False  # updates run inside the backward, freeing gradients
     shared_grad_bytes: int = 0  # gradients of parameters used by several stages (tied)
+    grads_resident: bool = False  # parameter gradients are in static_bytes (accumulation)
     extra: dict = field(default_factory=dict)  # free-form facts for explain(): dtype, shapes
 
     @property
@@ -67,7 +70,8 @@ class ChainCosts:
         return {"stages": [asdict(s) for s in self.stages], "input_bytes": self.input_bytes,
                 "context_bytes": self.context_bytes,
                 "static_bytes": self.static_bytes, "optimizer_owned": self.optimizer_owned,
-                "shared_grad_bytes": self.shared_grad_bytes, "extra": dict(self.extra)}
+                "shared_grad_bytes": self.shared_grad_bytes,
+                "grads_resident": self.grads_resident, "extra": dict(self.extra)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ChainCosts":
@@ -77,4 +81,5 @@ class ChainCosts:
                    static_bytes=data.get("static_bytes", 0),
                    optimizer_owned=data.get("optimizer_owned", False),
                    shared_grad_bytes=data.get("shared_grad_bytes", 0),
+                   grads_resident=data.get("grads_resident", False),
                    extra=dict(data.get("extra", {})))

@@ -107,8 +107,10 @@ class _Model:
         self.tr_nograd = [up(s.fwd_transient_nograd) for s in stages]
         self.tr_bwd = [up(s.bwd_transient) for s in stages]
         self.tr_upd = [up(s.update_transient) for s in stages]
-        self.params = [up(s.param_bytes) for s in stages]
-        self.shared = up(costs.shared_grad_bytes)
+        # bytes of the parameter gradients each backward makes (none when they are resident
+        # all step: accumulated into, and counted in the static bytes)
+        self.params = [0 if costs.grads_resident else up(s.param_bytes) for s in stages]
+        self.shared = 0 if costs.grads_resident else up(costs.shared_grad_bytes)
         # g[i]: gradient of x[i], made by Backward(i); the loss x[L] gets none.
         self.grad = [self.x[i] if s.input_grad else 0 for i, s in enumerate(stages)] + [0]
         self._fwd_prefix = np.concatenate([[0.0], np.cumsum([s.fwd_time for s in stages])])

@@ -63,8 +63,9 @@ class _State:
         total += sum(c.x_bytes(i) for i in range(c.length + 1) if self.x_resident(i))
         total += sum(c.stages[i].tape for i in self.tapes)
         total += sum(c.x_bytes(i) for i in self.grads)
-        total += sum(c.stages[i].param_bytes for i in self.param_grads)
-        total += c.shared_grad_bytes if self.shared_grads else 0
+        if not c.grads_resident:  # else they are static bytes
+            total += sum(c.stages[i].param_bytes for i in self.param_grads)
+            total += c.shared_grad_bytes if self.shared_grads else 0
         return total
 
 
@@ -105,6 +106,8 @@ def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
             if i == length - 1 and not state.shared_grads:
                 new_grads += costs.shared_grad_bytes
                 state.shared_grads = True
+            if costs.grads_resident:  # accumulated into gradients that exist already
+                new_grads = 0
             out_grad = costs.x_bytes(i) if s.input_grad else 0
             during = before + out_grad + new_grads + s.bwd_transient
             state.tapes.discard(i)

@@ -215,7 +215,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
                                grad_accum=opts.grad_accum,
                                max_grad_norm=opts.clip if opts.clip > 0 else None)
                 return fit(model, sample, **tier.fit_budgets(held), reserve=reserve,
-                           config=config)
+                           grad_accum=opts.grad_accum, config=config)
         except BudgetError as e:
             raise tier.over_budget(e, held) from None
 
