@@ -228,6 +228,28 @@ def test_streamed_costs_move_weights_out_of_the_static_bytes():
     assert streamed.update_time == 0.5 + (4.0 - 2.0)  # the write outlasts the backward by 2 s
 
 
+
+def test_an_offloaded_tape_of_a_streamed_stage_moves_only_its_activations():
+    """A streamed stage's tape counts its weights (resident while an in-memory tape needs
+    them). Offloaded, the tape leaves them behind: the executor writes only activations, the
+    weights are streamed back for the backward, so neither the tiers' bytes nor the tapes in
+    flight count them (they did, by 2 x 100 bytes here)."""
+    from tierflow.plan.tape_offload import offloaded_tape_costs
+
+    stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
+                      tape=30)
+    costs = ChainCosts(stages=(stage, stage, stage), input_bytes=10, static_bytes=1000)
+    moved = streamed_costs(costs, {1, 2}, read_bytes_per_s=50.0, write_bytes_per_s=25.0, depth=1)
+    offloaded = offloaded_tape_costs(moved, {0, 1, 2}, read_bytes_per_s=10.0,
+                                     write_bytes_per_s=10.0, streamed={1, 2})
+    assert offloaded.static_bytes == moved.static_bytes + 2 * 30  # two tapes in flight
+    assert offloaded.extra["offloaded tape bytes"] == 3 * 30
+    for before, after in zip(moved.stages, offloaded.stages):
+        assert after.tape == 0
+        assert after.fwd_transient == before.fwd_transient + 30
+        assert after.bwd_transient == before.bwd_transient + 30
+        assert after.fwd_time == max(before.fwd_time, 3.0)  # 30 bytes written at 10 B/s
+
 def test_a_preset_built_on_disk_trains_like_the_same_preset_in_memory(tmp_path):
     """The model never exists whole in memory: built onto the disk tier module by module,
     planned with its weights fetched stage by stage, trained with every stage streamed."""

@@ -13,6 +13,7 @@ costs, then keeps tapes where it used to recompute, as long as the tier keeps up
 """
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import replace
 
 from .costs import ChainCosts
@@ -20,25 +21,35 @@ from .costs import ChainCosts
 MIN_TAPE_BYTES = 1 << 20  # smaller saved tensors stay in memory: not worth a file
 
 
+def activation_tape(costs: ChainCosts, i: int, streamed: Set[int]) -> int:
+    """Bytes of stage i's tape that are its activations (a streamed stage's tape holds its
+    weights too)."""
+    s = costs.stages[i]
+    return s.tape - (s.param_bytes if i in streamed else 0)
+
+
 def offloaded_tape_costs(costs: ChainCosts, stages: set[int], *, read_bytes_per_s: float,
-                         write_bytes_per_s: float, read_ahead: bool = True) -> ChainCosts:
-    """``costs`` with the tapes of ``stages`` kept on the lower tier."""
+                         write_bytes_per_s: float, read_ahead: bool = True,
+                         streamed: Set[int] = frozenset()) -> ChainCosts:
+    """``costs`` with the tapes of ``stages`` kept on the lower tier; ``streamed``: the
+    stages whose weights ``costs`` streams (their tapes hold those weights)."""
     if not stages:
         return costs
     moved = list(costs.stages)
+    activations = {i: activation_tape(costs, i, streamed) for i in stages}
     for i in sorted(stages):
         s = moved[i]
-        write = s.tape / write_bytes_per_s
-        read = s.tape / read_bytes_per_s
+        write = activations[i] / write_bytes_per_s
+        read = activations[i] / read_bytes_per_s
         previous_bwd = costs.stages[i + 1].bwd_time if i + 1 < costs.length else 0.0
         hidden_by = previous_bwd if read_ahead else 0.0
         moved[i] = replace(s, tape=0,
-                           fwd_transient=s.fwd_transient + s.tape,
-                           bwd_transient=s.bwd_transient + s.tape,
+                           fwd_transient=s.fwd_transient + activations[i],
+                           bwd_transient=s.bwd_transient + activations[i],
                            fwd_time=s.fwd_time + max(0.0, write - s.fwd_time),
                            bwd_time=s.bwd_time + max(0.0, read - hidden_by))
-    in_flight = (2 if read_ahead else 1) * max(costs.stages[i].tape for i in stages)
+    in_flight = (2 if read_ahead else 1) * max(activations.values())
     extra = {**costs.extra, "offloaded tapes": sorted(stages),
-             "offloaded tape bytes": sum(costs.stages[i].tape for i in stages)}
+             "offloaded tape bytes": sum(activations.values())}
     return replace(costs, stages=tuple(moved), static_bytes=costs.static_bytes + in_flight,
                    extra=extra)

@@ -13,7 +13,7 @@ from typing import Any
 from ..config import FitConfig
 from ..units import format_bytes
 from .costs import ChainCosts
-from .tape_offload import offloaded_tape_costs
+from .tape_offload import activation_tape, offloaded_tape_costs
 
 
 @dataclass(frozen=True)
@@ -56,11 +56,13 @@ def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier, config: F
     with ``offload_tapes='all'``)."""
     out = [] if config.offload_tapes == "all" else list(candidates)
     for c in candidates:
-        stages = frozenset(i for i, s in enumerate(c.costs.stages) if s.tape >= min_bytes)
+        stages = frozenset(i for i in range(c.costs.length)
+                           if activation_tape(c.costs, i, c.streamed) >= min_bytes)
         if not stages:
             continue
         costs = offloaded_tape_costs(c.costs, set(stages), read_bytes_per_s=tier.bandwidth,
-                                     write_bytes_per_s=tier.bandwidth, read_ahead=c.depth > 0)
+                                     write_bytes_per_s=tier.bandwidth, read_ahead=c.depth > 0,
+                                     streamed=c.streamed)
         costs = replace(costs, extra={**costs.extra, "tapes tier": tier.name})
         total = format_bytes(costs.extra["offloaded tape bytes"])
         back = "one backward ahead" if c.depth else "when their backward needs them"
