@@ -262,3 +262,29 @@ def test_schedule_warmup_then_cosine():
     values = [lr_at(s, **kw) for s in range(4, 14)]
     assert all(a > b for a, b in zip(values, values[1:]))
     assert lr_at(0, lr=1.0, warmup=0, total=1, min_lr=0.0) == 1.0
+
+
+def test_the_plan_table_lists_every_kind_on_the_disk_tier():
+    """Optimizer states, streamed weights and offloaded tapes each have a share of the disk
+    tier in the [Plan] table and in its JSON record."""
+    from tierflow.config import FitConfig
+    from tierflow.plan.choose import make_plan
+    from tierflow.plan.costs import ChainCosts, StageCost
+    from tierflow.precision.config import PrecisionConfig
+    from tierflow.train.logger import PlanPrecision, plan_section
+
+    stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
+                      tape=30)
+    extra = {"optimizer states on disk": 800, "weights tier": "disk", "streamed bytes": 200,
+             "streamed stages": [0, 1], "tapes tier": "disk", "offloaded tape bytes": 60,
+             "offloaded tapes": [0, 1], "prefetch depth": 1}
+    costs = ChainCosts(stages=(stage, stage), input_bytes=10, extra=extra)
+    plan = make_plan(costs, None, FitConfig())
+    config = PrecisionConfig()
+    precision = PlanPrecision(config.bytes_per_parameter(), 50, 0, config.to_dict())
+    text, record = plan_section(plan, grads=200, budget=None, grad_accum=1, dist=None,
+                                precision=precision)
+    assert record["disk_bytes"] == {"optimizer states": 800,
+                                    "weights of 2 streamed stages": 200,
+                                    "tapes of 2 stages": 60}
+    assert "60 B tapes of 2 stages" in text, text

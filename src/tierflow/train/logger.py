@@ -111,7 +111,9 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
     rows.append(("total (predicted peak)", format_bytes(plan.predicted_peak)))
     on_disk = [(extra.get("optimizer states on disk", 0), "optimizer states"),
                (extra.get("streamed bytes", 0) if extra.get("weights tier") == "disk" else 0,
-                f"weights of {len(extra.get('streamed stages', []))} streamed stages")]
+                f"weights of {len(extra.get('streamed stages', []))} streamed stages"),
+               (extra.get("offloaded tape bytes", 0) if extra.get("tapes tier") == "disk"
+                else 0, f"tapes of {len(extra.get('offloaded tapes', []))} stages")]
     if any(nbytes for nbytes, _ in on_disk):
         depth = extra.get("prefetch depth", 0)
         ahead = f"read {depth} stages ahead" if depth else "read when needed (no prefetch)"
