@@ -228,7 +228,6 @@ def test_streamed_costs_move_weights_out_of_the_static_bytes():
     assert streamed.update_time == 0.5 + (4.0 - 2.0)  # the write outlasts the backward by 2 s
 
 
-
 def test_an_offloaded_tape_of_a_streamed_stage_moves_only_its_activations():
     """A streamed stage's tape counts its weights (resident while an in-memory tape needs
     them). Offloaded, the tape leaves them behind: the executor writes only activations, the
@@ -249,6 +248,7 @@ def test_an_offloaded_tape_of_a_streamed_stage_moves_only_its_activations():
         assert after.fwd_transient == before.fwd_transient + 30
         assert after.bwd_transient == before.bwd_transient + 30
         assert after.fwd_time == max(before.fwd_time, 3.0)  # 30 bytes written at 10 B/s
+
 
 def test_a_preset_built_on_disk_trains_like_the_same_preset_in_memory(tmp_path):
     """The model never exists whole in memory: built onto the disk tier module by module,

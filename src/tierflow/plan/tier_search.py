@@ -4,7 +4,7 @@ simulated GPU, host RAM first, then the disk).
 
 Pure data. The trainer (``tiers.place``: profiled costs, a probe of its optimizer, measured
 bandwidths) and ``tierflow plan`` on the cpu profile (``sim/tiered.py``: analytic costs and
-the profile's rates) both plan with ``place_on_tiers``, so a prediction chooses among
+the profile's rates) both plan with ``TierSearch``, so a prediction chooses among
 exactly the placements a run chooses among, priced the same way.
 
 Every placement that could work is planned (the same rotor plan under the same budget, on
