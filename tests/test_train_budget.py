@@ -3,9 +3,11 @@
 for that says which --ram would work."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
+import tierflow
 from tierflow.errors import BudgetError
 from tierflow.exec.memory import return_free_memory, rss_bytes
 from tierflow.train.device import ComputeTier
@@ -43,3 +45,17 @@ def test_a_plan_that_does_not_fit_names_the_ram_that_would():
     assert message.startswith("--ram 2.00 GiB") and "at least 2.10 GiB" in message
     assert "\n" not in message and "164.00 MiB" in message
     assert tier.over_budget(error, 0) is error  # nothing held: the plan's own error
+
+
+def test_a_budget_below_what_is_held_names_the_ram_that_would_work():
+    """--ram below what the process holds before planning: fit still plans (under a byte) and
+    fails with the smallest budget, which over_budget puts in terms of --ram (it used to say
+    'ram budget -144807936 must be a positive size')."""
+    tier = ComputeTier(torch.device("cpu"), False, None, MIB)
+    held = 4 * MIB
+    with pytest.raises(BudgetError) as caught:
+        tierflow.fit(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1)),
+                     torch.randn(8, 64), **tier.fit_budgets(held))
+    message = str(tier.over_budget(caught.value, held))
+    assert message.startswith("--ram 1.00 MiB is below the smallest that works"), message
+    assert caught.value.smallest > 0

@@ -52,8 +52,8 @@ class ComputeTier:
     def fit_budgets(self, held: int = 0) -> dict[str, Any]:
         """The budget arguments of ``tierflow.fit``; ``held``: bytes of the RAM budget the
         process already takes (``held_outside_the_plan``)."""
-        if self.gpu is None:
-            return {"ram": None if self.ram is None else self.ram - held}
+        if self.gpu is None:  # at least a byte: a plan that cannot fit names what would
+            return {"ram": None if self.ram is None else max(1, self.ram - held)}
         return {"gpu": self.gpu, "ram": self.ram}
 
     def held_outside_the_plan(self, model: nn.Module, baseline: int) -> int:
