@@ -25,3 +25,43 @@ def train_side_by_side(module, reference, sample, make, steps=3, rtol_after_upda
             rtol=rtol_after_update, atol=0.0)
         torch.testing.assert_close(loss, expected, msg=lambda m, s=step: f"step {s}: {m}",
                                    **tolerance)
+
+
+def train_accumulating(module, reference, samples, make, steps=3, clip=0.5):
+    """``steps`` optimizer steps of ``len(samples)`` micro-batches each, clipped by the
+    global norm: the module (updates deferred to after the last backward) against the
+    reference with ``make(reference.parameters())`` and clip_grad_norm_."""
+    plain = make(reference.parameters())
+    n = len(samples)
+    for step in range(steps):
+        for k, sample in enumerate(samples):
+            torch.manual_seed(step * n + k)
+            loss = module(**sample).loss
+            (loss / n).backward()
+            torch.manual_seed(step * n + k)
+            expected = reference(**sample).loss
+            (expected / n).backward()
+            tolerance = {} if step == 0 else dict(rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(loss, expected, **tolerance,
+                                       msg=lambda m, s=step, k=k: f"step {s}.{k}: {m}")
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        torch.testing.assert_close(module.last_grad_norm, float(norm), rtol=1e-4, atol=0.0)
+
+
+def gathered_parameters(module):
+    """The fitted model's parameters by name, streamed ones read back from their files."""
+    streamer = module.streamer
+    if streamer is None:
+        return dict(module.model.named_parameters())
+    streamer.wait_writes()
+    out = {}
+    for name, p in module.model.named_parameters():
+        if p in streamer.offloaded:
+            copy_ = torch.empty(p.shape, dtype=p.dtype)
+            streamer.offloaded.store.read(streamer.offloaded.file_of(p), [copy_])
+            out[name] = copy_
+        else:
+            out[name] = p
+    return out

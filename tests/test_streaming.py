@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 from models import VOCAB, hf_sample, tiny_hf
-from side_by_side import train_side_by_side
+from side_by_side import gathered_parameters, train_accumulating, train_side_by_side
 
 import tierflow
 from tierflow.config import FitConfig
@@ -16,21 +16,6 @@ from tierflow.plan.streaming import streamed_costs
 
 def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-
-
-def _gathered(module):
-    """The model's parameters, streamed ones read back from their files (for comparing)."""
-    streamer = module.streamer
-    streamer.wait_writes()
-    out = {}
-    for name, p in module.model.named_parameters():
-        if p in streamer.offloaded:
-            copy_ = torch.empty(p.shape, dtype=p.dtype)
-            streamer.offloaded.store.read(streamer.offloaded.file_of(p), [copy_])
-            out[name] = copy_
-        else:
-            out[name] = p
-    return out
 
 
 @pytest.mark.parametrize("planner", ["checkpoint-all", "keep-all"])
@@ -53,7 +38,7 @@ def test_streamed_weights_train_like_plain_adamw(tmp_path, family, planner):
     on_disk = sum(file_bytes([p], direct) for ps in streamer.stage_params.values() for p in ps)
     assert sum(f.stat().st_size for f in tmp_path.glob("param-*.bin")) == on_disk
     # Adam turns fp32 rounding on near-zero gradients into up to lr-sized steps: atol lr/100
-    gathered = _gathered(module)
+    gathered = gathered_parameters(module)
     for name, q in reference.named_parameters():
         torch.testing.assert_close(gathered[name], q, atol=1e-4, rtol=1e-4,
                                    msg=lambda m, n=name: f"{n}: {m}")
@@ -271,29 +256,6 @@ def test_a_preset_built_on_disk_trains_like_the_same_preset_in_memory(tmp_path):
     assert offloaded.peak_resident_bytes <= 4 * largest_stage < total
 
 
-def _train_accumulating(module, reference, samples, steps=3, clip=0.5):
-    """``steps`` optimizer steps of ``len(samples)`` micro-batches each, clipped by the
-    global norm: the module (updates deferred to after the last backward) against the
-    reference with plain AdamW and clip_grad_norm_."""
-    plain = _adamw(reference.parameters())
-    n = len(samples)
-    for step in range(steps):
-        for k, sample in enumerate(samples):
-            torch.manual_seed(step * n + k)
-            loss = module(**sample).loss
-            (loss / n).backward()
-            torch.manual_seed(step * n + k)
-            expected = reference(**sample).loss
-            (expected / n).backward()
-            tolerance = {} if step == 0 else dict(rtol=1e-4, atol=1e-6)
-            torch.testing.assert_close(loss, expected, **tolerance,
-                                       msg=lambda m, s=step, k=k: f"step {s}.{k}: {m}")
-        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
-        plain.step()
-        plain.zero_grad(set_to_none=True)
-        torch.testing.assert_close(module.last_grad_norm, float(norm), rtol=1e-4, atol=0.0)
-
-
 @pytest.mark.parametrize("stream", ["never", "all"])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_accumulation_and_clipping_with_an_owned_optimizer(tmp_path, family, stream):
@@ -306,11 +268,8 @@ def test_accumulation_and_clipping_with_an_owned_optimizer(tmp_path, family, str
                           max_grad_norm=0.5, disk=tmp_path if stream == "all" else None,
                           config=FitConfig(planner="checkpoint-all", stream=stream))
     assert (module.streamer is not None) == (stream == "all")
-    _train_accumulating(module, reference, samples)
-    streamer = module.streamer
-    if streamer is not None:
-        streamer.wait_writes()
-    gathered = _gathered(module) if streamer is not None else dict(model.named_parameters())
+    train_accumulating(module, reference, samples, _adamw)
+    gathered = gathered_parameters(module)
     for name, q in reference.named_parameters():
         torch.testing.assert_close(gathered[name], q, atol=1e-4, rtol=1e-4,
                                    msg=lambda m, n=name: f"{n}: {m}")
@@ -347,13 +306,13 @@ def test_simulated_three_tier_plan(tmp_path, family, grad_accum):
     weights_store = module.streamer.offloaded.store
     assert {type(weights_store), type(module.optimizer.disk)} == {HostStore, DiskStore}
     if grad_accum > 1:
-        _train_accumulating(module, reference, samples)
+        train_accumulating(module, reference, samples, _adamw)
     else:
         train_side_by_side(module, reference, samples[0], _adamw)
     if isinstance(weights_store, HostStore):
         assert weights_store.peak_bytes <= ram
     module.streamer.wait_writes()
-    gathered = _gathered(module)
+    gathered = gathered_parameters(module)
     for name, q in reference.named_parameters():
         torch.testing.assert_close(gathered[name], q, atol=1e-4, rtol=1e-4,
                                    msg=lambda m, n=name: f"{n}: {m}")

@@ -16,6 +16,7 @@ from .chain import to_chain
 from .chain.base import Chain
 from .config import FitConfig
 from .errors import TierflowError
+from .exec.boundaries import BoundaryStash
 from .exec.compile import compile_chain
 from .exec.context import AutocastMode, untouched
 from .exec.deferred import DeferredUpdates
@@ -148,8 +149,9 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         tapes = TapeOffload(placed.tapes.store, set(placed.tape_stages),
                             {storage_key(p) for p in model.parameters()},
                             read_ahead=placed.depth > 0)
+    boundaries = BoundaryStash(placed.boundaries.store) if placed.boundaries else None
     return TierflowModule(model, chain, plan, autocast, device, owned, log, streamer,
-                          updates, tapes, host_room)
+                          updates, tapes, host_room, boundaries)
 
 
 def _stream(model: nn.Module, chain: Chain, placed: TierPlan, *,

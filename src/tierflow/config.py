@@ -25,6 +25,8 @@ class FitConfig:
     prefetch_depth: int | None = None  # stages read ahead of use (0: on demand); None: chosen
     simulated_gpu: bool = False  # a CPU model planned as on a GPU of fit(gpu=), RAM below
     offload_tapes: str = "auto"  # tapes on the lower tier, not recomputed: auto/never/all
+    # checkpoints on the lower tier while unneeded (offload beside recompute): auto/never/all
+    stash_boundaries: str = "auto"
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
@@ -41,6 +43,9 @@ class FitConfig:
         if self.offload_tapes not in STREAMING:
             raise ValueError(f"offload_tapes {self.offload_tapes!r} is unknown: use one of "
                              f"{', '.join(STREAMING)}")
+        if self.stash_boundaries not in STREAMING:
+            raise ValueError(f"stash_boundaries {self.stash_boundaries!r} is unknown: use one "
+                             f"of {', '.join(STREAMING)}")
         if self.prefetch_depth is not None and self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth={self.prefetch_depth} must be at least 0")
         if not 0.0 <= self.headroom < 1.0:

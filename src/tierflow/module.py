@@ -9,6 +9,7 @@ from torch import nn
 
 from .chain.base import Chain
 from .errors import TierflowError
+from .exec.boundaries import BoundaryStash
 from .exec.context import AutocastMode
 from .exec.deferred import DeferredUpdates
 from .exec.function import RunPlan
@@ -18,7 +19,7 @@ from .exec.runner import Ledger, StepRun
 from .exec.stage_call import context_tensors, forward_plain, storage_key
 from .exec.tapes import TapeOffload
 from .exec.weights import WeightStreamer
-from .plan.ops import Forward
+from .plan.ops import Forward, Stash
 from .plan.plan import Plan
 
 
@@ -34,7 +35,8 @@ class TierflowModule(nn.Module):
                  device: torch.device, optimizer: OwnedOptimizer | None, log: list[str],
                  streamer: WeightStreamer | None = None,
                  deferred: DeferredUpdates | None = None, tapes: TapeOffload | None = None,
-                 host_room: HostRoom | None = None):
+                 host_room: HostRoom | None = None,
+                 boundaries: BoundaryStash | None = None):
         super().__init__()
         self.model = model
         self._chain = chain
@@ -46,6 +48,7 @@ class TierflowModule(nn.Module):
         self._deferred = deferred
         self._tapes = tapes
         self._host_room = host_room
+        self._boundaries = boundaries
         self._growth = plan.simulation.growth() if host_room is not None else []
         self._largest_growth = max(self._growth, default=0)  # no stage adds more in eval
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
@@ -78,9 +81,13 @@ class TierflowModule(nn.Module):
                 "streamed stages", []):
             raise TierflowError("the plan streams other stages' weights than this module: fit "
                                 "with the same budgets and disk= the plan was made with")
+        if self._boundaries is None and any(isinstance(op, Stash) for op in plan.ops):
+            raise TierflowError("the plan stashes checkpoints on a lower tier but this module "
+                                "has none: fit with the same budgets and disk= the plan was "
+                                "made with")
         return TierflowModule(self.model, self._chain, plan, self._autocast, self._device,
                               self._optimizer, self.fit_log, self._streamer, self._deferred,
-                              self._tapes)
+                              self._tapes, boundaries=self._boundaries)
 
     def explain(self) -> str:
         return self._plan.explain()
@@ -92,6 +99,11 @@ class TierflowModule(nn.Module):
         if self._deferred is not None:
             return self._deferred.last_norm
         return self._optimizer.last_norm if self._optimizer is not None else None
+
+    @property
+    def boundaries(self) -> BoundaryStash | None:
+        """The checkpoints that wait on a lower tier between uses (None: the plan has none)."""
+        return self._boundaries
 
     @property
     def streamer(self) -> WeightStreamer | None:
@@ -117,7 +129,8 @@ class TierflowModule(nn.Module):
                       self._device, update, self.ledger, self._streamer,
                       before_backward=deferred.before_backward if deferred else None,
                       backward_done=deferred.backward_done if deferred else None,
-                      tapes=self._tapes, before_op=self._make_room if self._host_room else None)
+                      tapes=self._tapes, before_op=self._make_room if self._host_room else None,
+                      boundaries=self._boundaries)
         y = RunPlan.apply(run, x0, self._anchor)
         return self._chain.wrap_output(y, ctx)
 

@@ -14,6 +14,7 @@ from torch import nn
 from .chain.base import Chain
 from .config import FitConfig
 from .errors import TierflowError
+from .exec import boundaries as boundary_stash
 from .exec import tapes as tape_offload
 from .exec.disk import DiskStore, measure_bandwidth
 from .exec.host_store import HostStore, measure_copy_bandwidth
@@ -46,7 +47,8 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
         trainable=sum(p.nbytes for p in chain_parameters(chain) if p.requires_grad),
         streamable=tuple(stage_parameters_to_stream(chain.stages)),
         lower=tuple(lower), weights_tiers=None if weights_tiers is None else tuple(weights_tiers),
-        deferred=deferred, min_tape_bytes=tape_offload.MIN_BYTES)
+        deferred=deferred, min_tape_bytes=tape_offload.MIN_BYTES,
+        min_boundary_bytes=boundary_stash.MIN_BYTES)
     return place_on_tiers(problem, budget, config, tier)
 
 

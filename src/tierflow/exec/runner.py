@@ -8,7 +8,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..chain.base import Chain, stateful_modules
-from ..plan.ops import Backward, Forward, Free, Op, Update
+from ..plan.ops import Backward, Fetch, Forward, Free, Op, Stash, Update
+from .boundaries import BoundaryStash
 from .context import AutocastMode, BufferState, RngState, replay_buffers, replay_rng
 from .stage_call import (
     Taped,
@@ -50,7 +51,8 @@ class StepRun:
                  before_backward: Callable[[int], None] | None = None,
                  backward_done: Callable[[], None] | None = None,
                  tapes: TapeOffload | None = None,
-                 before_op: Callable[[int], None] | None = None):
+                 before_op: Callable[[int], None] | None = None,
+                 boundaries: BoundaryStash | None = None):
         self.chain = chain
         self.ops = ops
         self.forward_count = forward_count
@@ -64,6 +66,7 @@ class StepRun:
         self.backward_done = backward_done  # e.g. the deferred update pass
         self.tape_offload = tapes
         self.before_op = before_op  # e.g. making host RAM room for ops[position]
+        self.boundaries = boundaries  # where Stash(i) puts x[i] until Fetch(i)
         self.x: dict[int, torch.Tensor] = {}
         self.tapes: dict[int, Taped] = {}
         self.tapes_below: set[int] = set()  # stages whose live tape is on the lower tier
@@ -76,6 +79,8 @@ class StepRun:
         """Run the ops up to the chain output; returns x[L]."""
         self.x[0] = x0
         self.input_requires_grad = x0.requires_grad
+        if self.boundaries is not None:
+            self.boundaries.reset()
         for position in range(self.forward_count):
             self._run(position)
         return self.x[len(self.chain)]
@@ -86,6 +91,8 @@ class StepRun:
         for position in range(self.forward_count, len(self.ops)):
             self._run(position)
         self.x.clear()
+        if self.boundaries is not None:
+            self.boundaries.reset()
         if self.backward_done is not None:
             self.backward_done()
         if self.streamer is not None:
@@ -107,12 +114,19 @@ class StepRun:
                 self.before_backward(op.stage)
             if self.tape_offload is not None:
                 self._prefetch_next_tape(position)
+            if self.boundaries is not None:
+                self._prefetch_next_checkpoints(position)
             with span(str(op), "compute"):
                 self._backward(op.stage)
             if self.tape_offload is not None:
                 self.tape_offload.drop(op.stage)
         elif isinstance(op, Free):
-            del self.x[op.index]
+            self._drop(op.index)
+        elif isinstance(op, Stash):
+            self.boundaries.stash(op.index, self.x.pop(op.index))
+        elif isinstance(op, Fetch):
+            with span(f"wait for x{op.index}", "compute"):
+                self.x[op.index] = self.boundaries.fetch(op.index)
         elif isinstance(op, Update):
             assert self.update is not None, "plan updates parameters but no optimizer is owned"
             with span(str(op), "optimizer"):
@@ -139,6 +153,21 @@ class StepRun:
             if isinstance(later, Backward):
                 self.tape_offload.prefetch(later.stage)
                 return
+
+    def _prefetch_next_checkpoints(self, position: int) -> None:
+        """Start reading back the checkpoints fetched before the next backward: they then
+        arrive while this one runs."""
+        for later in self.ops[position + 1:]:
+            if isinstance(later, Backward):
+                return
+            if isinstance(later, Fetch):
+                self.boundaries.prefetch(later.index)
+
+    def _drop(self, i: int) -> None:
+        """The plan's reference to x[i] is gone, in memory or stashed."""
+        self.x.pop(i, None)
+        if self.boundaries is not None:
+            self.boundaries.forget(i)
 
     def _forward(self, i: int, tape: bool, offload: bool = False) -> None:
         stage = self.chain.stages[i]
@@ -170,9 +199,9 @@ class StepRun:
         grad_y = self.grads.pop(i + 1)
         grad_x = backward_taped(taped, grad_y)
         del taped, grad_y
-        self.x.pop(i + 1, None)
+        self._drop(i + 1)
         if i > 0:
-            self.x.pop(i, None)
+            self._drop(i)
         if grad_x is not None:
             self.grads[i] = grad_x
 

@@ -56,6 +56,9 @@ class ChainCosts:
     optimizer_owned: bool = False  # updates run inside the backward, freeing gradients
     shared_grad_bytes: int = 0  # gradients of parameters used by several stages (tied)
     grads_resident: bool = False  # parameter gradients are in static_bytes (accumulation)
+    # boundaries x[i] a plan may hold on the tier below while no op needs them (Stash/Fetch);
+    # their reads and writes hide behind compute, their bytes in flight are static bytes
+    stashable: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict)  # free-form facts for explain(): dtype, shapes
 
     @property
@@ -71,7 +74,8 @@ class ChainCosts:
                 "context_bytes": self.context_bytes,
                 "static_bytes": self.static_bytes, "optimizer_owned": self.optimizer_owned,
                 "shared_grad_bytes": self.shared_grad_bytes,
-                "grads_resident": self.grads_resident, "extra": dict(self.extra)}
+                "grads_resident": self.grads_resident, "stashable": list(self.stashable),
+                "extra": dict(self.extra)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ChainCosts":
@@ -82,4 +86,5 @@ class ChainCosts:
                    optimizer_owned=data.get("optimizer_owned", False),
                    shared_grad_bytes=data.get("shared_grad_bytes", 0),
                    grads_resident=data.get("grads_resident", False),
+                   stashable=tuple(data.get("stashable", ())),
                    extra=dict(data.get("extra", {})))

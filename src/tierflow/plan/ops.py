@@ -9,6 +9,9 @@ tape[i] what stage i's forward kept for its backward, grad[i] the gradient of x[
 - ``Free(i)``: drop the plan's reference to x[i] (a checkpoint no longer needed).
 - ``Update(i)``: optimizer step of stage i's parameters, then free their gradients (only
   when tierflow owns the optimizer).
+- ``Stash(i)``: move the checkpoint x[i] to the tier below while no op needs it (only for
+  the boundaries the costs call stashable: its write runs beside the next forwards).
+- ``Fetch(i)``: x[i] is back in memory from here (the executor reads it one backward ahead).
 """
 from __future__ import annotations
 
@@ -61,7 +64,29 @@ class Update:
         return f"U({self.stage})"
 
 
-Op = Union[Forward, Backward, Free, Update]
+@dataclass(frozen=True)
+class Stash:
+    index: int  # which x[index]
+
+    def to_dict(self) -> dict:
+        return {"op": "stash", "index": self.index}
+
+    def __str__(self) -> str:
+        return f"stash(x{self.index})"
+
+
+@dataclass(frozen=True)
+class Fetch:
+    index: int  # which x[index]
+
+    def to_dict(self) -> dict:
+        return {"op": "fetch", "index": self.index}
+
+    def __str__(self) -> str:
+        return f"fetch(x{self.index})"
+
+
+Op = Union[Forward, Backward, Free, Update, Stash, Fetch]
 
 
 def op_from_dict(data: dict) -> Op:
@@ -75,7 +100,12 @@ def op_from_dict(data: dict) -> Op:
         return Free(int(data["index"]))
     if kind == "update":
         return Update(int(data["stage"]))
-    raise ValueError(f"unknown plan op {kind!r}: expected forward, backward, free or update")
+    if kind == "stash":
+        return Stash(int(data["index"]))
+    if kind == "fetch":
+        return Fetch(int(data["index"]))
+    raise ValueError(f"unknown plan op {kind!r}: expected forward, backward, free, update, "
+                     "stash or fetch")
 
 
 def forward_phase_length(ops: list[Op] | tuple[Op, ...], length: int) -> int:

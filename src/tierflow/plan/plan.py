@@ -10,7 +10,17 @@ from dataclasses import dataclass, field
 
 from ..units import format_bytes
 from .costs import ChainCosts
-from .ops import Backward, Forward, Free, Op, Update, forward_phase_length, op_from_dict
+from .ops import (
+    Backward,
+    Fetch,
+    Forward,
+    Free,
+    Op,
+    Stash,
+    Update,
+    forward_phase_length,
+    op_from_dict,
+)
 from .simulate import Simulation, check_complete, simulate
 
 FORMAT_VERSION = 1
@@ -57,6 +67,10 @@ class Plan:
                 counts[op.stage] += 1
         return [i for i, n in enumerate(counts) if n > 1]
 
+    def stashed_boundaries(self) -> list[int]:
+        """Checkpoints x[i] that wait on the tier below between their uses."""
+        return sorted({op.index for op in self.ops if isinstance(op, Stash)})
+
     def to_json(self) -> str:
         return json.dumps({"format": "tierflow-plan", "version": FORMAT_VERSION,
                            "strategy": self.strategy, "budget": self.budget,
@@ -98,6 +112,11 @@ class Plan:
                 held.append(f"{format_bytes(c.extra['streamed bytes'])} of streamed weights")
             if c.extra.get("tapes tier") == lower:
                 held.append(f"{format_bytes(c.extra['offloaded tape bytes'])} of tapes")
+            stashed = self.stashed_boundaries()
+            if c.extra.get("boundaries tier") == lower and stashed:
+                held.append(f"{format_bytes(sum(c.x_bytes(i) for i in stashed))} of "
+                            f"checkpoints ({_names([f'x{i}' for i in stashed])}) between "
+                            "their uses")
             if held:
                 lines.append(f"  {lower} tier: {' and '.join(held)}")
         lines.append(f"  kept for backward on the first forward: {_names(kept)}")
@@ -145,4 +164,4 @@ def _overhead(time: float, base: float) -> str:
     return f"+{(time / base - 1) * 100:.0f}%" if base > 0 else "n/a"
 
 
-__all__ = ["Plan", "Forward", "Backward", "Free", "Update", "FORMAT_VERSION"]
+__all__ = ["Plan", "Forward", "Backward", "Free", "Update", "Stash", "Fetch", "FORMAT_VERSION"]

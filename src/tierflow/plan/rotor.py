@@ -39,6 +39,16 @@ keeps it (output_in_tape), which only matters to Update(a); every schedule of [a
 with the same Update(a) need, so "x[a] outlives" is one extra threshold on the whole
 segment (``_Model.keep_need``), not a second table.
 
+Stashed boundaries. When the costs call x[a] stashable (``ChainCosts.stashable``) and only
+the plan holds it, the checkpoint option may keep it on the tier below while it is not
+needed: Forward(a) ; Stash(a) ; the other forwards ; solve [j, b] ; Fetch(a) ; solve
+[a, j-1]. Then x[a] costs nothing after Forward(a) (the sweep's later forwards and child
+[j, b] get m instead of m - X[a]). Whether only the plan holds x[a] depends on the parent,
+so the tables have two kinds of segment: HELD (x[a] is the caller's x[0], or tape[a-1]
+holds it: the child of a tape option) and PLAN (x[a] was made by a forward without tape:
+the later child [j, b] of a checkpoint option). The early child [a, j-1] is of its
+parent's kind. Without stashable boundaries the two tables are the same.
+
 Schedule class. This is the optimum among the schedules the paper's DP builds: persistent
 ones (an x[k] is dropped right after it is made or after its one use as a transit value,
 else kept until its backward) whose taped forwards make their output (Forward(i, tape)
@@ -59,14 +69,15 @@ import numpy as np
 
 from ..units import format_bytes
 from .costs import ChainCosts
-from .ops import Backward, Forward, Free, Op, Update
+from .ops import Backward, Fetch, Forward, Free, Op, Stash, Update
 from .simulate import simulate
 from .strategies import keep_all
 
 TAPE = 0  # choice code of the tape option; a checkpoint option is coded by its j > a >= 0
+HELD, PLAN = 0, 1  # segment kinds: x[a] held by more than the plan, or by the plan alone
 _MAX_EXACT_CELLS = 1 << 24  # slots=None: refuse tables too large to hold in memory
 
-Chooser = Callable[[int, int, int], int]  # (a, b, budget in units) -> TAPE or split j
+Chooser = Callable[[int, int, int, int], int]  # (a, b, budget in units, kind) -> TAPE or j
 Index = Union[int, np.ndarray]  # one stage index, or an array of them (vectorised splits)
 
 
@@ -117,6 +128,16 @@ class _Model:
         self.finish_time = [s.bwd_time + (s.update_time if self.owned else 0.0)
                             for s in stages]
         self._param_prefix = np.concatenate([[0], np.cumsum(self.params, dtype=np.int64)])
+        self.stashable = [i in costs.stashable for i in range(self.length + 1)]
+        self.kinds = 2 if any(self.stashable) else 1  # one table serves both kinds without
+
+    def stashes(self, a: int, kind: int) -> bool:
+        """Whether the checkpoint option of a segment of this kind stashes x[a]."""
+        return kind == PLAN and self.stashable[a]
+
+    def checkpoint_hold(self, a: int, kind: int) -> int:
+        """What x[a] costs the checkpoint option after Forward(a): nothing when stashed."""
+        return 0 if self.stashes(a, kind) else self.x[a]
 
     def fwd_time(self, a: int, j: Index) -> Index:
         """Seconds of the forwards of stages a..j-1 (per element for an array of j)."""
@@ -167,12 +188,13 @@ class _Model:
                     + made_before + g[a] + self.params[a] + shared_now + self.tr_bwd[a])
         return max(forward, backward, self.update_need(a, b))
 
-    def sweep_needs(self, a: int, b: int) -> list[int]:
+    def sweep_needs(self, a: int, b: int, kind: int) -> list[int]:
         """needs[j - a - 1]: peak of the no-tape forwards a..j-1 of the checkpoint option
         with split j, for j = a+1..b (a running maximum over the forwards)."""
         needs, peak = [], 0
         for k in range(a, b):
-            held = self.x[a] + self.grad[b + 1] + (self.x[k] if k > a else 0)
+            x_a = self.x[a] if k == a else self.checkpoint_hold(a, kind)
+            held = x_a + self.grad[b + 1] + (self.x[k] if k > a else 0)
             peak = max(peak, held + self.x[k + 1] + self.tr_nograd[k])
             needs.append(peak)
         return needs
@@ -208,87 +230,104 @@ def _at_least(values: np.ndarray, need: int) -> np.ndarray:
 
 
 def _time_table(model: _Model, budget: int) -> tuple[np.ndarray, np.ndarray]:
-    """cost[a, b, m]: least seconds for segment [a, b] within m units (inf when nothing
-    fits), and choice[a, b, m]: TAPE or the split j reaching it, for m in 0..budget.
+    """cost[kind, a, b, m]: least seconds for segment [a, b] of that kind within m units (inf
+    when nothing fits), and choice[kind, a, b, m]: TAPE or the split j reaching it, for m in
+    0..budget (one kind, standing for both, when nothing is stashable).
 
     Each segment is one numpy step over (split, m): its checkpoint options read the rows
-    cost[j, b] (j = a+1..b) and cost[a, j-1], all computed at smaller spans."""
+    cost[PLAN, j, b] (j = a+1..b) and cost[kind, a, j-1], all computed at smaller spans."""
     length, width = model.length, budget + 1
-    cost = np.full((length, length, width), np.inf)
-    choice = np.full((length, length, width), TAPE, dtype=np.int32)
+    cost = np.full((model.kinds, length, length, width), np.inf)
+    choice = np.full((model.kinds, length, length, width), TAPE, dtype=np.int32)
     memory = np.arange(width)
+    later = min(PLAN, model.kinds - 1)
     for span in range(length):
         for a in range(length - span):
             b = a + span
-            best = np.full(width, model.fwd_time(a, a + 1) + model.finish_time[a])
+            tape = np.full(width, model.fwd_time(a, a + 1) + model.finish_time[a])
             if a < b:
-                child = cost[a + 1, b]
+                child = cost[HELD, a + 1, b]
                 if model.keeps_input(a + 1):
                     child = _at_least(child, model.keep_need(a + 1, b))
-                best = best + _shifted(child, model.tape_hold(a))
-            best = _at_least(best, model.tape_need(a, b))
-            sweeps = np.array(model.sweep_needs(a, b), dtype=np.int64)
-            count = int(np.searchsorted(sweeps, budget, side="right"))  # sweeps only grow
-            if count:
-                splits = np.arange(a + 1, a + 1 + count)
-                lingering = np.broadcast_to(model.lingering(splits, b), splits.shape)
-                cand = (model.fwd_time(a, splits)[:, None]
-                        + _shifted(cost[a + 1: a + 1 + count, b], model.x[a])
-                        + _shifted_rows(cost[a, a: a + count], lingering))
-                cand[memory[None, :] < sweeps[:count, None]] = np.inf
-                row = cand.argmin(axis=0)
-                fastest = cand[row, memory]
-                better = fastest < best
-                best = np.where(better, fastest, best)
-                choice[a, b, better] = splits[row[better]]
-            cost[a, b] = best
+                tape = tape + _shifted(child, model.tape_hold(a))
+            tape = _at_least(tape, model.tape_need(a, b))
+            for kind in range(model.kinds):
+                best = tape.copy()
+                sweeps = np.array(model.sweep_needs(a, b, kind), dtype=np.int64)
+                count = int(np.searchsorted(sweeps, budget, side="right"))  # sweeps only grow
+                if count:
+                    splits = np.arange(a + 1, a + 1 + count)
+                    lingering = np.broadcast_to(model.lingering(splits, b), splits.shape)
+                    cand = (model.fwd_time(a, splits)[:, None]
+                            + _shifted(cost[later, a + 1: a + 1 + count, b],
+                                       model.checkpoint_hold(a, kind))
+                            + _shifted_rows(cost[kind, a, a: a + count], lingering))
+                    cand[memory[None, :] < sweeps[:count, None]] = np.inf
+                    row = cand.argmin(axis=0)
+                    fastest = cand[row, memory]
+                    better = fastest < best
+                    best = np.where(better, fastest, best)
+                    choice[kind, a, b, better] = splits[row[better]]
+                cost[kind, a, b] = best
     return cost, choice
 
 
 def _min_memory_table(model: _Model) -> tuple[dict, dict]:
-    """The least budget of each segment over all its rotor schedules (ties broken by time),
-    and the choice reaching it: the same recurrences with max in place of the budget test."""
-    best: dict[tuple[int, int], tuple[int, float]] = {}  # (need, seconds)
-    choice: dict[tuple[int, int], int] = {}
+    """The least budget of each segment of each kind over all its rotor schedules (ties
+    broken by time), and the choice reaching it: the same recurrences with max in place of
+    the budget test."""
+    best: dict[tuple[int, int, int], tuple[int, float]] = {}  # (need, seconds)
+    choice: dict[tuple[int, int, int], int] = {}
+    later = min(PLAN, model.kinds - 1)
     for span in range(model.length):
         for a in range(model.length - span):
             b = a + span
             base = model.fwd_time(a, a + 1) + model.finish_time[a]
             need, seconds = model.tape_need(a, b), base
             if a < b:
-                child_need, child_time = best[a + 1, b]
+                child_need, child_time = best[HELD, a + 1, b]
                 if model.keeps_input(a + 1):
                     child_need = max(child_need, model.keep_need(a + 1, b))
                 need = max(need, child_need + model.tape_hold(a))
                 seconds += child_time
-            options = [((need, seconds), TAPE)]
-            for j, sweep in zip(range(a + 1, b + 1), model.sweep_needs(a, b)):
-                (late_need, late_time), (early_need, early_time) = best[j, b], best[a, j - 1]
-                options.append(((max(sweep, late_need + model.x[a],
-                                     early_need + model.lingering(j, b)),
-                                 model.fwd_time(a, j) + late_time + early_time), j))
-            best[a, b], choice[a, b] = min(options, key=lambda o: o[0])
+            for kind in range(model.kinds):
+                options = [((need, seconds), TAPE)]
+                hold = model.checkpoint_hold(a, kind)
+                for j, sweep in zip(range(a + 1, b + 1), model.sweep_needs(a, b, kind)):
+                    (late_need, late_time) = best[later, j, b]
+                    (early_need, early_time) = best[kind, a, j - 1]
+                    options.append(((max(sweep, late_need + hold,
+                                         early_need + model.lingering(j, b)),
+                                     model.fwd_time(a, j) + late_time + early_time), j))
+                best[kind, a, b], choice[kind, a, b] = min(options, key=lambda o: o[0])
     return best, choice
 
 
-def _emit(model: _Model, choose: Chooser, a: int, b: int, budget: int, ops: list[Op]) -> None:
-    """Append the ops of segment [a, b] as ``choose(a, b, budget)`` decides, recursively."""
-    j = choose(a, b, budget)
+def _emit(model: _Model, choose: Chooser, a: int, b: int, budget: int, ops: list[Op],
+          kind: int = HELD) -> None:
+    """Append the ops of segment [a, b] as ``choose(a, b, budget, kind)`` decides,
+    recursively."""
+    j = choose(a, b, budget, min(kind, model.kinds - 1))
     if j == TAPE:
         ops.append(Forward(a, tape=True))
         if model.frees_output(a, b):
             ops.append(Free(a + 1))
         if a < b:
-            _emit(model, choose, a + 1, b, budget - model.tape_hold(a), ops)
+            _emit(model, choose, a + 1, b, budget - model.tape_hold(a), ops, HELD)
         ops.append(Backward(a))
         if model.owned:
             ops.append(Update(a))
         return
+    stash = model.stashes(a, kind)
     ops.append(Forward(a, tape=False))
+    if stash:
+        ops.append(Stash(a))
     for k in range(a + 1, j):
         ops += [Forward(k, tape=False), Free(k)]
-    _emit(model, choose, j, b, budget - model.x[a], ops)
-    _emit(model, choose, a, j - 1, budget - model.lingering(j, b), ops)
+    _emit(model, choose, j, b, budget - model.checkpoint_hold(a, kind), ops, PLAN)
+    if stash:
+        ops.append(Fetch(a))
+    _emit(model, choose, a, j - 1, budget - model.lingering(j, b), ops, kind)
 
 
 def _check_chain(costs: ChainCosts) -> None:
@@ -306,9 +345,9 @@ def _min_memory(costs: ChainCosts) -> tuple[int, float, list[Op]]:
     model = _Model(costs, unit=1)
     best, choice = _min_memory_table(model)
     last = model.length - 1
-    need, seconds = best[0, last]
+    need, seconds = best[HELD, 0, last]
     ops: list[Op] = []
-    _emit(model, lambda a, b, _m: choice[a, b], 0, last, 0, ops)
+    _emit(model, lambda a, b, _m, kind: choice[kind, a, b], 0, last, 0, ops)
     return int(max(need, model.keep_need(0, last))), float(seconds), ops
 
 
@@ -316,7 +355,7 @@ def _all_tape(costs: ChainCosts) -> list[Op]:
     """Keep-all as a rotor schedule: the tape option everywhere, so the loss (and any
     output its backward does not need) is freed before the backward that follows."""
     ops: list[Op] = []
-    _emit(_Model(costs, unit=1), lambda a, b, m: TAPE, 0, costs.length - 1, 0, ops)
+    _emit(_Model(costs, unit=1), lambda a, b, m, kind: TAPE, 0, costs.length - 1, 0, ops)
     return ops
 
 
@@ -359,11 +398,11 @@ def rotor(costs: ChainCosts, budget: int, *, slots: int | None = 500) -> list[Op
     model = _Model(costs, unit)
     cost, choice = _time_table(model, units)
     last = model.length - 1
-    top = _at_least(cost[0, last], model.keep_need(0, last))
+    top = _at_least(cost[HELD, 0, last], model.keep_need(0, last))
     if not top[units] < least_time:
         return least_ops  # rounding hid every schedule faster than the least-memory one
     ops: list[Op] = []
-    _emit(model, lambda a, b, m: int(choice[a, b, m]), 0, last, units, ops)
+    _emit(model, lambda a, b, m, kind: int(choice[kind, a, b, m]), 0, last, units, ops)
     return ops
 
 

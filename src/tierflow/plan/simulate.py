@@ -3,15 +3,17 @@
 This is the single definition of what an op costs. The planners optimise against it, the
 brute-force tests search against it, and the executor's ledger is checked against it.
 Storages are reference counted exactly as the executor holds them: x[i] stays resident
-while the plan references it, while tape[i] (which holds stage i's input) is alive, and
-while tape[i-1] (which holds stage i-1's output) is alive.
+while the plan references it (and has not stashed it on the tier below), while tape[i]
+(which holds stage i's input) is alive, and while tape[i-1] (which holds stage i-1's
+output) is alive. Stash and Fetch take no time here: the costs call a boundary stashable
+only when its write and read hide behind compute, and count the bytes in flight as static.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .costs import ChainCosts
-from .ops import Backward, Forward, Free, Op, Update
+from .ops import Backward, Fetch, Forward, Free, Op, Stash, Update
 
 
 class InvalidPlan(ValueError):
@@ -46,6 +48,7 @@ class _State:
     def __init__(self, costs: ChainCosts):
         self.costs = costs
         self.x_refs: set[int] = {0}  # plan references to x[i]
+        self.stashed: set[int] = set()  # referenced x[i] held on the tier below
         self.tapes: set[int] = set()
         self.grads: set[int] = set()  # grad[i] present
         self.param_grads: set[int] = set()  # stages whose parameter gradients exist
@@ -55,7 +58,12 @@ class _State:
     def x_resident(self, i: int) -> bool:
         # tape[i] holds its input; tape[i-1] holds its output tensor (the executor keeps it
         # to start the stage's backward from), whether or not the backward reads its values
-        return i in self.x_refs or i in self.tapes or i - 1 in self.tapes
+        in_memory = i in self.x_refs and i not in self.stashed
+        return in_memory or i in self.tapes or i - 1 in self.tapes
+
+    def drop_ref(self, i: int) -> None:
+        self.x_refs.discard(i)
+        self.stashed.discard(i)
 
     def resident(self) -> int:
         c = self.costs
@@ -83,6 +91,8 @@ def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
             _check_stage(i, length, op)
             if i not in state.x_refs and i not in state.tapes:
                 raise InvalidPlan(f"{op}: x[{i}] is not held")
+            if i in state.stashed and i not in state.tapes:
+                raise InvalidPlan(f"{op}: x[{i}] is on the tier below (no Fetch({i}) before)")
             s = costs.stages[i]
             new_out = 0 if state.x_resident(i + 1) else s.output_bytes
             if op.tape:
@@ -112,9 +122,9 @@ def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
             during = before + out_grad + new_grads + s.bwd_transient
             state.tapes.discard(i)
             state.grads.discard(i + 1)
-            state.x_refs.discard(i + 1)
+            state.drop_ref(i + 1)
             if i > 0:
-                state.x_refs.discard(i)
+                state.drop_ref(i)
             if s.input_grad:
                 state.grads.add(i)
             state.param_grads.add(i)
@@ -125,8 +135,21 @@ def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
             if op.index in (0, length):
                 raise InvalidPlan(f"{op}: x[{op.index}] belongs to the caller (the chain's "
                                   f"{'input' if op.index == 0 else 'output'}) and cannot be freed")
-            state.x_refs.discard(op.index)
+            state.drop_ref(op.index)
             during = before
+        elif isinstance(op, Stash):
+            if op.index not in costs.stashable:
+                raise InvalidPlan(f"{op}: x[{op.index}] is not a stashable boundary of these "
+                                  f"costs {list(costs.stashable)}")
+            if op.index not in state.x_refs or op.index in state.stashed:
+                raise InvalidPlan(f"{op}: x[{op.index}] is not held in memory by the plan")
+            state.stashed.add(op.index)
+            during = before
+        elif isinstance(op, Fetch):
+            if op.index not in state.stashed:
+                raise InvalidPlan(f"{op}: x[{op.index}] is not on the tier below")
+            state.stashed.discard(op.index)
+            during = state.resident()
         elif isinstance(op, Update):
             i = op.stage
             _check_stage(i, length, op)

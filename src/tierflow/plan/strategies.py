@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .costs import ChainCosts
-from .ops import Backward, Forward, Op, Update
+from .ops import Backward, Fetch, Forward, Op, Stash, Update
 
 
 def keep_all(costs: ChainCosts) -> list[Op]:
@@ -20,11 +20,19 @@ def checkpoint_all(costs: ChainCosts) -> list[Op]:
     """Keep only each stage's input; recompute each stage's forward right before its backward.
 
     The last stage keeps its tape on the first pass, since its backward comes right after.
+    The stashable inputs (``costs.stashable``) wait on the tier below between their first
+    forward and the recomputation: offload beside recomputation.
     """
     length = costs.length
-    ops: list[Op] = [Forward(i, tape=i == length - 1) for i in range(length)]
+    ops: list[Op] = []
+    for i in range(length):
+        ops.append(Forward(i, tape=i == length - 1))
+        if i in costs.stashable and i < length - 1:
+            ops.append(Stash(i))
     for i in reversed(range(length)):
         if i < length - 1:
+            if i in costs.stashable:
+                ops.append(Fetch(i))
             ops.append(Forward(i, tape=True))
         ops.append(Backward(i))
         if costs.optimizer_owned:

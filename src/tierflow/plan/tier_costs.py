@@ -12,6 +12,7 @@ from typing import Any
 
 from ..config import FitConfig
 from ..units import format_bytes
+from .boundary_stash import stashable_boundaries, stashed_boundary_costs
 from .costs import ChainCosts
 from .tape_offload import activation_tape, offloaded_tape_costs
 
@@ -48,6 +49,7 @@ class Candidate:
     depth: int  # stages whose weights, states and tapes are read ahead (0: on demand)
     tapes: LowerTier | None = None
     tape_stages: frozenset[int] = frozenset()
+    boundaries: LowerTier | None = None  # where stashed checkpoints wait
 
 
 def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier, config: FitConfig,
@@ -70,6 +72,30 @@ def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier, config: F
                f"the forward saves them and come back {back}, instead of being recomputed")
         out.append(replace(c, costs=costs, notes=c.notes + (why,), tapes=tier,
                            tape_stages=stages))
+    return out
+
+
+def with_stashed_boundaries(candidates: list[Candidate], tier: LowerTier, config: FitConfig,
+                            min_bytes: int) -> list[Candidate]:
+    """Each candidate also with its checkpoints stashable on ``tier`` (``stash_boundaries=
+    'all'``: instead of it, wherever the candidate has a boundary worth stashing). A stashed
+    checkpoint is read one backward ahead whatever the candidate's prefetch depth: it is a
+    single boundary (a few MiB), counted in flight."""
+    out = [] if config.stash_boundaries == "all" else list(candidates)
+    for c in candidates:
+        boundaries = stashable_boundaries(c.costs, read_bytes_per_s=tier.bandwidth,
+                                          write_bytes_per_s=tier.bandwidth, min_bytes=min_bytes)
+        if not boundaries:
+            if config.stash_boundaries == "all":
+                out.append(c)
+            continue
+        costs = stashed_boundary_costs(c.costs, boundaries)
+        costs = replace(costs, extra={**costs.extra, "boundaries tier": tier.name})
+        why = (f"the checkpoints a plan recomputes from may wait in {tier.about} until "
+               f"their recomputation ({len(boundaries)} boundaries, "
+               f"{format_bytes(costs.extra['stashable boundary bytes'])} at most), read back "
+               "one backward ahead")
+        out.append(replace(c, costs=costs, notes=c.notes + (why,), boundaries=tier))
     return out
 
 
@@ -102,6 +128,8 @@ def lower_bytes(candidate: Candidate, base: ChainCosts, state_of: list[int],
         held += weights * (2 if deferred else 1)  # deferred: the gradients wait there too
     if candidate.tapes is lower:
         held += sum(base.stages[i].tape for i in candidate.tape_stages)
+    if candidate.boundaries is lower:
+        held += candidate.costs.extra["stashable boundary bytes"]
     return held
 
 

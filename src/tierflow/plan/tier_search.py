@@ -1,6 +1,6 @@
-"""Where a training step keeps the optimizer states, the stage weights and the tapes when
-tierflow owns the optimizer: on the compute tier, or on a tier below it (the disk; under a
-simulated GPU, host RAM first, then the disk).
+"""Where a training step keeps the optimizer states, the stage weights, the tapes and the
+checkpoints when tierflow owns the optimizer: on the compute tier, or on a tier below it
+(the disk; under a simulated GPU, host RAM first, then the disk).
 
 Pure data. The trainer (``tiers.place``: profiled costs, a probe of its optimizer, measured
 bandwidths) and ``tierflow plan`` on the cpu profile (``sim/tiered.py``: analytic costs and
@@ -21,6 +21,7 @@ from typing import TypeVar
 from ..config import FitConfig
 from ..errors import BudgetError, TierflowError
 from ..units import format_bytes
+from .boundary_stash import MIN_BOUNDARY_BYTES
 from .choose import budget_for, make_plan
 from .costs import ChainCosts, StageCost
 from .plan import Plan
@@ -35,6 +36,7 @@ from .tier_costs import (
     lower_bytes,
     states_below,
     with_offloaded_tapes,
+    with_stashed_boundaries,
 )
 
 PREFETCH_DEPTHS = (0, 1, 2)  # what the planner tries when the config leaves the depth open
@@ -71,6 +73,7 @@ class TierProblem:
     weights_tiers: tuple[LowerTier, ...] | None = None
     deferred: bool = False
     min_tape_bytes: int = MIN_TAPE_BYTES
+    min_boundary_bytes: int = MIN_BOUNDARY_BYTES
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class TierPlan:
     tape_stages: frozenset[int] = frozenset()
     depth: int = 1  # stages whose weights, states and tapes are read ahead (0: on demand)
     held: tuple[tuple[str, int], ...] = ()  # (lower tier, bytes it holds) for each one used
+    boundaries: LowerTier | None = None  # where the plan's Stash ops put checkpoints
 
     @property
     def predicted_time(self) -> float:
@@ -96,7 +100,8 @@ class TierPlan:
 
     @property
     def on_lower_tiers(self) -> bool:
-        return self.states is not None or self.weights is not None or self.tapes is not None
+        return any(t is not None for t in (self.states, self.weights, self.tapes,
+                                           self.boundaries))
 
 
 class TierSearch:
@@ -229,6 +234,9 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
     if problem.lower and config.offload_tapes != "never":
         candidates = with_offloaded_tapes(candidates, problem.lower[0], config,
                                           problem.min_tape_bytes)
+    if problem.lower and config.stash_boundaries != "never":
+        candidates = with_stashed_boundaries(candidates, problem.lower[0], config,
+                                             problem.min_boundary_bytes)
     return candidates
 
 
@@ -239,14 +247,14 @@ def _costs(candidate: Candidate, problem: TierProblem,
     if problem.deferred:
         costs, update_pass = deferred_costs(candidate, problem.costs, state_of,
                                             problem.rates.seconds_per_byte)
-    if candidate.states or candidate.weights or candidate.tapes:
+    if candidate.states or candidate.weights or candidate.tapes or candidate.boundaries:
         costs = replace(costs, extra={**costs.extra, "prefetch depth": candidate.depth})
     return costs, update_pass
 
 
 def _held(candidate: Candidate, problem: TierProblem, state_of: list[int]) -> dict[str, int]:
     """Bytes the candidate keeps on each lower tier it uses."""
-    tiers = (candidate.states, candidate.weights, candidate.tapes)
+    tiers = (candidate.states, candidate.weights, candidate.tapes, candidate.boundaries)
     return {lower.name: lower_bytes(candidate, problem.costs, state_of, lower, problem.deferred)
             for lower in {id(t): t for t in tiers if t}.values()}
 
@@ -270,12 +278,13 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
     held = tuple(_held(candidate, problem, state_of).items())
     return TierPlan(replace(plan, notes=plan.notes + notes), candidate.states,
                     candidate.weights, candidate.streamed, update_pass, candidate.tapes,
-                    candidate.tape_stages, candidate.depth, held)
+                    candidate.tape_stages, candidate.depth, held, candidate.boundaries)
 
 
 def _check_lower(candidate: Candidate, placed: TierPlan) -> None:
     """BudgetError when a lower tier cannot hold what the placement keeps there."""
-    tiers = {t.name: t for t in (candidate.states, candidate.weights, candidate.tapes) if t}
+    tiers = {t.name: t for t in (candidate.states, candidate.weights, candidate.tapes,
+                                 candidate.boundaries) if t}
     for name, held in placed.held:
         lower = tiers[name]
         if not _fits(lower, held):

@@ -22,8 +22,8 @@ def plan_text(pred: Prediction, hw: Hardware) -> str:
             "offload": f"saved activations offloaded to {below} and fetched back"
                        + (f"; rotor recomputes {pl.recomputed} stage forwards"
                           if pl.recomputed else ""),
-            "offload+recompute": f"stage boundaries offloaded to {below}, every stage "
-                                 f"recomputed"}
+            "offload+recompute": f"stage boundaries offloaded to {below}; {pl.recomputed} "
+                                 f"stage forwards recomputed per micro-batch"}
     rows: list[tuple[str, object]] = [
         ("model", f"{pred.model}: {pred.params / 1e9:.2f}B parameters, {pl.stages} stages"),
         ("hardware", f"{hw.name}: {hw.about}"),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from ..config import FitConfig
 from ..errors import BudgetError
-from ..plan.ops import Forward
+from ..plan.ops import Fetch, Forward
 from ..plan.placement import KindPlacement, Placement, PlacementError, infeasible_error
 from ..plan.tier_costs import LowerTier
 from ..plan.tier_search import (
@@ -128,7 +128,9 @@ def _as_placement(setup: Setup, problem: TierProblem, placed: TierPlan,
     grads = weights if problem.deferred and streamed else KindPlacement(n, "disk")
     optimizer = KindPlacement(0 if placed.states else n, "disk")
     recomputed = len(plan.recomputed_stages())
+    stashed = plan.stashed_boundaries()
     mode = "offload" if placed.tapes else ("recompute" if recomputed else "keep")
+    mode = "offload+recompute" if stashed else mode
     update_peak = placed.update_pass.peak if placed.update_pass else 0
     peaks = {COMPUTE_TIER: max(plan.predicted_peak, update_peak),
              "disk": dict(placed.held).get("disk", 0)}
@@ -136,20 +138,24 @@ def _as_placement(setup: Setup, problem: TierProblem, placed: TierPlan,
                                           else 0.0)
     # bytes over the disk link per step: streamed weights read for each forward and
     # backward and written after the update; states read and written once; offloaded tapes
-    # written and read once per micro-batch
+    # written and read once per micro-batch, stashed checkpoints written once and read at
+    # each fetch
     weight_bytes = sum(costs.stages[i].param_bytes for i in streamed)
     state_bytes = int(problem.rates.state_per_byte * problem.trainable) if placed.states else 0
     tape_bytes = sum(costs.stages[i].tape for i in placed.tape_stages)
+    stash_written = sum(plan.costs.x_bytes(i) for i in stashed)
+    stash_read = sum(plan.costs.x_bytes(op.index) for op in plan.ops if isinstance(op, Fetch))
     bandwidth = problem.lower[0].bandwidth
     forwards = sum(costs.stages[op.stage].fwd_time for op in plan.ops if isinstance(op, Forward))
     times = {"compute": accum * (forwards + sum(s.bwd_time for s in costs.stages))
              + problem.rates.seconds_per_byte * problem.trainable,
-             "disk->ram": (2 * accum * weight_bytes + state_bytes + accum * tape_bytes)
-             / bandwidth,
-             "ram->disk": (weight_bytes + state_bytes + accum * tape_bytes) / bandwidth}
+             "disk->ram": (2 * accum * weight_bytes + state_bytes
+                           + accum * (tape_bytes + stash_read)) / bandwidth,
+             "ram->disk": (weight_bytes + state_bytes + accum * (tape_bytes + stash_written))
+             / bandwidth}
     name, seconds = max(times.items(), key=lambda kv: kv[1])
     what = ("compute-bound: the matmuls, element-wise kernels and AdamW" if name == "compute"
-            else f"the {name} link, moving weights, optimizer states or tapes")
+            else f"the {name} link, moving weights, optimizer states, tapes or checkpoints")
     return Placement(
         compute_tier=COMPUTE_TIER, stages=n, weights=weights, grads=grads, optimizer=optimizer,
         activations=mode, recomputed=recomputed, prefetch=placed.depth, peaks=peaks,

@@ -113,7 +113,10 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                (extra.get("streamed bytes", 0) if extra.get("weights tier") == "disk" else 0,
                 f"weights of {len(extra.get('streamed stages', []))} streamed stages"),
                (extra.get("offloaded tape bytes", 0) if extra.get("tapes tier") == "disk"
-                else 0, f"tapes of {len(extra.get('offloaded tapes', []))} stages")]
+                else 0, f"tapes of {len(extra.get('offloaded tapes', []))} stages"),
+               (sum(plan.costs.x_bytes(i) for i in plan.stashed_boundaries())
+                if extra.get("boundaries tier") == "disk" else 0,
+                f"{len(plan.stashed_boundaries())} checkpoints")]
     if any(nbytes for nbytes, _ in on_disk):
         depth = extra.get("prefetch depth", 0)
         ahead = f"read {depth} stages ahead" if depth else "read when needed (no prefetch)"
