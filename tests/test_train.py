@@ -265,8 +265,8 @@ def test_schedule_warmup_then_cosine():
 
 
 def test_the_plan_table_lists_every_kind_on_the_disk_tier():
-    """Optimizer states, streamed weights and offloaded tapes each have a share of the disk
-    tier in the [Plan] table and in its JSON record."""
+    """Optimizer states, streamed weights, offloaded tapes and stashed checkpoints each have
+    a share of the disk tier in the [Plan] table and in its JSON record."""
     from tierflow.config import FitConfig
     from tierflow.plan.choose import make_plan
     from tierflow.plan.costs import ChainCosts, StageCost
@@ -277,14 +277,15 @@ def test_the_plan_table_lists_every_kind_on_the_disk_tier():
                       tape=30)
     extra = {"optimizer states on disk": 800, "weights tier": "disk", "streamed bytes": 200,
              "streamed stages": [0, 1], "tapes tier": "disk", "offloaded tape bytes": 60,
-             "offloaded tapes": [0, 1], "prefetch depth": 1}
-    costs = ChainCosts(stages=(stage, stage), input_bytes=10, extra=extra)
-    plan = make_plan(costs, None, FitConfig())
+             "offloaded tapes": [0, 1], "prefetch depth": 1, "boundaries tier": "disk"}
+    costs = ChainCosts(stages=(stage, stage, stage), input_bytes=10, stashable=(1,),
+                       extra=extra)
+    plan = make_plan(costs, None, FitConfig(planner="checkpoint-all"))
     config = PrecisionConfig()
     precision = PlanPrecision(config.bytes_per_parameter(), 50, 0, config.to_dict())
     text, record = plan_section(plan, grads=200, budget=None, grad_accum=1, dist=None,
                                 precision=precision)
     assert record["disk_bytes"] == {"optimizer states": 800,
                                     "weights of 2 streamed stages": 200,
-                                    "tapes of 2 stages": 60}
-    assert "60 B tapes of 2 stages" in text, text
+                                    "tapes of 2 stages": 60, "1 checkpoint": 10}
+    assert "60 B tapes of 2 stages + 10 B 1 checkpoint;" in text, text

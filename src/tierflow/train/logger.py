@@ -109,14 +109,15 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
         note = f" ({notes[name]})" if name in notes else ""
         rows.append((label, format_bytes(value) + note))
     rows.append(("total (predicted peak)", format_bytes(plan.predicted_peak)))
+    stashed = plan.stashed_boundaries()
     on_disk = [(extra.get("optimizer states on disk", 0), "optimizer states"),
                (extra.get("streamed bytes", 0) if extra.get("weights tier") == "disk" else 0,
                 f"weights of {len(extra.get('streamed stages', []))} streamed stages"),
                (extra.get("offloaded tape bytes", 0) if extra.get("tapes tier") == "disk"
                 else 0, f"tapes of {len(extra.get('offloaded tapes', []))} stages"),
-               (sum(plan.costs.x_bytes(i) for i in plan.stashed_boundaries())
+               (sum(plan.costs.x_bytes(i) for i in stashed)
                 if extra.get("boundaries tier") == "disk" else 0,
-                f"{len(plan.stashed_boundaries())} checkpoints")]
+                f"{len(stashed)} checkpoint{'s' if len(stashed) != 1 else ''}")]
     if any(nbytes for nbytes, _ in on_disk):
         depth = extra.get("prefetch depth", 0)
         ahead = f"read {depth} stages ahead" if depth else "read when needed (no prefetch)"
