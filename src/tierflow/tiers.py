@@ -37,14 +37,16 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
     the weights of the largest stages (or all) streamed from a lower tier too.
     ``deferred``: updates run in a pass after the backward (see exec/deferred.py).
     ``weights_tiers`` limits where weights may stream from (a model built on disk)."""
-    probe = probe_optimizer(optimizer, device, meter)
+    trainable = [p for p in chain_parameters(chain) if p.requires_grad]
+    dtype = trainable[0].dtype if trainable else torch.float32
+    probe = probe_optimizer(optimizer, device, meter, dtype=dtype)
     problem = TierProblem(
         costs=costs,
         rates=UpdateRates(probe.state_per_byte, probe.seconds_per_byte,
                           probe.transient_per_byte, probe.transient_bytes),
         largest=tuple(max((p.nbytes for p in st.parameters()), default=0)
                       for st in chain.stages),
-        trainable=sum(p.nbytes for p in chain_parameters(chain) if p.requires_grad),
+        trainable=sum(p.nbytes for p in trainable),
         streamable=tuple(stage_parameters_to_stream(chain.stages)),
         lower=tuple(lower), weights_tiers=None if weights_tiers is None else tuple(weights_tiers),
         deferred=deferred, min_tape_bytes=tape_offload.MIN_BYTES,

@@ -26,8 +26,11 @@ from .stage_call import storage_key
 class OffloadedParameters:
     """The parameters of one model that live in ``store`` between uses."""
 
-    def __init__(self, store: DiskStore):
+    def __init__(self, store: DiskStore, dtype: torch.dtype | None = None):
         self.store = store
+        # the dtype floating parameters are kept in (None: their own): a model trained with
+        # bf16 weights is cast as each parameter goes to disk, never whole in fp32 memory
+        self.dtype = dtype
         self._files: dict[int, str] = {}  # storage key -> file key
         self._sizes: dict[int, int] = {}  # storage key -> bytes when resident
         self._uses: dict[int, int] = {}  # storage key -> current users
@@ -45,6 +48,8 @@ class OffloadedParameters:
 
     def offload(self, name: str, p: nn.Parameter) -> None:
         """Write ``p`` to its own file and empty its storage (until it is next used)."""
+        if self.dtype is not None and p.is_floating_point() and p.dtype != self.dtype:
+            p.data = p.data.to(self.dtype)  # the same Parameter, as apply_precision's cast
         if not p.untyped_storage().resizable():  # e.g. memory from numpy or a mapped file
             p.data = p.data.clone()
         key = storage_key(p)

@@ -238,13 +238,14 @@ class _Step:
 
 
 def probe_optimizer(factory: OptimizerFactory, device: torch.device, meter: HostMeter | DeviceMeter,
-                    numel: int = 1 << 22) -> OptimizerProbe:
-    """Run the optimizer on scratch parameters of ``numel`` and 4 x ``numel`` elements to
-    learn its state size, its speed and the temporaries one step allocates. Temporaries that
-    grow with the parameter are priced per byte of it; ones that do not (an optimizer that
-    works through a parameter a slice at a time, as tierflow's AdamW does) as fixed bytes."""
-    small = _probe_step(factory, device, meter, numel)
-    large = _probe_step(factory, device, meter, 4 * numel)
+                    numel: int = 1 << 22, dtype: torch.dtype = torch.float32) -> OptimizerProbe:
+    """Run the optimizer on scratch parameters of ``numel`` and 4 x ``numel`` elements of
+    the model's ``dtype`` (bf16 weights bring an fp32 master copy) to learn its state size,
+    its speed and the temporaries one step allocates. Temporaries that grow with the
+    parameter are priced per byte of it; ones that do not (an optimizer that works through a
+    parameter a slice at a time, as tierflow's AdamW does) as fixed bytes."""
+    small = _probe_step(factory, device, meter, numel, dtype)
+    large = _probe_step(factory, device, meter, 4 * numel, dtype)
     per_byte = large.transient > 2 * small.transient  # 4x the elements, about 4x the bytes
     return OptimizerProbe(large.state / large.nbytes, large.seconds / large.nbytes,
                           large.transient / large.nbytes if per_byte else 0.0,
@@ -252,9 +253,9 @@ def probe_optimizer(factory: OptimizerFactory, device: torch.device, meter: Host
 
 
 def _probe_step(factory: OptimizerFactory, device: torch.device,
-                meter: HostMeter | DeviceMeter, numel: int) -> _Step:
+                meter: HostMeter | DeviceMeter, numel: int, dtype: torch.dtype) -> _Step:
     """State bytes, seconds and temporaries of one step on a parameter of ``numel``."""
-    probe = nn.Parameter(torch.zeros(numel, device=device))
+    probe = nn.Parameter(torch.zeros(numel, device=device, dtype=dtype))
     opt = factory([probe])
     probe.grad = torch.full_like(probe, 1e-3)
     opt.step()  # creates the state

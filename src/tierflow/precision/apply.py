@@ -62,11 +62,12 @@ def make_optimizer(param_groups: Iterable[Any], config: PrecisionConfig,
 
 def _cast_parameters(model: nn.Module, dtype: torch.dtype) -> None:
     """Replace every floating parameter with a ``dtype`` copy; a parameter shared by several
-    modules (tied embeddings) stays shared."""
+    modules (tied embeddings) stays shared, and one in ``dtype`` already (cast as it went to
+    the disk tier, whose storage may be empty now) stays as it is."""
     cast: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
-            if p is None or not p.is_floating_point():
+            if p is None or not p.is_floating_point() or p.dtype == dtype:
                 continue
             if id(p) not in cast:
                 cast[id(p)] = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)

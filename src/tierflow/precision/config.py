@@ -82,6 +82,11 @@ class PrecisionConfig:
     def to_dict(self) -> dict[str, str]:
         return asdict(self)
 
+    @property
+    def parameter_dtype(self) -> torch.dtype:
+        """The dtype ``apply_precision`` stores floating parameters in."""
+        return torch.bfloat16 if self.model_dtype == "bf16" else torch.float32
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrecisionConfig:
         known = {f.name for f in fields(cls)}

@@ -120,7 +120,7 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
             from ..exec.disk import DiskStore, scratch_directory
             from ..exec.offload import OffloadedParameters
             offload = OffloadedParameters(DiskStore(scratch.enter_context(
-                scratch_directory(opts.disk))))
+                scratch_directory(opts.disk))), dtype=precision.parameter_dtype)
         model = build_model(opts, ckpt, data, precision, offload)
         return _train_model(opts, ckpt, data, out, log_path, tier, world, baseline,
                             precision, model.to(tier.device) if offload is None else model)
