@@ -50,12 +50,15 @@ class AdamW(torch.optim.Optimizer):
     fp32 weights are their own master). seed: of the stochastic-rounding generator; None
     draws it from torch's global generator once, at construction, so ``torch.manual_seed``
     makes a run reproducible and each optimizer (one per tierflow stage) gets its own stream.
+    generator: a stochastic-rounding generator shared with other optimizers instead (seed is
+    then unused): tierflow's per-stage optimizers draw from one stream, saved once.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, *, moment_dtype: str = "fp32",
-                 master: str = "fp32", seed: int | None = None):
+                 master: str = "fp32", seed: int | None = None,
+                 generator: torch.Generator | None = None):
         if moment_dtype not in OPTIM_DTYPES:
             raise PrecisionError(f"moment_dtype={moment_dtype!r} is unknown: use one of "
                                  f"{', '.join(OPTIM_DTYPES)}")
@@ -84,7 +87,9 @@ class AdamW(torch.optim.Optimizer):
         rounds = moment_dtype == "bf16" or (
             master == "none" and any(p.dtype == torch.bfloat16 for p in all_params))
         self._generator: torch.Generator | None = None
-        if rounds:
+        if rounds and generator is not None:
+            self._generator = generator
+        elif rounds:
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (), dtype=torch.int64))
             self._generator = generator_for(devices.pop(), seed)

@@ -172,6 +172,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     from ..dist import ShardedOptimizer, bus_bandwidth, step_seconds
     from ..exec.offload import offloaded_parameters
     from ..precision import autocast_context
+    from ..precision.rounding import generator_for
     from .checkpoint import latest_checkpoint, save_checkpoint
     from .codec import capture_rng, restore_rng
     from .data import Batches, eval_batches
@@ -198,6 +199,8 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
                        stream=opts.stream, prefetch_depth=opts.prefetch,
                        simulated_gpu=tier.simulated)
     groups = param_groups(params, opts)
+    # with --disk, the per-stage optimizers' one stochastic-rounding stream (see owned.py)
+    rounding = generator_for(tier.device, opts.seed)
 
     def plan_step(tier: ComputeTier):
         """``tierflow.fit`` under ``tier``'s budgets (again after a GPU out-of-memory), less
@@ -209,11 +212,13 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
         try:
             with torch.random.fork_rng(devices=[]), autocast():
                 if opts.disk:  # tierflow owns the optimizer: weights and states may be on disk
-                    return fit(model, sample, **tier.fit_budgets(held), config=config,
-                               optimizer=lambda ps: build_optimizer(
-                                   param_groups(list(ps), opts), opts, precision),
-                               grad_accum=opts.grad_accum,
-                               max_grad_norm=opts.clip if opts.clip > 0 else None)
+                    fitted = fit(model, sample, **tier.fit_budgets(held), config=config,
+                                 optimizer=lambda ps: build_optimizer(
+                                     param_groups(list(ps), opts), opts, precision, rounding),
+                                 grad_accum=opts.grad_accum,
+                                 max_grad_norm=opts.clip if opts.clip > 0 else None)
+                    rounding.manual_seed(opts.seed)  # the optimizer probe drew from it
+                    return fitted
                 return fit(model, sample, **tier.fit_budgets(held), reserve=reserve,
                            grad_accum=opts.grad_accum, config=config)
         except BudgetError as e:

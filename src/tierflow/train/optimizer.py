@@ -29,11 +29,14 @@ def param_groups(params: list, opts: TrainOptions) -> list[dict[str, Any]]:
 
 
 def build_optimizer(groups: list[dict[str, Any]], opts: TrainOptions,
-                    precision: PrecisionConfig) -> torch.optim.Optimizer:
+                    precision: PrecisionConfig,
+                    generator: torch.Generator | None = None) -> torch.optim.Optimizer:
     """The one place the optimizer is built. Under torchrun the same call builds it over this
     rank's shards of the parameters (``ShardedOptimizer``). The stochastic-rounding stream is
-    seeded from ``--seed``, so a run is reproducible and its state travels in checkpoints."""
-    return make_optimizer(groups, precision, lr=opts.lr, betas=BETAS, eps=EPS, seed=opts.seed)
+    seeded from ``--seed``, so a run is reproducible and its state travels in checkpoints;
+    with --disk every stage's optimizer draws from one ``generator``, saved once."""
+    return make_optimizer(groups, precision, lr=opts.lr, betas=BETAS, eps=EPS, seed=opts.seed,
+                          generator=generator)
 
 
 def reserved_bytes(params: list, precision: PrecisionConfig) -> int:

@@ -8,7 +8,11 @@ norm the update measured, and checkpoints.
 
 Checkpoints hold the single-process format (one ``state_dict()`` over all parameters, the
 decay group first, as ``LocalOptimizer`` and the ZeRO shards write it), so a run may resume
-with or without ``--disk``. They are written and read one stage at a time: the states of a
+with or without ``--disk``. Stochastic rounding (bf16 moments, bf16 weights without a
+master) draws from one generator that every stage's optimizer shares: the format's one
+``generator``. The stages then draw in update order (the last stage first), so a --disk run
+rounds with other random numbers than an in-memory one; resumed in the same mode it
+continues bit for bit. They are written and read one stage at a time: the states of a
 model larger than the RAM budget never exist in memory at once.
 """
 from __future__ import annotations
@@ -74,10 +78,12 @@ class FitOwnedOptimizer:
         and dtypes): what ``materialize`` fills in, stage by stage, while it is written."""
         groups: list[dict] = []
         state: dict[int, dict] = {}
+        generator = None  # the stages' one shared stochastic-rounding stream, if any
         for i, opt in enumerate(self.owned.optimizers):
             if opt is None:
                 continue
             local = opt.state_dict()
+            generator = local.get("generator", generator)
             if not groups:
                 groups = [{k: v for k, v in g.items() if k != "params"}
                           for g in local["param_groups"]]
@@ -90,7 +96,8 @@ class FitOwnedOptimizer:
         for group, size in zip(groups, self._group_sizes):
             group["params"] = list(range(start, start + size))
             start += size
-        return {"state": state, "param_groups": groups}
+        full = {"state": state, "param_groups": groups}
+        return full if generator is None else {**full, "generator": generator}
 
     def materialize(self, name: str, placeholder: torch.Tensor) -> torch.Tensor:
         """The values of ``name`` (``opt.0.state.<index>.<key>``), reading its stage's states
@@ -113,6 +120,9 @@ class FitOwnedOptimizer:
             return
         full = ckpt.optimizer.references()[0]  # tensor names in place of tensors
         groups = full["param_groups"]
+        generator = full.get("generator")
+        if isinstance(generator, str):
+            generator = ckpt.optimizer.read(generator)
         for i, opt in enumerate(self.owned.optimizers):
             if opt is None:
                 continue
@@ -126,7 +136,9 @@ class FitOwnedOptimizer:
             for group, size in zip(groups, sizes):
                 local_groups.append({**group, "params": list(range(start, start + size))})
                 start += size
-            self.owned.load_stage_state(i, {"state": local, "param_groups": local_groups})
+            stage = {"state": local, "param_groups": local_groups}
+            self.owned.load_stage_state(
+                i, stage if generator is None else {**stage, "generator": generator})
 
 
 def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
