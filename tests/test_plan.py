@@ -98,3 +98,5 @@ def test_fit_config_round_trip(tmp_path):
     assert FitConfig.load(path) == config
     with pytest.raises(ValueError, match="unknown"):
         FitConfig(planner="magic")
+    with pytest.raises(ValueError, match="stash_boundaries 'some' is unknown"):
+        FitConfig(stash_boundaries="some")

@@ -313,7 +313,8 @@ _HELP = {
                      "and keeps the optimizer states on disk"),
     "prefetch": ("N", "with --disk: stages whose weights, optimizer states and tapes are read "
                       "ahead of the one computing (default: the planner's choice, the fastest "
-                      "that fits --ram; 0 reads each on demand)"),
+                      "that fits --ram; 0 reads each on demand; checkpoints stashed on disk "
+                      "are always read one backward ahead)"),
     "trace": ("FILE", "write a Chrome-trace JSON of every step (compute, disk reads and "
                       "writes, optimizer), for Perfetto or chrome://tracing"),
     "dist_timeout": ("S", "under torchrun: seconds a rank waits for the others before it "
