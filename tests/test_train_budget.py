@@ -59,3 +59,33 @@ def test_a_budget_below_what_is_held_names_the_ram_that_would_work():
     message = str(tier.over_budget(caught.value, held))
     assert message.startswith("--ram 1.00 MiB is below the smallest that works"), message
     assert caught.value.smallest > 0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_optimizer_probe_takes_a_quarter_of_the_budget_at_most(dtype):
+    """With a disk tier, fit probes the optimizer before it plans; the probe's scratch
+    parameters are sized to the budget, since the run's high-water mark includes them (a
+    fixed probe raised it by 459 MiB, over a 330 MiB --ram): a quarter of it, beyond the
+    75 MiB or so that a process's first optimizer step allocates whatever its size."""
+    import subprocess
+    import sys
+
+    budget = 512 * MIB
+    script = f"""
+import resource, torch
+from tierflow.exec.memory import HostMeter, configure_host_allocator, rss_bytes
+from tierflow.exec.optimizer import probe_optimizer
+from tierflow.precision import PrecisionConfig, make_optimizer
+from tierflow.tiers import probe_numel
+configure_host_allocator()
+dtype = torch.{dtype}
+config = PrecisionConfig(model_dtype="bf16" if dtype == torch.bfloat16 else "fp32",
+                         matmul_dtype="bf16")
+factory = lambda ps: make_optimizer([{{"params": list(ps)}}], config, lr=1e-3)
+before = max(rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+probe_optimizer(factory, torch.device("cpu"), HostMeter(), probe_numel({budget}), dtype)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout
+    assert int(out.split()[-1]) <= budget // 4 + 100 * MIB, out

@@ -27,6 +27,13 @@ from .plan.tier_costs import LowerTier
 from .plan.tier_search import TierPlan, TierProblem, UpdateRates, place_on_tiers
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+PROBE_SHARE = 4  # the optimizer probe's scratch parameters take 1/PROBE_SHARE of the budget
+# the probe's peak per element of its larger step: parameter, gradient, moments, a master
+# copy and temporaries, fp32 but for the parameter and its gradient (measured for tierflow's
+# AdamW with fp32 or bf16 weights: about 24 bytes, beyond some 75 MiB that a process's first
+# optimizer step allocates whatever its size)
+PROBE_BYTES_PER_ELEMENT = 24
+PROBE_NUMEL = (1 << 18, 1 << 22)  # its elements, at least (1 MiB fp32) and at most
 
 
 def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: torch.device,
@@ -39,7 +46,7 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
     ``weights_tiers`` limits where weights may stream from (a model built on disk)."""
     trainable = [p for p in chain_parameters(chain) if p.requires_grad]
     dtype = trainable[0].dtype if trainable else torch.float32
-    probe = probe_optimizer(optimizer, device, meter, dtype=dtype)
+    probe = probe_optimizer(optimizer, device, meter, probe_numel(budget), dtype)
     problem = TierProblem(
         costs=costs,
         rates=UpdateRates(probe.state_per_byte, probe.seconds_per_byte,
@@ -52,6 +59,16 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
         deferred=deferred, min_tape_bytes=tape_offload.MIN_BYTES,
         min_boundary_bytes=boundary_stash.MIN_BYTES)
     return place_on_tiers(problem, budget, config, tier)
+
+
+def probe_numel(budget: int | None) -> int:
+    """Elements of the optimizer probe's smaller step (its larger one has 4x): as many as
+    keep its peak within a share of ``budget`` (it runs before the plan, and the process's
+    high-water mark is what a RAM budget is checked against), between PROBE_NUMEL's bounds."""
+    low, high = PROBE_NUMEL
+    if budget is None:
+        return high
+    return max(low, min(high, budget // PROBE_SHARE // (4 * PROBE_BYTES_PER_ELEMENT)))
 
 
 def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
