@@ -51,6 +51,11 @@ class Candidate:
     tape_stages: frozenset[int] = frozenset()
     boundaries: LowerTier | None = None  # where stashed checkpoints wait
 
+    @property
+    def tiers(self) -> tuple[LowerTier, ...]:
+        """The lower tiers this placement keeps something on (a tier may appear twice)."""
+        return tuple(t for t in (self.states, self.weights, self.tapes, self.boundaries) if t)
+
 
 def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier, config: FitConfig,
                          min_bytes: int) -> list[Candidate]:

@@ -247,16 +247,15 @@ def _costs(candidate: Candidate, problem: TierProblem,
     if problem.deferred:
         costs, update_pass = deferred_costs(candidate, problem.costs, state_of,
                                             problem.rates.seconds_per_byte)
-    if candidate.states or candidate.weights or candidate.tapes or candidate.boundaries:
+    if candidate.tiers:
         costs = replace(costs, extra={**costs.extra, "prefetch depth": candidate.depth})
     return costs, update_pass
 
 
 def _held(candidate: Candidate, problem: TierProblem, state_of: list[int]) -> dict[str, int]:
     """Bytes the candidate keeps on each lower tier it uses."""
-    tiers = (candidate.states, candidate.weights, candidate.tapes, candidate.boundaries)
     return {lower.name: lower_bytes(candidate, problem.costs, state_of, lower, problem.deferred)
-            for lower in {id(t): t for t in tiers if t}.values()}
+            for lower in {id(t): t for t in candidate.tiers}.values()}
 
 
 def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budget: int | None,
@@ -283,8 +282,7 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
 
 def _check_lower(candidate: Candidate, placed: TierPlan) -> None:
     """BudgetError when a lower tier cannot hold what the placement keeps there."""
-    tiers = {t.name: t for t in (candidate.states, candidate.weights, candidate.tapes,
-                                 candidate.boundaries) if t}
+    tiers = {t.name: t for t in candidate.tiers}
     for name, held in placed.held:
         lower = tiers[name]
         if not _fits(lower, held):

@@ -36,7 +36,7 @@ def apply_precision(model: nn.Module, config: PrecisionConfig) -> nn.Module:
     first = next(model.parameters(), None)
     config.validate(first.device if first is not None else "cpu")
     if config.model_dtype == "bf16":
-        _cast_parameters(model, torch.bfloat16)
+        _cast_parameters(model, config.parameter_dtype)
     if config.matmul_dtype == "fp8":
         for block in _fp8_scopes(model):
             _swap_linears(block, config.fp8_grad)
