@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """What a `tierflow train --trace` file says about a step: seconds per step each thread row
 was busy (compute, optimizer, disk read, disk write) and how long the compute waited for
-streamed weights (the `wait for weights` spans, inside the compute row's time).
+streamed weights (the `wait for weights` spans, inside the compute row's time); and where the
+highest point of the trace's `host RSS` counter fell: the spans running at that moment.
 
     ./run python benchmarks/trace_stats.py TRACE.json [TRACE.json ...] [--steps N]
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 ROWS = ("compute", "optimizer", "disk read", "disk write")
 WAIT = "wait for weights"
+RSS = "host RSS"  # the counter track of tierflow.exec.trace
 
 
 def trace_stats(trace: Path, steps: int) -> dict[str, float]:
@@ -30,6 +32,19 @@ def trace_stats(trace: Path, steps: int) -> dict[str, float]:
     return {key: round(value, 1) for key, value in stats.items()}
 
 
+def rss_peak(trace: Path) -> dict[str, object]:
+    """The highest point of the ``host RSS`` counter (MiB), its time in seconds from the
+    trace's start, and the names of the spans running then (every row)."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    points = [e for e in events if e["ph"] == "C" and e["name"] == RSS]
+    if not points:
+        return {}
+    top = max(points, key=lambda e: e["args"]["MiB"])
+    running = [e["name"] for e in events
+               if e["ph"] == "X" and e["ts"] <= top["ts"] <= e["ts"] + e["dur"]]
+    return {"MiB": top["args"]["MiB"], "at_s": round(top["ts"] / 1e6, 2), "during": running}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("traces", nargs="+", type=Path)
@@ -38,6 +53,10 @@ def main() -> None:
     for trace in args.traces:
         stats = trace_stats(trace, args.steps)
         print(f"{trace.name}: " + ", ".join(f"{k} {v} s" for k, v in stats.items()))
+        peak = rss_peak(trace)
+        if peak:
+            print(f"  RSS peak {peak['MiB']} MiB at {peak['at_s']} s, during "
+                  f"{', '.join(peak['during']) or 'no span'}")
 
 
 if __name__ == "__main__":

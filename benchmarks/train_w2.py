@@ -19,7 +19,8 @@ the ratio to the peer, the peak RSS above the post-import baseline (the trainer'
 `ru_maxrss` minus the RSS after importing torch and transformers) next to `/usr/bin/time`'s
 maximum RSS, the predicted step time and peak from the [Plan], and from a trace of every step
 how long compute, the optimizer and the disk were busy and how long the compute waited for
-streamed weights (`trace_stats.py`). The end-of-run checkpoint (weights and
+streamed weights (`trace_stats.py`), and the spans running when the trace's RSS counter
+peaked. The end-of-run checkpoint (weights and
 AdamW states, written stage by stage from the disk tier) is timed too. Writes
 benchmarks/results/train-w2-<date>[-TAG].{md,json} (and a Chrome trace per run).
 """
@@ -38,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 from random_tokens import random_token_files
-from trace_stats import ROWS, trace_stats
+from trace_stats import ROWS, rss_peak, trace_stats
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT.parent / "shared" / "peers" / "peers.py"
@@ -105,7 +106,8 @@ def tierflow(ram: str, prefetch: int | None, steps: int, data: Path, disk: Path,
             "prefetch_depth": plan.get("prefetch_depth"),
             "predicted_peak_gib": round(plan["predicted_peak"] / 2**30, 3),
             "disk_gib": {k: round(v / 2**30, 2) for k, v in plan["disk_bytes"].items()},
-            "busy_s_per_step": busy, "wall_s": round(wall), "load_before": round(load, 2),
+            "busy_s_per_step": busy, "rss_peak": rss_peak(trace),
+            "wall_s": round(wall), "load_before": round(load, 2),
             "checkpoints": len(records.get("checkpoint", [])),
             "trace": str(trace.relative_to(ROOT))}
 
