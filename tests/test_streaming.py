@@ -193,6 +193,42 @@ def test_a_budget_only_streaming_meets(tmp_path):
     assert "stages ahead of use" in module.plan.explain()
 
 
+def test_the_smallest_budget_stated_holds_the_update_pass(tmp_path):
+    """With clipping the updates run in a pass after the backward, which may need more than
+    the step's plan: the smallest budget an infeasible one states covers it (it used to be
+    the plan's alone, and a run at that budget failed again, naming a larger one)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    # embeddings of 8 MiB: their update (weights, gradients, states) outweighs the activations
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=8192, hidden_size=256, intermediate_size=640,
+                                         num_hidden_layers=4, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=64))
+    sample = hf_sample()
+    clipped = dict(optimizer=_adamw, max_grad_norm=1.0, disk=tmp_path)
+    tierflow.fit(model, sample, **clipped)  # warm: the runtime's first-use bytes are paid
+    with pytest.raises(tierflow.BudgetError) as error:
+        tierflow.fit(model, sample, ram=1, **clipped)
+    smallest = error.value.smallest + (1 << 20)  # a MiB for the noise of measured runtime bytes
+    module = tierflow.fit(model, sample, ram=smallest, **clipped)
+    assert module.update_pass is not None
+    assert max(module.plan.predicted_peak, module.update_pass.peak) <= smallest
+    assert module.update_pass.peak > module.plan.predicted_peak  # the pass is what binds
+
+
+def test_the_update_pass_makes_room_before_each_stage():
+    """Under a RAM budget the update pass asks for host room before each stage it updates,
+    for what the pass adds over the static bytes at its peak (malloc's caches from the
+    backward stayed resident through the pass before: llama-20m peaked 37 MiB over --ram)."""
+    module = tierflow.fit(tiny_hf("llama"), hf_sample(), optimizer=_adamw, max_grad_norm=1.0,
+                          ram="2GiB")
+    deferred = module._deferred
+    make_room, calls = deferred.make_room, []
+    deferred.make_room = lambda: (calls.append(1), make_room())
+    module(**hf_sample()).loss.backward()
+    assert len(calls) == sum(opt is not None for opt in module.optimizer.optimizers)
+    assert make_room.args == (module.update_pass.peak - module.plan.costs.static_bytes,)
+
+
 def test_stream_all_needs_a_disk_directory():
     with pytest.raises(tierflow.TierflowError, match="disk=DIR"):
         tierflow.fit(tiny_hf("llama"), hf_sample(), optimizer=_adamw,

@@ -289,3 +289,30 @@ def test_the_plan_table_lists_every_kind_on_the_disk_tier():
                                     "weights of 2 streamed stages": 200,
                                     "tapes of 2 stages": 60, "1 checkpoint": 10}
     assert "60 B tapes of 2 stages + 10 B 1 checkpoint;" in text, text
+
+
+def test_the_plan_table_counts_the_update_pass():
+    """With updates after the backward (clipping, accumulation) the [Plan] table's step time
+    includes the pass and its peak is the larger of the plan's and the pass's."""
+    from tierflow.config import FitConfig
+    from tierflow.plan.choose import make_plan
+    from tierflow.plan.costs import ChainCosts, StageCost
+    from tierflow.plan.tier_costs import UpdatePass
+    from tierflow.precision.config import PrecisionConfig
+    from tierflow.train.logger import PlanPrecision, plan_section
+
+    stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
+                      tape=30)
+    plan = make_plan(ChainCosts(stages=(stage, stage), input_bytes=10, optimizer_owned=True),
+                     None, FitConfig(planner="keep-all"))
+    config = PrecisionConfig()
+    precision = PlanPrecision(config.bytes_per_parameter(), 50, 0, config.to_dict())
+    passed = UpdatePass(seconds=0.5, peak=plan.predicted_peak + 1000)
+    text, record = plan_section(plan, grads=200, budget=None, grad_accum=2, dist=None,
+                                precision=precision, update_pass=passed)
+    assert record["predicted_peak"] == passed.peak
+    assert record["predicted_step_s"] == pytest.approx(2 * plan.predicted_time + 0.5)
+    assert "update pass" in text and "+ 500 ms update pass" in text, text
+    _, inside = plan_section(plan, grads=200, budget=None, grad_accum=1, dist=None,
+                             precision=precision)
+    assert inside["predicted_peak"] == plan.predicted_peak

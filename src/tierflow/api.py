@@ -129,20 +129,24 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     owned = OwnedOptimizer(chain, optimizer, states, read_ahead=placed.depth > 0) \
         if optimizer is not None else None
     streamer = _stream(model, chain, placed, updates_in_backward=not deferred)
-    updates = None
-    if deferred:
-        stash = GradientStash(placed.weights.store, streamer.stage_params) if streamer else None
-        updates = DeferredUpdates(owned, grad_accum, max_grad_norm, streamer, stash)
     host_room = None
     if exact_host:  # profiled with exact thresholds; steps cache, and trim where they must
         configure_host_allocator(CACHING_THRESHOLD)
         # malloc's caches stay while the RSS is under the predicted peak: the peak a user
         # measures is then the plan's, and the room the budget leaves stays free
-        host_room = HostRoom(plan.predicted_peak + outside_budget)
+        host_room = HostRoom(placed.predicted_peak + outside_budget)
         plan = replace(plan, notes=plan.notes + (
             "malloc keeps freed memory for reuse (no page faults on fresh memory) and gives "
             "it back before an operation only when the RSS plus what the operation adds "
             "would pass the predicted peak",))
+    updates = None
+    if deferred:
+        stash = GradientStash(placed.weights.store, streamer.stage_params) if streamer else None
+        room = None
+        if host_room is not None:  # what the pass adds over the static bytes, at its peak
+            growth = placed.update_pass.peak - placed.plan.costs.static_bytes
+            room = functools.partial(host_room.make_room, growth, fresh=True)
+        updates = DeferredUpdates(owned, grad_accum, max_grad_norm, streamer, stash, room)
     say(f"planned in {time.perf_counter() - started:.1f} s: {plan.strategy}")
     tapes = None
     if placed.tapes is not None:
@@ -151,7 +155,7 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
                             read_ahead=placed.depth > 0)
     boundaries = BoundaryStash(placed.boundaries.store) if placed.boundaries else None
     return TierflowModule(model, chain, plan, autocast, device, owned, log, streamer,
-                          updates, tapes, host_room, boundaries)
+                          updates, tapes, host_room, boundaries, placed.update_pass)
 
 
 def _stream(model: nn.Module, chain: Chain, placed: TierPlan, *,

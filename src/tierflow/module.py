@@ -21,6 +21,7 @@ from .exec.tapes import TapeOffload
 from .exec.weights import WeightStreamer
 from .plan.ops import Forward, Stash
 from .plan.plan import Plan
+from .plan.tier_costs import UpdatePass
 
 
 class TierflowModule(nn.Module):
@@ -36,7 +37,8 @@ class TierflowModule(nn.Module):
                  streamer: WeightStreamer | None = None,
                  deferred: DeferredUpdates | None = None, tapes: TapeOffload | None = None,
                  host_room: HostRoom | None = None,
-                 boundaries: BoundaryStash | None = None):
+                 boundaries: BoundaryStash | None = None,
+                 update_pass: UpdatePass | None = None):
         super().__init__()
         self.model = model
         self._chain = chain
@@ -49,6 +51,7 @@ class TierflowModule(nn.Module):
         self._tapes = tapes
         self._host_room = host_room
         self._boundaries = boundaries
+        self._update_pass = update_pass
         self._growth = plan.simulation.growth() if host_room is not None else []
         self._largest_growth = max(self._growth, default=0)  # no stage adds more in eval
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
@@ -87,7 +90,13 @@ class TierflowModule(nn.Module):
                                 "made with")
         return TierflowModule(self.model, self._chain, plan, self._autocast, self._device,
                               self._optimizer, self.fit_log, self._streamer, self._deferred,
-                              self._tapes, boundaries=self._boundaries)
+                              self._tapes, boundaries=self._boundaries,
+                              update_pass=self._update_pass)
+
+    @property
+    def update_pass(self) -> UpdatePass | None:
+        """The predicted update pass after the backward (None: updates run inside it)."""
+        return self._update_pass
 
     def explain(self) -> str:
         return self._plan.explain()

@@ -8,11 +8,14 @@ stage hands them to the disk tier (``GradientStash``). After the last micro-batc
 the global norm gives the clipping factor (as ``torch.nn.utils.clip_grad_norm_``), and one
 pass over the stages, last first, updates each: its weights and gradients are fetched, the
 next stages' weights and its optimizer states read ahead (during the update before it), its
-weights written back behind it.
+weights written back behind it. Under a host RAM budget each stage's update first makes room
+for what the pass adds at its peak (``make_room``): malloc's caches from the backward would
+otherwise stay resident beside the states and weights the pass reads.
 """
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 from torch import nn
 
@@ -29,13 +32,15 @@ class DeferredUpdates:
     """The micro-batch count and the update pass of one fitted module."""
 
     def __init__(self, optimizer: OwnedOptimizer, grad_accum: int, max_grad_norm: float | None,
-                 streamer: WeightStreamer | None = None, stash: GradientStash | None = None):
+                 streamer: WeightStreamer | None = None, stash: GradientStash | None = None,
+                 make_room: Callable[[], None] | None = None):
         self.optimizer = optimizer
         optimizer.measures_norm = False  # the update pass measures it before any update
         self.grad_accum = grad_accum
         self.max_grad_norm = max_grad_norm
         self.streamer = streamer
         self.stash = stash
+        self.make_room = make_room  # before each stage's update (see HostRoom)
         self.micro = 0  # micro-batches of the current step done so far
         self.last_norm: float | None = None  # the global gradient norm of the last update
 
@@ -71,6 +76,8 @@ class DeferredUpdates:
         depth = self.streamer.depth if self.streamer is not None else 0
         order = stages[::-1]  # last stage first, as the optimizer reads its states ahead
         for position, i in enumerate(order):
+            if self.make_room is not None:
+                self.make_room()
             if i in streamed:
                 with span("wait for weights", "compute"):
                     self.streamer.hold(i)

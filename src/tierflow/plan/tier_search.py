@@ -99,6 +99,11 @@ class TierPlan:
         return self.plan.predicted_time + (self.update_pass.seconds if self.update_pass else 0.0)
 
     @property
+    def predicted_peak(self) -> int:
+        """Bytes of the compute tier at the step's peak: the plan's or the update pass's."""
+        return max(self.plan.predicted_peak, self.update_pass.peak if self.update_pass else 0)
+
+    @property
     def on_lower_tiers(self) -> bool:
         return any(t is not None for t in (self.states, self.weights, self.tapes,
                                            self.boundaries))
@@ -263,13 +268,15 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
     """The candidate's plan, checked against the compute tier's budget (BudgetError if over)."""
     costs, update_pass = _costs(candidate, problem, state_of)
     notes = candidate.notes
-    plan = make_plan(costs, budget, config, tier=tier)
+    try:
+        plan = make_plan(costs, budget, config, tier=tier)
+    except BudgetError as e:  # the smallest budget that works must hold the update pass too
+        if update_pass is None or update_pass.peak <= e.smallest:
+            raise
+        raise _update_pass_error(update_pass, budget, tier) from None
     if update_pass is not None:
         if budget is not None and update_pass.peak > budget:
-            need = format_bytes(update_pass.peak, round_up=True)
-            raise BudgetError(f"{tier} budget {format_bytes(budget)} is below what the update "
-                              f"pass after the backward needs, {need}: raise {tier} to at least "
-                              f"{need}", tier=tier, budget=budget, smallest=update_pass.peak)
+            raise _update_pass_error(update_pass, budget, tier)
         notes = notes + (f"updates run after the backward (gradient accumulation or "
                          f"clipping): one pass over the stages, last first, predicted "
                          f"{update_pass.seconds:.1f} s at a peak of "
@@ -278,6 +285,13 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
     return TierPlan(replace(plan, notes=plan.notes + notes), candidate.states,
                     candidate.weights, candidate.streamed, update_pass, candidate.tapes,
                     candidate.tape_stages, candidate.depth, held, candidate.boundaries)
+
+
+def _update_pass_error(update_pass: UpdatePass, budget: int, tier: str) -> BudgetError:
+    need = format_bytes(update_pass.peak, round_up=True)
+    return BudgetError(f"{tier} budget {format_bytes(budget)} is below what the update pass "
+                       f"after the backward needs, {need}: raise {tier} to at least {need}",
+                       tier=tier, budget=budget, smallest=update_pass.peak)
 
 
 def _check_lower(candidate: Candidate, placed: TierPlan) -> None:

@@ -67,14 +67,17 @@ def _per(value: float) -> str:
 
 
 def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
-                 dist: dict[str, Any] | None,
-                 precision: PlanPrecision) -> tuple[str, dict[str, Any]]:
+                 dist: dict[str, Any] | None, precision: PlanPrecision,
+                 update_pass: Any = None) -> tuple[str, dict[str, Any]]:
     """The ``[Plan]`` table (bytes per kind and per parameter, the strategy, the predicted
     step) and the fields of its JSON record. The optimizer states (master and moments) are
-    what the plan reserves for the optimizer. Under torchrun ``dist`` holds ``world_size``,
+    what the plan reserves for the optimizer. ``update_pass`` (a ``tier_costs.UpdatePass``)
+    is the pass after the backward when updates are deferred: its time is part of the step
+    and its peak may be the step's. Under torchrun ``dist`` holds ``world_size``,
     ``backend``, ``bus_bandwidth`` (bytes/s), ``comm_bytes`` and ``predicted_comm_s``; every
     figure is this rank's (budgets are per rank)."""
     extra = plan.costs.extra
+    peak = max(plan.predicted_peak, update_pass.peak if update_pass else 0)
     per, dtypes = precision.per, precision.dtypes
     activations = max(0, plan.simulation.peak - grads)
     reserved = extra.get("reserved", 0) or extra.get("optimizer states", 0)  # or fit's own
@@ -108,7 +111,10 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
         label = f"  {name}" if name in ("master", "moments") else name
         note = f" ({notes[name]})" if name in notes else ""
         rows.append((label, format_bytes(value) + note))
-    rows.append(("total (predicted peak)", format_bytes(plan.predicted_peak)))
+    if update_pass is not None:
+        rows.append(("update pass", f"{format_bytes(update_pass.peak)} at its peak (after the "
+                                    "backward: clipping or gradient accumulation)"))
+    rows.append(("total (predicted peak)", format_bytes(peak)))
     stashed = plan.stashed_boundaries()
     on_disk = [(extra.get("optimizer states on disk", 0), "optimizer states"),
                (extra.get("streamed bytes", 0) if extra.get("weights tier") == "disk" else 0,
@@ -123,12 +129,18 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
         ahead = f"read {depth} stages ahead" if depth else "read when needed (no prefetch)"
         rows.append(("disk tier", " + ".join(f"{format_bytes(n)} {what}" for n, what in on_disk
                                              if n) + f"; {ahead}"))
-    free = (f"{format_bytes(budget - plan.predicted_peak)} of the {format_bytes(budget)} "
+    free = (f"{format_bytes(budget - peak)} of the {format_bytes(budget)} "
             "budget" if budget else "- (no --ram budget)")
-    updates = ("updates inside the backward included, an update pass after it not"
-               if plan.costs.optimizer_owned else "optimizer not included")
-    step = (f"{plan.predicted_time * grad_accum * 1e3:.0f} ms ({grad_accum} x "
-            f"{plan.predicted_time * 1e3:.0f} ms forward+backward, {updates})")
+    seconds = plan.predicted_time * grad_accum
+    if update_pass is not None:
+        seconds += update_pass.seconds
+        updates = f"+ {update_pass.seconds * 1e3:.0f} ms update pass"
+    elif plan.costs.optimizer_owned:
+        updates = "updates inside the backward included"
+    else:
+        updates = "optimizer not included"
+    step = (f"{seconds * 1e3:.0f} ms ({grad_accum} x {plan.predicted_time * 1e3:.0f} ms "
+            f"forward+backward, {updates})")
     rows += [("free", free), ("strategy", plan.strategy), ("predicted step", step)]
     fields: dict[str, Any] = {k: int(v) for k, v in kinds}
     fields["optimizer states (reserved)"] = int(reserved)  # master + moments
@@ -136,8 +148,8 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                                        "master": per.master, "moments": per.moments,
                                        "moment_scales": per.moment_scales, "total": per.total},
                   trainable_parameters=precision.trainable, precision=dict(dtypes),
-                  predicted_peak=int(plan.predicted_peak), budget=budget,
-                  strategy=plan.strategy, predicted_step_s=plan.predicted_time * grad_accum,
+                  predicted_peak=int(peak), budget=budget,
+                  strategy=plan.strategy, predicted_step_s=seconds,
                   disk_bytes={what: int(n) for n, what in on_disk if n},
                   prefetch_depth=extra.get("prefetch depth"))
     if dist is not None:

@@ -241,7 +241,8 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
         dist=dist_figures,
         precision=PlanPrecision(per, trainable=sum(p.numel() for p in trainable),
                                 master=int(per.master * sum(p.numel() for p in trainable)) // ranks,
-                                dtypes=precision.to_dict()))
+                                dtypes=precision.to_dict()),
+        update_pass=module.update_pass)
     logger.print()
     logger.print(table)
     logger.print(module.plan.explain())
