@@ -1,6 +1,7 @@
 """The host allocator policy of RAM budgets: malloc caches freed blocks, HostRoom gives them
 back before an operation that would otherwise pass the budget."""
 import sys
+import time
 
 import pytest
 import torch
@@ -61,3 +62,21 @@ def test_fresh_growth_is_not_served_by_cached_blocks():
     assert room.trims == 1
     room.make_room(16 * MIB, fresh=True)  # the same growth as new mappings: trim
     assert room.trims == 2
+
+
+def test_the_guard_gives_the_caches_back_when_a_fresh_mapping_passes_the_limit():
+    """Growth HostRoom was not asked about (a large fresh mapping beside 48 MiB of cached
+    blocks) takes the RSS past the limit: the guard thread trims, once for the excursion."""
+    cached = _cache_freed_blocks()
+    room = HostRoom(limit=cached + 16 * MIB)
+    room.start_guard()
+    fresh = torch.ones(64 * MIB // 4)  # a mapping of its own: the cached blocks cannot serve it
+    for _ in range(200):
+        if room.guard_trims:
+            break
+        time.sleep(0.005)
+    assert room.guard_trims == 1 and room.trims == 0
+    assert rss_bytes() < cached + 64 * MIB - 32 * MIB  # most of the 48 MiB went back
+    time.sleep(0.05)
+    assert room.guard_trims == 1  # still over the limit with nothing cached: no more trims
+    del fresh

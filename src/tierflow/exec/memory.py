@@ -20,6 +20,7 @@ import resource
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -28,6 +29,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 EXACT_THRESHOLD = 1 << 20  # blocks of 1 MiB and more get their own mapping, freed at once
 CACHING_THRESHOLD = 32 << 20  # glibc's own steady state: freed blocks stay for reuse
+GUARD_INTERVAL = 0.001  # seconds between the RSS guard's looks at the RSS
 
 
 class _MallInfo2(ctypes.Structure):
@@ -97,12 +99,27 @@ class HostRoom:
     past the limit, they count as none. Nor do they count for an operation whose growth is
     ``fresh``: allocations of malloc's mmap threshold and more (a streamed stage's weights
     and their gradients) are new mappings that free blocks cannot serve.
+
+    What an operation's growth is made of is not always known: the fused LM head's chunks of
+    logits are mappings too, and so are buffers the I/O threads fill beside the operations.
+    ``start_guard`` adds a thread that looks at the RSS every millisecond and gives the caches
+    back as soon as it passes the limit (once per excursion: above the limit with the caches
+    gone, it waits until the RSS is under it again).
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit  # bytes of RSS, the process's own share included
         self.trims = 0
+        self.guard_trims = 0  # trims by the guard thread
         self._outside_malloc: int | None = None
+        self._guarded = False
+
+    def start_guard(self, interval: float = GUARD_INTERVAL) -> None:
+        """Watch the RSS from a daemon thread, which ends when this HostRoom is collected."""
+        if not self._guarded:
+            self._guarded = True
+            threading.Thread(target=_guard, args=(weakref.ref(self), interval), daemon=True,
+                             name="tierflow-rss-guard").start()
 
     def make_room(self, nbytes: int, fresh: bool = False) -> None:
         rss = rss_bytes()
@@ -121,6 +138,20 @@ class HostRoom:
         if in_use is None or self._outside_malloc is None or rss > self.limit:
             return 0
         return max(0, rss - in_use - self._outside_malloc)
+
+
+def _guard(room_ref: weakref.ref, interval: float) -> None:
+    """The guard thread of a HostRoom: trim once each time the RSS passes its limit."""
+    armed = True
+    while (room := room_ref()) is not None:
+        if rss_bytes() <= room.limit:
+            armed = True
+        elif armed:
+            return_free_memory()
+            room.guard_trims += 1
+            armed = False
+        del room
+        time.sleep(interval)
 
 
 def malloc_in_use() -> int | None:
