@@ -6,7 +6,13 @@ import time
 import pytest
 import torch
 
-from tierflow.exec.memory import CACHING_THRESHOLD, HostRoom, configure_host_allocator, rss_bytes
+from tierflow.exec.memory import (
+    CACHING_THRESHOLD,
+    GUARD_MARGIN,
+    HostRoom,
+    configure_host_allocator,
+    rss_bytes,
+)
 
 MIB = 1 << 20
 
@@ -66,10 +72,11 @@ def test_fresh_growth_is_not_served_by_cached_blocks():
 
 def test_the_guard_gives_the_caches_back_when_a_fresh_mapping_passes_the_limit():
     """Growth HostRoom was not asked about (a large fresh mapping beside 48 MiB of cached
-    blocks) takes the RSS past the limit: the guard thread trims, once for the excursion."""
+    blocks) takes the RSS past the guard's level: the guard thread trims, once for the
+    excursion."""
     cached = _cache_freed_blocks()
-    room = HostRoom(limit=cached + 16 * MIB)
-    room.start_guard()
+    room = HostRoom(limit=cached)
+    room.start_guard(cached + GUARD_MARGIN + 16 * MIB)
     fresh = torch.ones(64 * MIB // 4)  # a mapping of its own: the cached blocks cannot serve it
     for _ in range(200):
         if room.guard_trims:

@@ -135,7 +135,7 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         # malloc's caches stay while the RSS is under the predicted peak: the peak a user
         # measures is then the plan's, and the room the budget leaves stays free
         host_room = HostRoom(placed.predicted_peak + outside_budget)
-        host_room.start_guard()
+        host_room.start_guard(budget + outside_budget)  # what the budget allows, at any moment
         plan = replace(plan, notes=plan.notes + (
             "malloc keeps freed memory for reuse (no page faults on fresh memory) and gives "
             "it back before an operation only when the RSS plus what the operation adds "

@@ -30,6 +30,10 @@ _M_MMAP_THRESHOLD = -3
 EXACT_THRESHOLD = 1 << 20  # blocks of 1 MiB and more get their own mapping, freed at once
 CACHING_THRESHOLD = 32 << 20  # glibc's own steady state: freed blocks stay for reuse
 GUARD_INTERVAL = 0.001  # seconds between the RSS guard's looks at the RSS
+# what the RSS may grow by while the guard reacts (its look, a trim of a few ms, the GIL's
+# 5 ms switch interval) at the ~1.5 GB/s this machine faults fresh pages in: it trims this
+# far below the level it holds
+GUARD_MARGIN = 32 << 20
 
 
 class _MallInfo2(ctypes.Structure):
@@ -102,22 +106,25 @@ class HostRoom:
 
     What an operation's growth is made of is not always known: the fused LM head's chunks of
     logits are mappings too, and so are buffers the I/O threads fill beside the operations.
-    ``start_guard`` adds a thread that looks at the RSS every millisecond and gives the caches
-    back as soon as it passes the limit (once per excursion: above the limit with the caches
-    gone, it waits until the RSS is under it again).
+    ``start_guard(level)`` adds a thread that looks at the RSS every millisecond and gives the
+    caches back as soon as it comes within ``GUARD_MARGIN`` of ``level`` (once per excursion:
+    there with the caches gone, it waits until the RSS is under that again). The level is the
+    budget's, not the limit's: a trim costs the page faults of the caches' next use, worth
+    paying only where the budget itself is at stake.
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit  # bytes of RSS, the process's own share included
         self.trims = 0
+        self.guard_level: int | None = None  # bytes of RSS the guard thread holds to
         self.guard_trims = 0  # trims by the guard thread
         self._outside_malloc: int | None = None
-        self._guarded = False
 
-    def start_guard(self, interval: float = GUARD_INTERVAL) -> None:
+    def start_guard(self, level: int, interval: float = GUARD_INTERVAL) -> None:
         """Watch the RSS from a daemon thread, which ends when this HostRoom is collected."""
-        if not self._guarded:
-            self._guarded = True
+        started = self.guard_level is not None
+        self.guard_level = level
+        if not started:
             threading.Thread(target=_guard, args=(weakref.ref(self), interval), daemon=True,
                              name="tierflow-rss-guard").start()
 
@@ -141,10 +148,10 @@ class HostRoom:
 
 
 def _guard(room_ref: weakref.ref, interval: float) -> None:
-    """The guard thread of a HostRoom: trim once each time the RSS passes its limit."""
+    """The guard thread of a HostRoom: trim once each time the RSS passes its level."""
     armed = True
     while (room := room_ref()) is not None:
-        if rss_bytes() <= room.limit:
+        if rss_bytes() <= room.guard_level - GUARD_MARGIN:
             armed = True
         elif armed:
             return_free_memory()
