@@ -316,7 +316,8 @@ _HELP = {
                       "that fits --ram; 0 reads each on demand; checkpoints stashed on disk "
                       "are always read one backward ahead)"),
     "trace": ("FILE", "write a Chrome-trace JSON of every step (compute, disk reads and "
-                      "writes, optimizer), for Perfetto or chrome://tracing"),
+                      "writes, optimizer, the RSS as a counter), for Perfetto or "
+                      "chrome://tracing"),
     "dist_timeout": ("S", "under torchrun: seconds a rank waits for the others before it "
                           "stops with an error naming the rank that died (default 300)"),
     "config": ("FILE", "a TOML file of options; flags win over it"),
