@@ -1,6 +1,7 @@
 """The host allocator policy of RAM budgets: malloc caches freed blocks, HostRoom gives them
 back before an operation that would otherwise pass the budget."""
 import sys
+import threading
 import time
 
 import pytest
@@ -87,3 +88,15 @@ def test_the_guard_gives_the_caches_back_when_a_fresh_mapping_passes_the_limit()
     time.sleep(0.05)
     assert room.guard_trims == 1  # still over the limit with nothing cached: no more trims
     del fresh
+
+
+def test_only_the_last_guard_started_runs():
+    first, second = HostRoom(limit=0), HostRoom(limit=0)
+    first.start_guard(1 << 50)
+    second.start_guard(1 << 50)
+    for _ in range(200):
+        names = [t.name for t in threading.enumerate()]
+        if names.count("tierflow-rss-guard") == 1:
+            break
+        time.sleep(0.005)
+    assert names.count("tierflow-rss-guard") == 1

@@ -121,11 +121,14 @@ class HostRoom:
         self._outside_malloc: int | None = None
 
     def start_guard(self, level: int, interval: float = GUARD_INTERVAL) -> None:
-        """Watch the RSS from a daemon thread, which ends when this HostRoom is collected."""
+        """Watch the RSS from a daemon thread. One HostRoom per process is guarded, the last
+        one started: the thread ends when a later one starts or this one is collected."""
+        global _guarded
         started = self.guard_level is not None
         self.guard_level = level
+        _guarded = weakref.ref(self)
         if not started:
-            threading.Thread(target=_guard, args=(weakref.ref(self), interval), daemon=True,
+            threading.Thread(target=_guard, args=(_guarded, interval), daemon=True,
                              name="tierflow-rss-guard").start()
 
     def make_room(self, nbytes: int, fresh: bool = False) -> None:
@@ -147,10 +150,13 @@ class HostRoom:
         return max(0, rss - in_use - self._outside_malloc)
 
 
+_guarded: weakref.ref | None = None  # the HostRoom whose guard runs
+
+
 def _guard(room_ref: weakref.ref, interval: float) -> None:
     """The guard thread of a HostRoom: trim once each time the RSS passes its level."""
     armed = True
-    while (room := room_ref()) is not None:
+    while (room := room_ref()) is not None and _guarded() is room:
         if rss_bytes() <= room.guard_level - GUARD_MARGIN:
             armed = True
         elif armed:
