@@ -39,6 +39,11 @@ class UpdatePass:
     peak: int
 
 
+def with_update_pass(peak: int, update_pass: UpdatePass | None) -> int:
+    """The compute tier's bytes at a step's peak: a plan's ``peak``, or its update pass's."""
+    return max(peak, update_pass.peak if update_pass is not None else 0)
+
+
 @dataclass(frozen=True)
 class Candidate:
     costs: ChainCosts

@@ -37,6 +37,7 @@ from .tier_costs import (
     states_below,
     with_offloaded_tapes,
     with_stashed_boundaries,
+    with_update_pass,
 )
 
 PREFETCH_DEPTHS = (0, 1, 2)  # what the planner tries when the config leaves the depth open
@@ -101,7 +102,7 @@ class TierPlan:
     @property
     def predicted_peak(self) -> int:
         """Bytes of the compute tier at the step's peak: the plan's or the update pass's."""
-        return max(self.plan.predicted_peak, self.update_pass.peak if self.update_pass else 0)
+        return with_update_pass(self.plan.predicted_peak, self.update_pass)
 
     @property
     def on_lower_tiers(self) -> bool:
@@ -158,7 +159,7 @@ class TierSearch:
             if all(_fits(t, held.get(t.name, 0)) for t in problem.lower):
                 costs, update_pass = _costs(candidate, problem, self._state_of)
                 need = budget_for(costs, smallest_budget(costs), self.config)
-                least[tier].append(max(need, update_pass.peak if update_pass else 0))
+                least[tier].append(with_update_pass(need, update_pass))
             if placed is None:
                 continue
             for lower in problem.lower:

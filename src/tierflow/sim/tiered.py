@@ -131,8 +131,7 @@ def _as_placement(setup: Setup, problem: TierProblem, placed: TierPlan,
     stashed = plan.stashed_boundaries()
     mode = "offload" if placed.tapes else ("recompute" if recomputed else "keep")
     mode = "offload+recompute" if stashed else mode
-    update_peak = placed.update_pass.peak if placed.update_pass else 0
-    peaks = {COMPUTE_TIER: max(plan.predicted_peak, update_peak),
+    peaks = {COMPUTE_TIER: placed.predicted_peak,
              "disk": dict(placed.held).get("disk", 0)}
     step = plan.predicted_time * accum + (placed.update_pass.seconds if placed.update_pass
                                           else 0.0)

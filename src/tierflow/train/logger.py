@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..errors import TierflowError
+from ..plan.tier_costs import UpdatePass, with_update_pass
 from ..units import format_bytes
 
 GIB = 2 ** 30
@@ -68,16 +69,16 @@ def _per(value: float) -> str:
 
 def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                  dist: dict[str, Any] | None, precision: PlanPrecision,
-                 update_pass: Any = None) -> tuple[str, dict[str, Any]]:
+                 update_pass: UpdatePass | None = None) -> tuple[str, dict[str, Any]]:
     """The ``[Plan]`` table (bytes per kind and per parameter, the strategy, the predicted
     step) and the fields of its JSON record. The optimizer states (master and moments) are
-    what the plan reserves for the optimizer. ``update_pass`` (a ``tier_costs.UpdatePass``)
-    is the pass after the backward when updates are deferred: its time is part of the step
-    and its peak may be the step's. Under torchrun ``dist`` holds ``world_size``,
-    ``backend``, ``bus_bandwidth`` (bytes/s), ``comm_bytes`` and ``predicted_comm_s``; every
-    figure is this rank's (budgets are per rank)."""
+    what the plan reserves for the optimizer. ``update_pass`` is the pass after the backward
+    when updates are deferred: its time is part of the step and its peak may be the step's.
+    Under torchrun ``dist`` holds ``world_size``, ``backend``, ``bus_bandwidth`` (bytes/s),
+    ``comm_bytes`` and ``predicted_comm_s``; every figure is this rank's (budgets are per
+    rank)."""
     extra = plan.costs.extra
-    peak = max(plan.predicted_peak, update_pass.peak if update_pass else 0)
+    peak = with_update_pass(plan.predicted_peak, update_pass)
     per, dtypes = precision.per, precision.dtypes
     activations = max(0, plan.simulation.peak - grads)
     reserved = extra.get("reserved", 0) or extra.get("optimizer states", 0)  # or fit's own
