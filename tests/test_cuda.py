@@ -1,0 +1,199 @@
+"""The CUDA paths on a real GPU: plans measured with the caching allocator, recomputation
+with the GPU's RNG, AdamW states on host RAM and disk below the GPU, `tierflow train --gpu`,
+and the out-of-memory retry on the real allocator. Skipped without a CUDA GPU (CI has none;
+docs/benchmarks.md says how these ran on a lent H100)."""
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from cli_support import fp32_train_args, records, run_main, train_losses
+from models import hf_sample, tiny_hf
+from side_by_side import train_side_by_side
+
+import tierflow
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CUDA = torch.device("cuda")
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _on_cuda(sample: dict) -> dict:
+    return {k: v.to(CUDA) for k, v in sample.items()}
+
+
+@pytest.fixture(autouse=True)
+def _exact_matmuls():
+    """fp32 matmuls in fp32 (no TF32), so that fitted and plain runs agree to rounding."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.parametrize("planner", ["keep-all", "checkpoint-all"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_same_loss_gradients_and_rng_as_pytorch_on_cuda(family, planner):
+    """Recomputed stages replay their dropout masks from the GPU's generator and leave it
+    where the plain step leaves it."""
+    model = tiny_hf(family, layers=3, dropout=0.1).to(CUDA)
+    reference = copy.deepcopy(model)
+    sample = _on_cuda(hf_sample())
+    module = tierflow.fit(model, sample, planner=planner, gpu="1GiB")
+    assert module.plan.costs.extra["device"].startswith("cuda")
+    if planner == "checkpoint-all":
+        assert module.plan.recomputed_stages()
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        expected = reference(**sample).loss
+        expected.backward()
+        after_plain = torch.rand(1, device=CUDA)
+        torch.manual_seed(seed)
+        loss = module(**sample).loss
+        loss.backward()
+        after_fitted = torch.rand(1, device=CUDA)
+        torch.testing.assert_close(loss, expected)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=lambda m, n=name: f"{n}: {m}")
+        assert torch.equal(after_plain, after_fitted), "recomputation moved the GPU's RNG"
+        model.zero_grad(set_to_none=True)
+        reference.zero_grad(set_to_none=True)
+
+
+def test_a_gpu_budget_below_keep_all_recomputes_and_holds():
+    """Under a GPU budget below keep-all's peak the plan recomputes, and the caching
+    allocator's peak stays within the budget (which covers the parameters and the step, not
+    the process's other tensors)."""
+    model = tiny_hf("llama", layers=4).to(CUDA)
+    sample = _on_cuda(hf_sample(batch=8, seq=64))
+    keep = tierflow.fit(model, sample, planner="keep-all", gpu="1GiB")
+    activations = keep.plan.predicted_peak - keep.plan.costs.static_bytes
+    gc.collect()
+    params = sum(p.nbytes for p in model.parameters())
+    outside = torch.cuda.memory_allocated() - params
+    budget = params + activations * 2 // 3
+    module = tierflow.fit(model, sample, gpu=budget)
+    assert module.plan.recomputed_stages()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    module(**sample).loss.backward()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - outside <= budget
+
+
+_FIRST_FIT = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from models import hf_sample, tiny_hf
+import tierflow
+model = tiny_hf("llama", layers=4).to("cuda")
+sample = {k: v.to("cuda") for k, v in hf_sample(batch=8, seq=64).items()}
+module = tierflow.fit(model, sample, planner="keep-all", gpu="1GiB")
+torch.cuda.reset_peak_memory_stats()
+module(**sample).loss.backward()
+torch.cuda.synchronize()
+inputs = sum(t.untyped_storage().nbytes() for t in sample.values())
+print(module.plan.predicted_peak + inputs, torch.cuda.max_memory_allocated())
+"""
+
+
+def test_the_first_fit_counts_what_the_cuda_runtime_keeps():
+    """In a fresh process the first fit's runs make the cuBLAS workspaces (32 MiB per handle
+    on an H100: the forward's and the autograd thread's), which stay allocated: the plan
+    counts them as static bytes, and its predicted peak is the step's measured one (the
+    workspaces once missed from it: 8 MiB predicted, 75 MiB measured)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run([sys.executable, "-c", _FIRST_FIT, str(Path(__file__).parent)],
+                         capture_output=True, text=True, check=True).stdout
+    predicted, measured = map(int, out.split()[-2:])
+    assert 0.95 * predicted <= measured <= predicted, (predicted, measured)
+
+
+def test_owned_adamw_with_states_in_host_ram_matches_plain():
+    """AdamW owned by tierflow, its states in host RAM when the GPU budget has no room for
+    them: 3 steps as plain AdamW on the GPU. (The disk tier under a real GPU is not built:
+    fit refuses it with one line.)"""
+    from tierflow.exec.host_store import HostStore
+
+    model = tiny_hf("llama", layers=3, dropout=0.1).to(CUDA)
+    reference = copy.deepcopy(model)
+    sample = _on_cuda(hf_sample())
+    weights = sum(p.nbytes for p in model.parameters())
+    roomy = tierflow.fit(copy.deepcopy(model), sample, optimizer=_adamw, gpu="1GiB")
+    # the plan with its states on the GPU, less a third of them: they must go below
+    budget = roomy.plan.predicted_peak - weights
+    module = tierflow.fit(model, sample, optimizer=_adamw, gpu=budget, ram="1GiB")
+    assert isinstance(module.optimizer.disk, HostStore)
+    assert module.plan.predicted_peak <= budget
+    train_side_by_side(module, reference, sample, _adamw)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_train_gpu_matches_the_cpu_run(train_env, tmp_path, capsys):
+    """`tierflow train --gpu` computes on the GPU (host RAM below) with the CPU run's
+    losses, to fp32 rounding across devices."""
+    steps = 3
+    code, _, err = run_main(*fp32_train_args(train_env, tmp_path / "cpu", steps), capsys=capsys)
+    assert code == 0, err
+    code, out, err = run_main(*fp32_train_args(train_env, tmp_path / "gpu", steps, "--gpu",
+                                               "64MiB", "--ram", "1GiB"), capsys=capsys)
+    assert code == 0, err
+    assert "gpu (NVIDIA" in out, out
+    torch.testing.assert_close(train_losses(tmp_path / "gpu"), train_losses(tmp_path / "cpu"),
+                               rtol=1e-4, atol=0.0)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "not fixed: on an H100 a step that ran out of memory in its backward left ~200 MiB of "
+    "the stages' saved tensors allocated (held by autograd, not by tierflow's objects), so "
+    "the retry under 80% ran out again; the retry is tested with an injected error only"))
+def test_a_real_out_of_memory_error_replans_and_retries(train_env, tmp_path, capsys,
+                                                      monkeypatch):
+    """Once the first plan is made, the caching allocator is capped 3% below the memory its
+    step needs, well above what a plan under 80% of its predicted peak needs: step 1 runs
+    out of memory for real, the trainer re-plans from the measured costs and reruns it, and
+    the losses are those of an uncapped run."""
+    from tierflow import api
+
+    gpu = ("--gpu", "4GiB", "--ram", "8GiB", "--seq-len", "128", "--batch-size", "256")
+    code, _, err = run_main(*fp32_train_args(train_env, tmp_path / "free", 2, *gpu),
+                            capsys=capsys)
+    assert code == 0, err
+    total = torch.cuda.get_device_properties(CUDA).total_memory
+    real_fit = api.fit
+    limits: list[int] = []
+
+    def capped_after_the_first_plan(*args, **kwargs):
+        module = real_fit(*args, **kwargs)
+        if not limits:
+            gc.collect()
+            torch.cuda.empty_cache()
+            step = module.plan.predicted_peak - module.plan.costs.static_bytes
+            # the step's allocations are predicted to the MiB (one test run: 547 MiB predicted,
+            # 548 measured), the retry's plan needs 80%: 3% below the first leaves the retry
+            # room for the allocator's split blocks
+            limits.append(torch.cuda.memory_allocated() + int(0.97 * step))
+            torch.cuda.set_per_process_memory_fraction(limits[0] / total)
+        return module
+
+    monkeypatch.setattr(api, "fit", capped_after_the_first_plan)
+    try:
+        code, out, err = run_main(*fp32_train_args(train_env, tmp_path / "capped", 2, *gpu),
+                                  capsys=capsys)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert code == 0, err
+    assert "the GPU ran out of memory at step 1: re-planned under" in out, out[-3000:]
+    assert len(records(tmp_path / "capped" / "log.jsonl", "replan")) == 1
+    torch.testing.assert_close(train_losses(tmp_path / "capped"), train_losses(tmp_path / "free"),
+                               rtol=1e-5, atol=0.0)
