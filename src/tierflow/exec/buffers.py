@@ -5,7 +5,8 @@ A fresh buffer per read is fresh memory: under an exact RAM budget (``exec/memor
 every large allocation is its own mapping, so each read first faults its pages in, on the
 I/O thread, beside the compute. The decoder layers of a model have states of one size, so a
 buffer freed by one stage's write fits the next stage's read: the pool keeps ``keep`` free
-buffers for that, which the plan already counts as the read-ahead it holds.
+buffers for that, which the plan already counts as the read-ahead it holds. Under a GPU the
+buffers are on the GPU: the states come back from host RAM to where their update runs.
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ class BufferPool:
     """Flat byte buffers, taken for a group of tensors and given back when none of them is
     used any more."""
 
-    def __init__(self, keep: int = 1):
+    def __init__(self, keep: int = 1, device: torch.device | str = "cpu"):
         self.keep = keep
+        self.device = torch.device(device)  # where the tensors are used: states read back
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
@@ -54,4 +56,4 @@ class BufferPool:
                 best = min(fits, key=torch.Tensor.numel)
                 self._free.remove(best)
                 return best
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8)
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)

@@ -33,7 +33,8 @@ class OwnedOptimizer:
     updated the states of the next one to update are read on an I/O thread, and the states
     just updated are written back on another: two stages' states besides the one updating.
     Without ``read_ahead`` (a prefetch depth of 0) each stage's states are read at its update.
-    States read from disk live in buffers of a pool, given back once they are written again.
+    States read back live in buffers of a pool on the parameters' device (the GPU's when they
+    wait in host RAM below it), given back once they are written again.
     """
 
     def __init__(self, chain: Chain, factory: OptimizerFactory, disk: DiskStore | None = None,
@@ -58,7 +59,8 @@ class OwnedOptimizer:
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-state-read")
         self._writer = WriteBehind("tierflow-state-write")  # one stage's states queued
         self._reads: dict[int, Future] = {}
-        self._pool = BufferPool()
+        device = next((p.device for ps in self.stage_params for p in ps), torch.device("cpu"))
+        self._pool = BufferPool(device=device)  # states come back to where they update
         self._flat: dict[int, torch.Tensor] = {}  # stage -> the pool buffer its states view
         owned = [j for j, opt in enumerate(self.optimizers) if opt is not None]
         self._first_update = owned[-1] if owned else -1
