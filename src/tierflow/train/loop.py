@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import math
 import time
 from pathlib import Path
@@ -171,6 +172,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     from ..config import FitConfig
     from ..dist import ShardedOptimizer, bus_bandwidth, step_seconds
     from ..exec.offload import offloaded_parameters
+    from ..plan.choose import make_plan
     from ..precision import autocast_context
     from ..precision.rounding import generator_for
     from .checkpoint import latest_checkpoint, save_checkpoint
@@ -344,26 +346,28 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
 
     def replan_after_oom(step: int) -> None:
         """Plan the step again under 80% of the predicted peak that did not fit (or, when no
-        plan fits that, 10% above the least budget that does, if that is below the peak)."""
+        plan fits that, under the least budget that works, if that is below the peak). The
+        plan is made from the costs already measured: measuring the stages again would need
+        GPU memory that just ran out."""
         nonlocal module, tier
-        was, peak = tier.gpu, module.plan.predicted_peak
-        optimizer.zero_grad()
-        module = None
-        if tier.device.type == "cuda":
-            torch.cuda.empty_cache()
+        was, peak, costs = tier.gpu, module.plan.predicted_peak, module.plan.costs
         tier = dataclasses.replace(tier, gpu=int(0.8 * min(was, peak)))
         try:
-            module = plan_step(tier)
+            plan = make_plan(costs, tier.gpu, config, tier="gpu")
         except BudgetError as e:
-            least = int(e.smallest * 1.1)  # a margin: planning again measures the stages again
-            if least >= peak:
+            if e.smallest >= peak:
                 raise TierflowError(f"the GPU ran out of memory at step {step} and no plan "
                                     f"needs less than the {format_bytes(peak)} that did not fit "
                                     "(the least that works is "
                                     f"{format_bytes(e.smallest)}): give a smaller --batch-size "
                                     "or --seq-len, or free the GPU") from None
-            tier = dataclasses.replace(tier, gpu=least)
-            module = plan_step(tier)
+            tier = dataclasses.replace(tier, gpu=e.smallest)
+            plan = make_plan(costs, tier.gpu, config, tier="gpu")
+        module = module.with_plan(plan)
+        optimizer.zero_grad()
+        if tier.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
         logger.print(f"the GPU ran out of memory at step {step}: re-planned under "
                      f"{format_bytes(tier.gpu)} (was {format_bytes(was)}, predicted peak "
                      f"{format_bytes(peak)}): {module.plan.strategy}, predicted peak "
@@ -393,6 +397,8 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
             except torch.OutOfMemoryError:
                 if not retry:
                     raise
+                loss_value = None  # re-planned below, once the handler has let the error go
+            if loss_value is None:
                 replan_after_oom(step)
                 batches.index = position
                 restore_rng(rng)
