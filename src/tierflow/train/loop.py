@@ -355,14 +355,17 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
         try:
             plan = make_plan(costs, tier.gpu, config, tier="gpu")
         except BudgetError as e:
-            if e.smallest >= peak:
+            plan = None
+            if e.smallest < peak:
+                tier = dataclasses.replace(tier, gpu=e.smallest)
+                with contextlib.suppress(BudgetError):  # rotor's rounded table may need more
+                    plan = make_plan(costs, tier.gpu, config, tier="gpu")
+            if plan is None:
                 raise TierflowError(f"the GPU ran out of memory at step {step} and no plan "
                                     f"needs less than the {format_bytes(peak)} that did not fit "
                                     "(the least that works is "
                                     f"{format_bytes(e.smallest)}): give a smaller --batch-size "
                                     "or --seq-len, or free the GPU") from None
-            tier = dataclasses.replace(tier, gpu=e.smallest)
-            plan = make_plan(costs, tier.gpu, config, tier="gpu")
         module = module.with_plan(plan)
         optimizer.zero_grad()
         if tier.device.type == "cuda":
