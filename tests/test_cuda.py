@@ -155,8 +155,9 @@ def test_train_gpu_matches_the_cpu_run(train_env, tmp_path, capsys):
 
 @pytest.mark.xfail(strict=True, reason=(
     "not fixed: on an H100 a step that ran out of memory in its backward left ~200 MiB of "
-    "the stages' saved tensors allocated (held by autograd, not by tierflow's objects), so "
-    "the retry under 80% ran out again; the retry is tested with an injected error only"))
+    "the stages' saved tensors allocated (held by autograd, not by tierflow's objects: the "
+    "open PyTorch issue pytorch/pytorch#82218), so the retry under 80% ran out again; the "
+    "retry is tested with an injected error only"))
 def test_a_real_out_of_memory_error_replans_and_retries(train_env, tmp_path, capsys,
                                                       monkeypatch):
     """Once the first plan is made, the caching allocator is capped 3% below the memory its
