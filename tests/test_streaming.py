@@ -211,11 +211,15 @@ def test_the_smallest_budget_stated_holds_the_update_pass(tmp_path):
     tierflow.fit(model, sample, **clipped)  # warm: the runtime's first-use bytes are paid
     with pytest.raises(tierflow.BudgetError) as error:
         tierflow.fit(model, sample, ram=1, **clipped)
-    smallest = error.value.smallest + (1 << 20)  # a MiB for the noise of measured runtime bytes
+    # 4 MiB for the noise of measured runtime bytes (a CI run measured 2.2 MiB more the
+    # second time): less than what the pass needs beyond the plan, asserted below, so a
+    # stated smallest without the pass would still fail here
+    margin = 4 << 20
+    smallest = error.value.smallest + margin
     module = tierflow.fit(model, sample, ram=smallest, **clipped)
     assert module.update_pass is not None
     assert max(module.plan.predicted_peak, module.update_pass.peak) <= smallest
-    assert module.update_pass.peak > module.plan.predicted_peak  # the pass is what binds
+    assert module.update_pass.peak > module.plan.predicted_peak + margin  # the pass binds
 
 
 def test_the_update_pass_makes_room_before_each_stage():

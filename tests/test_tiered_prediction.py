@@ -90,7 +90,11 @@ def test_adamw_temporaries_are_what_the_trainer_probe_measures(moments):
     from tierflow.precision.adamw import AdamW
     from tierflow.sim.tiered import ADAMW_TRANSIENT_BYTES
 
-    probe = probe_optimizer(lambda ps: AdamW(list(ps), lr=1e-3, moment_dtype=moments),
-                            torch.device("cpu"), meter_for(torch.device("cpu")))
-    assert probe.transient_per_byte == 0.0
-    assert probe.transient_bytes == pytest.approx(ADAMW_TRANSIENT_BYTES[moments], rel=0.25)
+    # the least of three probes: what else the process allocates meanwhile only adds to the
+    # RSS the probe reads (a CI run once read 31% more)
+    probes = [probe_optimizer(lambda ps: AdamW(list(ps), lr=1e-3, moment_dtype=moments),
+                              torch.device("cpu"), meter_for(torch.device("cpu")))
+              for _ in range(3)]
+    assert all(probe.transient_per_byte == 0.0 for probe in probes)
+    least = min(probe.transient_bytes for probe in probes)
+    assert least == pytest.approx(ADAMW_TRANSIENT_BYTES[moments], rel=0.25)
