@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 
 import pytest
 import torch
@@ -112,7 +113,10 @@ def test_the_first_fit_counts_what_the_cuda_runtime_keeps():
     import sys
     from pathlib import Path
 
-    out = subprocess.run([sys.executable, "-c", _FIRST_FIT, str(Path(__file__).parent)],
+    tests = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tests.parent / "src"), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _FIRST_FIT, str(tests)], env=env,
                          capture_output=True, text=True, check=True).stdout
     predicted, measured = map(int, out.split()[-2:])
     assert 0.95 * predicted <= measured <= predicted, (predicted, measured)

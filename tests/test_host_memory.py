@@ -1,17 +1,17 @@
 """The host allocator policy of RAM budgets: malloc caches freed blocks, HostRoom gives them
 back before an operation that would otherwise pass the budget."""
+import os
+import subprocess
 import sys
 import threading
 import time
-import weakref
+from pathlib import Path
 
 import pytest
 import torch
 
-from tierflow.exec import memory
 from tierflow.exec.memory import (
     CACHING_THRESHOLD,
-    GUARD_INTERVAL,
     GUARD_MARGIN,
     HostRoom,
     configure_host_allocator,
@@ -23,15 +23,17 @@ MIB = 1 << 20
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
 
 
-@pytest.fixture(autouse=True)
-def _no_earlier_guard(monkeypatch):
-    """The guard thread of an earlier test's budgeted fit, still alive, would trim the caches
-    these tests count (a full CI run saw a second trim in two of them): it ends at its next
-    look, when another room is the guarded one."""
-    nobody = HostRoom(limit=0)
-    monkeypatch.setattr(memory, "_guarded", weakref.ref(nobody))
-    time.sleep(10 * GUARD_INTERVAL)
-    yield
+def _in_a_fresh_process(scenario: str) -> None:
+    """Run this module's function ``scenario`` in a new interpreter: its malloc heap holds
+    only what the scenario puts there. In a full test run the heap earlier tests left made
+    the estimate of cached blocks read low now and then (a second trim, in two of three
+    clean-clone runs of one day; never in a run of this file, cause not found)."""
+    tests = Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tests.parent / "src"), str(tests), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", f"import test_host_memory as t; t.{scenario}()"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def _cache_freed_blocks() -> int:
@@ -59,6 +61,10 @@ def test_no_room_gives_the_caches_back():
 
 
 def test_cached_blocks_serve_the_growth_without_a_trim():
+    _in_a_fresh_process("_cached_blocks_serve_the_growth")
+
+
+def _cached_blocks_serve_the_growth() -> None:
     cached = _cache_freed_blocks()
     room = HostRoom(limit=cached)
     room.make_room(MIB)  # the first trim measures what is resident outside malloc
@@ -74,6 +80,10 @@ def test_cached_blocks_serve_the_growth_without_a_trim():
 def test_fresh_growth_is_not_served_by_cached_blocks():
     """An operation whose growth is large fresh mappings (a streamed stage's weights and
     gradients) gets no credit for malloc's cached blocks: past the limit, they go back."""
+    _in_a_fresh_process("_fresh_growth_is_not_served")
+
+
+def _fresh_growth_is_not_served() -> None:
     cached = _cache_freed_blocks()
     room = HostRoom(limit=cached)
     room.make_room(MIB)  # the first trim measures what is resident outside malloc
