@@ -2,7 +2,7 @@
 """W2 (tinyllama-1.1b, seq 1024, batch 2, bf16 autocast, AdamW) trained by `tierflow train
 --ram R --disk DIR` against Hugging Face gradient checkpointing, each in a fresh process.
 
-    ./run python benchmarks/train_w2.py [--steps 3] [--runs 4GiB,4GiB:0,2GiB,8GiB]
+    ./run python benchmarks/train_w2.py [--steps 3] [--runs 4GiB,4GiB:0,4GiB:serial,2GiB,8GiB]
                                         [--disk DIR] [--tag TAG]
 
 The peer is `peers.py train --mode hf-ckpt --arch tinyllama-1.1b --seq 1024 --batch 2`
@@ -10,8 +10,10 @@ The peer is `peers.py train --mode hf-ckpt --arch tinyllama-1.1b --seq 1024 --ba
 optimizer settings (`--lr 1e-4 --warmup 0 --clip 0 --weight-decay 0.01`: torch's default),
 its model built module by module onto the disk tier (it never exists whole in memory), once
 per `--runs` entry RAM[:PREFETCH] (by default at 4 GiB with the prefetch depth the planner
-chooses and with prefetch off, `--prefetch 0`: weights, optimizer states and tapes read when
-needed, the overlap check; then at 2 and 8 GiB). Every run is
+chooses; with prefetch off, `--prefetch 0`: the plan made for reading nothing ahead, its
+weights, optimizer states and tapes read when needed; with `serial` for PREFETCH,
+`--serial-reads`: the planner's plan for its depth with every read on demand, the same
+placement without the overlap; then at 2 and 8 GiB). Every run is
 wrapped in `/usr/bin/time -v`; a run that fails is reported with its error line.
 
 Reported per run: the median step time of the steps after the first (warm-up), tok/s and
@@ -45,6 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT.parent / "shared" / "peers" / "peers.py"
 RESULTS = ROOT / "benchmarks" / "results"
 SEQ, BATCH, VOCAB = 1024, 2, 32000
+SERIAL = "serial"  # a --runs PREFETCH: the planner's plan with every read on demand
 
 
 def peer(steps: int) -> dict:
@@ -59,11 +62,13 @@ def peer(steps: int) -> dict:
                                                          - row["baseline_rss_gib"], 3)}
 
 
-def tierflow(ram: str, prefetch: int | None, steps: int, data: Path, disk: Path,
+def tierflow(ram: str, prefetch: int | str | None, steps: int, data: Path, disk: Path,
              work: Path, stamp: str) -> dict:
     """One `tierflow train` run in a fresh process under /usr/bin/time -v (``prefetch`` None:
-    the planner's choice)."""
-    name = f"--ram {ram}" + (f" --prefetch {prefetch}" if prefetch is not None else "")
+    the planner's choice; "serial": its plan with every read on demand)."""
+    serial = prefetch == SERIAL
+    name = f"--ram {ram}" + (" --serial-reads" if serial else
+                             f" --prefetch {prefetch}" if prefetch is not None else "")
     depth = "auto" if prefetch is None else prefetch
     out, log = work / "out", work / "log.jsonl"
     trace = RESULTS / f"train-w2-{stamp}-{ram}-prefetch{depth}.trace.json"
@@ -73,7 +78,9 @@ def tierflow(ram: str, prefetch: int | None, steps: int, data: Path, disk: Path,
            "--lr", "1e-4", "--warmup", "0", "--clip", "0", "--weight-decay", "0.01",
            "--eval-every", "0", "--ram", ram, "--disk", str(disk),
            "--out", str(out), "--log", str(log), "--trace", str(trace)]
-    if prefetch is not None:
+    if serial:
+        cmd += ["--serial-reads"]
+    elif prefetch is not None:
         cmd += ["--prefetch", str(prefetch)]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     started = dt.datetime.now()
@@ -115,9 +122,10 @@ def tierflow(ram: str, prefetch: int | None, steps: int, data: Path, disk: Path,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--runs", default="4GiB,4GiB:0,2GiB,8GiB",
+    parser.add_argument("--runs", default="4GiB,4GiB:0,4GiB:serial,2GiB,8GiB",
                         help="comma-separated RAM[:PREFETCH], one tierflow run each (no "
-                             "PREFETCH: the planner chooses)")
+                             "PREFETCH: the planner chooses; serial: its plan with every "
+                             "read on demand)")
     parser.add_argument("--disk", default=None, help="where the disk tier and checkpoints go "
                                                      "(default: a temporary directory)")
     parser.add_argument("--tag", default="", help="added to the result files' names, to keep "
@@ -129,8 +137,9 @@ def main() -> None:
     rows = [] if args.skip_peer else [peer(args.steps)]
     if rows:
         print(f"  peer: step {rows[0]['step_s_median']} s", flush=True)
-    configs = [(ram, int(prefetch[0]) if prefetch else None) for ram, *prefetch in
-               (run.split(":") for run in args.runs.split(","))]
+    configs = [(ram, (prefetch[0] if prefetch[0] == SERIAL else int(prefetch[0]))
+                if prefetch else None)
+               for ram, *prefetch in (run.split(":") for run in args.runs.split(","))]
     with tempfile.TemporaryDirectory(dir=args.disk) as tmp:
         data = random_token_files(Path(tmp) / "data", VOCAB)
         for ram, prefetch in configs:
@@ -170,13 +179,14 @@ def main() -> None:
 
 
 def overlap_lines(rows: list[dict]) -> list[str]:
-    """A paragraph per budget run both with prefetch and without (depth 0): the ratio of
-    their steps and the least ratio the main thread's own work allows."""
+    """A paragraph per budget run both with prefetch and without (depth 0, and the same plan
+    with every read on demand): the ratios of their steps and the least ratio the main
+    thread's own work allows."""
     lines: list[str] = []
     by_run = {(r["ram"], r["prefetch"]): r for r in rows if "prefetch" in r and "error" not in r}
     for (ram, prefetch), row in by_run.items():
         off = by_run.get((ram, 0))
-        if row["prefetch_depth"] and off is not None:
+        if prefetch != SERIAL and row["prefetch_depth"] and off is not None:
             on_s, off_s = row["step_s_median"], off["step_s_median"]
             busy = row["busy_s_per_step"]
             # compute and updates run one after the other on the main thread; only the reads
@@ -192,6 +202,15 @@ def overlap_lines(rows: list[dict]) -> list[str]:
                           f"per step (busy figures average all steps, the first included): "
                           f"no prefetch can make the step shorter, so "
                           f"{work / off_s:.2f}x is the least ratio here."]
+            serial = by_run.get((ram, SERIAL))
+            if serial is not None:
+                serial_s = serial["step_s_median"]
+                lines += ["", f"The same plan with every read on demand (`--serial-reads`: "
+                              f"depth {row['prefetch_depth']}'s placement, nothing read ahead) "
+                              f"took {serial_s} s per step: with prefetch {on_s / serial_s:.2f}x "
+                              f"of that (the compute waited "
+                              f"{serial['busy_s_per_step']['waiting for weights']} s per step "
+                              f"for weights)."]
     return lines
 
 

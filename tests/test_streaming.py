@@ -326,6 +326,24 @@ def test_deferred_update_options_need_an_owned_optimizer():
         tierflow.fit(tiny_hf("llama"), hf_sample(), optimizer=_adamw, max_grad_norm=0.0)
 
 
+def test_serial_reads_run_a_read_ahead_plan_on_demand(tmp_path):
+    """serial_reads (the overlap benchmark's ablation) keeps the plan made for reading one
+    stage ahead and runs every read on demand: training is plain PyTorch's, nothing is read
+    ahead, and the plan says its prediction assumes reading ahead."""
+    model = tiny_hf("llama", layers=2)
+    reference = copy.deepcopy(model)
+    sample = hf_sample()
+    module = tierflow.fit(model, sample, optimizer=_adamw, disk=tmp_path,
+                          config=FitConfig(planner="checkpoint-all", stream="all",
+                                           prefetch_depth=1, serial_reads=True))
+    assert module.plan.costs.extra["prefetch depth"] == 1
+    assert "every read runs on demand (serial_reads)" in module.plan.explain()
+    train_side_by_side(module, reference, sample, _adamw, steps=2)
+    assert module.streamer._reads == {}
+    assert module.optimizer._reads == {}
+    assert not module.optimizer.read_ahead
+
+
 @pytest.mark.parametrize("grad_accum", [1, 4])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_simulated_three_tier_plan(tmp_path, family, grad_accum):

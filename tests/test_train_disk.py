@@ -163,6 +163,10 @@ def test_disk_errors_are_one_line(train_env, tmp_path, capsys):
                             capsys=capsys)
     assert code == 2
     assert_error_line(err, ["--stream all", "--disk"])
+    code, _, err = run_main(*train_args(train_env, tmp_path / "b", "--serial-reads"),
+                            capsys=capsys)
+    assert code == 2
+    assert_error_line(err, ["--serial-reads", "--disk DIR"])
     code, _, err = run_main(*train_args(train_env, tmp_path / "c", "--disk", str(tmp_path),
                                         "--compile"), capsys=capsys)
     assert code == 2

@@ -126,9 +126,14 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         chain, placed = auto_head_chunk(attempt, lambda result: result[1])
     plan = placed.plan
     states = placed.states.store if placed.states else None
-    owned = OwnedOptimizer(chain, optimizer, states, read_ahead=placed.depth > 0) \
+    depth = 0 if config.serial_reads else placed.depth  # stages read ahead as the step runs
+    if depth != placed.depth:
+        plan = replace(plan, notes=plan.notes + (
+            f"every read runs on demand (serial_reads): the plan reads {placed.depth} stage(s) "
+            "ahead, and its predicted step assumes it",))
+    owned = OwnedOptimizer(chain, optimizer, states, read_ahead=depth > 0) \
         if optimizer is not None else None
-    streamer = _stream(model, chain, placed, updates_in_backward=not deferred)
+    streamer = _stream(model, chain, placed, depth, updates_in_backward=not deferred)
     host_room = None
     if exact_host:  # profiled with exact thresholds; steps cache, and trim where they must
         configure_host_allocator(CACHING_THRESHOLD)
@@ -153,13 +158,13 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     if placed.tapes is not None:
         tapes = TapeOffload(placed.tapes.store, set(placed.tape_stages),
                             {storage_key(p) for p in model.parameters()},
-                            read_ahead=placed.depth > 0)
+                            read_ahead=depth > 0)
     boundaries = BoundaryStash(placed.boundaries.store) if placed.boundaries else None
     return TierflowModule(model, chain, plan, autocast, device, owned, log, streamer,
                           updates, tapes, host_room, boundaries, placed.update_pass)
 
 
-def _stream(model: nn.Module, chain: Chain, placed: TierPlan, *,
+def _stream(model: nn.Module, chain: Chain, placed: TierPlan, depth: int, *,
             updates_in_backward: bool) -> WeightStreamer | None:
     """Hand the streamed stages' weights to a streamer and bring every other weight of a model
     that starts on disk into memory for good."""
@@ -175,7 +180,7 @@ def _stream(model: nn.Module, chain: Chain, placed: TierPlan, *,
         offloaded = OffloadedParameters(placed.weights.store)
         attach(model, offloaded)
     names = {id(p): name for name, p in model.named_parameters()}
-    streamer = WeightStreamer(streamed, offloaded, placed.depth, names, updates_in_backward)
+    streamer = WeightStreamer(streamed, offloaded, depth, names, updates_in_backward)
     streamer.prefetch(placed.plan.ops)
     return streamer
 

@@ -23,6 +23,9 @@ class FitConfig:
     compile: bool = False  # torch.compile stages that share a kernel (decoder layers), once
     stream: str = "auto"  # stage weights on the disk tier: when needed / never / every stage
     prefetch_depth: int | None = None  # stages read ahead of use (0: on demand); None: chosen
+    # run the plan (made for its prefetch depth) with every read on demand: what reading
+    # ahead saves is the difference (the overlap benchmark's ablation)
+    serial_reads: bool = False
     simulated_gpu: bool = False  # a CPU model planned as on a GPU of fit(gpu=), RAM below
     offload_tapes: str = "auto"  # tapes on the lower tier, not recomputed: auto/never/all
     # checkpoints on the lower tier while unneeded (offload beside recompute): auto/never/all

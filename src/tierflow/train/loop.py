@@ -199,6 +199,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     sample = {"input_ids": sample_batch[:, :-1], "shift_labels": sample_batch[:, 1:]}
     config = FitConfig(planner=RECOMPUTE[opts.recompute], compile=opts.compile,
                        stream=opts.stream, prefetch_depth=opts.prefetch,
+                       serial_reads=opts.serial_reads,
                        simulated_gpu=tier.simulated)
     groups = param_groups(params, opts)
     # with --disk, the per-stage optimizers' one stochastic-rounding stream (see owned.py)

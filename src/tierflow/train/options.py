@@ -48,6 +48,7 @@ class TrainOptions:
     disk: str | None = None  # a directory for the disk tier (weights and optimizer states)
     stream: str = "auto"  # with --disk: stream the weights that must (auto) or all of them
     prefetch: int | None = None  # with --disk: stages read ahead (0: on demand); None: planned
+    serial_reads: bool = False  # with --disk: the plan's reads on demand (the overlap ablation)
     seq_len: int = 256
     batch_size: int = 4
     grad_accum: int = 1
@@ -122,6 +123,12 @@ class TrainOptions:
         if self.ram is not None:
             parse_bytes(self.ram, what="--ram")
         self._validate_gpu(world_size)
+        if not isinstance(self.serial_reads, bool):
+            raise TierflowError(f"serial_reads = {self.serial_reads!r} in the config file is not "
+                                "a boolean: use true or false")
+        if self.serial_reads and self.disk is None:
+            raise TierflowError("--serial-reads runs the disk tier's reads on demand: give "
+                                "--disk DIR too")
         if not isinstance(self.compile, bool):
             raise TierflowError(f"compile = {self.compile!r} in the config file is not a "
                                 "boolean: use true or false")
@@ -208,11 +215,11 @@ class TrainOptions:
 
     def inherit(self, saved: dict[str, Any]) -> None:
         """With --resume: the options of the checkpoint's run for those not given now
-        (--out, --log, --resume, --config and --trace are never inherited; nor are --stream
-        and --prefetch when --disk is given, ``--disk none`` included)."""
+        (--out, --log, --resume, --config and --trace are never inherited; nor are --stream,
+        --prefetch and --serial-reads when --disk is given, ``--disk none`` included)."""
         never = {"given", "out", "log", "resume", "config", "trace"}
         if "disk" in self.given:
-            never |= {"stream", "prefetch"}
+            never |= {"stream", "prefetch", "serial_reads"}
         for f in fields(self):
             if f.name in saved and f.name not in self.given and f.name not in never:
                 setattr(self, f.name, saved[f.name])
@@ -315,6 +322,9 @@ _HELP = {
                       "ahead of the one computing (default: the planner's choice, the fastest "
                       "that fits --ram; 0 reads each on demand; checkpoints stashed on disk "
                       "are always read one backward ahead)"),
+    "serial_reads": (None, "with --disk: run the plan made for its prefetch depth with every "
+                           "weight, optimizer state and tape read on demand, to measure what "
+                           "reading ahead saves (the [Plan] prediction still assumes it)"),
     "trace": ("FILE", "write a Chrome-trace JSON of every step (compute, disk reads and "
                       "writes, optimizer, the RSS as a counter), for Perfetto or "
                       "chrome://tracing"),
@@ -334,7 +344,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name == "given":
             continue
         metavar, help_text = _HELP[f.name]
-        if f.name in ("compile", "simulate_gpu"):
+        if f.name in ("compile", "simulate_gpu", "serial_reads"):
             parser.add_argument(_flag(f.name), action="store_true", default=None,
                                 help=help_text)
         elif f.name == "dtype":
