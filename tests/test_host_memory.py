@@ -1,14 +1,12 @@
 """The host allocator policy of RAM budgets: malloc caches freed blocks, HostRoom gives them
 back before an operation that would otherwise pass the budget."""
-import os
-import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
+from fresh_process import run_in_fresh_process
 
 from tierflow.exec.memory import (
     CACHING_THRESHOLD,
@@ -21,19 +19,6 @@ from tierflow.exec.memory import (
 MIB = 1 << 20
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
-
-
-def _in_a_fresh_process(scenario: str) -> None:
-    """Run this module's function ``scenario`` in a new interpreter: its malloc heap holds
-    only what the scenario puts there. In a full test run the heap earlier tests left made
-    the estimate of cached blocks read low now and then (a second trim, in two of three
-    clean-clone runs of one day; never in a run of this file, cause not found)."""
-    tests = Path(__file__).parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(tests.parent / "src"), str(tests), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", f"import test_host_memory as t; t.{scenario}()"],
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def _cache_freed_blocks() -> int:
@@ -61,7 +46,7 @@ def test_no_room_gives_the_caches_back():
 
 
 def test_cached_blocks_serve_the_growth_without_a_trim():
-    _in_a_fresh_process("_cached_blocks_serve_the_growth")
+    run_in_fresh_process("test_host_memory", "_cached_blocks_serve_the_growth")
 
 
 def _cached_blocks_serve_the_growth() -> None:
@@ -80,7 +65,7 @@ def _cached_blocks_serve_the_growth() -> None:
 def test_fresh_growth_is_not_served_by_cached_blocks():
     """An operation whose growth is large fresh mappings (a streamed stage's weights and
     gradients) gets no credit for malloc's cached blocks: past the limit, they go back."""
-    _in_a_fresh_process("_fresh_growth_is_not_served")
+    run_in_fresh_process("test_host_memory", "_fresh_growth_is_not_served")
 
 
 def _fresh_growth_is_not_served() -> None:

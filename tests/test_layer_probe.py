@@ -5,7 +5,7 @@ import pytest
 from tierflow.sim.layer_probe import PROBE_CONFIG, PROBE_STEP, _rates, measure_layer_rates
 from tierflow.sim.precision import RunPrecision
 from tierflow.sim.shapes import shape_from_config
-from tierflow.sim.stages import TRAFFIC, attention_flops, dense_flops, layer_activation_bytes
+from tierflow.sim.stages import attention_flops, dense_flops, layer_traffic
 
 PEAK, MEMCPY = 4e11, 2e10
 
@@ -15,7 +15,7 @@ def test_rates_price_the_probe_at_its_measured_time():
     matmul, attention, elementwise = 0.5, 0.2, 0.3
     rates = _rates(shape, PROBE_STEP, PEAK, MEMCPY, 1.0, matmul, attention, elementwise)
     regime = RunPrecision("fp32", "none", "fp32", "bf16").regime
-    traffic = sum(TRAFFIC[regime]) * layer_activation_bytes(shape, PROBE_STEP, regime)
+    traffic = sum(layer_traffic(shape, PROBE_STEP, regime))
     # forward + backward = 3 x the forward's FLOPs, as stages.chain_costs charges them
     assert 3 * dense_flops(shape, PROBE_STEP) / (PEAK * rates.matmul_efficiency) == \
         pytest.approx(matmul)

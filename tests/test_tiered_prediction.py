@@ -4,6 +4,7 @@ its smallest budgets are exact, and a budget below them gets the one-line error.
 from __future__ import annotations
 
 import pytest
+from fresh_process import run_in_fresh_process
 
 from tierflow.config import FitConfig
 from tierflow.plan.placement import PlacementError
@@ -83,6 +84,10 @@ def test_adamw_temporaries_are_what_the_trainer_probe_measures(moments):
     """The fixed temporaries the prediction prices each update with are what the trainer's
     own probe measures for its AdamW (which works through a parameter in slices, so they
     do not grow with it; the RSS sampling the probe reads varies by about 10%)."""
+    run_in_fresh_process("test_tiered_prediction", "_probe_matches_the_prediction", moments)
+
+
+def _probe_matches_the_prediction(moments: str) -> None:
     import torch
 
     from tierflow.exec.memory import meter_for
@@ -91,7 +96,7 @@ def test_adamw_temporaries_are_what_the_trainer_probe_measures(moments):
     from tierflow.sim.tiered import ADAMW_TRANSIENT_BYTES
 
     # the least of three probes: what else the process allocates meanwhile only adds to the
-    # RSS the probe reads (a CI run once read 31% more)
+    # RSS the probe reads
     probes = [probe_optimizer(lambda ps: AdamW(list(ps), lr=1e-3, moment_dtype=moments),
                               torch.device("cpu"), meter_for(torch.device("cpu")))
               for _ in range(3)]

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .context import AutocastMode
+from .recast import WeightCast, weight_cast
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -72,17 +73,22 @@ def forward_taped(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autoca
                   *, input_grad: bool, offload: tuple[Any, Any] | None = None) -> Taped:
     """Forward with autograd; the graph reaches back only to ``xin`` and the parameters.
     ``offload``: (pack, unpack) hooks that may move saved tensors to a lower tier (see
-    exec/tapes.py); what they keep in memory is what the tape holds."""
+    exec/tapes.py); what they keep in memory is what the tape holds. Casts of the stage's
+    weights are left out of the tape and made again in backward (exec/recast.py)."""
     recorder = _SavedRecorder()
-    pack, unpack = recorder.pack, recorder.unpack
-    if offload is not None:
-        move, fetch = offload
+    move, fetch = offload if offload is not None else (None, recorder.unpack)
+    params = {id(p) for p in stage.parameters()}
 
-        def pack(t: torch.Tensor) -> Any:
-            saved = move(t)
-            return recorder.pack(saved) if isinstance(saved, torch.Tensor) else saved
+    def pack(t: torch.Tensor) -> Any:
+        cast = weight_cast(t, params)
+        if cast is not None:  # made again in backward, not kept (see exec/recast.py)
+            return cast
+        saved = move(t) if move is not None else t
+        return recorder.pack(saved) if isinstance(saved, torch.Tensor) else saved
 
-        unpack = fetch
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor() if isinstance(saved, WeightCast) else fetch(saved)
+
     xin = as_leaf(x, input_grad)
     with torch.enable_grad(), autocast(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         y = stage(xin, ctx)

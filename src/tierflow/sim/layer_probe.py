@@ -2,7 +2,7 @@
 
 The analytic model splits a layer's time into matmuls (FLOPs at a fraction of the matmul
 peak), causal attention (FLOPs at its own fraction) and element-wise work (the traffic
-``TRAFFIC`` counts, at a fraction of memcpy's bandwidth). Micro-benchmarks of each part
+``layer_traffic`` counts, at a fraction of memcpy's bandwidth). Micro-benchmarks of each part
 alone are too kind: in a real layer the matmuls read transposed operands and write fresh
 outputs, and the element-wise work is many small eager kernels, dtype casts under autocast
 and Python between them. So ``tierflow calibrate`` runs one Llama decoder layer of a probe
@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 
 from ..errors import TierflowError
 from .shapes import ModelShape, shape_from_config
-from .stages import TRAFFIC, StepShape, attention_flops, dense_flops, layer_activation_bytes
+from .stages import StepShape, attention_flops, dense_flops, layer_traffic
 
 # hidden 1024, 16 heads of 64, 4 KV heads, SwiGLU 2816; 4 sequences of 1024 tokens
 PROBE_CONFIG = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 1024,
@@ -35,7 +35,7 @@ class LayerRates:
 
     matmul_efficiency: float  # of the bf16 matmul peak
     attention_efficiency: float  # of the bf16 matmul peak, causal attention fwd + bwd
-    memory_efficiency: float  # of memcpy's bandwidth, for TRAFFIC's element-wise bytes
+    memory_efficiency: float  # of memcpy's bandwidth, for layer_traffic's element-wise bytes
     layer_seconds: float  # the probe layer's forward + backward, measured
 
 
@@ -98,12 +98,11 @@ def _rates(shape: ModelShape, step: StepShape, peak_bf16: float, memory_bw: floa
            seconds: float, matmul: float, attention: float, elementwise: float) -> LayerRates:
     """The fractions that price the probe's parts at the seconds they took (forward and
     backward: the backward costs twice the forward's FLOPs)."""
-    fwd_traffic, bwd_traffic = TRAFFIC["autocast"]  # fp32 weights, bf16 matmuls: the trainer's
-    tape = layer_activation_bytes(shape, step, "autocast")
+    fwd_bytes, bwd_bytes = layer_traffic(shape, step, "autocast")  # the trainer's regime
     return LayerRates(
         matmul_efficiency=3 * dense_flops(shape, step) / (matmul * peak_bf16),
         attention_efficiency=3 * attention_flops(shape, step) / (attention * peak_bf16),
-        memory_efficiency=(fwd_traffic + bwd_traffic) * tape / (elementwise * memory_bw),
+        memory_efficiency=(fwd_bytes + bwd_bytes) / (elementwise * memory_bw),
         layer_seconds=seconds)
 
 

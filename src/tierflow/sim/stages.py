@@ -19,7 +19,8 @@ from .shapes import ModelShape
 # (per hidden, per kv width, per MLP width) for a gated MLP; a plain MLP keeps half the MLP
 # term. fp32 and autocast (fp32 residual stream, bf16 matmuls) were measured with the
 # profiler's saved-tensor hooks on Llama layers (h = 256, kv = 64 and 256, i = 512 and 704):
-# fp32 28h + 8kv + 16i, autocast 26h + 4kv + 8i plus the bf16 copy of the layer's weights.
+# fp32 28h + 8kv + 16i, autocast 26h + 4kv + 8i (the bf16 copies of the layer's weights the
+# matmuls save are left out of the tape and made again in backward: exec/recast.py).
 # "low" (bf16 everywhere, fused kernels) is DESIGN's 12h + 4kv + 6i less the 2h input.
 ACTIVATION_COEFFS = {"fp32": (28, 8, 16), "autocast": (26, 4, 8), "low": (10, 4, 6)}
 # Element-wise traffic of a stage, as (forward, backward) multiples of the activation bytes
@@ -77,8 +78,17 @@ def layer_activation_bytes(shape: ModelShape, step: StepShape, regime: str) -> i
     ch, ckv, ci = ACTIVATION_COEFFS[regime]
     ci = ci if shape.gated else ci / 2
     per_token = ch * shape.hidden + ckv * shape.kv_width + ci * shape.mlp + 4 * shape.heads + 8
-    weights_copy = 2 * shape.layer_matmul_params() if regime == "autocast" else 0
-    return int(per_token * step.tokens) + weights_copy
+    return int(per_token * step.tokens)
+
+
+def layer_traffic(shape: ModelShape, step: StepShape, regime: str) -> tuple[float, float]:
+    """Bytes a decoder layer's element-wise work moves in its forward and in its backward:
+    its kept activations written and read (``TRAFFIC``) and, under autocast, its weights cast
+    to bf16 in the forward and again in the backward (4 bytes read and 2 written per weight)."""
+    fwd_traffic, bwd_traffic = TRAFFIC[regime]
+    tape = layer_activation_bytes(shape, step, regime)
+    cast = 6 * shape.layer_matmul_params() if regime == "autocast" else 0
+    return fwd_traffic * tape + cast, bwd_traffic * tape + cast
 
 
 def head_traffic(shape: ModelShape, step: StepShape, regime: str,
@@ -119,17 +129,16 @@ def chain_costs(shape: ModelShape, step: StepShape, precision: RunPrecision, hw:
     width = 4 if precision.model == "fp32" else 2
     x_bytes = step.tokens * shape.hidden * act
 
-    fwd_traffic, bwd_traffic = TRAFFIC[regime]
-
-    # a forward without tape under autocast casts the layer's weights to bf16 all the same:
-    # with a tape the copies are saved (layer_activation_bytes), without one they are transient
+    # a forward under autocast casts the layer's weights to bf16, with a tape or without:
+    # the copies are transient (the tape leaves them out, exec/recast.py)
     casts = 2 * shape.layer_matmul_params() if regime == "autocast" else 0
+    fwd_bytes, bwd_bytes = layer_traffic(shape, step, regime)
 
     def timed(name: str, matmul_seconds: float, tape: int, params: int) -> StageCost:
-        fwd = matmul_seconds + fwd_traffic * tape / memory
-        bwd = 2 * matmul_seconds + bwd_traffic * tape / memory
+        fwd = matmul_seconds + fwd_bytes / memory
+        bwd = 2 * matmul_seconds + bwd_bytes / memory
         return StageCost(name, fwd, bwd, params * width, x_bytes, tape,
-                         fwd_transient_nograd=casts)
+                         fwd_transient=casts, fwd_transient_nograd=casts)
 
     tied = shape.vocab * shape.hidden if shape.tied else 0  # its gradient is "shared"
     embed = StageCost("embed", x_bytes / memory,
