@@ -4,8 +4,8 @@ import copy
 
 import pytest
 import torch
-from models import VOCAB, hf_sample, tiny_hf
 from fresh_process import run_in_fresh_process
+from models import VOCAB, hf_sample, tiny_hf
 from side_by_side import gathered_parameters, train_accumulating, train_side_by_side
 
 import tierflow
