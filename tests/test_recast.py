@@ -154,7 +154,7 @@ def test_streamed_weights_and_disk_tapes_under_autocast_train_like_plain_pytorch
         plain.zero_grad(set_to_none=True)
         torch.testing.assert_close(loss, expected, rtol=1e-3, atol=0.0,
                                    msg=lambda m, s=step: f"step {s}: {m}")
-    layers = [p for stage in module._chain.stages[1:-1] for p in stage.parameters()]
+    layers = [p for stage in module.chain.stages[1:-1] for p in stage.parameters()]
     assert {id(p) for p in layers if p.dim() == 2} <= recast
     ours = gathered_parameters(module)
     for name, theirs in reference.named_parameters():
