@@ -123,21 +123,22 @@ class TrainOptions:
         if self.ram is not None:
             parse_bytes(self.ram, what="--ram")
         self._validate_gpu(world_size)
-        if not isinstance(self.serial_reads, bool):
-            raise TierflowError(f"serial_reads = {self.serial_reads!r} in the config file is not "
-                                "a boolean: use true or false")
+        self._require_bool("serial_reads")
         if self.serial_reads and self.disk is None:
             raise TierflowError("--serial-reads runs the disk tier's reads on demand: give "
                                 "--disk DIR too")
-        if not isinstance(self.compile, bool):
-            raise TierflowError(f"compile = {self.compile!r} in the config file is not a "
-                                "boolean: use true or false")
+        self._require_bool("compile")
         return self
 
+    def _require_bool(self, name: str) -> None:
+        """A flag's value from a config file must be true or false (argparse gives bools)."""
+        value = getattr(self, name)
+        if not isinstance(value, bool):
+            raise TierflowError(f"{name} = {value!r} in the config file is not a boolean: use "
+                                "true or false")
+
     def _validate_gpu(self, world_size: int) -> None:
-        if not isinstance(self.simulate_gpu, bool):
-            raise TierflowError(f"simulate_gpu = {self.simulate_gpu!r} in the config file is not "
-                                "a boolean: use true or false")
+        self._require_bool("simulate_gpu")
         if self.gpu is None:
             if self.simulate_gpu:
                 raise TierflowError("--simulate-gpu needs --gpu SIZE: the budget of the GPU to "
