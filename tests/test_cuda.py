@@ -12,9 +12,10 @@ import pytest
 import torch
 from cli_support import fp32_train_args, records, run_main, train_losses
 from models import hf_sample, tiny_hf
-from side_by_side import train_side_by_side
+from side_by_side import gathered_parameters, train_accumulating, train_side_by_side
 
 import tierflow
+from tierflow import FitConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -141,6 +142,64 @@ def test_owned_adamw_with_states_in_host_ram_matches_plain():
     train_side_by_side(module, reference, sample, _adamw)
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("grad_accum", [1, 4])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_weights_streamed_from_host_ram_match_plain(family, grad_accum):
+    """Every stage's weights live in page-locked host RAM and come to the GPU on a side
+    stream ahead of their forward and backward (updated weights go back the same way, and
+    with 4 micro-batches the gradients wait in host RAM too): 3 AdamW steps as plain PyTorch
+    on the GPU."""
+    from tierflow.exec.host_store import HostStore
+
+    model = tiny_hf(family, layers=3, dropout=0.1).to(CUDA)
+    reference = copy.deepcopy(model)
+    samples = [_on_cuda(hf_sample(seed=k)) for k in range(grad_accum)]
+    module = tierflow.fit(model, samples[0], optimizer=_adamw, gpu="1GiB", ram="1GiB",
+                          grad_accum=grad_accum,
+                          max_grad_norm=0.5 if grad_accum > 1 else None,
+                          config=FitConfig(stream="all", planner="checkpoint-all"))
+    store = module.streamer.offloaded.store
+    assert isinstance(store, HostStore) and store.peak_bytes > 0
+    streamed = [p for params in module.streamer.stage_params.values() for p in params]
+    assert streamed and all(p.device.type == "cuda" for p in streamed)
+    if grad_accum > 1:
+        train_accumulating(module, reference, samples, _adamw)
+    else:
+        train_side_by_side(module, reference, samples[0], _adamw)
+    gathered = gathered_parameters(module)
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(gathered[name].to(CUDA), q, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("grad_accum", [1, 4])
+def test_streamed_weights_leave_the_gpu_within_the_plan(grad_accum):
+    """With every stage's weights streamed from host RAM, a step's GPU peak (what the
+    process held before fit aside) stays within the plan's predicted peak (its update pass
+    included), which counts only the stages in flight, not the whole model."""
+    from tierflow.plan.tier_costs import with_update_pass
+
+    model = tiny_hf("llama", layers=4).to(CUDA)
+    samples = [_on_cuda(hf_sample(batch=8, seq=64, seed=k)) for k in range(grad_accum)]
+    gc.collect()
+    params = sum(p.nbytes for p in model.parameters())
+    outside = torch.cuda.memory_allocated() - params
+    module = tierflow.fit(model, samples[0], optimizer=_adamw, gpu="1GiB", ram="1GiB",
+                          grad_accum=grad_accum,
+                          config=FitConfig(stream="all", planner="checkpoint-all"))
+    streamed = sum(p.nbytes for ps in module.streamer.stage_params.values() for p in ps)
+    assert streamed > params // 2
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for sample in samples:
+        (module(**sample).loss / grad_accum).backward()
+    module.streamer.settle()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - outside
+    predicted = with_update_pass(module.plan.predicted_peak, module.update_pass)
+    assert peak <= predicted, (peak, predicted)
 
 
 def test_train_gpu_matches_the_cpu_run(train_env, tmp_path, capsys):

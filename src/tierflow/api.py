@@ -98,10 +98,10 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         raise TierflowError("disk= holds optimizer states and weights, which tierflow moves "
                             "only when it owns the optimizer: pass optimizer= too, or leave "
                             "disk out")
-    if config.stream == "all" and disk is None and not config.simulated_gpu:
+    host_tier = tier != "ram"  # under a GPU, real or simulated, host RAM is the next tier
+    if config.stream == "all" and disk is None and not host_tier:
         raise TierflowError("config.stream='all' streams weights from the disk tier: give "
                             "disk=DIR too, or use stream='auto'")
-    host_tier = tier != "ram"  # under a GPU, real or simulated, host RAM is the next tier
     lower = lower_tiers(device, disk, ram_below, host_tier, offloaded) if optimizer else []
     exact_host = budget is not None and tier == "ram"
     if exact_host:

@@ -21,7 +21,7 @@ class FitConfig:
     head_chunk_tokens: int | None = None  # tokens per chunk of the fused LM head + loss; None: auto
     headroom: float = 0.0  # fraction of the budget kept free for what tierflow cannot see
     compile: bool = False  # torch.compile stages that share a kernel (decoder layers), once
-    stream: str = "auto"  # stage weights on the disk tier: when needed / never / every stage
+    stream: str = "auto"  # stage weights on a lower tier: when needed / never / every stage
     prefetch_depth: int | None = None  # stages read ahead of use (0: on demand); None: chosen
     # run the plan (made for its prefetch depth) with every read on demand: what reading
     # ahead saves is the difference (the overlap benchmark's ablation)

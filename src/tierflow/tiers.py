@@ -77,8 +77,9 @@ def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
     RAM under a GPU (real or simulated), then the disk directory when one is given."""
     tiers = []
     if host_tier:
-        tiers.append(LowerTier("ram", measure_copy_bandwidth(), ram,
-                               "host RAM (the tier below the simulated GPU)", HostStore()))
+        below = "the GPU" if device.type != "cpu" else "the simulated GPU"
+        tiers.append(LowerTier("ram", measure_copy_bandwidth(device), ram,
+                               f"host RAM (the tier below {below})", HostStore(device)))
     if disk is not None:
         if device.type != "cpu":
             raise TierflowError(f"disk={disk} with the model on {device}: the disk tier under "

@@ -50,7 +50,7 @@ class GradientStash:
         self._writer.writes.pop(i).result()
         params = self._stashed.pop(i)
         with span(f"read gradients {i}", "disk read"):
-            buffers = [torch.empty(p.shape, dtype=p.dtype) for p in params]
+            buffers = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]
             self.store.read(f"grad-{i}", buffers)
         for p, buffer in zip(params, buffers):
             p.grad = buffer

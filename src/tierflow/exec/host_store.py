@@ -1,10 +1,12 @@
-"""The RAM tier below a (simulated) GPU: tensors kept as host copies, read back by copying.
+"""The RAM tier below a GPU (real or simulated): tensors kept as host copies, read back by
+copying.
 
 It has the disk store's interface (``write``, ``read``, ``bytes``), so whatever streams
-from disk streams from host memory the same way: on a GPU machine this is where weights and
-optimizer states wait between uses; on this CPU-only machine it is the middle tier of the
-simulated three-tier plan (``FitConfig(simulated_gpu=True)``), with real copies, accounted
-apart from the compute tier.
+from disk streams from host memory the same way: on a GPU machine this is where weights,
+optimizer states and tapes wait between uses, in page-locked memory, copied on side streams
+that overlap the compute (``exec/copy_stream.py``); on a CPU-only machine it is the middle
+tier of the simulated three-tier plan (``FitConfig(simulated_gpu=True)``), with real copies,
+accounted apart from the compute tier.
 """
 from __future__ import annotations
 
@@ -12,14 +14,19 @@ import time
 
 import torch
 
+from .copy_stream import SideStreamCopier
+
 
 class HostStore:
-    """Copies of tensors in host memory, one entry per key, reused when rewritten."""
+    """Copies of tensors in host memory, one entry per key, reused when rewritten.
+    ``device``: the compute tier's (on an accelerator the copies are pinned and move on side
+    streams)."""
 
     kind = "ram"
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | str = "cpu") -> None:
         self._entries: dict[str, list[torch.Tensor]] = {}
+        self._copier = SideStreamCopier(device)
         self.peak_bytes = 0
 
     @property
@@ -32,23 +39,26 @@ class HostStore:
         kept = self._entries.get(key)
         if kept is None or [t.shape for t in kept] != [t.shape for t in tensors] or \
                 [t.dtype for t in kept] != [t.dtype for t in tensors]:
-            kept = [torch.empty(t.shape, dtype=t.dtype, device="cpu") for t in tensors]
+            kept = [torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                                pin_memory=self._copier.pinned()) for t in tensors]
             self._entries[key] = kept
-        for copy, t in zip(kept, tensors):
-            copy.copy_(t)
+        self._copier.copy(kept, tensors)
         self.peak_bytes = max(self.peak_bytes, self.bytes)
 
     def read(self, key: str, tensors: list[torch.Tensor]) -> None:
         """Fill ``tensors`` from the copy under ``key``."""
-        for t, copy in zip(tensors, self._entries[key]):
-            t.copy_(copy)
+        self._copier.copy(tensors, self._entries[key])
 
 
-def measure_copy_bandwidth(nbytes: int = 64 << 20) -> float:
-    """Bytes per second of a host-to-host copy (the link of the simulated GPU)."""
-    source = torch.ones(nbytes // 4)
-    target = torch.empty_like(source)
-    target.copy_(source)  # touch the pages first
+def measure_copy_bandwidth(device: torch.device | str = "cpu", nbytes: int = 64 << 20) -> float:
+    """Bytes per second of a copy from host memory to ``device`` (on the CPU, host to host:
+    the link of the simulated GPU; on an accelerator, from page-locked memory)."""
+    device = torch.device(device)
+    accelerator = device.type != "cpu"
+    source = torch.ones(nbytes // 4, pin_memory=accelerator)
+    target = torch.empty_like(source, device=device)
+    copier = SideStreamCopier(device)
+    copier.copy([target], [source])  # touch the pages (and start the stream) first
     start = time.perf_counter()
-    target.copy_(source)
+    copier.copy([target], [source])
     return nbytes / max(time.perf_counter() - start, 1e-9)

@@ -74,11 +74,11 @@ class OffloadedParameters:
         self.store.read(self._files[key], [p.detach()])
 
     def current_copy(self, p: torch.Tensor) -> torch.Tensor:
-        """A fresh tensor with ``p``'s current values: a copy of its storage when resident
-        (it may be newer than its file), else read from its file. Never a view of ``p``:
-        exporting a resizable storage (to numpy, say) would pin its size for good."""
+        """A fresh CPU tensor with ``p``'s current values: a copy of its storage when
+        resident (it may be newer than its file), else read from its file. Never a view of
+        ``p``: exporting a resizable storage (to numpy, say) would pin its size for good."""
         if p.untyped_storage().nbytes():
-            return p.detach().clone()
+            return p.detach().to("cpu", copy=True)
         copy = torch.empty(p.shape, dtype=p.dtype)
         self.store.read(self._files[storage_key(p)], [copy])
         return copy

@@ -177,6 +177,6 @@ def stage_parameters_to_stream(stages: Sequence[nn.Module]) -> dict[int, list[nn
     out: dict[int, list[nn.Parameter]] = {}
     for key, where in users.items():
         p = params[key]
-        if len(where) == 1 and p.is_contiguous() and p.device.type == "cpu":
+        if len(where) == 1 and p.is_contiguous():
             out.setdefault(next(iter(where)), []).append(p)
     return {i: ps for i, ps in sorted(out.items())}
