@@ -14,7 +14,9 @@ AdamW (lr 1e-4, weight decay 0.01). Configurations:
   config=FitConfig(stream="all"))`: every decoder layer's weights in host RAM between uses,
   read ahead on a side stream (the optimizer states where the planner puts them);
 - `stream-serial`: the same plan with every read on demand (`serial_reads=True`);
-- `stream-prefetch0`: the plan made for reading nothing ahead (`prefetch_depth=0`).
+- `stream-prefetch0`: the plan made for reading nothing ahead (`prefetch_depth=0`);
+- `stream-disk` (only when asked for, with `--disk DIR`): `stream` with host RAM cut to
+  `--disk-ram` and the disk directory below it (GPU, RAM, disk).
 Reported: the median step of the steps after the first (the GPU synchronized at each end),
 tok/s and the ratio to `plain`, the GPU's peak allocated and reserved bytes, and the
 PREDICTED step and peak of tierflow's plan.
@@ -32,7 +34,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("plain", "stream", "stream-serial", "stream-prefetch0")
+CONFIGS = ("plain", "stream", "stream-serial", "stream-prefetch0", "stream-disk")
+DEFAULT_CONFIGS = CONFIGS[:4]
 
 
 def run_one(config: str, args: argparse.Namespace) -> dict:
@@ -71,14 +74,17 @@ def run_one(config: str, args: argparse.Namespace) -> dict:
     else:
         options = {"stream-serial": {"serial_reads": True},
                    "stream-prefetch0": {"prefetch_depth": 0}}.get(config, {})
+        tiers = {"ram": args.disk_ram, "disk": args.disk} if config == "stream-disk" else \
+            {"ram": args.ram}
         with autocast:
-            module = tierflow.fit(model, sample, gpu=args.gpu, ram=args.ram, optimizer=adamw,
+            module = tierflow.fit(model, sample, gpu=args.gpu, optimizer=adamw, **tiers,
                                   config=FitConfig(stream="all", simulated_gpu=args.simulate,
                                                    **options))
         plan = {"strategy": module.plan.strategy,
                 "predicted_step_s": round(module.plan.predicted_time, 3),
                 "predicted_peak_gib": round(module.plan.predicted_peak / 2**30, 2),
                 "streamed_stages": len(module.streamer.stage_params) if module.streamer else 0,
+                "placement": placement(module.plan.costs.extra),
                 "explain": module.plan.explain()}
 
         def step() -> float:
@@ -104,6 +110,13 @@ def run_one(config: str, args: argparse.Namespace) -> dict:
             "losses": [round(x, 4) for x in losses], **peaks, **plan}
 
 
+def placement(extra: dict) -> str:
+    """Where a plan keeps the streamed weights and the optimizer states, in a few words."""
+    states = next((k.removeprefix("optimizer states on ") for k in extra
+                   if k.startswith("optimizer states on ")), "gpu")
+    return f"weights: {extra.get('weights tier', 'gpu')}, states: {states}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arch", default="tinyllama-1.1b")
@@ -112,7 +125,10 @@ def main() -> None:
     parser.add_argument("--gpu", default="12GiB", help="tierflow's GPU budget")
     parser.add_argument("--ram", default="64GiB", help="tierflow's host RAM budget")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                        help=f"some of {','.join(CONFIGS)}")
+    parser.add_argument("--disk", help="the disk tier's directory (stream-disk)")
+    parser.add_argument("--disk-ram", default="6GiB", help="host RAM budget of stream-disk")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--tag", default="")
     parser.add_argument("--simulate", action="store_true",
@@ -145,16 +161,18 @@ def write_results(rows: list[dict], args: argparse.Namespace) -> None:
     where = "a simulated GPU on the CPU" if args.simulate else torch.cuda.get_device_name()
     lines = [f"# Weights streamed to the GPU ({stamp}, {where})", "",
              f"`{args.arch}`, seq {args.seq}, batch {args.batch}, bf16 autocast, AdamW; "
-             f"tierflow under `gpu={args.gpu}, ram={args.ram}`; {args.steps} steps after a "
+             f"tierflow under `gpu={args.gpu}, ram={args.ram}` (stream-disk: "
+             f"`ram={args.disk_ram}` and a disk directory); {args.steps} steps after a "
              "warm-up, median. `benchmarks/gpu_stream.py`.", "",
-             "| config | step s | tok/s | vs plain | GPU peak allocated / reserved GiB | "
-             "PREDICTED step s | PREDICTED peak GiB |", "|---|---|---|---|---|---|---|"]
+             "| config | placement | step s | tok/s | vs plain | GPU peak allocated / reserved "
+             "GiB | PREDICTED step s | PREDICTED peak GiB |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "step_s" not in r:
-            lines.append(f"| {r['config']} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {r['config']} | failed: {r['error']} | | | | | | |")
             continue
         ratio = f"{r['tok_s'] / plain['tok_s']:.2f}x" if plain else "-"
-        lines.append(f"| {r['config']} | {r['step_s']} | {r['tok_s']} | {ratio} | "
+        lines.append(f"| {r['config']} | {r.get('placement', '-')} | {r['step_s']} | "
+                     f"{r['tok_s']} | {ratio} | "
                      f"{r.get('gpu_peak_allocated_gib', '-')} / "
                      f"{r.get('gpu_peak_reserved_gib', '-')} | "
                      f"{r.get('predicted_step_s', '-')} | {r.get('predicted_peak_gib', '-')} |")

@@ -1,7 +1,7 @@
 """The CUDA paths on a real GPU: plans measured with the caching allocator, recomputation
-with the GPU's RNG, AdamW states on host RAM and disk below the GPU, `tierflow train --gpu`,
-and the out-of-memory retry on the real allocator. Skipped without a CUDA GPU (CI has none;
-docs/benchmarks.md says how these ran on a lent H100)."""
+with the GPU's RNG, weights and AdamW states streamed from host RAM and disk below the GPU
+on side streams, `tierflow train --gpu`, and the out-of-memory retry on the real allocator.
+Skipped without a CUDA GPU (CI has none; the README says how these ran on a lent H100)."""
 from __future__ import annotations
 
 import copy
@@ -125,8 +125,7 @@ def test_the_first_fit_counts_what_the_cuda_runtime_keeps():
 
 def test_owned_adamw_with_states_in_host_ram_matches_plain():
     """AdamW owned by tierflow, its states in host RAM when the GPU budget has no room for
-    them: 3 steps as plain AdamW on the GPU. (The disk tier under a real GPU is not built:
-    fit refuses it with one line.)"""
+    them: 3 steps as plain AdamW on the GPU."""
     from tierflow.exec.host_store import HostStore
 
     model = tiny_hf("llama", layers=3, dropout=0.1).to(CUDA)
@@ -200,6 +199,36 @@ def test_streamed_weights_leave_the_gpu_within_the_plan(grad_accum):
     peak = torch.cuda.max_memory_allocated() - outside
     predicted = with_update_pass(module.plan.predicted_peak, module.update_pass)
     assert peak <= predicted, (peak, predicted)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 4])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_three_tiers_below_a_real_gpu_match_plain(tmp_path, family, grad_accum):
+    """GPU over host RAM over disk, with RAM too small for both the weights (and their
+    gradients, when updates are deferred) and the AdamW states: one of them streams from
+    page-locked host copies, the other from files (staged through host buffers); 3 steps
+    as plain PyTorch on the GPU."""
+    from tierflow.exec.disk import DiskStore
+    from tierflow.exec.host_store import HostStore
+
+    model = tiny_hf(family, layers=3, dropout=0.1).to(CUDA)
+    reference = copy.deepcopy(model)
+    ram = int(sum(p.nbytes for p in model.parameters()) * 2.5)
+    samples = [_on_cuda(hf_sample(seed=k)) for k in range(grad_accum)]
+    module = tierflow.fit(model, samples[0], optimizer=_adamw, gpu="1GiB", ram=ram,
+                          disk=tmp_path, grad_accum=grad_accum,
+                          max_grad_norm=0.5 if grad_accum > 1 else None,
+                          config=FitConfig(stream="all", planner="checkpoint-all"))
+    weights_store = module.streamer.offloaded.store
+    assert {type(weights_store), type(module.optimizer.disk)} == {HostStore, DiskStore}
+    if grad_accum > 1:
+        train_accumulating(module, reference, samples, _adamw)
+    else:
+        train_side_by_side(module, reference, samples[0], _adamw)
+    gathered = gathered_parameters(module)
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(gathered[name].to(CUDA), q, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_train_gpu_matches_the_cpu_run(train_env, tmp_path, capsys):

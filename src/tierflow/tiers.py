@@ -13,7 +13,6 @@ from torch import nn
 
 from .chain.base import Chain
 from .config import FitConfig
-from .errors import TierflowError
 from .exec import boundaries as boundary_stash
 from .exec import tapes as tape_offload
 from .exec.disk import DiskStore, measure_bandwidth
@@ -81,11 +80,8 @@ def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
         tiers.append(LowerTier("ram", measure_copy_bandwidth(device), ram,
                                f"host RAM (the tier below {below})", HostStore(device)))
     if disk is not None:
-        if device.type != "cpu":
-            raise TierflowError(f"disk={disk} with the model on {device}: the disk tier under "
-                                "a GPU is not built yet; give ram= for host memory only")
         same = offloaded is not None and Path(offloaded.store.directory) == Path(disk)
-        store = offloaded.store if same else DiskStore(disk)
+        store = offloaded.store if same else DiskStore(disk, device=device)
         tiers.append(LowerTier("disk", measure_bandwidth(store.directory), None,
                                f"the disk tier ({store.directory})", store))
     return tiers

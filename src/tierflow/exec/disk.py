@@ -1,6 +1,11 @@
 """The disk tier: tensors kept in files under a directory, one file per key, and read back
 into given buffers (``file_io`` moves the bytes: past the page cache where it can), plus the
 checks and one-line errors for the directory that holds it.
+
+Below a GPU, a tensor on the accelerator goes through a page-locked host buffer of its size
+(taken from torch's caching host allocator, which keeps it for the next transfer of that
+size): copied there on a side stream (``exec/copy_stream.py``) before it is written, read
+there before it is copied up.
 """
 from __future__ import annotations
 
@@ -20,18 +25,22 @@ import torch
 
 from ..errors import TierflowError
 from ..units import format_bytes
+from .copy_stream import SideStreamCopier
 from .file_io import direct_io_supported, file_bytes, read_tensors, write_tensors
 
 
 class DiskStore:
     """Flat files of raw tensor bytes, one per key, in ``directory``; ``direct`` says whether
-    they bypass the page cache (None: whenever the file system allows it)."""
+    they bypass the page cache (None: whenever the file system allows it); ``device``: the
+    compute tier's (tensors there are staged through host buffers)."""
 
-    def __init__(self, directory: str | Path, direct: bool | None = None):
+    def __init__(self, directory: str | Path, direct: bool | None = None,
+                 device: torch.device | str = "cpu"):
         self.directory = Path(directory)
         _check_directory(self.directory)
         self.direct = direct_io_supported(self.directory) if direct is None else direct
         self.sizes: dict[str, int] = {}
+        self._copier = SideStreamCopier(device)
 
     @property
     def bytes(self) -> int:
@@ -39,9 +48,11 @@ class DiskStore:
         return sum(self.sizes.values())
 
     def write(self, key: str, tensors: list[torch.Tensor]) -> None:
-        """Store ``tensors`` (CPU, contiguous) back to back under ``key``, on the device."""
+        """Store ``tensors`` (contiguous) back to back under ``key``, on the device."""
+        host = self._staging(tensors)
+        self._copier.copy(*_staged_pairs(host, tensors))
         try:
-            write_tensors(self.directory / f"{key}.bin", tensors, self.direct)
+            write_tensors(self.directory / f"{key}.bin", host, self.direct)
         except OSError as e:
             raise _disk_error(e, self.directory) from None
         self.sizes[key] = file_bytes(tensors, self.direct)
@@ -49,13 +60,29 @@ class DiskStore:
     def read(self, key: str, tensors: list[torch.Tensor]) -> None:
         """Fill ``tensors`` (shaped as they were written) from the file under ``key``."""
         path = self.directory / f"{key}.bin"
+        host = self._staging(tensors)
         try:
-            complete = read_tensors(path, tensors, self.direct)
+            complete = read_tensors(path, host, self.direct)
         except OSError as e:
             raise _disk_error(e, self.directory) from None
         if not complete:
             raise TierflowError(f"{path} is shorter than the tensors written to it: "
                                 f"the offload directory was changed during the run")
+        self._copier.copy(*_staged_pairs(tensors, host))
+
+    def _staging(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` with each one on an accelerator replaced by a page-locked host buffer
+        of its shape (the file's side of a transfer)."""
+        return [t if t.device.type == "cpu" else
+                torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+
+
+def _staged_pairs(targets: list[torch.Tensor], sources: list[torch.Tensor]
+                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The (targets, sources) of the copies between the staging buffers and the
+    accelerator: the pairs that are not one tensor twice."""
+    pairs = [(t, s) for t, s in zip(targets, sources) if t is not s]
+    return [t for t, _ in pairs], [s for _, s in pairs]
 
 
 class WriteBehind:
