@@ -204,6 +204,9 @@ class HostMeter:
     def current(self) -> int:
         return rss_bytes()
 
+    def finish(self) -> None:
+        """Until the work queued so far is done: on the CPU it is when its call returns."""
+
     def reset_peak(self) -> None:
         self._peak = rss_bytes()
         if self._thread is None:
@@ -233,6 +236,11 @@ class DeviceMeter:
 
     def current(self) -> int:
         return int(self.module.memory_allocated(self.device))
+
+    def finish(self) -> None:
+        """Until the kernels queued so far have run (a timing read before it would time
+        their launches only)."""
+        self.module.synchronize(self.device)
 
     def reset_peak(self) -> None:
         self.module.synchronize(self.device)

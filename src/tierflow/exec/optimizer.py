@@ -271,5 +271,6 @@ def _probe_step(factory: OptimizerFactory, device: torch.device,
     start = time.perf_counter()
     for _ in range(rounds):
         opt.step()
+    meter.finish()
     seconds = (time.perf_counter() - start) / rounds
     return _Step(state, seconds, max(0, meter.peak() - base), probe.nbytes)

@@ -132,6 +132,7 @@ def _round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: Aut
     meter.reset_peak()
     start = time.perf_counter()
     taped = forward_taped(stage, x, ctx, autocast, input_grad=input_grad)
+    meter.finish()
     fwd_time = time.perf_counter() - start
     tape = tape_bytes(taped, held)
     output_in_tape = storage_key(taped.y) in taped.saved
@@ -143,6 +144,7 @@ def _round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: Aut
     meter.reset_peak()
     start = time.perf_counter()
     grads = torch.autograd.grad(taped.y, inputs, grad_y, allow_unused=True) if inputs else ()
+    meter.finish()
     bwd_time = time.perf_counter() - start
     made = sum(g.nbytes for g in grads if g is not None)
     bwd_transient = meter.peak() - base - made
