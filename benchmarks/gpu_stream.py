@@ -16,7 +16,10 @@ AdamW (lr 1e-4, weight decay 0.01). Configurations:
 - `stream-serial`: the same plan with every read on demand (`serial_reads=True`);
 - `stream-prefetch0`: the plan made for reading nothing ahead (`prefetch_depth=0`);
 - `stream-disk` (only when asked for, with `--disk DIR`): `stream` with host RAM cut to
-  `--disk-ram` and the disk directory below it (GPU, RAM, disk).
+  `--disk-ram` and the disk directory below it (GPU, RAM, disk);
+- `host-start` (only when asked for): the model built in host RAM, not on the GPU, and
+  fitted under `--host-start-gpu` with the planner's choice of what streams
+  (`stream="auto"`): fit moves it to the GPU empty and streams what does not fit.
 Reported: the median step of the steps after the first (the GPU synchronized at each end),
 tok/s and the ratio to `plain`, the GPU's peak allocated and reserved bytes, and the
 PREDICTED step and peak of tierflow's plan.
@@ -34,7 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("plain", "stream", "stream-serial", "stream-prefetch0", "stream-disk")
+CONFIGS = ("plain", "stream", "stream-serial", "stream-prefetch0", "stream-disk", "host-start")
 DEFAULT_CONFIGS = CONFIGS[:4]
 
 
@@ -50,7 +53,7 @@ def run_one(config: str, args: argparse.Namespace) -> dict:
     device = torch.device("cpu" if args.simulate else "cuda")
     gpu = torch.cuda if device.type == "cuda" else None
     torch.manual_seed(0)
-    with device:
+    with torch.device("cpu") if config == "host-start" else device:
         model = AutoModelForCausalLM.from_config(preset_config(args.arch))
     tokens = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), device=device)
     sample = {"input_ids": tokens, "labels": tokens}
@@ -76,10 +79,12 @@ def run_one(config: str, args: argparse.Namespace) -> dict:
                    "stream-prefetch0": {"prefetch_depth": 0}}.get(config, {})
         tiers = {"ram": args.disk_ram, "disk": args.disk} if config == "stream-disk" else \
             {"ram": args.ram}
+        host_start = config == "host-start"
         with autocast:
-            module = tierflow.fit(model, sample, gpu=args.gpu, optimizer=adamw, **tiers,
-                                  config=FitConfig(stream="all", simulated_gpu=args.simulate,
-                                                   **options))
+            module = tierflow.fit(model, sample, optimizer=adamw, **tiers,
+                                  gpu=args.host_start_gpu if host_start else args.gpu,
+                                  config=FitConfig(stream="auto" if host_start else "all",
+                                                   simulated_gpu=args.simulate, **options))
         plan = {"strategy": module.plan.strategy,
                 "predicted_step_s": round(module.plan.predicted_time, 3),
                 "predicted_peak_gib": round(module.plan.predicted_peak / 2**30, 2),
@@ -129,6 +134,7 @@ def main() -> None:
                         help=f"some of {','.join(CONFIGS)}")
     parser.add_argument("--disk", help="the disk tier's directory (stream-disk)")
     parser.add_argument("--disk-ram", default="6GiB", help="host RAM budget of stream-disk")
+    parser.add_argument("--host-start-gpu", default="4GiB", help="GPU budget of host-start")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--tag", default="")
     parser.add_argument("--simulate", action="store_true",

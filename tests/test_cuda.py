@@ -231,6 +231,27 @@ def test_three_tiers_below_a_real_gpu_match_plain(tmp_path, family, grad_accum):
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_model_in_host_ram_trains_on_the_gpu(family):
+    """A CPU model with a GPU sample: fit keeps its weights in page-locked host RAM, moves
+    the parameters to the GPU empty and streams them up as the plan says (the model is never
+    whole on the GPU); 3 AdamW steps as plain PyTorch with the model on the GPU."""
+    from tierflow.exec.host_store import HostStore
+
+    model = tiny_hf(family, layers=3, dropout=0.1)
+    reference = copy.deepcopy(model).to(CUDA)
+    sample = _on_cuda(hf_sample())
+    module = tierflow.fit(model, sample, optimizer=_adamw, gpu="1GiB", ram="1GiB",
+                          config=FitConfig(stream="all", planner="checkpoint-all"))
+    assert all(p.device.type == "cuda" for p in model.parameters())
+    assert isinstance(module.streamer.offloaded.store, HostStore)
+    train_side_by_side(module, reference, sample, _adamw)
+    gathered = gathered_parameters(module)
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(gathered[name].to(CUDA), q, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_train_gpu_matches_the_cpu_run(train_env, tmp_path, capsys):
     """`tierflow train --gpu` computes on the GPU (host RAM below) with the CPU run's
     losses, to fp32 rounding across devices."""

@@ -387,6 +387,41 @@ def test_simulated_three_tier_plan(tmp_path, family, grad_accum):
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("stream", ["all", "never"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_model_that_starts_in_host_ram_streams_from_there(family, stream):
+    """A model whose weights start in the RAM tier (``start_in_host_ram``, what fit does with
+    a CPU model and a GPU sample; here below a simulated GPU): fit streams the stages from
+    those copies (``stream="all"``) or brings every weight in for good and drops the copies
+    (``"never"``), and either trains as plain PyTorch."""
+    from tierflow.exec.host_model import start_in_host_ram
+
+    model = tiny_hf(family, layers=3, dropout=0.1)
+    reference = copy.deepcopy(model)
+    sample = hf_sample()
+    offloaded = start_in_host_ram(model, torch.device("cpu"))
+    held = [p for p in model.parameters() if p in offloaded]
+    assert held and sum(p.untyped_storage().nbytes() for p in held) == 0
+    assert offloaded.store.bytes == sum(p.nbytes for p in held)
+    module = tierflow.fit(model, sample, optimizer=_adamw, gpu="1GiB", ram="1GiB",
+                          config=FitConfig(simulated_gpu=True, stream=stream,
+                                           planner="checkpoint-all"))
+    streamer = module.streamer
+    streamed = [] if streamer is None else \
+        [p for params in streamer.stage_params.values() for p in params]
+    if stream == "all":
+        assert streamer.offloaded is offloaded and streamed
+    else:
+        assert streamer is None
+    # the copies of the weights brought in for good are gone from host RAM
+    assert offloaded.store.bytes == sum(p.nbytes for p in streamed)
+    train_side_by_side(module, reference, sample, _adamw)
+    gathered = gathered_parameters(module)
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(gathered[name], q, atol=1e-4, rtol=1e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_a_full_disk_mid_step_is_one_clear_error(tmp_path, monkeypatch):
     """The disk tier filling up while a step writes weights back surfaces in backward() as
     the disk tier's one-line error (naming the directory and the fix), not a thread's trace."""

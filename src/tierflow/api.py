@@ -21,6 +21,7 @@ from .exec.compile import compile_chain
 from .exec.context import AutocastMode, untouched
 from .exec.deferred import DeferredUpdates
 from .exec.gradients import GradientStash
+from .exec.host_model import start_in_host_ram
 from .exec.memory import (
     CACHING_THRESHOLD,
     EXACT_THRESHOLD,
@@ -77,6 +78,10 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     if planner != "auto" and config.planner != planner:
         raise TierflowError(f"planner={planner!r} disagrees with config.planner="
                             f"{config.planner!r}: give one or the other")
+    if gpu is not None and not config.simulated_gpu and offloaded_parameters(model) is None:
+        target = _sample_device(sample)
+        if _device_of(model).type == "cpu" and target.type != "cpu":
+            start_in_host_ram(model, target)  # computes on the GPU, never whole there
     device = _device_of(model)
     tier, budget, ram_below = _compute_budget(device, ram=ram, gpu=gpu,
                                               simulated=config.simulated_gpu)
@@ -92,7 +97,7 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     deferred = optimizer is not None and (grad_accum > 1 or max_grad_norm is not None)
     grads_resident = optimizer is None and grad_accum > 1  # accumulated by the caller
     offloaded = offloaded_parameters(model)
-    if offloaded is not None and disk is None:
+    if offloaded is not None and disk is None and offloaded.store.kind == "disk":
         disk = offloaded.store.directory  # the model's own disk tier
     if disk is not None and optimizer is None:
         raise TierflowError("disk= holds optimizer states and weights, which tierflow moves "
@@ -173,7 +178,8 @@ def _stream(model: nn.Module, chain: Chain, placed: TierPlan, depth: int, *,
     streamed = {i: streamable[i] for i in sorted(placed.streamed)}
     moving = {id(p) for params in streamed.values() for p in params}
     if offloaded is not None:
-        offloaded.acquire(p for p in model.parameters() if p in offloaded and id(p) not in moving)
+        offloaded.keep_resident(p for p in model.parameters()
+                                if p in offloaded and id(p) not in moving)
     if not streamed:
         return None
     if offloaded is None:
@@ -245,6 +251,13 @@ def _as_call(sample: Any) -> tuple[tuple, dict]:
     return (sample,), {}
 
 
+def _sample_device(sample: Any) -> torch.device:
+    """The device of the sample's first tensor (the CPU when it has none)."""
+    args, kwargs = _as_call(sample)
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
 def _device_of(model: nn.Module) -> torch.device:
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
@@ -260,8 +273,9 @@ def _compute_budget(device: torch.device, *, ram: int | str | None, gpu: int | s
     parse = lambda value, what: None if value is None else parse_bytes(value, what=what)  # noqa: E731
     if device.type == "cpu" and not simulated:
         if gpu is not None:
-            raise TierflowError(f"gpu={gpu!r} was given but the model is on the CPU: move the "
-                                "model to the GPU, give ram= instead, or simulate a GPU with "
+            raise TierflowError(f"gpu={gpu!r} was given but the model and the sample are on "
+                                "the CPU: give the sample on the GPU (the model may stay in "
+                                "host RAM), give ram= instead, or simulate a GPU with "
                                 "config=FitConfig(simulated_gpu=True)")
         return "ram", parse(ram, "ram budget"), None
     if device.type == "cpu" and gpu is None:

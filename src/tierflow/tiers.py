@@ -77,10 +77,13 @@ def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
     tiers = []
     if host_tier:
         below = "the GPU" if device.type != "cpu" else "the simulated GPU"
+        own = offloaded is not None and offloaded.store.kind == "ram"  # the model starts there
         tiers.append(LowerTier("ram", measure_copy_bandwidth(device), ram,
-                               f"host RAM (the tier below {below})", HostStore(device)))
+                               f"host RAM (the tier below {below})",
+                               offloaded.store if own else HostStore(device)))
     if disk is not None:
-        same = offloaded is not None and Path(offloaded.store.directory) == Path(disk)
+        same = offloaded is not None and offloaded.store.kind == "disk" and \
+            Path(offloaded.store.directory) == Path(disk)
         store = offloaded.store if same else DiskStore(disk, device=device)
         tiers.append(LowerTier("disk", measure_bandwidth(store.directory), None,
                                f"the disk tier ({store.directory})", store))

@@ -34,6 +34,8 @@ class DiskStore:
     they bypass the page cache (None: whenever the file system allows it); ``device``: the
     compute tier's (tensors there are staged through host buffers)."""
 
+    kind = "disk"
+
     def __init__(self, directory: str | Path, direct: bool | None = None,
                  device: torch.device | str = "cpu"):
         self.directory = Path(directory)

@@ -49,6 +49,10 @@ class HostStore:
         """Fill ``tensors`` from the copy under ``key``."""
         self._copier.copy(tensors, self._entries[key])
 
+    def discard(self, key: str) -> None:
+        """Forget the copy under ``key`` (its memory is free once nothing else holds it)."""
+        self._entries.pop(key, None)
+
 
 def measure_copy_bandwidth(device: torch.device | str = "cpu", nbytes: int = 64 << 20) -> float:
     """Bytes per second of a copy from host memory to ``device`` (on the CPU, host to host:

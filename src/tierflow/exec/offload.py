@@ -46,17 +46,24 @@ class OffloadedParameters:
         """Bytes of all offloaded parameters (what their files hold)."""
         return sum(self._sizes.values())
 
-    def offload(self, name: str, p: nn.Parameter) -> None:
-        """Write ``p`` to its own file and empty its storage (until it is next used)."""
+    def offload(self, name: str, p: nn.Parameter, device: torch.device | None = None) -> None:
+        """Write ``p`` to its own file and empty its storage (until it is next used). With
+        ``device``, ``p`` moves there, empty, and its values come up from the file when used
+        (a model that starts in host RAM and computes on an accelerator)."""
         if self.dtype is not None and p.is_floating_point() and p.dtype != self.dtype:
             p.data = p.data.to(self.dtype)  # the same Parameter, as apply_precision's cast
         if not p.untyped_storage().resizable():  # e.g. memory from numpy or a mapped file
             p.data = p.data.clone()
+        values = p.detach()
+        if device is not None and torch.device(device) != p.device:
+            empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+            empty.untyped_storage().resize_(0)
+            p.data = empty  # the same Parameter; the host tensor goes once written
         key = storage_key(p)
         self._files[key] = f"param-{name}"
-        self._sizes[key] = p.untyped_storage().nbytes()
+        self._sizes[key] = values.untyped_storage().nbytes()
         self._uses[key] = 0
-        self.write(p)
+        self.store.write(self._files[key], [values])
         p.untyped_storage().resize_(0)  # built outside: never counted as resident
 
     def file_of(self, p: torch.Tensor) -> str:
@@ -97,6 +104,15 @@ class OffloadedParameters:
         with self._lock:
             self.resident_bytes += delta
             self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
+
+    def keep_resident(self, params: Iterable[torch.Tensor]) -> None:
+        """Bring ``params`` in for good (the stages that do not stream). A copy in host RAM
+        is dropped then (it would hold that RAM for nothing); a file stays on disk."""
+        params = list(params)
+        self.acquire(params)
+        if self.store.kind == "ram":
+            for p in params:
+                self.store.discard(self.file_of(p))
 
     # ------------------------------------------------------------------ counted uses
 
