@@ -165,6 +165,17 @@ def test_disk_directory_errors(tmp_path):
         tierflow.fit(model, mlp_sample(), disk=tmp_path)
 
 
+def test_a_gpu_budget_for_a_cpu_model_and_sample_is_one_clear_error():
+    """gpu= with the model and the sample on the CPU names the three ways out (a GPU sample,
+    ram=, a simulated GPU), and the model is left as it was."""
+    model = sequential_mlp()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(tierflow.TierflowError, match="give the sample on the GPU"):
+        tierflow.fit(model, mlp_sample(), gpu="1GiB")
+    for p, q in zip(model.parameters(), before):
+        assert p.device.type == "cpu" and torch.equal(p, q)
+
+
 def test_accumulated_gradients_are_planned_as_static():
     """grad_accum=2 without an owned optimizer: the gradients the caller accumulates are
     static bytes of the plan (they live through the next micro-batch's forward), and two
