@@ -41,6 +41,9 @@ def test_simulated_gpu_matches_the_cpu_run(train_env, tmp_path, capsys):
                                           "--stream", "all"), capsys=capsys)
     assert code == 0, err
     assert "disk tier" in out, out
+    plan = records(tmp_path / "tiers" / "log.jsonl", "plan")[-1]
+    held = {**plan["ram_tier_bytes"], **plan["disk_bytes"]}  # the [Plan]'s rows per tier
+    assert any("streamed stages" in what for what in held), plan
     expected = train_losses(tmp_path / "cpu")
     assert len(expected) == STEPS
     for run in ("gpu", "tiers"):

@@ -117,19 +117,22 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                                     "backward: clipping or gradient accumulation)"))
     rows.append(("total (predicted peak)", format_bytes(peak)))
     stashed = plan.stashed_boundaries()
-    on_disk = [(extra.get("optimizer states on disk", 0), "optimizer states"),
-               (extra.get("streamed bytes", 0) if extra.get("weights tier") == "disk" else 0,
-                f"weights of {len(extra.get('streamed stages', []))} streamed stages"),
-               (extra.get("offloaded tape bytes", 0) if extra.get("tapes tier") == "disk"
-                else 0, f"tapes of {len(extra.get('offloaded tapes', []))} stages"),
-               (sum(plan.costs.x_bytes(i) for i in stashed)
-                if extra.get("boundaries tier") == "disk" else 0,
-                f"{len(stashed)} checkpoint{'s' if len(stashed) != 1 else ''}")]
-    if any(nbytes for nbytes, _ in on_disk):
-        depth = extra.get("prefetch depth", 0)
-        ahead = f"read {depth} stages ahead" if depth else "read when needed (no prefetch)"
-        rows.append(("disk tier", " + ".join(f"{format_bytes(n)} {what}" for n, what in on_disk
-                                             if n) + f"; {ahead}"))
+    below: dict[str, dict[str, int]] = {}  # lower tier -> what it holds -> bytes
+    for tier in ("ram", "disk"):  # the tiers below the compute tier (ram: under a GPU)
+        held = [(extra.get(f"optimizer states on {tier}", 0), "optimizer states"),
+                (extra.get("streamed bytes", 0) if extra.get("weights tier") == tier else 0,
+                 f"weights of {len(extra.get('streamed stages', []))} streamed stages"),
+                (extra.get("offloaded tape bytes", 0) if extra.get("tapes tier") == tier
+                 else 0, f"tapes of {len(extra.get('offloaded tapes', []))} stages"),
+                (sum(plan.costs.x_bytes(i) for i in stashed)
+                 if extra.get("boundaries tier") == tier else 0,
+                 f"{len(stashed)} checkpoint{'s' if len(stashed) != 1 else ''}")]
+        below[tier] = {what: int(n) for n, what in held if n}
+        if below[tier]:
+            depth = extra.get("prefetch depth", 0)
+            ahead = f"read {depth} stages ahead" if depth else "read when needed (no prefetch)"
+            rows.append((f"{tier} tier", " + ".join(f"{format_bytes(n)} {what}"
+                                                    for n, what in held if n) + f"; {ahead}"))
     free = (f"{format_bytes(budget - peak)} of the {format_bytes(budget)} "
             "budget" if budget else "- (no --ram budget)")
     seconds = plan.predicted_time * grad_accum
@@ -151,7 +154,7 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                   trainable_parameters=precision.trainable, precision=dict(dtypes),
                   predicted_peak=int(peak), budget=budget,
                   strategy=plan.strategy, predicted_step_s=seconds,
-                  disk_bytes={what: int(n) for n, what in on_disk if n},
+                  disk_bytes=below["disk"], ram_tier_bytes=below["ram"],
                   prefetch_depth=extra.get("prefetch depth"))
     if dist is not None:
         n = dist["world_size"]

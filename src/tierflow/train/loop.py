@@ -116,20 +116,26 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
     # --- the model, with its precision, and the run it belongs to
     precision = opts.precision(measure.fast_bf16())
     with contextlib.ExitStack() as scratch:
-        offload = None
+        offload, disk = None, None
         if opts.disk:  # the disk tier: a scratch directory of this run, removed at the end
             from ..exec.disk import DiskStore, scratch_directory
             from ..exec.offload import OffloadedParameters
-            offload = OffloadedParameters(DiskStore(scratch.enter_context(
-                scratch_directory(opts.disk))), dtype=precision.parameter_dtype)
+            disk = scratch.enter_context(scratch_directory(opts.disk))
+            if tier.device.type == "cpu":  # the model is built onto it
+                offload = OffloadedParameters(DiskStore(disk), dtype=precision.parameter_dtype)
         model = build_model(opts, ckpt, data, precision, offload)
+        if not opts.disk:
+            model = model.to(tier.device)
+        # else in host RAM (or on disk) until fit places it: under a GPU it streams from there
         return _train_model(opts, ckpt, data, out, log_path, tier, world, baseline,
-                            precision, model.to(tier.device) if offload is None else model)
+                            precision, model, disk if offload is None else None)
 
 
 def _train_model(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
-                 tier: ComputeTier, world, baseline: int, precision, model) -> int:
-    """Check the run's identity, open the logs, then ``_run``."""
+                 tier: ComputeTier, world, baseline: int, precision, model,
+                 disk: Path | None) -> int:
+    """Check the run's identity, open the logs, then ``_run``. ``disk``: the disk tier's
+    directory when the model was not built onto it (under a GPU)."""
     from .logger import Logger
     from .model import run_identity
 
@@ -155,7 +161,7 @@ def _train_model(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: P
         return _run(opts=opts, data=data, out=out, logger=logger, tier=tier, board=board,
                     precision=precision, model=model, identity=identity, run_hash=run_hash,
                     ckpt=ckpt, total=total, warmup=warmup, min_lr=min_lr,
-                    tokens_per_step=tokens_per_step, baseline=baseline, world=world)
+                    tokens_per_step=tokens_per_step, baseline=baseline, world=world, disk=disk)
     finally:
         if board is not None:
             board.close()
@@ -164,7 +170,7 @@ def _train_model(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: P
 
 def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeTier, board,
          precision, model, identity: dict, run_hash: str, ckpt, total: int, warmup: int,
-         min_lr: float, tokens_per_step: int, baseline: int, world) -> int:
+         min_lr: float, tokens_per_step: int, baseline: int, world, disk: Path | None) -> int:
     import torch
 
     from .. import measure
@@ -194,6 +200,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
     reserve = -(-reserved_bytes(trainable, precision) // ranks)  # this rank's shard
+    # on the GPU: a model still in host RAM (--disk) is placed there by fit, never whole
     sample_batch = torch.zeros(opts.batch_size // ranks, opts.seq_len + 1, dtype=torch.long,
                                device=tier.device)
     sample = {"input_ids": sample_batch[:, :-1], "shift_labels": sample_batch[:, 1:]}
@@ -215,7 +222,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
         try:
             with torch.random.fork_rng(devices=[]), autocast():
                 if opts.disk:  # tierflow owns the optimizer: weights and states may be on disk
-                    fitted = fit(model, sample, **tier.fit_budgets(held), config=config,
+                    fitted = fit(model, sample, **tier.fit_budgets(held), config=config, disk=disk,
                                  optimizer=lambda ps: build_optimizer(
                                      param_groups(list(ps), opts), opts, precision, rounding),
                                  grad_accum=opts.grad_accum,

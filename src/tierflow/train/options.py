@@ -149,10 +149,6 @@ class TrainOptions:
             raise TierflowError(f"--gpu {self.gpu} under torchrun ({world_size} ranks) is not "
                                 "built yet: train the ranks on the CPU with --ram, or run one "
                                 "process")
-        if self.disk is not None and not self.simulate_gpu:
-            raise TierflowError(f"--disk {self.disk} with a CUDA --gpu is not built yet (the "
-                                "disk tier streams into host memory): leave --disk out, or "
-                                "try the plan with --simulate-gpu")
 
     def _validate_disk(self, world_size: int) -> None:
         """What the disk tier runs: one process, any weight and AdamW precision, bf16 or
