@@ -274,8 +274,10 @@ _HELP = {
                            "size (host RAM and --disk below it), to try a GPU plan without one"),
     "disk": ("DIR", "an existing directory for the disk tier: the weights and AdamW states "
                     "that do not fit --ram live there between uses (a scratch subdirectory, "
-                    "removed at the end; checkpoints still go to --out); --resume keeps the "
-                    "run's --disk unless given, 'none' for no disk tier"),
+                    "removed at the end; checkpoints still go to --out); with --gpu, "
+                    "tierflow owns AdamW and the model starts in host RAM, streamed to the "
+                    "GPU from RAM or disk; --resume keeps the run's --disk unless given, "
+                    "'none' for no disk tier"),
     "seq_len": ("N", "tokens per sequence (default 256)"),
     "batch_size": ("N", "sequences per micro-batch over all ranks (the global batch): under "
                         "torchrun each rank takes batch-size / ranks of them (default 4)"),
