@@ -51,17 +51,9 @@ def train_accumulating(module, reference, samples, make, steps=3, clip=0.5):
 
 
 def gathered_parameters(module):
-    """The fitted model's parameters by name, streamed ones read back from their files."""
-    streamer = module.streamer
-    if streamer is None:
-        return dict(module.model.named_parameters())
-    streamer.wait_writes()
-    out = {}
-    for name, p in module.model.named_parameters():
-        if p in streamer.offloaded:
-            copy_ = torch.empty(p.shape, dtype=p.dtype)
-            streamer.offloaded.store.read(streamer.offloaded.file_of(p), [copy_])
-            out[name] = copy_
-        else:
-            out[name] = p
-    return out
+    """The fitted model's parameters by name, as ``module.state_dict()`` gives them (streamed
+    ones read back from their tier into CPU tensors)."""
+    names = {name for name, _ in module.model.named_parameters()}
+    return {key: value for key, value in
+            ((k.removeprefix("model."), v) for k, v in module.state_dict().items())
+            if key in names}

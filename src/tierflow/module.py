@@ -116,8 +116,25 @@ class TierflowModule(nn.Module):
 
     @property
     def streamer(self) -> WeightStreamer | None:
-        """The stage weights living on the disk tier (None when every weight is resident)."""
+        """The stage weights living on a lower tier (None when every weight is resident)."""
         return self._streamer
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """``nn.Module.state_dict`` (the model's entries under ``model.``), with the current
+        values of streamed weights: between uses their parameters are empty, so each is read
+        back from its tier (after the writes in flight) into a fresh CPU tensor. All of them
+        are then in memory at once. Save a trained model with
+        ``model.save_pretrained(dir, state_dict={k.removeprefix("model."): v for k, v in
+        module.state_dict().items()})``, not from the model's own (empty) parameters."""
+        state = super().state_dict(*args, **kwargs)
+        if self._streamer is None:
+            return state
+        self._streamer.settle()
+        offloaded = self._streamer.offloaded
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor) and value in offloaded:
+                state[name] = offloaded.current_copy(value)
+        return state
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # splitting the inputs may run the first stage's modules (the HF adapter's embedding)
