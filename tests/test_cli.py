@@ -124,7 +124,6 @@ def test_run_json_reports_crashes():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("tierflow.api") is None, reason="tierflow.fit not built yet")
 def test_compare_quick_runs_end_to_end():
     proc = run_cli("compare", "--quick", timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -134,7 +133,6 @@ def test_compare_quick_runs_end_to_end():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("tierflow.api") is None, reason="tierflow.fit not built yet")
 def test_compare_infeasible_ram_is_one_line():
     proc = run_cli("compare", "--quick", "--ram", "1KiB", timeout=240)
     assert_one_line_error(proc, "smallest")
