@@ -57,3 +57,17 @@ def gathered_parameters(module):
     return {key: value for key, value in
             ((k.removeprefix("model."), v) for k, v in module.state_dict().items())
             if key in names}
+
+
+def train_and_match(module, reference, samples, make, tolerance=1e-4):
+    """3 steps of the module against its reference (one sample: updates inside backward;
+    several: accumulated over them, clipped), then every parameter of the module, streamed
+    ones read back, equal to the reference's within ``tolerance`` (absolute and relative)."""
+    if len(samples) > 1:
+        train_accumulating(module, reference, samples, make)
+    else:
+        train_side_by_side(module, reference, samples[0], make)
+    gathered = gathered_parameters(module)
+    for name, q in reference.named_parameters():
+        torch.testing.assert_close(gathered[name].to(q.device), q, atol=tolerance,
+                                   rtol=tolerance, msg=lambda m, n=name: f"{n}: {m}")

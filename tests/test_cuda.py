@@ -12,7 +12,7 @@ import pytest
 import torch
 from cli_support import fp32_train_args, records, run_main, train_losses
 from models import hf_sample, tiny_hf
-from side_by_side import gathered_parameters, train_accumulating, train_side_by_side
+from side_by_side import train_and_match, train_side_by_side
 
 import tierflow
 from tierflow import FitConfig
@@ -164,14 +164,7 @@ def test_weights_streamed_from_host_ram_match_plain(family, grad_accum):
     assert isinstance(store, HostStore) and store.peak_bytes > 0
     streamed = [p for params in module.streamer.stage_params.values() for p in params]
     assert streamed and all(p.device.type == "cuda" for p in streamed)
-    if grad_accum > 1:
-        train_accumulating(module, reference, samples, _adamw)
-    else:
-        train_side_by_side(module, reference, samples[0], _adamw)
-    gathered = gathered_parameters(module)
-    for name, q in reference.named_parameters():
-        torch.testing.assert_close(gathered[name].to(CUDA), q, atol=1e-4, rtol=1e-4,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    train_and_match(module, reference, samples, _adamw)
 
 
 @pytest.mark.parametrize("grad_accum", [1, 4])
@@ -222,14 +215,7 @@ def test_three_tiers_below_a_real_gpu_match_plain(tmp_path, family, grad_accum):
                           config=FitConfig(stream="all", planner="checkpoint-all"))
     weights_store = module.streamer.offloaded.store
     assert {type(weights_store), type(module.optimizer.disk)} == {HostStore, DiskStore}
-    if grad_accum > 1:
-        train_accumulating(module, reference, samples, _adamw)
-    else:
-        train_side_by_side(module, reference, samples[0], _adamw)
-    gathered = gathered_parameters(module)
-    for name, q in reference.named_parameters():
-        torch.testing.assert_close(gathered[name].to(CUDA), q, atol=1e-4, rtol=1e-4,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    train_and_match(module, reference, samples, _adamw)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -246,11 +232,7 @@ def test_a_model_in_host_ram_trains_on_the_gpu(family):
                           config=FitConfig(stream="all", planner="checkpoint-all"))
     assert all(p.device.type == "cuda" for p in model.parameters())
     assert isinstance(module.streamer.offloaded.store, HostStore)
-    train_side_by_side(module, reference, sample, _adamw)
-    gathered = gathered_parameters(module)
-    for name, q in reference.named_parameters():
-        torch.testing.assert_close(gathered[name].to(CUDA), q, atol=1e-4, rtol=1e-4,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+    train_and_match(module, reference, [sample], _adamw)
 
 
 def test_train_gpu_matches_the_cpu_run(train_env, tmp_path, capsys):
