@@ -415,6 +415,23 @@ def test_a_model_that_starts_in_host_ram_streams_from_there(family, stream):
     train_and_match(module, reference, [sample], _adamw)
 
 
+def test_a_model_in_host_ram_fits_again_after_a_budget_error():
+    """fit leaves a model whose weights wait in host RAM as it was when its budget is too
+    small: the error names the smallest budget, and a second fit with it trains as plain."""
+    from tierflow.exec.host_model import start_in_host_ram
+
+    model = tiny_hf("llama", layers=3)
+    reference = copy.deepcopy(model)
+    sample = hf_sample()
+    start_in_host_ram(model, torch.device("cpu"))
+    config = FitConfig(simulated_gpu=True, stream="all", planner="checkpoint-all")
+    with pytest.raises(tierflow.BudgetError, match="smallest that works") as error:
+        tierflow.fit(model, sample, optimizer=_adamw, gpu="10KiB", ram="1GiB", config=config)
+    module = tierflow.fit(model, sample, optimizer=_adamw, gpu=error.value.smallest,
+                          ram="1GiB", config=config)
+    train_and_match(module, reference, [sample], _adamw)
+
+
 def test_a_full_disk_mid_step_is_one_clear_error(tmp_path, monkeypatch):
     """The disk tier filling up while a step writes weights back surfaces in backward() as
     the disk tier's one-line error (naming the directory and the fix), not a thread's trace."""
