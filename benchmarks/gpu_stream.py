@@ -137,6 +137,9 @@ def main() -> None:
     parser.add_argument("--host-start-gpu", default="4GiB", help="GPU budget of host-start")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--tag", default="")
+    parser.add_argument("--expandable-segments", action="store_true",
+                        help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in every run "
+                             "(what tierflow train --gpu sets)")
     parser.add_argument("--simulate", action="store_true",
                         help="run on the CPU as a simulated GPU (a check of the script)")
     parser.add_argument("--one", choices=CONFIGS, help=argparse.SUPPRESS)  # the child's run
@@ -147,6 +150,8 @@ def main() -> None:
     rows = []
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"),
                                                         os.environ.get("PYTHONPATH", "")]))
+    if args.expandable_segments:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     for config in args.configs.split(","):
         cmd = [sys.executable, __file__, "--one", config, *sys.argv[1:]]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -169,7 +174,9 @@ def write_results(rows: list[dict], args: argparse.Namespace) -> None:
              f"`{args.arch}`, seq {args.seq}, batch {args.batch}, bf16 autocast, AdamW; "
              f"tierflow under `gpu={args.gpu}, ram={args.ram}` (stream-disk: "
              f"`ram={args.disk_ram}` and a disk directory); {args.steps} steps after a "
-             "warm-up, median. `benchmarks/gpu_stream.py`.", "",
+             "warm-up, median" + ("; the caching allocator with expandable segments"
+                                  if args.expandable_segments else "") +
+             ". `benchmarks/gpu_stream.py`.", "",
              "| config | placement | step s | tok/s | vs plain | GPU peak allocated / reserved "
              "GiB | PREDICTED step s | PREDICTED peak GiB |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -4,6 +4,8 @@ with the losses of the plain CPU run; a GPU out-of-memory error re-plans and rer
 once (injected: a CPU never raises one)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from cli_support import assert_error_line, fp32_train_args, records, run_main, train_losses
@@ -24,6 +26,25 @@ def test_gpu_without_cuda_is_one_line(train_env, tmp_path, capsys):
     assert code == 2
     assert_error_line(err, ["--simulate-gpu needs --gpu"])
     assert not (tmp_path / "a").exists() or not any((tmp_path / "a").iterdir())
+
+
+@pytest.mark.parametrize("chosen", [None, "expandable_segments:False"])
+def test_a_cuda_gpu_gets_growable_allocator_segments_unless_chosen(monkeypatch, chosen):
+    """--gpu on CUDA sets PYTORCH_CUDA_ALLOC_CONF to expandable segments before CUDA first
+    allocates (so that the allocator reserves about what the budget counts), and leaves a
+    setting the user made alone. (CUDA's presence is faked: this machine has none.)"""
+    from tierflow.train.device import ALLOCATOR_SETTINGS, ComputeTier
+    from tierflow.train.options import TrainOptions
+
+    if chosen is None:
+        monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    else:
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", chosen)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    tier = ComputeTier.from_options(TrainOptions(gpu="8GiB", ram="16GiB"))
+    assert tier.device == torch.device("cuda", 0) and not tier.simulated
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == (chosen or ALLOCATOR_SETTINGS)
 
 
 def test_simulated_gpu_matches_the_cpu_run(train_env, tmp_path, capsys):

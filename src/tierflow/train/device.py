@@ -7,6 +7,7 @@ memory figures of its ``[T]`` lines; nothing else in the loop depends on the dev
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,8 @@ from ..exec.memory import return_free_memory, rss_bytes
 from ..exec.stage_call import storage_key
 from ..units import format_bytes, parse_bytes
 from .options import TrainOptions
+
+ALLOCATOR_SETTINGS = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF under --gpu
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,10 @@ class ComputeTier:
             raise TierflowError(f"--gpu {opts.gpu} needs a CUDA GPU but torch sees none on this "
                                 "machine: train on the CPU with --ram, or add --simulate-gpu "
                                 "to plan and run the CPU as a GPU of that size")
+        # growable segments, unless the user chose (read when CUDA first allocates): the
+        # caching allocator then reserves about what it allocates, which is what the budget
+        # counts (with fixed segments it reserved up to 36% more on an H100)
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_SETTINGS)
         return cls(torch.device("cuda", torch.cuda.current_device()), False, gpu, ram)
 
     @property
