@@ -47,6 +47,32 @@ def test_a_cuda_gpu_gets_growable_allocator_segments_unless_chosen(monkeypatch, 
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == (chosen or ALLOCATOR_SETTINGS)
 
 
+def test_a_gpu_budget_too_small_without_a_disk_tier_names_the_disk_tier(train_env, tmp_path,
+                                                                        capsys):
+    """Under --gpu without --disk everything lives on the GPU: a budget below the smallest
+    plan names that budget and the other way out, --disk (streaming from host RAM and disk),
+    in one line with exit 2."""
+    code, _, err = run_main(*train_args(train_env, tmp_path / "a", "--gpu", "1MiB",
+                                        "--simulate-gpu", "--ram", "1GiB"), capsys=capsys)
+    assert code == 2
+    assert_error_line(err, ["gpu (simulated) budget 1.00 MiB", "smallest", "--disk DIR"])
+
+
+def test_a_model_whose_weights_pass_a_cuda_gpu_budget_is_one_line():
+    """Without --disk the model goes to the GPU whole: weights above --gpu are one line naming
+    both sizes and --disk, before anything is moved. (The CUDA tier is made by hand: this
+    machine has none, and the check runs before any CUDA call.)"""
+    from tierflow.errors import TierflowError
+    from tierflow.train.device import ComputeTier
+
+    model = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB of weights
+    tier = ComputeTier(torch.device("cuda", 0), False, gpu=1 << 20, ram=None)
+    with pytest.raises(TierflowError, match=r"--gpu 1.00 MiB is below the model's 4.00 MiB "
+                                            r"of weights: add --disk DIR"):
+        tier.place_model(model)
+    assert model.weight.device.type == "cpu"
+
+
 def test_simulated_gpu_matches_the_cpu_run(train_env, tmp_path, capsys):
     """Two tiers (a 64 MiB simulated GPU over RAM) and three (and the disk below, every
     stage's weights and the AdamW states streamed): fp32 losses as on the CPU."""

@@ -89,6 +89,28 @@ class ComputeTier:
             f"to at least {format_bytes(need, round_up=True)}",
             tier="ram", budget=self.ram, smallest=need)
 
+    def place_model(self, model: nn.Module) -> nn.Module:
+        """``model`` moved whole to this tier's device (a run without --disk); one line
+        instead of an out-of-memory error when its weights alone pass a CUDA --gpu."""
+        if self.gpu is not None and not self.simulated:
+            weights = sum(p.nbytes for p in model.parameters())
+            if weights > self.gpu:
+                raise TierflowError(
+                    f"--gpu {format_bytes(self.gpu)} is below the model's "
+                    f"{format_bytes(weights, round_up=True)} of weights: add --disk DIR to keep "
+                    "the model in host RAM and stream it to the GPU, or raise --gpu")
+        return model.to(self.device)
+
+    def suggest_lower_tiers(self, error: BudgetError) -> BudgetError:
+        """``error`` of a GPU plan that keeps everything on the GPU (no --disk), naming the
+        other way out: with --disk tierflow owns AdamW and streams weights and its states
+        from host RAM and the disk."""
+        if self.gpu is None or not error.tier.startswith("gpu"):
+            return error
+        return BudgetError(f"{error}, or add --disk DIR to stream the weights and AdamW states "
+                           "to the GPU from host RAM and that directory",
+                           tier=error.tier, budget=error.budget, smallest=error.smallest)
+
     @property
     def plan_budget(self) -> int | None:
         """The budget the plan's compute tier has."""

@@ -125,7 +125,7 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
                 offload = OffloadedParameters(DiskStore(disk), dtype=precision.parameter_dtype)
         model = build_model(opts, ckpt, data, precision, offload)
         if not opts.disk:
-            model = model.to(tier.device)
+            model = tier.place_model(model)
         # else in host RAM (or on disk) until fit places it: under a GPU it streams from there
         return _train_model(opts, ckpt, data, out, log_path, tier, world, baseline,
                             precision, model, disk if offload is None else None)
@@ -232,7 +232,8 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
                 return fit(model, sample, **tier.fit_budgets(held), reserve=reserve,
                            grad_accum=opts.grad_accum, config=config)
         except BudgetError as e:
-            raise tier.over_budget(e, held) from None
+            error = tier.over_budget(e, held)
+            raise (error if opts.disk else tier.suggest_lower_tiers(error)) from None
 
     module = plan_step(tier)
     grads = sum(p.nbytes for p in trainable)
