@@ -71,6 +71,62 @@ def test_a_layer_recasts_its_weights_to_the_same_bits(family):
         x = y_plain.detach()
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_casts_of_frozen_weights_are_recast_too(family):
+    """Adapter-style fine-tuning: with the matmul weights frozen (``requires_grad=False``)
+    their bf16 casts carry no autograd history, yet the tape leaves them out as well (2 bytes
+    per weight element), and the output, the input gradient and the gradients of the weights
+    still trained (the norms) equal plain autograd's bit for bit."""
+    model = tiny_hf(family, layers=2)
+    sample = hf_sample(labels=False)
+    chain = to_chain(model, sample)
+    x, ctx = chain.split_inputs(**sample)
+    x = forward_plain(chain.stages[0], x, ctx, BF16)
+    for stage in chain.stages[1:-1]:
+        for p in stage.parameters():
+            p.requires_grad_(p.dim() != 2)  # matmul weights frozen, norms and biases trained
+        frozen = sum(p.numel() for p in stage.parameters() if p.dim() == 2)
+        trained = [p for p in stage.parameters() if p.requires_grad]
+        everything = list(stage.parameters())
+        xin, y_plain, plain_tape = _plain_forward(stage, x, ctx, everything)
+        grad_y = torch.randn_like(y_plain)
+        expected = torch.autograd.grad(y_plain, [xin, *trained], grad_y)
+
+        taped = forward_taped(stage, x, ctx, BF16, input_grad=True)
+        keys = {storage_key(p) for p in everything}
+        assert plain_tape - tape_bytes(taped, keys) == 2 * frozen
+        assert torch.equal(taped.y, y_plain)
+        assert torch.equal(backward_taped(taped, grad_y), expected[0])
+        for p, want in zip(trained, expected[1:]):
+            assert torch.equal(p.grad, want)
+            p.grad = None
+        x = y_plain.detach()
+
+
+class _CastThenChanged(nn.Module):
+    """A frozen weight cast, then changed in place: what is saved is not a cast any more."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8), requires_grad=False)
+
+    def forward(self, x, ctx=None):
+        cast = self.weight.to(torch.bfloat16)
+        return x @ cast.mul_(2).t()
+
+
+def test_a_frozen_weight_cast_changed_in_place_stays_in_the_tape():
+    layer = _CastThenChanged()
+    x = torch.randn(4, 8)
+    taped = forward_taped(layer, x, {}, BF16, input_grad=True)
+    assert tape_bytes(taped, {storage_key(layer.weight)}) == 8 * 8 * 2  # the changed copy
+    grad = backward_taped(taped, torch.ones_like(taped.y))
+    xin = x.clone().requires_grad_(True)
+    with BF16():
+        (xin @ (layer.weight.to(torch.bfloat16) * 2).t()).backward(torch.ones(4, 8))
+    assert torch.equal(grad, xin.grad)
+
+
 class _Scaled(nn.Module):
     """A weight cast, then scaled: the saved product is not a cast."""
 
@@ -119,8 +175,8 @@ def test_streamed_weights_and_disk_tapes_under_autocast_train_like_plain_pytorch
     recast = set()
     original = stage_call.weight_cast
 
-    def noting(t, params):
-        cast = original(t, params)
+    def noting(t, params, frozen=None):
+        cast = original(t, params, frozen)
         if cast is not None:
             recast.add(id(cast.param))
         return cast

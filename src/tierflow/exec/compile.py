@@ -31,6 +31,11 @@ def compile_chain(chain: Chain) -> int:
     return count
 
 
+def is_compiled(stage: torch.nn.Module) -> bool:
+    """Whether ``stage`` runs a compiled kernel (``compile_chain`` swapped it in)."""
+    return isinstance(stage, KernelStage) and stage.kernel in _COMPILED.values()
+
+
 def compiled(kernel: Callable) -> Callable:
     """The one compiled version of ``kernel`` in this process (itself if already compiled)."""
     if kernel in _COMPILED.values():

@@ -4,25 +4,17 @@ Shared by the profiler and the executor, so that what is measured is what is run
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from .compile import is_compiled
 from .context import AutocastMode
-from .recast import WeightCast, weight_cast
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage (views and detached aliases share it). The storage
-    object, not its data pointer: a streamed weight's storage is emptied and refilled (see
-    exec/weights.py) and stays the same storage, while all empty storages share pointer 0."""
-    return t.untyped_storage()._cdata
-
-
-def storage_bytes(t: torch.Tensor) -> int:
-    return t.untyped_storage().nbytes()
+from .recast import FrozenCasts, WeightCast, weight_cast
+from .storage import storage_bytes, storage_key
 
 
 @dataclass
@@ -78,9 +70,10 @@ def forward_taped(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autoca
     recorder = _SavedRecorder()
     move, fetch = offload if offload is not None else (None, recorder.unpack)
     params = {id(p) for p in stage.parameters()}
+    frozen = FrozenCasts.of(stage, autocast) if not is_compiled(stage) else None
 
     def pack(t: torch.Tensor) -> Any:
-        cast = weight_cast(t, params)
+        cast = weight_cast(t, params, frozen)
         if cast is not None:  # made again in backward, not kept (see exec/recast.py)
             return cast
         saved = move(t) if move is not None else t
@@ -90,7 +83,8 @@ def forward_taped(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autoca
         return saved.tensor() if isinstance(saved, WeightCast) else fetch(saved)
 
     xin = as_leaf(x, input_grad)
-    with torch.enable_grad(), autocast(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with torch.enable_grad(), autocast(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
+            frozen if frozen is not None else contextlib.nullcontext():
         y = stage(xin, ctx)
     _check_output(stage, y)
     return Taped(xin, y, recorder.saved)
