@@ -42,33 +42,43 @@ def _plain_forward(stage, x, ctx, params):
     return xin, y, sum(n for key, n in saved.items() if key not in held)
 
 
+def _taped_like_plain(stage, x, ctx, trained, held):
+    """``stage`` run by ``forward_taped`` and by plain autograd under bf16 autocast: the
+    outputs, the input gradients and the gradients of ``trained`` must be equal bit for bit.
+    Returns how many bytes less than plain autograd the tape holds (beyond ``held``, the
+    input and the output) and the output."""
+    xin, y_plain, plain_tape = _plain_forward(stage, x, ctx, held)
+    grad_y = torch.randn_like(y_plain)
+    expected = torch.autograd.grad(y_plain, [xin, *trained], grad_y)
+    taped = forward_taped(stage, x, ctx, BF16, input_grad=True)
+    less = plain_tape - tape_bytes(taped, {storage_key(p) for p in held})
+    assert torch.equal(taped.y, y_plain)
+    assert torch.equal(backward_taped(taped, grad_y), expected[0])
+    for p, want in zip(trained, expected[1:]):
+        assert torch.equal(p.grad, want)
+        p.grad = None
+    return less, y_plain.detach()
+
+
+def _decoder_layers(family):
+    """The decoder-layer stages of a tiny ``family`` model and the first one's input."""
+    model = tiny_hf(family, layers=2)
+    sample = hf_sample(labels=False)
+    chain = to_chain(model, sample)
+    x, ctx = chain.split_inputs(**sample)
+    return chain.stages[1:-1], forward_plain(chain.stages[0], x, ctx, BF16), ctx
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2", "gpt_neox"])
 def test_a_layer_recasts_its_weights_to_the_same_bits(family):
     """Each decoder layer: the tape holds everything autograd saves but the bf16 copies of
     its matmul weights (2 bytes per weight element), and the output, the input gradient and
     every weight gradient equal plain autograd's bit for bit."""
-    model = tiny_hf(family, layers=2)
-    sample = hf_sample(labels=False)
-    chain = to_chain(model, sample)
-    x, ctx = chain.split_inputs(**sample)
-    x = forward_plain(chain.stages[0], x, ctx, BF16)  # the embedding's output
-    for stage in chain.stages[1:-1]:
+    stages, x, ctx = _decoder_layers(family)
+    for stage in stages:
         params = [p for p in stage.parameters() if p.requires_grad]
-        matmul_weights = sum(p.numel() for p in params if p.dim() == 2)
-        xin, y_plain, plain_tape = _plain_forward(stage, x, ctx, params)
-        grad_y = torch.randn_like(y_plain)
-        expected = torch.autograd.grad(y_plain, [xin, *params], grad_y)
-
-        taped = forward_taped(stage, x, ctx, BF16, input_grad=True)
-        keys = {storage_key(p) for p in params}
-        assert plain_tape - tape_bytes(taped, keys) == 2 * matmul_weights
-        assert torch.equal(taped.y, y_plain)
-        grad_x = backward_taped(taped, grad_y)
-        assert torch.equal(grad_x, expected[0])
-        for p, want in zip(params, expected[1:]):
-            assert torch.equal(p.grad, want)
-            p.grad = None
-        x = y_plain.detach()
+        less, x = _taped_like_plain(stage, x, ctx, params, params)
+        assert less == 2 * sum(p.numel() for p in params if p.dim() == 2)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -77,54 +87,13 @@ def test_casts_of_frozen_weights_are_recast_too(family):
     their bf16 casts carry no autograd history, yet the tape leaves them out as well (2 bytes
     per weight element), and the output, the input gradient and the gradients of the weights
     still trained (the norms) equal plain autograd's bit for bit."""
-    model = tiny_hf(family, layers=2)
-    sample = hf_sample(labels=False)
-    chain = to_chain(model, sample)
-    x, ctx = chain.split_inputs(**sample)
-    x = forward_plain(chain.stages[0], x, ctx, BF16)
-    for stage in chain.stages[1:-1]:
+    stages, x, ctx = _decoder_layers(family)
+    for stage in stages:
         for p in stage.parameters():
             p.requires_grad_(p.dim() != 2)  # matmul weights frozen, norms and biases trained
-        frozen = sum(p.numel() for p in stage.parameters() if p.dim() == 2)
         trained = [p for p in stage.parameters() if p.requires_grad]
-        everything = list(stage.parameters())
-        xin, y_plain, plain_tape = _plain_forward(stage, x, ctx, everything)
-        grad_y = torch.randn_like(y_plain)
-        expected = torch.autograd.grad(y_plain, [xin, *trained], grad_y)
-
-        taped = forward_taped(stage, x, ctx, BF16, input_grad=True)
-        keys = {storage_key(p) for p in everything}
-        assert plain_tape - tape_bytes(taped, keys) == 2 * frozen
-        assert torch.equal(taped.y, y_plain)
-        assert torch.equal(backward_taped(taped, grad_y), expected[0])
-        for p, want in zip(trained, expected[1:]):
-            assert torch.equal(p.grad, want)
-            p.grad = None
-        x = y_plain.detach()
-
-
-class _CastThenChanged(nn.Module):
-    """A frozen weight cast, then changed in place: what is saved is not a cast any more."""
-
-    def __init__(self):
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(8, 8), requires_grad=False)
-
-    def forward(self, x, ctx=None):
-        cast = self.weight.to(torch.bfloat16)
-        return x @ cast.mul_(2).t()
-
-
-def test_a_frozen_weight_cast_changed_in_place_stays_in_the_tape():
-    layer = _CastThenChanged()
-    x = torch.randn(4, 8)
-    taped = forward_taped(layer, x, {}, BF16, input_grad=True)
-    assert tape_bytes(taped, {storage_key(layer.weight)}) == 8 * 8 * 2  # the changed copy
-    grad = backward_taped(taped, torch.ones_like(taped.y))
-    xin = x.clone().requires_grad_(True)
-    with BF16():
-        (xin @ (layer.weight.to(torch.bfloat16) * 2).t()).backward(torch.ones(4, 8))
-    assert torch.equal(grad, xin.grad)
+        less, x = _taped_like_plain(stage, x, ctx, trained, list(stage.parameters()))
+        assert less == 2 * sum(p.numel() for p in stage.parameters() if p.dim() == 2)
 
 
 class _Scaled(nn.Module):
@@ -158,6 +127,30 @@ def test_only_plain_casts_of_the_stage_weights_are_recast():
     recast = next(a for a, _ in seen if a is not None)
     assert torch.equal(recast.tensor(), cast.t())
     assert recast.tensor().stride() == cast.t().stride()
+
+
+class _CastThenChanged(nn.Module):
+    """A frozen weight cast, then changed in place: what is saved is not a cast any more."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8), requires_grad=False)
+
+    def forward(self, x, ctx=None):
+        cast = self.weight.to(torch.bfloat16)
+        return x @ cast.mul_(2).t()
+
+
+def test_a_frozen_weight_cast_changed_in_place_stays_in_the_tape():
+    layer = _CastThenChanged()
+    x = torch.randn(4, 8)
+    taped = forward_taped(layer, x, {}, BF16, input_grad=True)
+    assert tape_bytes(taped, {storage_key(layer.weight)}) == 8 * 8 * 2  # the changed copy
+    grad = backward_taped(taped, torch.ones_like(taped.y))
+    xin = x.clone().requires_grad_(True)
+    with BF16():
+        (xin @ (layer.weight.to(torch.bfloat16) * 2).t()).backward(torch.ones(4, 8))
+    assert torch.equal(grad, xin.grad)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
