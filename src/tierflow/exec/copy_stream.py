@@ -30,15 +30,19 @@ class SideStreamCopier:
         self._local = threading.local()  # each thread's side stream
 
     def copy(self, targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
-        """``targets[k].copy_(sources[k])`` for each k, finished when this returns."""
-        if self._module is None or not any(_on_accelerator(t) for t in (*targets, *sources)):
-            for target, source in zip(targets, sources):
+        """``targets[k].copy_(sources[k])`` for each k, finished when this returns (a pair
+        that is one tensor twice, a CPU tensor the disk tier needs no staging for, is
+        skipped)."""
+        pairs = [(target, source) for target, source in zip(targets, sources)
+                 if target is not source]
+        if self._module is None or not any(_on_accelerator(t) for pair in pairs for t in pair):
+            for target, source in pairs:
                 target.copy_(source)
             return
         stream = self._stream()
         stream.wait_stream(self._compute)
         with self._module.stream(stream):
-            for target, source in zip(targets, sources):
+            for target, source in pairs:
                 target.copy_(source, non_blocking=True)
         stream.synchronize()
 

@@ -52,7 +52,7 @@ class DiskStore:
     def write(self, key: str, tensors: list[torch.Tensor]) -> None:
         """Store ``tensors`` (contiguous) back to back under ``key``, on the device."""
         host = self._staging(tensors)
-        self._copier.copy(*_staged_pairs(host, tensors))
+        self._copier.copy(host, tensors)
         try:
             write_tensors(self.directory / f"{key}.bin", host, self.direct)
         except OSError as e:
@@ -70,21 +70,13 @@ class DiskStore:
         if not complete:
             raise TierflowError(f"{path} is shorter than the tensors written to it: "
                                 f"the offload directory was changed during the run")
-        self._copier.copy(*_staged_pairs(tensors, host))
+        self._copier.copy(tensors, host)
 
     def _staging(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """``tensors`` with each one on an accelerator replaced by a page-locked host buffer
         of its shape (the file's side of a transfer)."""
         return [t if t.device.type == "cpu" else
                 torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-
-
-def _staged_pairs(targets: list[torch.Tensor], sources: list[torch.Tensor]
-                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The (targets, sources) of the copies between the staging buffers and the
-    accelerator: the pairs that are not one tensor twice."""
-    pairs = [(t, s) for t, s in zip(targets, sources) if t is not s]
-    return [t for t, _ in pairs], [s for _, s in pairs]
 
 
 class WriteBehind:
