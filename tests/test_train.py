@@ -82,6 +82,21 @@ def _cmd(env, out, *extra):
             "--warmup", "3", "--steps", "20", "--eval-every", "0", "--out", str(out), *extra]
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux only")
+def test_an_earlier_peak_of_the_process_does_not_hide_the_runs(env, tmp_path, capsys):
+    """A process that peaked before calling train (the demo tokenizes first) gets the run's
+    own peak RSS above its baseline: before, the baseline was that old peak, and the figure
+    stayed 0 until the run passed it."""
+    ballast = bytearray(512 * 2**20)
+    ballast[:: 4096] = b"\1" * len(ballast[:: 4096])  # touch every page: a peak to hide
+    del ballast
+    code, _, err = run_main(*train_args(env, tmp_path / "run", "--steps", "2", "--ram", "1GiB",
+                                        "--log", str(tmp_path / "log.jsonl")), capsys=capsys)
+    assert code == 0, err
+    ram = [r["ram_bytes"] for r in records(tmp_path / "log.jsonl", "train")]
+    assert len(ram) == 2 and all(0 < b < 256 * 2**20 for b in ram), ram
+
+
 def test_resume_after_kill_matches_an_uninterrupted_run(env, tmp_path):
     child_env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
     child_env.pop("TIERFLOW_TRACEBACK", None)

@@ -160,6 +160,19 @@ def maxrss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
+def reset_peak_rss() -> bool:
+    """Lower this process's peak RSS (``ru_maxrss``, VmHWM) to its RSS now, so that a peak
+    measured from here is not an earlier one (the demo's tokenizer, work done before
+    ``tierflow train`` was called in the same process). Linux only (``/proc/self/clear_refs``);
+    False where the peak cannot be reset and stays as it was."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def _status_bytes(field: str) -> int | None:
     """VmHWM / VmRSS of this process from /proc (Linux only), for cross-checks."""
     try:
