@@ -283,9 +283,13 @@ def _add_train(sub: Any) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .dist import exit_rank, world_size_from_env
     from .train.loop import train
     from .train.options import from_args
-    return train(from_args(args))
+    code = train(from_args(args))
+    if world_size_from_env() > 1:  # a torchrun rank whose run is over: see exit_rank
+        exit_rank(code)
+    return code
 
 
 # ---------------------------------------------------------------- plan, sweep, calibrate

@@ -18,9 +18,11 @@ import contextlib
 import datetime
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -117,6 +119,17 @@ class World:
                 self.store.wait(others, datetime.timedelta(seconds=self.timeout))
             else:
                 self.store.set(_CLOSED.format(self.rank), "1")
+
+
+def exit_rank(code: int) -> NoReturn:
+    """End a rank's process with ``code`` now that its run is over: everything is written and
+    it has left the process group. Skipping the interpreter's teardown is deliberate: the
+    process group's and the store's C++ objects are then destroyed in an order that has
+    aborted a rank after a finished run ("terminate called without an active exception",
+    exit code 134), which torchrun reports as a failed run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _first_sentence(err: BaseException) -> str:
