@@ -16,6 +16,7 @@ high-water mark when the parent execs it directly, which would hide the child's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -160,17 +161,14 @@ def maxrss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
-def reset_peak_rss() -> bool:
+def reset_peak_rss() -> None:
     """Lower this process's peak RSS (``ru_maxrss``, VmHWM) to its RSS now, so that a peak
     measured from here is not an earlier one (the demo's tokenizer, work done before
     ``tierflow train`` was called in the same process). Linux only (``/proc/self/clear_refs``);
-    False where the peak cannot be reset and stays as it was."""
-    try:
+    elsewhere the peak stays as it was."""
+    with contextlib.suppress(OSError):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-    except OSError:
-        return False
-    return True
 
 
 def _status_bytes(field: str) -> int | None:

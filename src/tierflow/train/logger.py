@@ -132,7 +132,8 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
             depth = extra.get("prefetch depth", 0)
             ahead = f"read {depth} stages ahead" if depth else "read when needed (no prefetch)"
             rows.append((f"{tier} tier", " + ".join(f"{format_bytes(n)} {what}"
-                                                    for n, what in held if n) + f"; {ahead}"))
+                                                    for what, n in below[tier].items())
+                         + f"; {ahead}"))
     free = (f"{format_bytes(budget - peak)} of the {format_bytes(budget)} "
             "budget" if budget else "- (no --ram budget)")
     seconds = plan.predicted_time * grad_accum
