@@ -17,6 +17,9 @@ AdamW (lr 1e-4, weight decay 0.01). Configurations:
 - `stream-prefetch0`: the plan made for reading nothing ahead (`prefetch_depth=0`);
 - `stream-disk` (only when asked for, with `--disk DIR`): `stream` with host RAM cut to
   `--disk-ram` and the disk directory below it (GPU, RAM, disk);
+- `stream-host` and `stream-gpu-update` (only when asked for): `stream` with every stage
+  AdamW can step in host RAM stepped there (`host_updates="all"`), and with every update on
+  the GPU (`host_updates="never"`);
 - `host-start` (only when asked for): the model built in host RAM, not on the GPU, and
   fitted under `--host-start-gpu` with the planner's choice of what streams
   (`stream="auto"`): fit moves it to the GPU empty and streams what does not fit.
@@ -37,7 +40,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("plain", "stream", "stream-serial", "stream-prefetch0", "stream-disk", "host-start")
+CONFIGS = ("plain", "stream", "stream-serial", "stream-prefetch0", "stream-disk", "host-start",
+           "stream-host", "stream-gpu-update")
 DEFAULT_CONFIGS = CONFIGS[:4]
 
 
@@ -76,7 +80,9 @@ def run_one(config: str, args: argparse.Namespace) -> dict:
             return loss.item()
     else:
         options = {"stream-serial": {"serial_reads": True},
-                   "stream-prefetch0": {"prefetch_depth": 0}}.get(config, {})
+                   "stream-prefetch0": {"prefetch_depth": 0},
+                   "stream-host": {"host_updates": "all"},
+                   "stream-gpu-update": {"host_updates": "never"}}.get(config, {})
         tiers = {"ram": args.disk_ram, "disk": args.disk} if config == "stream-disk" else \
             {"ram": args.ram}
         host_start = config == "host-start"
@@ -89,6 +95,8 @@ def run_one(config: str, args: argparse.Namespace) -> dict:
                 "predicted_step_s": round(module.plan.predicted_time, 3),
                 "predicted_peak_gib": round(module.plan.predicted_peak / 2**30, 2),
                 "streamed_stages": len(module.streamer.stage_params) if module.streamer else 0,
+                "host_updated_stages": len(module.optimizer.host.stages)
+                if module.optimizer.host else 0,
                 "placement": placement(module.plan.costs.extra),
                 "explain": module.plan.explain()}
 

@@ -167,6 +167,25 @@ def test_weights_streamed_from_host_ram_match_plain(family, grad_accum):
     train_and_match(module, reference, samples, _adamw)
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_adamw_stepped_in_host_ram_matches_plain(family):
+    """Every streamed stage's AdamW stepped on the CPU, over the weights' page-locked copies
+    in host RAM (``host_updates="all"``): the gradients come down on a side stream, nothing
+    goes up but the next fetch of the new weights; 3 steps as plain AdamW on the GPU."""
+    model = tiny_hf(family, layers=3, dropout=0.1).to(CUDA)
+    reference = copy.deepcopy(model)
+    sample = _on_cuda(hf_sample())
+    module = tierflow.fit(model, sample, optimizer=_adamw, gpu="1GiB", ram="1GiB",
+                          config=FitConfig(stream="all", planner="checkpoint-all",
+                                           host_updates="all"))
+    host = module.optimizer.host
+    assert host is not None and host.stages
+    for i in host.stages:
+        twins = [p for g in module.optimizer.optimizers[i].param_groups for p in g["params"]]
+        assert all(t.device.type == "cpu" and t.is_pinned() for t in twins)
+    train_and_match(module, reference, [sample], _adamw)
+
+
 @pytest.mark.parametrize("grad_accum", [1, 4])
 def test_streamed_weights_leave_the_gpu_within_the_plan(grad_accum):
     """With every stage's weights streamed from host RAM, a step's GPU peak (what the

@@ -22,6 +22,7 @@ from .exec.context import AutocastMode, untouched
 from .exec.deferred import DeferredUpdates
 from .exec.gradients import GradientStash
 from .exec.host_model import start_in_host_ram
+from .exec.host_update import HostUpdates
 from .exec.memory import (
     CACHING_THRESHOLD,
     EXACT_THRESHOLD,
@@ -139,6 +140,9 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     owned = OwnedOptimizer(chain, optimizer, states, read_ahead=depth > 0) \
         if optimizer is not None else None
     streamer = _stream(model, chain, placed, depth, updates_in_backward=not deferred)
+    if placed.host_stages:
+        owned.step_on_host(HostUpdates(streamer.offloaded, set(placed.host_stages), device),
+                           optimizer)
     host_room = None
     if exact_host:  # profiled with exact thresholds; steps cache, and trim where they must
         configure_host_allocator(CACHING_THRESHOLD)
@@ -186,7 +190,8 @@ def _stream(model: nn.Module, chain: Chain, placed: TierPlan, depth: int, *,
         offloaded = OffloadedParameters(placed.weights.store)
         attach(model, offloaded)
     names = {id(p): name for name, p in model.named_parameters()}
-    streamer = WeightStreamer(streamed, offloaded, depth, names, updates_in_backward)
+    streamer = WeightStreamer(streamed, offloaded, depth, names, updates_in_backward,
+                              placed.host_stages)
     streamer.prefetch(placed.plan.ops)
     return streamer
 

@@ -30,6 +30,9 @@ class FitConfig:
     offload_tapes: str = "auto"  # tapes on the lower tier, not recomputed: auto/never/all
     # checkpoints on the lower tier while unneeded (offload beside recompute): auto/never/all
     stash_boundaries: str = "auto"
+    # the optimizer steps in host RAM, where its states live, the stages whose weights stream
+    # from there (below a GPU, real or simulated): auto/never/all
+    host_updates: str = "auto"
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
@@ -49,6 +52,9 @@ class FitConfig:
         if self.stash_boundaries not in STREAMING:
             raise ValueError(f"stash_boundaries {self.stash_boundaries!r} is unknown: use one "
                              f"of {', '.join(STREAMING)}")
+        if self.host_updates not in STREAMING:
+            raise ValueError(f"host_updates {self.host_updates!r} is unknown: use one of "
+                             f"{', '.join(STREAMING)}")
         if self.prefetch_depth is not None and self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth={self.prefetch_depth} must be at least 0")
         if not 0.0 <= self.headroom < 1.0:

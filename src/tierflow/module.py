@@ -154,7 +154,8 @@ class TierflowModule(nn.Module):
         run = StepRun(self._chain, self._plan.ops, self._forward_count, ctx, autocast,
                       self._device, update, self.ledger, self._streamer,
                       before_backward=deferred.before_backward if deferred else None,
-                      backward_done=deferred.backward_done if deferred else None,
+                      backward_done=deferred.backward_done if deferred else
+                      (self._optimizer.wait_host_updates if self._optimizer else None),
                       tapes=self._tapes, before_op=self._make_room if self._host_room else None,
                       boundaries=self._boundaries)
         y = RunPlan.apply(run, x0, self._anchor)

@@ -17,8 +17,9 @@ from .exec import boundaries as boundary_stash
 from .exec import tapes as tape_offload
 from .exec.disk import DiskStore, measure_bandwidth
 from .exec.host_store import HostStore, measure_copy_bandwidth
+from .exec.memory import meter_for
 from .exec.offload import OffloadedParameters
-from .exec.optimizer import probe_optimizer
+from .exec.optimizer import probe_optimizer, stage_owned_parameters
 from .exec.stage_call import storage_key
 from .exec.weights import stage_parameters_to_stream
 from .plan.costs import ChainCosts
@@ -46,18 +47,37 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
     trainable = [p for p in chain_parameters(chain) if p.requires_grad]
     dtype = trainable[0].dtype if trainable else torch.float32
     probe = probe_optimizer(optimizer, device, meter, probe_numel(budget), dtype)
+    host_rate = None  # the optimizer in the host RAM below a GPU (simulated: the same CPU)
+    if any(t.name == "ram" for t in lower):
+        host_rate = probe.seconds_per_byte if device.type == "cpu" else probe_optimizer(
+            optimizer, torch.device("cpu"), meter_for(torch.device("cpu")),
+            probe_numel(None), dtype).seconds_per_byte
     problem = TierProblem(
         costs=costs,
         rates=UpdateRates(probe.state_per_byte, probe.seconds_per_byte,
-                          probe.transient_per_byte, probe.transient_bytes),
+                          probe.transient_per_byte, probe.transient_bytes, host_rate),
         largest=tuple(max((p.nbytes for p in st.parameters()), default=0)
                       for st in chain.stages),
         trainable=sum(p.nbytes for p in trainable),
         streamable=tuple(stage_parameters_to_stream(chain.stages)),
         lower=tuple(lower), weights_tiers=None if weights_tiers is None else tuple(weights_tiers),
         deferred=deferred, min_tape_bytes=tape_offload.MIN_BYTES,
-        min_boundary_bytes=boundary_stash.MIN_BYTES)
+        min_boundary_bytes=boundary_stash.MIN_BYTES,
+        host_updatable=host_updatable(chain))
     return place_on_tiers(problem, budget, config, tier)
+
+
+def host_updatable(chain: Chain) -> tuple[int, ...]:
+    """The stages whose updates may run in host RAM: every trainable parameter the stage's
+    optimizer steps is one only that stage uses, so it streams with the stage (a tied
+    embedding, say, stays on the compute tier, and so does its update)."""
+    streamable = stage_parameters_to_stream(chain.stages)
+    out = []
+    for i, params in enumerate(stage_owned_parameters(chain)):
+        own = {id(p) for p in streamable.get(i, [])}
+        if params and all(id(p) in own for p in params):
+            out.append(i)
+    return tuple(out)
 
 
 def probe_numel(budget: int | None) -> int:

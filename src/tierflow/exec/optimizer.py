@@ -16,6 +16,7 @@ from ..chain.base import Chain
 from .buffers import BufferPool
 from .disk import DiskStore, WriteBehind
 from .grad_norm import square_norm
+from .host_update import HostUpdates
 from .memory import DeviceMeter, HostMeter, return_free_memory
 from .stage_call import storage_key
 from .trace import span
@@ -34,22 +35,13 @@ class OwnedOptimizer:
     just updated are written back on another: two stages' states besides the one updating.
     Without ``read_ahead`` (a prefetch depth of 0) each stage's states are read at its update.
     States read back live in buffers of a pool on the parameters' device (the GPU's when they
-    wait in host RAM below it), given back once they are written again.
+    wait in host RAM below it), given back once they are written again. The stages
+    ``step_on_host`` hands over are stepped in host RAM instead (exec/host_update.py).
     """
 
     def __init__(self, chain: Chain, factory: OptimizerFactory, disk: DiskStore | None = None,
                  read_ahead: bool = True):
-        owner: dict[int, int] = {}
-        params: dict[int, nn.Parameter] = {}
-        for i, stage in enumerate(chain.stages):
-            for p in stage.parameters():
-                if p.requires_grad:
-                    key = storage_key(p)
-                    owner[key] = min(owner.get(key, i), i)
-                    params[key] = p
-        self.stage_params: list[list[nn.Parameter]] = [[] for _ in chain.stages]
-        for key, i in owner.items():
-            self.stage_params[i].append(params[key])
+        self.stage_params = stage_owned_parameters(chain)
         self.optimizers: list[torch.optim.Optimizer | None] = [
             factory(ps) if ps else None for ps in self.stage_params]
         self.disk = disk
@@ -66,6 +58,16 @@ class OwnedOptimizer:
         self._first_update = owned[-1] if owned else -1
         self._square_norm: float | None = None
         self.measures_norm = True  # off when a deferred update pass measures it first
+        self.host: HostUpdates | None = None
+        self._twins: dict[int, list[nn.Parameter]] = {}
+
+    def step_on_host(self, host: HostUpdates, factory: OptimizerFactory) -> None:
+        """From now on the optimizer of each of ``host.stages`` steps in host RAM, over
+        ``host.twins`` of its parameters (built afresh by ``factory``: no step ran yet)."""
+        self.host = host
+        for i in sorted(host.stages):
+            self._twins[i] = host.twins(self.stage_params[i])
+            self.optimizers[i] = factory(self._twins[i])
 
     def step_stage(self, i: int, scale: float = 1.0) -> None:
         """Update stage i's parameters from their gradients times ``scale`` (clipping), then
@@ -83,6 +85,9 @@ class OwnedOptimizer:
             for p in self.stage_params[i]:
                 if p.grad is not None:
                     p.grad.mul_(scale)
+        if i in self._twins:
+            self.host.update(i, self.stage_params[i], self._twins[i], opt)
+            return
         opt.step()
         opt.zero_grad(set_to_none=True)
         self._evict(i)
@@ -103,6 +108,8 @@ class OwnedOptimizer:
         opt = self.optimizers[i]
         if opt is None:
             return None
+        if self.host is not None:
+            self.host.wait()
         entries = self._offloaded[i]
         state = opt.state_dict()  # evicted tensors are placeholders in it
         if not entries:
@@ -135,6 +142,8 @@ class OwnedOptimizer:
         opt = self.optimizers[i]
         if opt is None:
             raise ValueError(f"stage {i} has no optimizer")
+        if self.host is not None:
+            self.host.wait()
         self._fetch(i)
         opt.load_state_dict(state)
         self._evict(i)
@@ -184,8 +193,9 @@ class OwnedOptimizer:
 
     def _evict(self, i: int) -> None:
         """Hand stage i's state tensors to the writer and drop them from the optimizer (a
-        no-op without disk); the writer frees them once they are on disk."""
-        if self.disk is None:
+        no-op without disk, and for a stage stepped in host RAM, whose states live there
+        already); the writer frees them once they are on disk."""
+        if self.disk is None or i in self._twins:
             return
         entries = self._offloaded[i]
         tensors = []
@@ -209,14 +219,39 @@ class OwnedOptimizer:
             self._pool.give(flat)
 
     def wait(self) -> None:
-        """Until every state write has reached the disk (and raise a write's error)."""
+        """Until every host step has run and every state write has reached the disk (and
+        raise their errors)."""
+        self.wait_host_updates()
         self._writer.wait()
+
+    def wait_host_updates(self) -> None:
+        """Until every step in host RAM has run: the end of a backward, so that the weights
+        are up to date when it returns."""
+        if self.host is not None:
+            self.host.wait()
 
     def set_lr(self, lr: float) -> None:
         for opt in self.optimizers:
             if opt is not None:
                 for group in opt.param_groups:
                     group["lr"] = lr
+
+
+def stage_owned_parameters(chain: Chain) -> list[list[nn.Parameter]]:
+    """Per stage, the trainable parameters its optimizer steps: those whose last gradient
+    comes from its backward (a parameter several stages use belongs to the first)."""
+    owner: dict[int, int] = {}
+    params: dict[int, nn.Parameter] = {}
+    for i, stage in enumerate(chain.stages):
+        for p in stage.parameters():
+            if p.requires_grad:
+                key = storage_key(p)
+                owner[key] = min(owner.get(key, i), i)
+                params[key] = p
+    owned: list[list[nn.Parameter]] = [[] for _ in chain.stages]
+    for key, i in owner.items():
+        owned[i].append(params[key])
+    return owned
 
 
 def _copy(value: object) -> object:

@@ -5,7 +5,9 @@ only its storage comes and goes (``untyped_storage().resize_``), so the model co
 optimizer never notice. One I/O thread reads the next ``depth`` streamed stages of the plan
 while the current one computes (their reads start as the current operation starts, so that
 they overlap it); another writes updated weights back after each update and frees them once
-they are on disk. A stage is read again only after its write-back is done.
+they are on disk. A stage is read again only after its write-back is done. The weights of
+a stage the optimizer steps in host RAM (``host_updated``) are not written back: the update
+changed their copy there, so the one on the compute tier is dropped.
 """
 from __future__ import annotations
 
@@ -25,9 +27,10 @@ class WeightStreamer:
 
     def __init__(self, stage_params: dict[int, list[nn.Parameter]],
                  offloaded: OffloadedParameters, depth: int, names: dict[int, str],
-                 updates_in_backward: bool = True):
+                 updates_in_backward: bool = True, host_updated: frozenset[int] = frozenset()):
         self.stage_params = stage_params
         self.updates_in_backward = updates_in_backward  # else the weights change after backward
+        self.host_updated = host_updated
         self.offloaded = offloaded
         self.depth = depth
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-read")
@@ -60,7 +63,9 @@ class WeightStreamer:
         op = ops[position]
         i = _stage_of(op)
         if i in self.stage_params:
-            if isinstance(op, Update) and self.updates_in_backward:
+            if isinstance(op, Update) and i in self.host_updated:
+                self._release(i)  # stale: the update ran on the copy in host RAM
+            elif isinstance(op, Update) and self.updates_in_backward:
                 self.write_back(i)
             elif i not in taped and _next_use(ops, position, i) != _next_streamed(
                     ops, position, self.stage_params):

@@ -55,6 +55,8 @@ class Candidate:
     tapes: LowerTier | None = None
     tape_stages: frozenset[int] = frozenset()
     boundaries: LowerTier | None = None  # where stashed checkpoints wait
+    host_stages: frozenset[int] = frozenset()  # stages the optimizer steps in host RAM
+    host_bytes: int = 0  # what those updates hold in host RAM: gradients, temporaries
 
     @property
     def tiers(self) -> tuple[LowerTier, ...]:
@@ -123,16 +125,51 @@ def states_below(resident: ChainCosts, base: ChainCosts, stages: list, state_of:
             read + max(0.0, write - stage.bwd_time)
         moved.append(replace(stage, update_transient=stage.update_transient + state_of[i],
                              update_time=stage.update_time + exposed))
-    in_flight = (2 if read_ahead else 1) * max(state_of, default=0)
     return replace(resident, stages=tuple(moved),
-                   static_bytes=base.static_bytes + in_flight,
+                   static_bytes=base.static_bytes + states_in_flight(state_of, read_ahead),
                    extra={**base.extra, f"optimizer states on {home.name}": sum(state_of)})
+
+
+def states_in_flight(state_of: list[int], read_ahead: bool) -> int:
+    """Compute-tier bytes of the states read ahead of, or written back after, an update
+    there: the next stage's and the last one's (without read-ahead, only the last one's)."""
+    return (2 if read_ahead else 1) * max(state_of, default=0)
+
+
+def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
+                    host: frozenset[int], home: LowerTier, host_seconds_per_byte: float,
+                    read_ahead: bool) -> ChainCosts:
+    """``costs`` (states on ``home``, the host RAM below a GPU; the ``host`` stages' weights
+    streamed from there) with those stages' updates run in host RAM instead: their
+    gradients go down the link, the host optimizer steps their weights and states in place
+    (no states come up, no weights go back), and the next fetch reads the new weights.
+
+    Stage i's host step runs beside the backward of stage i - 1; the compute tier waits at
+    stage i's update for what stage i + 1's step outlasted of that backward, and at the end
+    of the backward for the lowest one's (priced here at the stage whose step it is)."""
+    stages = list(costs.stages)
+    lowest = min(host)
+    for i in host:
+        params = base.stages[i].param_bytes
+        down = params / home.bandwidth  # the gradients, as large as the weights
+        work = host_seconds_per_byte * params
+        beside = sum(s.bwd_time for s in base.stages[:i]) if i == lowest else \
+            base.stages[i - 1].bwd_time
+        # the streamed weights stay until the update (the gradients are already counted)
+        stages[i] = replace(stages[i], update_time=down + max(0.0, work - beside),
+                            update_transient=params)
+    up_there = [n for j, n in enumerate(state_of) if j not in host]
+    static = costs.static_bytes - states_in_flight(state_of, read_ahead) + \
+        states_in_flight(up_there, read_ahead)
+    return replace(costs, stages=tuple(stages), static_bytes=static,
+                   extra={**costs.extra, "updated on the host": sorted(host)})
 
 
 def lower_bytes(candidate: Candidate, base: ChainCosts, state_of: list[int],
                  lower: LowerTier, deferred: bool) -> int:
-    """Bytes a placement keeps on ``lower``: states, streamed weights, stashed gradients."""
-    held = sum(state_of) if candidate.states is lower else 0
+    """Bytes a placement keeps on ``lower``: states (and what their host updates hold),
+    streamed weights, stashed gradients."""
+    held = sum(state_of) + candidate.host_bytes if candidate.states is lower else 0
     if candidate.weights is lower:
         weights = sum(base.stages[i].param_bytes for i in candidate.streamed)
         held += weights * (2 if deferred else 1)  # deferred: the gradients wait there too

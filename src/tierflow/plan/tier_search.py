@@ -35,6 +35,7 @@ from .tier_costs import (
     deferred_costs,
     lower_bytes,
     states_below,
+    updated_on_host,
     with_offloaded_tapes,
     with_stashed_boundaries,
     with_update_pass,
@@ -53,6 +54,8 @@ class UpdateRates:
     seconds_per_byte: float
     transient_per_byte: float  # temporaries during a step, per byte of the largest parameter
     transient_bytes: int = 0  # temporaries during a step, whatever the parameter's size
+    # the optimizer's step in host RAM below a GPU (None: no such tier, or not measured)
+    host_seconds_per_byte: float | None = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,9 @@ class TierProblem:
     trainable parameters; ``streamable``: the stages whose weights may live on a lower tier
     (those no other stage shares); ``lower``: the tiers below the compute tier, nearest
     first; ``weights_tiers``: where weights may stream from (None: any lower tier);
-    ``deferred``: updates run in one pass after the backward (accumulation, clipping)."""
+    ``deferred``: updates run in one pass after the backward (accumulation, clipping);
+    ``host_updatable``: the stages whose parameters the optimizer may step in host RAM (every
+    parameter a stage updates is its own, so it streams with the stage)."""
 
     costs: ChainCosts
     rates: UpdateRates
@@ -75,6 +80,7 @@ class TierProblem:
     deferred: bool = False
     min_tape_bytes: int = MIN_TAPE_BYTES
     min_boundary_bytes: int = MIN_BOUNDARY_BYTES
+    host_updatable: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,6 +99,7 @@ class TierPlan:
     depth: int = 1  # stages whose weights, states and tapes are read ahead (0: on demand)
     held: tuple[tuple[str, int], ...] = ()  # (lower tier, bytes it holds) for each one used
     boundaries: LowerTier | None = None  # where the plan's Stash ops put checkpoints
+    host_stages: frozenset[int] = frozenset()  # stages the optimizer steps in host RAM
 
     @property
     def predicted_time(self) -> float:
@@ -234,9 +241,14 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
                 moved = replace(moved, extra={**moved.extra, "weights tier": source.name})
                 why = (f"the weights of {len(streamed)} of {base.length} stages "
                        f"({format_bytes(moved.extra['streamed bytes'])}) live in "
-                       f"{source.about}, {ahead} and written back after each update")
-                candidates.append(Candidate(moved, home, source, frozenset(streamed),
-                                            notes + (why,), depth))
+                       f"{source.about}, {ahead}")
+                streams = Candidate(moved, home, source, frozenset(streamed), (why,), depth)
+                hosted = _updated_on_host(streams, problem, stages, state_of, config)
+                if hosted is None or config.host_updates != "all":
+                    candidates.append(replace(streams, notes=notes + (
+                        why + " and written back after each update",)))
+                if hosted is not None:
+                    candidates.append(hosted)
     if problem.lower and config.offload_tapes != "never":
         candidates = with_offloaded_tapes(candidates, problem.lower[0], config,
                                           problem.min_tape_bytes)
@@ -244,6 +256,36 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
         candidates = with_stashed_boundaries(candidates, problem.lower[0], config,
                                              problem.min_boundary_bytes)
     return candidates
+
+
+def _updated_on_host(streams: Candidate, problem: TierProblem, stages: list[StageCost],
+                     state_of: list[int], config: FitConfig) -> Candidate | None:
+    """``streams`` with its streamed stages' updates in host RAM, where their states and
+    weights live (None when it has no such stage: the states and weights must both be in
+    the host RAM below a GPU, and the updates run inside the backward)."""
+    rates, home = problem.rates, streams.states
+    if (config.host_updates == "never" or rates.host_seconds_per_byte is None
+            or problem.deferred or home is None or home.name != "ram"
+            or streams.weights is not home):
+        return None
+    host = streams.streamed & frozenset(problem.host_updatable)
+    if not host:
+        return None
+    costs = updated_on_host(streams.costs, problem.costs, state_of, host, home,
+                            rates.host_seconds_per_byte, streams.depth > 0)
+    largest = max(problem.costs.stages[i].param_bytes for i in host)
+    # the gradients of the stage stepping and of the next one, and the step's temporaries
+    held = 2 * largest + max(stages[i].update_transient for i in host)
+    why = (f"the optimizer steps {len(host)} of those stages in {home.about}, where their "
+           f"weights and states ({format_bytes(sum(state_of[i] for i in host))}) live: "
+           f"their gradients go down ({format_bytes(home.bandwidth)}/s) and their next fetch "
+           "reads the new weights")
+    others = sum(n for i, n in enumerate(state_of) if i not in host)
+    if others:
+        why += (f"; the other stages' states ({format_bytes(others)}) come up for their "
+                "update and go back after")
+    return replace(streams, costs=costs, notes=streams.notes + (why,), host_stages=host,
+                   host_bytes=held)
 
 
 def _costs(candidate: Candidate, problem: TierProblem,
@@ -285,7 +327,8 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
     held = tuple(_held(candidate, problem, state_of).items())
     return TierPlan(replace(plan, notes=plan.notes + notes), candidate.states,
                     candidate.weights, candidate.streamed, update_pass, candidate.tapes,
-                    candidate.tape_stages, candidate.depth, held, candidate.boundaries)
+                    candidate.tape_stages, candidate.depth, held, candidate.boundaries,
+                    candidate.host_stages)
 
 
 def _update_pass_error(update_pass: UpdatePass, budget: int, tier: str) -> BudgetError:

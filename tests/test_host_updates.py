@@ -1,0 +1,146 @@
+"""The optimizer stepped in host RAM, where a streamed stage's weights and AdamW states live
+below a GPU (exec/host_update.py), here below a simulated GPU: the same training as plain
+PyTorch, what moves and what does not, and how the planner prices and chooses it."""
+import copy
+
+import pytest
+import torch
+from models import hf_sample, tiny_hf
+from side_by_side import train_and_match
+
+import tierflow
+from tierflow import FitConfig
+from tierflow.exec.host_store import HostStore
+from tierflow.plan.costs import ChainCosts, StageCost
+from tierflow.plan.tier_costs import LowerTier
+from tierflow.plan.tier_search import TierProblem, UpdateRates, place_on_tiers
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _fit_on_host(model, sample, host_updates="all", **config):
+    return tierflow.fit(model, sample, optimizer=_adamw, gpu="1GiB", ram="1GiB",
+                        config=FitConfig(simulated_gpu=True, stream="all",
+                                         planner="checkpoint-all", host_updates=host_updates,
+                                         **config))
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_host_updates_train_as_plain_pytorch(family, depth):
+    """Every streamed stage stepped in host RAM, reading ahead or not: 3 steps with dropout,
+    the losses and every parameter as plain PyTorch's."""
+    model = tiny_hf(family, layers=3, dropout=0.1)
+    reference = copy.deepcopy(model)
+    sample = hf_sample()
+    module = _fit_on_host(model, sample, prefetch_depth=depth)
+    owned = module.optimizer
+    streamed = set(module.streamer.stage_params)
+    assert owned.host is not None and owned.host.stages == module.streamer.host_updated
+    # GPT-2's first stage updates the tied embedding, which stays on the compute tier
+    assert set(owned.host.stages) == (streamed - {0} if family == "gpt2" else streamed)
+    assert "of those stages in host RAM" in " ".join(module.plan.notes)
+    train_and_match(module, reference, [sample], _adamw)
+
+
+def test_host_updates_step_the_copies_in_host_ram_and_bring_no_states_up():
+    """The host stages' optimizers hold the weights' own host copies (updated in place, not
+    written back from the compute tier), and their states are host tensors, never handed to
+    the store; the compute tier's copies of those weights are dropped after each update."""
+    model = tiny_hf("llama", layers=3)
+    sample = hf_sample()
+    module = _fit_on_host(model, sample)
+    owned, streamer = module.optimizer, module.streamer
+    store = streamer.offloaded.store
+    assert isinstance(store, HostStore)
+    written = []
+    original = store.write
+    store.write = lambda key, tensors: (written.append(key), original(key, tensors))
+    before = {i: [store.entry(streamer.offloaded.file_of(p)).clone() for p in ps]
+              for i, ps in streamer.stage_params.items()}
+    module(**sample).loss.backward()
+    assert not any(key.startswith("param-") for key in written)  # no weights written back
+    assert not any(key.startswith("optimizer-") for key in written)  # no states moved
+    for i in owned.host.stages:
+        opt = owned.optimizers[i]
+        twins = [p for group in opt.param_groups for p in group["params"]]
+        entries = [store.entry(streamer.offloaded.file_of(p)) for p in owned.stage_params[i]]
+        assert {t.data_ptr() for t in twins} == {e.data_ptr() for e in entries}
+        assert all(not torch.equal(old, new) for old, new in zip(before[i], entries))
+        assert all(p.grad is None for p in owned.stage_params[i])
+        assert all(s["exp_avg"].device.type == "cpu" for s in opt.state.values())
+
+
+def test_a_host_stage_state_dict_round_trips():
+    """A host stage's optimizer state (what a checkpoint writes) loads back into a fresh fit
+    of the same model, and training continues as the uninterrupted module does."""
+    torch.manual_seed(0)
+    model = tiny_hf("llama", layers=2)
+    twin = copy.deepcopy(model)
+    sample = hf_sample()
+    first = _fit_on_host(model, sample)
+    second = _fit_on_host(twin, sample)
+    first(**sample).loss.backward()
+    weights = {k.removeprefix("model."): v for k, v in first.state_dict().items()}
+    states = {i: first.optimizer.stage_state_dict(i) for i in first.optimizer.host.stages}
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            if p.untyped_storage().nbytes():
+                p.copy_(weights[name])
+            else:  # streamed: its copy in host RAM is the one the host optimizer steps
+                store = second.streamer.offloaded
+                store.store.entry(store.file_of(p)).copy_(weights[name])
+    for i, state in states.items():
+        second.optimizer.load_stage_state(i, state)
+    torch.manual_seed(1)
+    expected = first(**sample).loss
+    torch.manual_seed(1)
+    loss = second(**sample).loss
+    torch.testing.assert_close(loss, expected)
+
+
+def _problem(link: float, host_seconds_per_byte: float) -> TierProblem:
+    """Four like stages of 64 MiB of weights with AdamW (8 bytes of state per fp32 weight
+    byte... 2x), under a GPU whose host RAM is reached at ``link`` bytes/s."""
+    stage = StageCost("layer", fwd_time=0.05, bwd_time=0.1, param_bytes=64 << 20,
+                      output_bytes=1 << 20, tape=4 << 20)
+    costs = ChainCosts(stages=(stage,) * 4, input_bytes=1 << 20,
+                       static_bytes=4 * (64 << 20))
+    ram = LowerTier("ram", link, None, "host RAM")
+    return TierProblem(costs=costs,
+                       rates=UpdateRates(2.0, 1e-10, 0.0, 0, host_seconds_per_byte),
+                       largest=(64 << 20,) * 4, trainable=4 * (64 << 20),
+                       streamable=(0, 1, 2, 3), lower=(ram,), host_updatable=(0, 1, 2, 3))
+
+
+def test_the_planner_steps_on_the_host_when_the_link_is_slow():
+    """Over a slow link, moving the states up and down costs more than moving gradients down
+    and stepping on the host: the host plan wins, predicted faster and with less of the GPU
+    (no states in flight there); with a fast link and a slow host the GPU's update wins."""
+    config = FitConfig(stream="all", planner="checkpoint-all")
+    slow_link = place_on_tiers(_problem(link=2e9, host_seconds_per_byte=2e-10), 1 << 30,
+                               config, "gpu")
+    assert slow_link.host_stages == frozenset({0, 1, 2, 3})
+    on_gpu = place_on_tiers(_problem(link=2e9, host_seconds_per_byte=2e-10), 1 << 30,
+                            FitConfig(stream="all", planner="checkpoint-all",
+                                      host_updates="never"), "gpu")
+    assert not on_gpu.host_stages
+    assert slow_link.predicted_time < on_gpu.predicted_time
+    assert slow_link.predicted_peak < on_gpu.predicted_peak
+    fast_link = place_on_tiers(_problem(link=1e12, host_seconds_per_byte=1e-8), 1 << 30,
+                               config, "gpu")
+    assert not fast_link.host_stages
+
+
+def test_host_updates_count_their_gradients_in_host_ram():
+    """What the host steps hold in host RAM (two stages' gradients) is part of what the
+    placement keeps there, so a host budget too small for it refuses that plan."""
+    config = FitConfig(stream="all", planner="checkpoint-all", host_updates="all")
+    placed = place_on_tiers(_problem(link=2e9, host_seconds_per_byte=2e-10), 1 << 30,
+                            config, "gpu")
+    held = dict(placed.held)["ram"]
+    weights_and_states = 4 * (64 << 20) * 3
+    assert held == weights_and_states + 2 * (64 << 20)
+
