@@ -167,15 +167,19 @@ def test_weights_streamed_from_host_ram_match_plain(family, grad_accum):
     train_and_match(module, reference, samples, _adamw)
 
 
+@pytest.mark.parametrize("grad_accum", [1, 4])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_adamw_stepped_in_host_ram_matches_plain(family):
+def test_adamw_stepped_in_host_ram_matches_plain(family, grad_accum):
     """Every streamed stage's AdamW stepped on the CPU, over the weights' page-locked copies
-    in host RAM (``host_updates="all"``): the gradients come down on a side stream, nothing
-    goes up but the next fetch of the new weights; 3 steps as plain AdamW on the GPU."""
+    in host RAM (``host_updates="all"``): the gradients come down on a side stream (with 4
+    micro-batches, clipped, they wait there between micro-batches), nothing goes up but the
+    next fetch of the new weights; 3 steps as plain AdamW on the GPU."""
     model = tiny_hf(family, layers=3, dropout=0.1).to(CUDA)
     reference = copy.deepcopy(model)
-    sample = _on_cuda(hf_sample())
-    module = tierflow.fit(model, sample, optimizer=_adamw, gpu="1GiB", ram="1GiB",
+    samples = [_on_cuda(hf_sample(seed=k)) for k in range(grad_accum)]
+    module = tierflow.fit(model, samples[0], optimizer=_adamw, gpu="1GiB", ram="1GiB",
+                          grad_accum=grad_accum,
+                          max_grad_norm=0.5 if grad_accum > 1 else None,
                           config=FitConfig(stream="all", planner="checkpoint-all",
                                            host_updates="all"))
     host = module.optimizer.host
@@ -183,7 +187,7 @@ def test_adamw_stepped_in_host_ram_matches_plain(family):
     for i in host.stages:
         twins = [p for g in module.optimizer.optimizers[i].param_groups for p in g["params"]]
         assert all(t.device.type == "cpu" and t.is_pinned() for t in twins)
-    train_and_match(module, reference, [sample], _adamw)
+    train_and_match(module, reference, samples, _adamw)
 
 
 @pytest.mark.parametrize("grad_accum", [1, 4])

@@ -20,29 +20,31 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _fit_on_host(model, sample, host_updates="all", **config):
+def _fit_on_host(model, sample, host_updates="all", grad_accum=1, **config):
     return tierflow.fit(model, sample, optimizer=_adamw, gpu="1GiB", ram="1GiB",
+                        grad_accum=grad_accum, max_grad_norm=0.5 if grad_accum > 1 else None,
                         config=FitConfig(simulated_gpu=True, stream="all",
                                          planner="checkpoint-all", host_updates=host_updates,
                                          **config))
 
 
-@pytest.mark.parametrize("depth", [0, 1])
+@pytest.mark.parametrize("grad_accum,depth", [(1, 0), (1, 1), (4, 1)])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_host_updates_train_as_plain_pytorch(family, depth):
-    """Every streamed stage stepped in host RAM, reading ahead or not: 3 steps with dropout,
-    the losses and every parameter as plain PyTorch's."""
+def test_host_updates_train_as_plain_pytorch(family, grad_accum, depth):
+    """Every streamed stage stepped in host RAM, reading ahead or not, inside the backward
+    or (4 micro-batches, clipped) in the pass after it from the gradients stashed in host
+    RAM: 3 steps with dropout, the losses and every parameter as plain PyTorch's."""
     model = tiny_hf(family, layers=3, dropout=0.1)
     reference = copy.deepcopy(model)
-    sample = hf_sample()
-    module = _fit_on_host(model, sample, prefetch_depth=depth)
+    samples = [hf_sample(seed=k) for k in range(grad_accum)]
+    module = _fit_on_host(model, samples[0], grad_accum=grad_accum, prefetch_depth=depth)
     owned = module.optimizer
     streamed = set(module.streamer.stage_params)
     assert owned.host is not None and owned.host.stages == module.streamer.host_updated
     # GPT-2's first stage updates the tied embedding, which stays on the compute tier
     assert set(owned.host.stages) == (streamed - {0} if family == "gpt2" else streamed)
     assert "of those stages in host RAM" in " ".join(module.plan.notes)
-    train_and_match(module, reference, [sample], _adamw)
+    train_and_match(module, reference, samples, _adamw)
 
 
 def test_host_updates_step_the_copies_in_host_ram_and_bring_no_states_up():
@@ -58,7 +60,7 @@ def test_host_updates_step_the_copies_in_host_ram_and_bring_no_states_up():
     written = []
     original = store.write
     store.write = lambda key, tensors: (written.append(key), original(key, tensors))
-    before = {i: [store.entry(streamer.offloaded.file_of(p)).clone() for p in ps]
+    before = {i: [store.entries(streamer.offloaded.file_of(p))[0].clone() for p in ps]
               for i, ps in streamer.stage_params.items()}
     module(**sample).loss.backward()
     assert not any(key.startswith("param-") for key in written)  # no weights written back
@@ -66,7 +68,8 @@ def test_host_updates_step_the_copies_in_host_ram_and_bring_no_states_up():
     for i in owned.host.stages:
         opt = owned.optimizers[i]
         twins = [p for group in opt.param_groups for p in group["params"]]
-        entries = [store.entry(streamer.offloaded.file_of(p)) for p in owned.stage_params[i]]
+        entries = [store.entries(streamer.offloaded.file_of(p))[0]
+                   for p in owned.stage_params[i]]
         assert {t.data_ptr() for t in twins} == {e.data_ptr() for e in entries}
         assert all(not torch.equal(old, new) for old, new in zip(before[i], entries))
         assert all(p.grad is None for p in owned.stage_params[i])
@@ -91,7 +94,7 @@ def test_a_host_stage_state_dict_round_trips():
                 p.copy_(weights[name])
             else:  # streamed: its copy in host RAM is the one the host optimizer steps
                 store = second.streamer.offloaded
-                store.store.entry(store.file_of(p)).copy_(weights[name])
+                store.store.entries(store.file_of(p))[0].copy_(weights[name])
     for i, state in states.items():
         second.optimizer.load_stage_state(i, state)
     torch.manual_seed(1)
@@ -132,6 +135,22 @@ def test_the_planner_steps_on_the_host_when_the_link_is_slow():
     fast_link = place_on_tiers(_problem(link=1e12, host_seconds_per_byte=1e-8), 1 << 30,
                                config, "gpu")
     assert not fast_link.host_stages
+
+
+def test_a_deferred_update_pass_steps_host_stages_without_the_link():
+    """With updates deferred (accumulation), a stage stepped in host RAM takes its gradients
+    from there: the pass moves nothing over the slow link for it and holds nothing of it on
+    the GPU, so it is shorter and its peak lower than the pass that brings states, weights
+    and gradients up."""
+    from dataclasses import replace
+
+    problem = replace(_problem(link=2e9, host_seconds_per_byte=2e-10), deferred=True)
+    config = FitConfig(stream="all", planner="checkpoint-all", prefetch_depth=1)
+    host = place_on_tiers(problem, 2 << 30, replace(config, host_updates="all"), "gpu")
+    gpu = place_on_tiers(problem, 2 << 30, replace(config, host_updates="never"), "gpu")
+    assert host.host_stages == frozenset({0, 1, 2, 3}) and not gpu.host_stages
+    assert host.update_pass.seconds < gpu.update_pass.seconds
+    assert host.update_pass.peak < gpu.update_pass.peak
 
 
 def test_host_updates_count_their_gradients_in_host_ram():

@@ -8,9 +8,10 @@ stage hands them to the disk tier (``GradientStash``). After the last micro-batc
 the global norm gives the clipping factor (as ``torch.nn.utils.clip_grad_norm_``), and one
 pass over the stages, last first, updates each: its weights and gradients are fetched, the
 next stages' weights and its optimizer states read ahead (during the update before it), its
-weights written back behind it. Under a host RAM budget each stage's update first makes room
-for what the pass adds at its peak (``make_room``): malloc's caches from the backward would
-otherwise stay resident beside the states and weights the pass reads.
+weights written back behind it; the stages stepped in host RAM are stepped there, from their
+stashed gradients, on the host thread meanwhile. Under a host RAM budget each stage's update
+first makes room for what the pass adds at its peak (``make_room``): malloc's caches from
+the backward would otherwise stay resident beside the states and weights the pass reads.
 """
 from __future__ import annotations
 
@@ -72,9 +73,13 @@ class DeferredUpdates:
         scale = 1.0
         if self.max_grad_norm is not None:
             scale = min(1.0, self.max_grad_norm / (self.last_norm + CLIP_EPSILON))
+        on_host = self.optimizer.host_stages
+        for i in sorted(on_host, reverse=True):  # stepped on the host thread meanwhile
+            params, grads = self.stash.take(i)
+            self.optimizer.step_stashed_on_host(i, params, grads, scale)
         streamed = self.streamer.stage_params if self.streamer is not None else {}
         depth = self.streamer.depth if self.streamer is not None else 0
-        order = stages[::-1]  # last stage first, as the optimizer reads its states ahead
+        order = [i for i in stages[::-1] if i not in on_host]  # last first: states read ahead
         for position, i in enumerate(order):
             if self.make_room is not None:
                 self.make_room()
@@ -89,6 +94,7 @@ class DeferredUpdates:
                 self.optimizer.step_stage(i, scale)
             if i in streamed:
                 self.streamer.write_back(i)
+        self.optimizer.wait_host_updates()
         if self.stash is not None:
             self.stash.clear()
 

@@ -5,7 +5,8 @@ stage's gradients must outlive its backward without staying in memory: after the
 backward they are written to the disk tier and dropped; before its next backward they are
 read back into ``.grad`` (autograd then accumulates into them), and before its update too.
 On the last micro-batch of a step each stage's squared gradient norm is taken as it leaves,
-so the global norm is known when the backward ends.
+so the global norm is known when the backward ends. A stage stepped in host RAM takes its
+gradients from there instead (``take``).
 """
 from __future__ import annotations
 
@@ -54,6 +55,15 @@ class GradientStash:
             self.store.read(f"grad-{i}", buffers)
         for p, buffer in zip(params, buffers):
             p.grad = buffer
+
+    def take(self, i: int) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+        """Stage i's parameters with stashed gradients and those gradients where they are,
+        in host RAM (the store must be a ``HostStore``): for an update run there. None of
+        either when the stage stashed none."""
+        if i not in self._stashed:
+            return [], []
+        self._writer.writes.pop(i).result()
+        return self._stashed.pop(i), self.store.entries(f"grad-{i}")
 
     def clear(self) -> None:
         """A new step: nothing stashed, no norms."""

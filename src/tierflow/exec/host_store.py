@@ -49,11 +49,10 @@ class HostStore:
         """Fill ``tensors`` from the copy under ``key``."""
         self._copier.copy(tensors, self._entries[key])
 
-    def entry(self, key: str) -> torch.Tensor:
-        """The copy under ``key`` itself (it must hold one tensor), for work that updates it
-        in place: the host optimizer steps a streamed stage's weights right here."""
-        (kept,) = self._entries[key]
-        return kept
+    def entries(self, key: str) -> list[torch.Tensor]:
+        """The copies under ``key`` themselves, for work on them in place: the host optimizer
+        steps a streamed stage's weights right here, from gradients stashed here."""
+        return self._entries[key]
 
     def discard(self, key: str) -> None:
         """Forget the copy under ``key`` (its memory is free once nothing else holds it)."""

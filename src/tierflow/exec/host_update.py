@@ -8,7 +8,9 @@ optimizer is built over host parameters that are the weights' own copies in the 
 (``HostStore.entry``), so it updates them in place, and the stage's next fetch reads the new
 values. One host thread steps the stages in update order (the last stage first), each one
 beside the backward of the stages before it; at most one step waits behind the running one,
-so host RAM holds the gradients of two stages at most, as the plan counts.
+so host RAM holds the gradients of two stages at most, as the plan counts. With updates
+deferred to after the backward (accumulation, clipping) the gradients already wait in host
+RAM between micro-batches (``GradientStash``), and the update pass steps them there.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ class HostUpdates:
         """Host parameters sharing memory with ``params``' copies in host RAM: what the
         stage's optimizer is built over."""
         store = self.offloaded.store
-        return [nn.Parameter(store.entry(self.offloaded.file_of(p)), requires_grad=True)
+        return [nn.Parameter(store.entries(self.offloaded.file_of(p))[0], requires_grad=True)
                 for p in params]
 
     def update(self, i: int, params: list[nn.Parameter], twins: list[nn.Parameter],
@@ -57,14 +59,27 @@ class HostUpdates:
             if p.grad is not None:
                 twin.grad = next(copies)
                 p.grad = None
-        self._steps.submit(i, self._step, i, optimizer)
+        self._steps.submit(i, self._step, i, optimizer, twins, 1.0)
+
+    def update_stashed(self, i: int, twins: list[nn.Parameter], grads: list[torch.Tensor],
+                       optimizer: torch.optim.Optimizer, scale: float) -> None:
+        """Step ``optimizer`` on the host thread from gradients already in host RAM (stashed
+        between micro-batches: ``grads[k]`` is ``twins[k]``'s), times ``scale``."""
+        for twin, grad in zip(twins, grads):
+            twin.grad = grad
+        self._steps.submit(i, self._step, i, optimizer, twins, scale)
 
     def wait(self) -> None:
         """Until every step has run (and raise a step's error)."""
         self._steps.wait()
 
     @staticmethod
-    def _step(i: int, optimizer: torch.optim.Optimizer) -> None:
+    def _step(i: int, optimizer: torch.optim.Optimizer, twins: list[nn.Parameter],
+              scale: float) -> None:
         with span(f"host update {i}", "optimizer"):
+            if scale != 1.0:  # clipping by the global norm
+                for twin in twins:
+                    if twin.grad is not None:
+                        twin.grad.mul_(scale)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

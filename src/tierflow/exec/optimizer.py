@@ -69,6 +69,19 @@ class OwnedOptimizer:
             self._twins[i] = host.twins(self.stage_params[i])
             self.optimizers[i] = factory(self._twins[i])
 
+    @property
+    def host_stages(self) -> frozenset[int]:
+        """The stages stepped in host RAM."""
+        return frozenset(self._twins)
+
+    def step_stashed_on_host(self, i: int, params: list[nn.Parameter],
+                             grads: list[torch.Tensor], scale: float) -> None:
+        """Step stage i in host RAM from its gradients stashed there (``grads[k]`` is
+        ``params[k]``'s), times ``scale``: deferred updates' pass."""
+        twin_of = {id(p): twin for p, twin in zip(self.stage_params[i], self._twins[i])}
+        self.host.update_stashed(i, [twin_of[id(p)] for p in params], grads,
+                                 self.optimizers[i], scale)
+
     def step_stage(self, i: int, scale: float = 1.0) -> None:
         """Update stage i's parameters from their gradients times ``scale`` (clipping), then
         free the gradients."""

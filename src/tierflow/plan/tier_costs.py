@@ -146,7 +146,8 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
 
     Stage i's host step runs beside the backward of stage i - 1; the compute tier waits at
     stage i's update for what stage i + 1's step outlasted of that backward, and at the end
-    of the backward for the lowest one's (priced here at the stage whose step it is)."""
+    of the backward for the lowest one's (priced here at the stage whose step it is). With
+    updates deferred, ``deferred_costs`` prices the steps in its pass instead."""
     stages = list(costs.stages)
     lowest = min(host)
     for i in host:
@@ -181,10 +182,14 @@ def lower_bytes(candidate: Candidate, base: ChainCosts, state_of: list[int],
 
 
 def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
-                   seconds_per_byte: float) -> tuple[ChainCosts, UpdatePass]:
+                   seconds_per_byte: float,
+                   host_seconds_per_byte: float = 0.0) -> tuple[ChainCosts, UpdatePass]:
     """A candidate's costs when updates are deferred: the plan's Update(i) only hands a
     streamed stage's gradients to the lower tier (written behind its backward); resident
-    stages' gradients stay for the whole step; the optimizer work moves to the update pass."""
+    stages' gradients stay for the whole step; the optimizer work moves to the update pass.
+    A stage stepped in host RAM (``candidate.host_stages``) adds nothing to the pass on the
+    compute tier: its gradients wait in host RAM already, and the host steps it (priced one
+    stage after the other, after the compute tier's updates)."""
     states, weights = candidate.states, candidate.weights
     stages, persistent, work, seconds = [], 0, 0, 0.0
     for i, s in enumerate(candidate.costs.stages):
@@ -194,6 +199,9 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
         if i in candidate.streamed:
             stages.append(replace(s, update_time=max(0.0, grads / weights.bandwidth - s.bwd_time),
                                   update_transient=0))
+            if i in candidate.host_stages:
+                seconds += host_seconds_per_byte * params
+                continue
             io += (3 * params + grads) / weights.bandwidth  # weights in and out, grads in
             work = max(work, params + grads + (state_of[i] if states else 0))
         else:
@@ -207,5 +215,6 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
     # the stage updating (its in-backward update transient: states, weights, temporaries),
     # `depth` stages read ahead and one written back behind
     peak = costs.static_bytes + (candidate.depth + 1) * work + max(
-        (s.update_transient for s in candidate.costs.stages), default=0)
+        (s.update_transient for i, s in enumerate(candidate.costs.stages)
+         if i not in candidate.host_stages), default=0)
     return costs, UpdatePass(seconds, peak)

@@ -262,11 +262,11 @@ def _updated_on_host(streams: Candidate, problem: TierProblem, stages: list[Stag
                      state_of: list[int], config: FitConfig) -> Candidate | None:
     """``streams`` with its streamed stages' updates in host RAM, where their states and
     weights live (None when it has no such stage: the states and weights must both be in
-    the host RAM below a GPU, and the updates run inside the backward)."""
+    the host RAM below a GPU). Deferred updates step them there in the update pass, from
+    the gradients that wait there between micro-batches (``deferred_costs``)."""
     rates, home = problem.rates, streams.states
     if (config.host_updates == "never" or rates.host_seconds_per_byte is None
-            or problem.deferred or home is None or home.name != "ram"
-            or streams.weights is not home):
+            or home is None or home.name != "ram" or streams.weights is not home):
         return None
     host = streams.streamed & frozenset(problem.host_updatable)
     if not host:
@@ -274,8 +274,10 @@ def _updated_on_host(streams: Candidate, problem: TierProblem, stages: list[Stag
     costs = updated_on_host(streams.costs, problem.costs, state_of, host, home,
                             rates.host_seconds_per_byte, streams.depth > 0)
     largest = max(problem.costs.stages[i].param_bytes for i in host)
-    # the gradients of the stage stepping and of the next one, and the step's temporaries
-    held = 2 * largest + max(stages[i].update_transient for i in host)
+    # the step's temporaries, and inside the backward the gradients of the stage stepping
+    # and of the next one (deferred, they wait in host RAM anyway)
+    held = max(stages[i].update_transient for i in host) + (0 if problem.deferred
+                                                           else 2 * largest)
     why = (f"the optimizer steps {len(host)} of those stages in {home.about}, where their "
            f"weights and states ({format_bytes(sum(state_of[i] for i in host))}) live: "
            f"their gradients go down ({format_bytes(home.bandwidth)}/s) and their next fetch "
@@ -294,7 +296,8 @@ def _costs(candidate: Candidate, problem: TierProblem,
     costs, update_pass = candidate.costs, None
     if problem.deferred:
         costs, update_pass = deferred_costs(candidate, problem.costs, state_of,
-                                            problem.rates.seconds_per_byte)
+                                            problem.rates.seconds_per_byte,
+                                            problem.rates.host_seconds_per_byte or 0.0)
     if candidate.tiers:
         costs = replace(costs, extra={**costs.extra, "prefetch depth": candidate.depth})
     return costs, update_pass
