@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from cli_support import assert_error_line, fp32_train_args, run_main, train_losses
 from models import hf_sample, tiny_hf
 from side_by_side import train_and_match
 
@@ -163,3 +164,35 @@ def test_host_updates_count_their_gradients_in_host_ram():
     weights_and_states = 4 * (64 << 20) * 3
     assert held == weights_and_states + 2 * (64 << 20)
 
+
+
+def test_train_on_a_simulated_gpu_steps_in_host_ram_and_resumes(train_env, tmp_path, capsys):
+    """``tierflow train --simulate-gpu --disk --host-updates all``: the model waits in host
+    RAM, as below a real GPU, every stage streams from there and is stepped there (clipped,
+    in the pass after the backward); the losses are the CPU run's, and a run resumed from
+    the step-2 checkpoint (the host optimizers' states loaded back, stage by stage)
+    continues with the uninterrupted run's losses. Without --gpu the flag is one line."""
+    def train(out, *extra):
+        code, stdout, err = run_main(*fp32_train_args(train_env, out, 4, "--save-every", "2",
+                                                      *extra), capsys=capsys)
+        assert code == 0, err
+        return stdout
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    gpu = ("--gpu", "64MiB", "--simulate-gpu", "--ram", "1GiB", "--disk", str(disk),
+           "--stream", "all", "--host-updates", "all")
+    train(tmp_path / "cpu")
+    out = train(tmp_path / "gpu", *gpu)
+    assert "of those stages in host RAM" in out, out
+    expected = train_losses(tmp_path / "cpu")
+    torch.testing.assert_close(train_losses(tmp_path / "gpu"), expected, rtol=1e-5, atol=0.0)
+    code, out, err = run_main("train", "--resume", str(tmp_path / "gpu" / "step_2"), "--out",
+                              str(tmp_path / "resumed"), *gpu, capsys=capsys)
+    assert code == 0, err
+    torch.testing.assert_close(train_losses(tmp_path / "resumed"),
+                               train_losses(tmp_path / "gpu")[2:], rtol=0.0, atol=0.0)
+    code, _, err = run_main(*fp32_train_args(train_env, tmp_path / "cpu-host", 1,
+                                             "--host-updates", "all"), capsys=capsys)
+    assert code == 2
+    assert_error_line(err, ["--host-updates all", "--gpu", "--disk DIR"])

@@ -186,3 +186,19 @@ def test_slices_update_like_one_pass(monkeypatch, model_dtype, master, optim_dty
     monkeypatch.setattr(adamw_module, "CHUNK", 256)
     _run(make_optimizer(_groups(sliced), config, **HYPER), sliced, 4)
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
+
+
+def test_a_generator_on_another_device_is_one_clear_error():
+    """A shared stochastic-rounding generator must be on the parameters' device (a stage
+    stepped in host RAM below a GPU cannot draw from the GPU's): one line naming both. (A
+    stand-in carries the other device: this machine can make no CUDA generator.)"""
+    from types import SimpleNamespace
+
+    from tierflow.precision.config import PrecisionError
+
+    weight = torch.nn.Parameter(torch.zeros(8))
+    with pytest.raises(PrecisionError, match="generator is on cuda, the parameters on cpu"):
+        AdamW([weight], moment_dtype="bf16", generator=SimpleNamespace(device=torch.device("cuda")))
+    assert PrecisionConfig(optim_dtype="bf16").rounds_stochastically
+    assert PrecisionConfig(model_dtype="bf16", master="none").rounds_stochastically
+    assert not PrecisionConfig(model_dtype="bf16").rounds_stochastically

@@ -74,8 +74,9 @@ def test_a_model_whose_weights_pass_a_cuda_gpu_budget_is_one_line():
 
 
 def test_simulated_gpu_matches_the_cpu_run(train_env, tmp_path, capsys):
-    """Two tiers (a 64 MiB simulated GPU over RAM) and three (and the disk below, every
-    stage's weights and the AdamW states streamed): fp32 losses as on the CPU."""
+    """Two tiers (a 64 MiB simulated GPU over RAM) and three (the model waits in host RAM,
+    as below a real GPU, every stage's weights stream from there, and the AdamW states, too
+    large for what --ram leaves, from the disk below): fp32 losses as on the CPU."""
     disk = tmp_path / "disk"
     disk.mkdir()
     code, _, err = run_main(*train_args(train_env, tmp_path / "cpu"), capsys=capsys)
@@ -84,8 +85,9 @@ def test_simulated_gpu_matches_the_cpu_run(train_env, tmp_path, capsys):
     code, out, err = run_main(*train_args(train_env, tmp_path / "gpu", *gpu), capsys=capsys)
     assert code == 0, err
     assert "gpu (simulated on the CPU); budgets: gpu 64.00 MiB, ram 1.00 GiB" in out, out
-    code, out, err = run_main(*train_args(train_env, tmp_path / "tiers", *gpu, "--disk", str(disk),
-                                          "--stream", "all"), capsys=capsys)
+    three = ("--gpu", "64MiB", "--simulate-gpu", "--ram", "600KiB", "--disk", str(disk),
+             "--stream", "all")  # the weights take 277 KiB of it, the states would take 554
+    code, out, err = run_main(*train_args(train_env, tmp_path / "tiers", *three), capsys=capsys)
     assert code == 0, err
     assert "disk tier" in out, out
     plan = records(tmp_path / "tiers" / "log.jsonl", "plan")[-1]

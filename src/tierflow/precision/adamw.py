@@ -88,6 +88,11 @@ class AdamW(torch.optim.Optimizer):
             master == "none" and any(p.dtype == torch.bfloat16 for p in all_params))
         self._generator: torch.Generator | None = None
         if rounds and generator is not None:
+            device = next(iter(devices))
+            if generator.device.type != device.type:
+                raise PrecisionError(f"the stochastic-rounding generator is on "
+                                     f"{generator.device}, the parameters on {device}: give a "
+                                     "generator on the parameters' device")
             self._generator = generator
         elif rounds:
             if seed is None:

@@ -83,6 +83,13 @@ class PrecisionConfig:
         return asdict(self)
 
     @property
+    def rounds_stochastically(self) -> bool:
+        """Whether the optimizer draws random numbers (bf16 moments, or bf16 weights without
+        a master): then it needs a generator on its parameters' device."""
+        return self.optim_dtype == "bf16" or (self.master == "none" and
+                                              self.model_dtype == "bf16")
+
+    @property
     def parameter_dtype(self) -> torch.dtype:
         """The dtype ``apply_precision`` stores floating parameters in."""
         return torch.bfloat16 if self.model_dtype == "bf16" else torch.float32

@@ -124,11 +124,14 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
             from ..exec.disk import DiskStore, scratch_directory
             from ..exec.offload import OffloadedParameters
             disk = scratch.enter_context(scratch_directory(opts.disk))
-            if tier.device.type == "cpu":  # the model is built onto it
+            if tier.gpu is None:  # the model is built onto it
                 offload = OffloadedParameters(DiskStore(disk), dtype=precision.parameter_dtype)
         model = build_model(opts, ckpt, data, precision, offload)
         if not opts.disk:
             model = tier.place_model(model)
+        elif tier.simulated:  # as below a real GPU, whose fit does this itself (exec/host_model)
+            from ..exec.host_model import start_in_host_ram
+            start_in_host_ram(model, tier.device)
         # else in host RAM (or on disk) until fit places it: under a GPU it streams from there
         return _train_model(opts, ckpt, data, out, log_path, tier, world, baseline,
                             precision, model, disk if offload is None else None)
@@ -207,10 +210,20 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     sample_batch = torch.zeros(opts.batch_size // ranks, opts.seq_len + 1, dtype=torch.long,
                                device=tier.device)
     sample = {"input_ids": sample_batch[:, :-1], "shift_labels": sample_batch[:, 1:]}
+    # every stage's optimizer rounds with one generator on the compute device (the
+    # checkpoint's one generator): a stage stepped in host RAM would need a CPU one
+    on_host = opts.host_updates
+    if precision.rounds_stochastically and tier.device.type != "cpu":
+        if on_host == "all":
+            raise TierflowError("--host-updates all steps AdamW on the CPU, but this run's "
+                                "AdamW rounds stochastically with one generator on the GPU "
+                                "(bf16 moments, or bf16 weights without a master): use "
+                                "--host-updates auto, or --optim-dtype fp32 and --master fp32")
+        on_host = "never"
     config = FitConfig(planner=RECOMPUTE[opts.recompute], compile=opts.compile,
                        stream=opts.stream, prefetch_depth=opts.prefetch,
                        serial_reads=opts.serial_reads,
-                       simulated_gpu=tier.simulated)
+                       simulated_gpu=tier.simulated, host_updates=on_host)
     groups = param_groups(params, opts)
     # with --disk, the per-stage optimizers' one stochastic-rounding stream (see owned.py)
     rounding = generator_for(tier.device, opts.seed)

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from ..precision import PrecisionConfig
 
 STREAM = ("auto", "all")
+HOST_UPDATES = ("auto", "never", "all")
 RECOMPUTE = {"auto": "auto", "none": "keep-all", "all": "checkpoint-all"}
 DTYPES = ("auto", "fp32", "bf16")
 # the precision flags and their choices (tierflow.precision.config's, without importing torch)
@@ -49,6 +50,7 @@ class TrainOptions:
     stream: str = "auto"  # with --disk: stream the weights that must (auto) or all of them
     prefetch: int | None = None  # with --disk: stages read ahead (0: on demand); None: planned
     serial_reads: bool = False  # with --disk: the plan's reads on demand (the overlap ablation)
+    host_updates: str = "auto"  # with --disk and --gpu: AdamW steps in host RAM (auto/never/all)
     seq_len: int = 256
     batch_size: int = 4
     grad_accum: int = 1
@@ -127,6 +129,13 @@ class TrainOptions:
         if self.serial_reads and self.disk is None:
             raise TierflowError("--serial-reads runs the disk tier's reads on demand: give "
                                 "--disk DIR too")
+        if self.host_updates not in HOST_UPDATES:
+            raise TierflowError(f"--host-updates {self.host_updates!r} is unknown: use "
+                                f"{', '.join(HOST_UPDATES)}")
+        if self.host_updates != "auto" and (self.disk is None or self.gpu is None):
+            raise TierflowError(f"--host-updates {self.host_updates} chooses where AdamW steps "
+                                "the weights that stream from host RAM below a GPU: give --gpu "
+                                "and --disk DIR too")
         self._require_bool("compile")
         return self
 
@@ -213,10 +222,11 @@ class TrainOptions:
     def inherit(self, saved: dict[str, Any]) -> None:
         """With --resume: the options of the checkpoint's run for those not given now
         (--out, --log, --resume, --config and --trace are never inherited; nor are --stream,
-        --prefetch and --serial-reads when --disk is given, ``--disk none`` included)."""
+        --prefetch, --serial-reads and --host-updates when --disk is given, ``--disk none``
+        included)."""
         never = {"given", "out", "log", "resume", "config", "trace"}
         if "disk" in self.given:
-            never |= {"stream", "prefetch", "serial_reads"}
+            never |= {"stream", "prefetch", "serial_reads", "host_updates"}
         for f in fields(self):
             if f.name in saved and f.name not in self.given and f.name not in never:
                 setattr(self, f.name, saved[f.name])
@@ -324,6 +334,11 @@ _HELP = {
     "serial_reads": (None, "with --disk: run the plan made for its prefetch depth with every "
                            "weight, optimizer state and tape read on demand, to measure what "
                            "reading ahead saves (the [Plan] prediction still assumes it)"),
+    "host_updates": (None, "with --disk under --gpu: auto lets the planner step AdamW in host "
+                           "RAM, on the CPU, for the stages whose weights and states both live "
+                           "there (their gradients go down instead of the states coming up), "
+                           "never keeps every update on the GPU, all steps every such stage "
+                           "there"),
     "trace": ("FILE", "write a Chrome-trace JSON of every step (compute, disk reads and "
                       "writes, optimizer, the RSS as a counter), for Perfetto or "
                       "chrome://tracing"),
@@ -356,6 +371,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=help_text)
         elif f.name == "stream":
             parser.add_argument("--stream", choices=STREAM, default=None, help=help_text)
+        elif f.name == "host_updates":
+            parser.add_argument("--host-updates", choices=HOST_UPDATES, default=None,
+                                help=help_text)
         else:
             parser.add_argument(_flag(f.name), dest=f.name, type=_TYPES.get(f.name, str),
                                 default=None, metavar=metavar, help=help_text)
