@@ -144,13 +144,16 @@ def test_owned_adamw_with_states_in_host_ram_matches_plain():
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("host_updates", ["never", "all"])
 @pytest.mark.parametrize("grad_accum", [1, 4])
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_weights_streamed_from_host_ram_match_plain(family, grad_accum):
+def test_weights_streamed_from_host_ram_match_plain(family, grad_accum, host_updates):
     """Every stage's weights live in page-locked host RAM and come to the GPU on a side
-    stream ahead of their forward and backward (updated weights go back the same way, and
-    with 4 micro-batches the gradients wait in host RAM too): 3 AdamW steps as plain PyTorch
-    on the GPU."""
+    stream ahead of their forward and backward (with 4 micro-batches, clipped, the gradients
+    wait in host RAM too). AdamW runs on the GPU, the updated weights going back the same
+    way (``host_updates="never"``), or on the CPU over the weights' host copies from
+    gradients copied down, nothing going up but the next fetch (``"all"``): 3 steps as
+    plain PyTorch on the GPU."""
     from tierflow.exec.host_store import HostStore
 
     model = tiny_hf(family, layers=3, dropout=0.1).to(CUDA)
@@ -159,32 +162,15 @@ def test_weights_streamed_from_host_ram_match_plain(family, grad_accum):
     module = tierflow.fit(model, samples[0], optimizer=_adamw, gpu="1GiB", ram="1GiB",
                           grad_accum=grad_accum,
                           max_grad_norm=0.5 if grad_accum > 1 else None,
-                          config=FitConfig(stream="all", planner="checkpoint-all"))
+                          config=FitConfig(stream="all", planner="checkpoint-all",
+                                           host_updates=host_updates))
     store = module.streamer.offloaded.store
     assert isinstance(store, HostStore) and store.peak_bytes > 0
     streamed = [p for params in module.streamer.stage_params.values() for p in params]
     assert streamed and all(p.device.type == "cuda" for p in streamed)
-    train_and_match(module, reference, samples, _adamw)
-
-
-@pytest.mark.parametrize("grad_accum", [1, 4])
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_adamw_stepped_in_host_ram_matches_plain(family, grad_accum):
-    """Every streamed stage's AdamW stepped on the CPU, over the weights' page-locked copies
-    in host RAM (``host_updates="all"``): the gradients come down on a side stream (with 4
-    micro-batches, clipped, they wait there between micro-batches), nothing goes up but the
-    next fetch of the new weights; 3 steps as plain AdamW on the GPU."""
-    model = tiny_hf(family, layers=3, dropout=0.1).to(CUDA)
-    reference = copy.deepcopy(model)
-    samples = [_on_cuda(hf_sample(seed=k)) for k in range(grad_accum)]
-    module = tierflow.fit(model, samples[0], optimizer=_adamw, gpu="1GiB", ram="1GiB",
-                          grad_accum=grad_accum,
-                          max_grad_norm=0.5 if grad_accum > 1 else None,
-                          config=FitConfig(stream="all", planner="checkpoint-all",
-                                           host_updates="all"))
     host = module.optimizer.host
-    assert host is not None and host.stages
-    for i in host.stages:
+    assert bool(host and host.stages) == (host_updates == "all")
+    for i in host.stages if host else ():
         twins = [p for g in module.optimizer.optimizers[i].param_groups for p in g["params"]]
         assert all(t.device.type == "cpu" and t.is_pinned() for t in twins)
     train_and_match(module, reference, samples, _adamw)
