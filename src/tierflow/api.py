@@ -141,7 +141,10 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         if optimizer is not None else None
     streamer = _stream(model, chain, placed, depth, updates_in_backward=not deferred)
     if placed.host_stages:
-        owned.step_on_host(HostUpdates(streamer.offloaded, set(placed.host_stages), device),
+        streamed = frozenset(id(p) for ps in streamer.stage_params.values() for p in ps) \
+            if streamer is not None else frozenset()
+        owned.step_on_host(HostUpdates(set(placed.host_stages), device,
+                                       streamer.offloaded if streamer else None, streamed),
                            optimizer)
     host_room = None
     if exact_host:  # profiled with exact thresholds; steps cache, and trim where they must

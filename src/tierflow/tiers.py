@@ -68,16 +68,8 @@ def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: 
 
 
 def host_updatable(chain: Chain) -> tuple[int, ...]:
-    """The stages whose updates may run in host RAM: every trainable parameter the stage's
-    optimizer steps is one only that stage uses, so it streams with the stage (a tied
-    embedding, say, stays on the compute tier, and so does its update)."""
-    streamable = stage_parameters_to_stream(chain.stages)
-    out = []
-    for i, params in enumerate(stage_owned_parameters(chain)):
-        own = {id(p) for p in streamable.get(i, [])}
-        if params and all(id(p) in own for p in params):
-            out.append(i)
-    return tuple(out)
+    """The stages whose updates may run in host RAM: those that own trainable parameters."""
+    return tuple(i for i, params in enumerate(stage_owned_parameters(chain)) if params)
 
 
 def probe_numel(budget: int | None) -> int:

@@ -8,8 +8,9 @@ stage hands them to the disk tier (``GradientStash``). After the last micro-batc
 the global norm gives the clipping factor (as ``torch.nn.utils.clip_grad_norm_``), and one
 pass over the stages, last first, updates each: its weights and gradients are fetched, the
 next stages' weights and its optimizer states read ahead (during the update before it), its
-weights written back behind it; the stages stepped in host RAM are stepped there, from their
-stashed gradients, on the host thread meanwhile. Under a host RAM budget each stage's update
+weights written back behind it; the stages stepped in host RAM are stepped there, on the
+host thread meanwhile, from their gradients stashed there (a streamed stage's) or copied
+down (a resident stage's). Under a host RAM budget each stage's update
 first makes room for what the pass adds at its peak (``make_room``): malloc's caches from
 the backward would otherwise stay resident beside the states and weights the pass reads.
 """
@@ -74,9 +75,13 @@ class DeferredUpdates:
         if self.max_grad_norm is not None:
             scale = min(1.0, self.max_grad_norm / (self.last_norm + CLIP_EPSILON))
         on_host = self.optimizer.host_stages
+        stashed = self.stash.stage_params if self.stash is not None else {}
         for i in sorted(on_host, reverse=True):  # stepped on the host thread meanwhile
-            params, grads = self.stash.take(i)
-            self.optimizer.step_stashed_on_host(i, params, grads, scale)
+            if i in stashed:
+                params, grads = self.stash.take(i)
+                self.optimizer.step_stashed_on_host(i, params, grads, scale)
+            else:  # its gradients stayed on the compute tier: they go down now
+                self.optimizer.step_stage(i, scale)
         streamed = self.streamer.stage_params if self.streamer is not None else {}
         depth = self.streamer.depth if self.streamer is not None else 0
         order = [i for i in stages[::-1] if i not in on_host]  # last first: states read ahead

@@ -1,16 +1,19 @@
-"""Optimizer steps in host RAM, where a streamed stage's weights and states live below a GPU.
+"""Optimizer steps in host RAM, where a stage's optimizer states live below a GPU.
 
-When the plan keeps a stage's weights and its optimizer states in the host RAM below a GPU
-(real or simulated), bringing the states up for the update and the weights back down after
-it moves four times the weights' bytes over the link, or more (AdamW: two moments up and
-down, the weights down). Stepping in host RAM moves the gradients down instead: the stage's
-optimizer is built over host parameters that are the weights' own copies in the host store
-(``HostStore.entry``), so it updates them in place, and the stage's next fetch reads the new
-values. One host thread steps the stages in update order (the last stage first), each one
-beside the backward of the stages before it; at most one step waits behind the running one,
-so host RAM holds the gradients of two stages at most, as the plan counts. With updates
-deferred to after the backward (accumulation, clipping) the gradients already wait in host
-RAM between micro-batches (``GradientStash``), and the update pass steps them there.
+When the plan keeps a stage's optimizer states in the host RAM below a GPU (real or
+simulated), bringing them up for the update and back after it moves four times the weights'
+bytes over the link (AdamW in fp32: two moments up and down), and a streamed stage's
+updated weights go down too. Stepping in host RAM moves the gradients down instead
+(ZeRO-Offload's division of work). The stage's optimizer is built over host parameters,
+its twins: for a weight streamed from host RAM, the weight's own copy in the host store
+(``HostStore.entries``), which the step updates in place and the stage's next fetch reads;
+for a weight that stays on the compute tier, a host copy of its own, whose new values the
+host thread copies up after the step. One host thread steps the stages in update order (the
+last stage first), each one beside the backward of the stages before it; at most one step
+waits behind the running one, so host RAM holds the gradients of two stages at most, as
+the plan counts. With updates deferred to after the backward (accumulation, clipping) a
+streamed stage's gradients already wait in host RAM between micro-batches
+(``GradientStash``), and the update pass steps them there.
 """
 from __future__ import annotations
 
@@ -19,62 +22,68 @@ from torch import nn
 
 from .copy_stream import SideStreamCopier
 from .disk import WriteBehind
-from .host_store import HostStore
 from .offload import OffloadedParameters
 from .trace import span
 
 
 class HostUpdates:
-    """The host side of the stages the optimizer steps in host RAM (``stages``), whose
-    weights ``offloaded`` keeps in a ``HostStore``."""
+    """The host side of the stages the optimizer steps in host RAM (``stages``); the weights
+    of ``streamed`` (parameter ids) live in ``offloaded``'s host store between uses."""
 
-    def __init__(self, offloaded: OffloadedParameters, stages: set[int],
-                 device: torch.device) -> None:
-        if not isinstance(offloaded.store, HostStore):
-            raise TypeError("host updates step weights kept in host RAM (a HostStore)")
-        self.offloaded = offloaded
+    def __init__(self, stages: set[int], device: torch.device,
+                 offloaded: OffloadedParameters | None = None,
+                 streamed: frozenset[int] = frozenset()) -> None:
+        if streamed and (offloaded is None or offloaded.store.kind != "ram"):
+            raise TypeError("host updates step streamed weights kept in host RAM (a HostStore)")
         self.stages = frozenset(stages)
+        self.offloaded = offloaded
+        self.streamed = streamed
         self._copier = SideStreamCopier(device)
         # one step queued behind the running one: submitting a third waits for the first
         self._steps = WriteBehind("tierflow-host-update", limit=1)
+        self._uploads: dict[int, list[tuple[nn.Parameter, nn.Parameter]]] = {}
 
-    def twins(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
-        """Host parameters sharing memory with ``params``' copies in host RAM: what the
-        stage's optimizer is built over."""
-        store = self.offloaded.store
-        return [nn.Parameter(store.entries(self.offloaded.file_of(p))[0], requires_grad=True)
-                for p in params]
+    def twins(self, i: int, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """Stage i's host parameters, one per parameter of ``params``: what its optimizer
+        is built over (see the module docstring)."""
+        out = []
+        for p in params:
+            if id(p) in self.streamed:
+                twin = nn.Parameter(self.offloaded.store.entries(self.offloaded.file_of(p))[0])
+            else:
+                copy = torch.empty(p.shape, dtype=p.dtype, pin_memory=self._copier.pinned())
+                self._copier.copy([copy], [p.detach()])
+                twin = nn.Parameter(copy)
+                self._uploads.setdefault(i, []).append((twin, p))
+            out.append(twin)
+        return out
 
     def update(self, i: int, params: list[nn.Parameter], twins: list[nn.Parameter],
-               optimizer: torch.optim.Optimizer) -> None:
-        """Copy stage i's gradients down to its twins (freeing them on the compute tier),
-        then step ``optimizer`` on the host thread."""
-        pinned = self._copier.pinned()
+               optimizer: torch.optim.Optimizer, scale: float = 1.0,
+               stashed: dict[int, torch.Tensor] | None = None) -> None:
+        """Give stage i's twins their gradients, then step ``optimizer`` on the host thread
+        with them times ``scale``. A gradient in ``stashed`` (by parameter id) is in host RAM
+        already; the others are copied down and freed on the compute tier."""
+        stashed = stashed or {}
+        down = [(p, twin) for p, twin in zip(params, twins)
+                if id(p) not in stashed and p.grad is not None]
         with span(f"gradients down {i}", "disk write"):
-            sources = [p.grad for p in params if p.grad is not None]
-            grads = [torch.empty(g.shape, dtype=g.dtype, pin_memory=pinned) for g in sources]
-            self._copier.copy(grads, sources)
-        copies = iter(grads)
-        for p, twin in zip(params, twins):
-            if p.grad is not None:
-                twin.grad = next(copies)
-                p.grad = None
-        self._steps.submit(i, self._step, i, optimizer, twins, 1.0)
-
-    def update_stashed(self, i: int, twins: list[nn.Parameter], grads: list[torch.Tensor],
-                       optimizer: torch.optim.Optimizer, scale: float) -> None:
-        """Step ``optimizer`` on the host thread from gradients already in host RAM (stashed
-        between micro-batches: ``grads[k]`` is ``twins[k]``'s), times ``scale``."""
-        for twin, grad in zip(twins, grads):
+            grads = [torch.empty(p.grad.shape, dtype=p.grad.dtype,
+                                 pin_memory=self._copier.pinned()) for p, _ in down]
+            self._copier.copy(grads, [p.grad for p, _ in down])
+        for (p, twin), grad in zip(down, grads):
             twin.grad = grad
+            p.grad = None
+        for p, twin in zip(params, twins):
+            if id(p) in stashed:
+                twin.grad = stashed[id(p)]
         self._steps.submit(i, self._step, i, optimizer, twins, scale)
 
     def wait(self) -> None:
-        """Until every step has run (and raise a step's error)."""
+        """Until every step has run and sent its weights up (and raise a step's error)."""
         self._steps.wait()
 
-    @staticmethod
-    def _step(i: int, optimizer: torch.optim.Optimizer, twins: list[nn.Parameter],
+    def _step(self, i: int, optimizer: torch.optim.Optimizer, twins: list[nn.Parameter],
               scale: float) -> None:
         with span(f"host update {i}", "optimizer"):
             if scale != 1.0:  # clipping by the global norm
@@ -83,3 +92,8 @@ class HostUpdates:
                         twin.grad.mul_(scale)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        uploads = self._uploads.get(i)
+        if uploads:
+            with span(f"weights up {i}", "disk read"):
+                self._copier.copy([p.detach() for _, p in uploads],
+                                  [twin.detach() for twin, _ in uploads])

@@ -66,7 +66,7 @@ class OwnedOptimizer:
         ``host.twins`` of its parameters (built afresh by ``factory``: no step ran yet)."""
         self.host = host
         for i in sorted(host.stages):
-            self._twins[i] = host.twins(self.stage_params[i])
+            self._twins[i] = host.twins(i, self.stage_params[i])
             self.optimizers[i] = factory(self._twins[i])
 
     @property
@@ -76,11 +76,12 @@ class OwnedOptimizer:
 
     def step_stashed_on_host(self, i: int, params: list[nn.Parameter],
                              grads: list[torch.Tensor], scale: float) -> None:
-        """Step stage i in host RAM from its gradients stashed there (``grads[k]`` is
-        ``params[k]``'s), times ``scale``: deferred updates' pass."""
-        twin_of = {id(p): twin for p, twin in zip(self.stage_params[i], self._twins[i])}
-        self.host.update_stashed(i, [twin_of[id(p)] for p in params], grads,
-                                 self.optimizers[i], scale)
+        """Step stage i in host RAM, its gradients times ``scale``: deferred updates' pass,
+        where ``grads[k]``, ``params[k]``'s, waited in host RAM between micro-batches (any
+        other gradient of the stage is copied down)."""
+        stashed = {id(p): grad for p, grad in zip(params, grads)}
+        self.host.update(i, self.stage_params[i], self._twins[i], self.optimizers[i], scale,
+                         stashed)
 
     def step_stage(self, i: int, scale: float = 1.0) -> None:
         """Update stage i's parameters from their gradients times ``scale`` (clipping), then
@@ -94,13 +95,13 @@ class OwnedOptimizer:
                 self._square_norm = 0.0
             self._square_norm += square_norm(p.grad for p in self.stage_params[i]
                                              if p.grad is not None)
+        if i in self._twins:
+            self.host.update(i, self.stage_params[i], self._twins[i], opt, scale)
+            return
         if scale != 1.0:
             for p in self.stage_params[i]:
                 if p.grad is not None:
                     p.grad.mul_(scale)
-        if i in self._twins:
-            self.host.update(i, self.stage_params[i], self._twins[i], opt)
-            return
         opt.step()
         opt.zero_grad(set_to_none=True)
         self._evict(i)

@@ -137,12 +137,13 @@ def states_in_flight(state_of: list[int], read_ahead: bool) -> int:
 
 
 def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
-                    host: frozenset[int], home: LowerTier, host_seconds_per_byte: float,
-                    read_ahead: bool) -> ChainCosts:
-    """``costs`` (states on ``home``, the host RAM below a GPU; the ``host`` stages' weights
-    streamed from there) with those stages' updates run in host RAM instead: their
-    gradients go down the link, the host optimizer steps their weights and states in place
-    (no states come up, no weights go back), and the next fetch reads the new weights.
+                    host: frozenset[int], streamed: frozenset[int], home: LowerTier,
+                    host_seconds_per_byte: float, read_ahead: bool) -> ChainCosts:
+    """``costs`` (states on ``home``, the host RAM below a GPU) with the ``host`` stages'
+    updates run in host RAM instead: their gradients go down the link, the host optimizer
+    steps their states and host copies of their weights, and the new weights come up: a
+    ``streamed`` stage's (streamed from ``home``) with its next fetch, a resident stage's
+    right after the step.
 
     Stage i's host step runs beside the backward of stage i - 1; the compute tier waits at
     stage i's update for what stage i + 1's step outlasted of that backward, and at the end
@@ -153,12 +154,12 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
     for i in host:
         params = base.stages[i].param_bytes
         down = params / home.bandwidth  # the gradients, as large as the weights
-        work = host_seconds_per_byte * params
+        work = host_seconds_per_byte * params + (0.0 if i in streamed else down)  # + up
         beside = sum(s.bwd_time for s in base.stages[:i]) if i == lowest else \
             base.stages[i - 1].bwd_time
-        # the streamed weights stay until the update (the gradients are already counted)
+        # a streamed stage's weights stay until the update (the gradients are counted)
         stages[i] = replace(stages[i], update_time=down + max(0.0, work - beside),
-                            update_transient=params)
+                            update_transient=params if i in streamed else 0)
     up_there = [n for j, n in enumerate(state_of) if j not in host]
     static = costs.static_bytes - states_in_flight(state_of, read_ahead) + \
         states_in_flight(up_there, read_ahead)
@@ -187,26 +188,31 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
     """A candidate's costs when updates are deferred: the plan's Update(i) only hands a
     streamed stage's gradients to the lower tier (written behind its backward); resident
     stages' gradients stay for the whole step; the optimizer work moves to the update pass.
-    A stage stepped in host RAM (``candidate.host_stages``) adds nothing to the pass on the
-    compute tier: its gradients wait in host RAM already, and the host steps it (priced one
-    stage after the other, after the compute tier's updates)."""
+    A stage stepped in host RAM (``candidate.host_stages``) adds nothing to the pass's peak
+    on the compute tier; the host steps it (priced one stage after the other, after the
+    compute tier's updates) from its gradients, which wait in host RAM already when it is
+    streamed, or come down first, its new weights going up after."""
     states, weights = candidate.states, candidate.weights
     stages, persistent, work, seconds = [], 0, 0, 0.0
     for i, s in enumerate(candidate.costs.stages):
         params = base.stages[i].param_bytes
         grads = params + (base.shared_grad_bytes if i == 0 else 0)
         io = 2 * state_of[i] / states.bandwidth if states else 0.0  # states in and out
+        if i in candidate.host_stages:  # stepped in host RAM, after the others
+            seconds += host_seconds_per_byte * params
         if i in candidate.streamed:
             stages.append(replace(s, update_time=max(0.0, grads / weights.bandwidth - s.bwd_time),
                                   update_transient=0))
             if i in candidate.host_stages:
-                seconds += host_seconds_per_byte * params
                 continue
             io += (3 * params + grads) / weights.bandwidth  # weights in and out, grads in
             work = max(work, params + grads + (state_of[i] if states else 0))
         else:
             stages.append(replace(s, update_time=0.0, update_transient=0))
             persistent += grads
+            if i in candidate.host_stages:  # its gradients down, its new weights up
+                seconds += (grads + params) / states.bandwidth
+                continue
             work = max(work, state_of[i] if states else 0)
         update = seconds_per_byte * params
         seconds += max(update, io) if candidate.depth else update + io  # read ahead, or not

@@ -67,8 +67,8 @@ class TierProblem:
     (those no other stage shares); ``lower``: the tiers below the compute tier, nearest
     first; ``weights_tiers``: where weights may stream from (None: any lower tier);
     ``deferred``: updates run in one pass after the backward (accumulation, clipping);
-    ``host_updatable``: the stages whose parameters the optimizer may step in host RAM (every
-    parameter a stage updates is its own, so it streams with the stage)."""
+    ``host_updatable``: the stages whose parameters the optimizer may step in host RAM (those
+    that own trainable parameters)."""
 
     costs: ChainCosts
     rates: UpdateRates
@@ -229,7 +229,12 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
                      f", {'read ahead of' if depth else 'read at'} each stage's update and "
                      f"written back after ({format_bytes(home.bandwidth)}/s)",)
         if config.stream != "all":
-            candidates.append(Candidate(with_states, home, None, frozenset(), notes, depth))
+            kept = Candidate(with_states, home, None, frozenset(), notes, depth)
+            hosted = _updated_on_host(kept, (), problem, stages, state_of, config)
+            if hosted is None or config.host_updates != "all":
+                candidates.append(kept)
+            if hosted is not None:
+                candidates.append(hosted)
         if home is None or config.stream == "never":
             continue
         for source in sources:
@@ -242,11 +247,12 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
                 why = (f"the weights of {len(streamed)} of {base.length} stages "
                        f"({format_bytes(moved.extra['streamed bytes'])}) live in "
                        f"{source.about}, {ahead}")
-                streams = Candidate(moved, home, source, frozenset(streamed), (why,), depth)
-                hosted = _updated_on_host(streams, problem, stages, state_of, config)
+                streams = Candidate(moved, home, source, frozenset(streamed),
+                                    notes + (why + " and written back after each update",),
+                                    depth)
+                hosted = _updated_on_host(streams, (why,), problem, stages, state_of, config)
                 if hosted is None or config.host_updates != "all":
-                    candidates.append(replace(streams, notes=notes + (
-                        why + " and written back after each update",)))
+                    candidates.append(streams)
                 if hosted is not None:
                     candidates.append(hosted)
     if problem.lower and config.offload_tapes != "never":
@@ -258,35 +264,41 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
     return candidates
 
 
-def _updated_on_host(streams: Candidate, problem: TierProblem, stages: list[StageCost],
-                     state_of: list[int], config: FitConfig) -> Candidate | None:
-    """``streams`` with its streamed stages' updates in host RAM, where their states and
-    weights live (None when it has no such stage: the states and weights must both be in
-    the host RAM below a GPU). Deferred updates step them there in the update pass, from
-    the gradients that wait there between micro-batches (``deferred_costs``)."""
-    rates, home = problem.rates, streams.states
+def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
+                     problem: TierProblem, stages: list[StageCost], state_of: list[int],
+                     config: FitConfig) -> Candidate | None:
+    """``candidate`` (its states in the host RAM below a GPU) with the updates of its stages
+    run there, on their twins (exec/host_update.py): a streamed stage's weights must stream
+    from that RAM too, a resident stage's get a host copy. None when no stage qualifies.
+    ``weights_notes`` say where the weights live; the states' note is replaced. Deferred
+    updates step them in the update pass (``deferred_costs``)."""
+    rates, home = problem.rates, candidate.states
     if (config.host_updates == "never" or rates.host_seconds_per_byte is None
-            or home is None or home.name != "ram" or streams.weights is not home):
+            or home is None or home.name != "ram"):
         return None
-    host = streams.streamed & frozenset(problem.host_updatable)
+    host = frozenset(i for i in problem.host_updatable
+                     if i not in candidate.streamed or candidate.weights is home)
     if not host:
         return None
-    costs = updated_on_host(streams.costs, problem.costs, state_of, host, home,
-                            rates.host_seconds_per_byte, streams.depth > 0)
+    costs = updated_on_host(candidate.costs, problem.costs, state_of, host,
+                            candidate.streamed, home, rates.host_seconds_per_byte,
+                            candidate.depth > 0)
     largest = max(problem.costs.stages[i].param_bytes for i in host)
-    # the step's temporaries, and inside the backward the gradients of the stage stepping
-    # and of the next one (deferred, they wait in host RAM anyway)
-    held = max(stages[i].update_transient for i in host) + (0 if problem.deferred
-                                                           else 2 * largest)
-    why = (f"the optimizer steps {len(host)} of those stages in {home.about}, where their "
-           f"weights and states ({format_bytes(sum(state_of[i] for i in host))}) live: "
-           f"their gradients go down ({format_bytes(home.bandwidth)}/s) and their next fetch "
-           "reads the new weights")
+    copies = sum(problem.costs.stages[i].param_bytes for i in host - candidate.streamed)
+    # the resident stages' host copies, the step's temporaries, and inside the backward the
+    # gradients of the stage stepping and of the next one (deferred, a streamed stage's
+    # wait in host RAM anyway)
+    held = copies + max(stages[i].update_transient for i in host) + (
+        0 if problem.deferred else 2 * largest)
+    why = (f"the optimizer steps {len(host)} stages in {home.about}, where their states "
+           f"({format_bytes(sum(state_of[i] for i in host))}) live: their gradients go down "
+           f"({format_bytes(home.bandwidth)}/s), and the new weights come up with the next "
+           "fetch of a streamed stage, after the step for a resident one")
     others = sum(n for i, n in enumerate(state_of) if i not in host)
     if others:
         why += (f"; the other stages' states ({format_bytes(others)}) come up for their "
                 "update and go back after")
-    return replace(streams, costs=costs, notes=streams.notes + (why,), host_stages=host,
+    return replace(candidate, costs=costs, notes=weights_notes + (why,), host_stages=host,
                    host_bytes=held)
 
 

@@ -335,10 +335,10 @@ _HELP = {
                            "weight, optimizer state and tape read on demand, to measure what "
                            "reading ahead saves (the [Plan] prediction still assumes it)"),
     "host_updates": (None, "with --disk under --gpu: auto lets the planner step AdamW in host "
-                           "RAM, on the CPU, for the stages whose weights and states both live "
-                           "there (their gradients go down instead of the states coming up), "
-                           "never keeps every update on the GPU, all steps every such stage "
-                           "there"),
+                           "RAM, on the CPU, for the stages whose optimizer states live there "
+                           "(their gradients go down and their new weights up instead of the "
+                           "states coming up and back), never keeps every update on the GPU, "
+                           "all steps every such stage there"),
     "trace": ("FILE", "write a Chrome-trace JSON of every step (compute, disk reads and "
                       "writes, optimizer, the RSS as a counter), for Perfetto or "
                       "chrome://tracing"),
