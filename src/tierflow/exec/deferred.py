@@ -10,9 +10,9 @@ pass over the stages, last first, updates each: its weights and gradients are fe
 next stages' weights and its optimizer states read ahead (during the update before it), its
 weights written back behind it; the stages stepped in host RAM are stepped there, on the
 host thread meanwhile, from their gradients stashed there (a streamed stage's) or copied
-down (a resident stage's). Under a host RAM budget each stage's update
-first makes room for what the pass adds at its peak (``make_room``): malloc's caches from
-the backward would otherwise stay resident beside the states and weights the pass reads.
+down (a resident stage's). Under a host RAM budget each stage's update first makes room for
+what the pass adds at its peak (``make_room``): malloc's caches from the backward would
+otherwise stay resident beside the states and weights the pass reads.
 """
 from __future__ import annotations
 
