@@ -134,8 +134,8 @@ class TrainOptions:
                                 f"{', '.join(HOST_UPDATES)}")
         if self.host_updates != "auto" and (self.disk is None or self.gpu is None):
             raise TierflowError(f"--host-updates {self.host_updates} chooses where AdamW steps "
-                                "the weights that stream from host RAM below a GPU: give --gpu "
-                                "and --disk DIR too")
+                                "the stages whose states live in the host RAM below a GPU: give "
+                                "--gpu and --disk DIR too")
         self._require_bool("compile")
         return self
 
