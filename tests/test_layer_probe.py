@@ -2,31 +2,58 @@
 seconds it took (stages.py's model run backwards), and on this machine they are sane."""
 import pytest
 
-from tierflow.sim.layer_probe import PROBE_CONFIG, PROBE_STEP, _rates, measure_layer_rates
-from tierflow.sim.precision import RunPrecision
+from tierflow.measure import fast_bf16
+from tierflow.sim.layer_probe import PROBE_CONFIG, PROBE_STEPS, _rates, measure_layer_rates
 from tierflow.sim.shapes import shape_from_config
 from tierflow.sim.stages import attention_flops, dense_flops, layer_traffic
 
 PEAK, MEMCPY = 4e11, 2e10
 
 
-def test_rates_price_the_probe_at_its_measured_time():
+@pytest.mark.parametrize("matmuls, regime", [("bf16", "autocast"), ("fp32", "fp32")])
+def test_rates_price_the_probe_at_its_measured_time(matmuls, regime):
     shape = shape_from_config(PROBE_CONFIG, "probe")
+    step = PROBE_STEPS[matmuls]
     matmul, attention, elementwise = 0.5, 0.2, 0.3
-    rates = _rates(shape, PROBE_STEP, PEAK, MEMCPY, 1.0, matmul, attention, elementwise)
-    regime = RunPrecision("fp32", "none", "fp32", "bf16").regime
-    traffic = sum(layer_traffic(shape, PROBE_STEP, regime))
+    rates = _rates(shape, step, regime, PEAK, MEMCPY, 1.0, matmul, attention, elementwise)
+    traffic = sum(layer_traffic(shape, step, regime))
     # forward + backward = 3 x the forward's FLOPs, as stages.chain_costs charges them
-    assert 3 * dense_flops(shape, PROBE_STEP) / (PEAK * rates.matmul_efficiency) == \
+    assert 3 * dense_flops(shape, step) / (PEAK * rates.matmul_efficiency) == \
         pytest.approx(matmul)
-    assert 3 * attention_flops(shape, PROBE_STEP) / (PEAK * rates.attention_efficiency) == \
+    assert 3 * attention_flops(shape, step) / (PEAK * rates.attention_efficiency) == \
         pytest.approx(attention)
     assert traffic / (MEMCPY * rates.memory_efficiency) == pytest.approx(elementwise)
 
 
 def test_measured_rates_are_fractions_of_the_peaks():
+    """In the trainer's default regime here (bf16 only where the CPU computes it natively:
+    elsewhere a bf16 probe layer would take an hour)."""
     from tierflow.train.sol import peak_matmul_flops
-    rates = measure_layer_rates(peak_matmul_flops("bf16"), MEMCPY, repeats=2)
+    matmuls = "bf16" if fast_bf16() else "fp32"
+    rates = measure_layer_rates(matmuls, peak_matmul_flops(matmuls), MEMCPY, repeats=2)
     assert 0.05 < rates.matmul_efficiency < 1.5
     assert 0.01 < rates.attention_efficiency < 1.5
     assert rates.memory_efficiency > 0 and rates.layer_seconds > 0
+
+
+def test_the_peak_is_timed_on_matmuls_that_take_long_enough(monkeypatch):
+    """A 2048 matmul where it is fast; a smaller one where it is slow (bf16 without native
+    support: a 2048 matmul took 52 s on an AVX2 machine)."""
+    import torch
+
+    from tierflow.train import sol
+    monkeypatch.setattr(sol, "_LONG_ENOUGH", 0.0)  # every size is long enough: the first
+    n, seconds = sol._timed_size(torch.float32)
+    assert n == sol._SIZES[0] and seconds > 0
+    monkeypatch.setattr(sol, "_LONG_ENOUGH", float("inf"))  # none is: the reference size
+    assert sol._timed_size(torch.float32)[0] == sol._SIZES[-1] == 2048
+
+
+def test_measured_figures_are_keyed_by_native_bf16(monkeypatch):
+    from tierflow import measure
+    from tierflow.train import sol
+    keys = set()
+    for native in (True, False):
+        monkeypatch.setattr(measure, "fast_bf16", lambda native=native: native)
+        keys.add(sol.cpu_identity())
+    assert len(keys) == 2

@@ -93,6 +93,20 @@ def test_checkpoint_is_bf16_and_loads_with_transformers(env, tmp_path, capsys, m
         assert torch.equal(theirs(input_ids=tokens).logits, trained(input_ids=tokens).logits)
 
 
+def test_bf16_matmuls_on_a_cpu_without_native_bf16_get_a_note(env, tmp_path, capsys,
+                                                               monkeypatch):
+    """Where bf16 is not native (AVX2 only: PyTorch's fallback kernels, hundreds of times
+    slower than fp32) a run asking for bf16 matmuls says so and names the faster flag."""
+    from tierflow import measure
+    for native in (False, True):
+        monkeypatch.setattr(measure, "fast_bf16", lambda native=native: native)
+        code, out, err = run_main(*train_args(env, tmp_path / f"run-{native}", "--steps", "1",
+                                              "--matmul-dtype", "bf16"), capsys=capsys)
+        assert code == 0, err
+        noted = "no native bf16" in out and "--matmul-dtype fp32" in out
+        assert noted != native, out
+
+
 def test_fp8_checkpoint_has_the_plain_names(env, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
     code, out, err = run_main(*train_args(env, tmp_path / "run", "--steps", "2", "--matmul-dtype",

@@ -41,9 +41,9 @@ from .module import TierflowModule
 from .plan.choose import make_plan
 from .plan.costs import ChainCosts
 from .plan.tier_costs import LowerTier
-from .plan.tier_search import TierPlan, auto_head_chunk
+from .plan.tier_search import TierPlan, UpdateRates, auto_head_chunk
 from .profile.profiler import profile_chain
-from .tiers import lower_tiers, place
+from .tiers import lower_tiers, place, update_rates
 from .units import parse_bytes
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -123,8 +123,11 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     # the RSS the budget does not cover: the process itself, less the parameters it holds
     outside_budget = before - sum({storage_key(p): p.untyped_storage().nbytes()
                                    for p in model.parameters()}.values())
+    rates = None if optimizer is None else functools.cache(functools.partial(
+        update_rates, list(model.parameters()), optimizer, device, meter_for(device), budget,
+        lower))  # measured at the first plan, once for every plan
     attempt = functools.partial(_profile_and_plan, model, sample, device, autocast, budget, tier,
-                                reserved, optimizer, lower, config, say, before, deferred,
+                                reserved, rates, lower, config, say, before, deferred,
                                 grads_resident)
     if config.head_chunk_tokens is not None:
         chain, placed = attempt(config.head_chunk_tokens)
@@ -201,13 +204,14 @@ def _stream(model: nn.Module, chain: Chain, placed: TierPlan, depth: int, *,
 
 def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                       autocast: AutocastMode, budget: int | None, tier: str, reserved: int,
-                      optimizer: OptimizerFactory | None, lower: list[LowerTier],
+                      rates: Callable[[], UpdateRates] | None, lower: list[LowerTier],
                       config: FitConfig, say: Callable[[str], Any], before: int,
                       deferred: bool, grads_resident: bool,
                       head_chunk_tokens: int) -> tuple[Chain, TierPlan]:
     """Cut the model into a chain, measure its stages and plan the step under the budget.
     ``before`` is the RSS when fit began: growth since then is the runtime's resident share.
-    ``grads_resident``: the caller accumulates gradients over micro-batches (static bytes)."""
+    ``grads_resident``: the caller accumulates gradients over micro-batches (static bytes).
+    ``rates``: the owned optimizer's update rates (None: the caller steps its own)."""
     meter = meter_for(device)
     exact_host = budget is not None and tier == "ram"  # memory measured with exact thresholds
     offloaded = offloaded_parameters(model)
@@ -244,11 +248,11 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                        context_bytes=sum(context.values()),
                        static_bytes=param_bytes + grads + runtime + reserved,
                        shared_grad_bytes=shared, grads_resident=grads_resident, extra=extra)
-    if optimizer is None:
+    if rates is None:
         return chain, TierPlan(make_plan(costs, budget, config, tier=tier), None)
     weights_from = [t for t in lower if offloaded is not None and t.store is offloaded.store]
-    return chain, place(costs, chain, optimizer, device, meter, budget, config, tier, lower,
-                        deferred, weights_from if offloaded is not None else None)
+    return chain, place(costs, chain, rates(), budget, config, tier, lower, deferred,
+                        weights_from if offloaded is not None else None)
 
 
 def _as_call(sample: Any) -> tuple[tuple, dict]:

@@ -36,26 +36,35 @@ PROBE_BYTES_PER_ELEMENT = 24
 PROBE_NUMEL = (1 << 18, 1 << 22)  # its elements, at least (1 MiB fp32) and at most
 
 
-def place(costs: ChainCosts, chain: Chain, optimizer: OptimizerFactory, device: torch.device,
-          meter: Any, budget: int | None, config: FitConfig, tier: str,
-          lower: list[LowerTier], deferred: bool = False,
-          weights_tiers: list[LowerTier] | None = None) -> TierPlan:
-    """Plan with the optimizer's states on the compute tier or on each lower tier, and with
-    the weights of the largest stages (or all) streamed from a lower tier too.
-    ``deferred``: updates run in a pass after the backward (see exec/deferred.py).
-    ``weights_tiers`` limits where weights may stream from (a model built on disk)."""
-    trainable = [p for p in chain_parameters(chain) if p.requires_grad]
-    dtype = trainable[0].dtype if trainable else torch.float32
+def update_rates(params: Iterable[nn.Parameter], optimizer: OptimizerFactory,
+                 device: torch.device, meter: Any, budget: int | None,
+                 lower: list[LowerTier]) -> UpdateRates:
+    """What the optimizer's updates cost, from probes of it on scratch parameters of the
+    trainable ``params``' dtype: on the compute tier and, where host RAM is a tier below a
+    GPU, in that RAM (simulated: the same CPU, so the same rate). ``fit`` measures them once,
+    whatever number of plans it makes (a probe takes seconds: 4M and 16M elements stepped)."""
+    dtype = next((p.dtype for p in params if p.requires_grad), torch.float32)
     probe = probe_optimizer(optimizer, device, meter, probe_numel(budget), dtype)
     host_rate = None  # the optimizer in the host RAM below a GPU (simulated: the same CPU)
     if any(t.name == "ram" for t in lower):
         host_rate = probe.seconds_per_byte if device.type == "cpu" else probe_optimizer(
             optimizer, torch.device("cpu"), meter_for(torch.device("cpu")),
             probe_numel(None), dtype).seconds_per_byte
+    return UpdateRates(probe.state_per_byte, probe.seconds_per_byte, probe.transient_per_byte,
+                       probe.transient_bytes, host_rate)
+
+
+def place(costs: ChainCosts, chain: Chain, rates: UpdateRates, budget: int | None,
+          config: FitConfig, tier: str, lower: list[LowerTier], deferred: bool = False,
+          weights_tiers: list[LowerTier] | None = None) -> TierPlan:
+    """Plan with the optimizer's states on the compute tier or on each lower tier, and with
+    the weights of the largest stages (or all) streamed from a lower tier too, its updates
+    priced at ``rates`` (``update_rates``).
+    ``deferred``: updates run in a pass after the backward (see exec/deferred.py).
+    ``weights_tiers`` limits where weights may stream from (a model built on disk)."""
+    trainable = [p for p in chain_parameters(chain) if p.requires_grad]
     problem = TierProblem(
-        costs=costs,
-        rates=UpdateRates(probe.state_per_byte, probe.seconds_per_byte,
-                          probe.transient_per_byte, probe.transient_bytes, host_rate),
+        costs=costs, rates=rates,
         largest=tuple(max((p.nbytes for p in st.parameters()), default=0)
                       for st in chain.stages),
         trainable=sum(p.nbytes for p in trainable),

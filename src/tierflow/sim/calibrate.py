@@ -20,14 +20,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..train.sol import _cache_dir, cpu_model, peak_matmul_flops
+from ..measure import fast_bf16
+from ..train.sol import _cache_dir, cpu_identity, cpu_model, peak_matmul_flops
 from .hardware import Hardware
 from .layer_probe import measure_layer_rates, timed
 from .precision import OPTIM_DTYPES
 
-_VERSION = 5  # of what is measured: 2 times the disk past the page cache (exec/file_io.py),
+_VERSION = 6  # of what is measured: 2 times the disk past the page cache (exec/file_io.py),
 # 3 adds the attention kernels' and the trainer's AdamW rates, 4 takes the matmul, attention
-# and element-wise fractions from an eager decoder layer, 5 AdamW with each moment dtype
+# and element-wise fractions from an eager decoder layer, 5 AdamW with each moment dtype,
+# 6 runs that layer in fp32 where the CPU has no native bf16 (as the trainer then does)
 _OPTIMIZER_PARAMS = 1 << 23  # elements of the parameter the AdamW probe updates
 _COPY_BYTES = 256 << 20
 _DISK_BYTES = 128 << 20
@@ -35,7 +37,7 @@ _DISK_BYTES = 128 << 20
 
 def _key() -> str:
     import torch
-    return (f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+    return (f"{cpu_identity()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
             f"|v{_VERSION}")
 
 
@@ -70,7 +72,8 @@ def calibrate(disk_dir: str | Path | None = None) -> Hardware:
     flops = {dtype: peak_matmul_flops(dtype) for dtype in ("fp32", "bf16")}
     read, write = disk_bandwidth(directory)
     copy = memcpy_bandwidth()
-    layer = measure_layer_rates(flops["bf16"], copy)
+    matmuls = "bf16" if fast_bf16() else "fp32"  # the trainer's default (--dtype auto)
+    layer = measure_layer_rates(matmuls, flops[matmuls], copy)
     rates = {moments: optimizer_bandwidth(moments=moments) for moments in OPTIM_DTYPES}
     optimizer = rates["fp32"]
     profile = Hardware(
@@ -80,9 +83,9 @@ def calibrate(disk_dir: str | Path | None = None) -> Hardware:
         matmul_efficiency=layer.matmul_efficiency, memory_efficiency=layer.memory_efficiency,
         ram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         attention_efficiency=layer.attention_efficiency, optimizer_bw=rates,
-        notes=(f"matmuls at {layer.matmul_efficiency:.2f} of the 2048x2048 peak in an eager "
-               f"decoder layer (measured)",
-               f"causal attention at {layer.attention_efficiency:.2f} of the bf16 peak "
+        notes=(f"matmuls at {layer.matmul_efficiency:.2f} of the square-matmul peak in an "
+               f"eager decoder layer with {matmuls} matmuls (measured)",
+               f"causal attention at {layer.attention_efficiency:.2f} of the {matmuls} peak "
                f"(measured)",
                f"element-wise work at {layer.memory_efficiency:.2f} of memcpy's bandwidth "
                f"(measured)",

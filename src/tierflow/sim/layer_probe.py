@@ -6,9 +6,10 @@ peak), causal attention (FLOPs at its own fraction) and element-wise work (the t
 alone are too kind: in a real layer the matmuls read transposed operands and write fresh
 outputs, and the element-wise work is many small eager kernels, dtype casts under autocast
 and Python between them. So ``tierflow calibrate`` runs one Llama decoder layer of a probe
-shape (not a shape the calibration table checks) forward and backward under bf16 autocast,
-as the CPU trainer does, attributes its time with ``torch.profiler`` and returns the three
-fractions that make the model's layer time equal the measured one.
+shape (not a shape the calibration table checks) forward and backward as the CPU trainer
+does by default (under bf16 autocast where the CPU computes bf16 natively, else in fp32),
+attributes its time with ``torch.profiler`` and returns the three fractions that make the
+model's layer time equal the measured one.
 """
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ from ..errors import TierflowError
 from .shapes import ModelShape, shape_from_config
 from .stages import StepShape, attention_flops, dense_flops, layer_traffic
 
-# hidden 1024, 16 heads of 64, 4 KV heads, SwiGLU 2816; 4 sequences of 1024 tokens
+# hidden 1024, 16 heads of 64, 4 KV heads, SwiGLU 2816
 PROBE_CONFIG = {"model_type": "llama", "num_hidden_layers": 1, "hidden_size": 1024,
                 "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 4,
                 "vocab_size": 256, "max_position_embeddings": 1024}
-PROBE_STEP = StepShape(seq=1024, batch=4)
+# 4 sequences of 1024 tokens (1 in fp32: about a second a pass either way)
+PROBE_STEPS = {"bf16": StepShape(seq=1024, batch=4), "fp32": StepShape(seq=1024, batch=1)}
 _MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
 _ATTENTION_MARK = "scaled_dot_product"  # flash attention's forward and backward kernels
 
@@ -33,14 +35,16 @@ _ATTENTION_MARK = "scaled_dot_product"  # flash attention's forward and backward
 class LayerRates:
     """Fractions of the peaks that one eager decoder layer reaches on this machine."""
 
-    matmul_efficiency: float  # of the bf16 matmul peak
-    attention_efficiency: float  # of the bf16 matmul peak, causal attention fwd + bwd
+    matmul_efficiency: float  # of the matmul peak of the probe's dtype
+    attention_efficiency: float  # of the same peak, causal attention fwd + bwd
     memory_efficiency: float  # of memcpy's bandwidth, for layer_traffic's element-wise bytes
     layer_seconds: float  # the probe layer's forward + backward, measured
 
 
-def measure_layer_rates(peak_bf16: float, memory_bw: float, repeats: int = 5) -> LayerRates:
-    """Time ``repeats`` forward + backward passes of the probe layer after a warm-up, split
+def measure_layer_rates(matmuls: str, peak: float, memory_bw: float,
+                        repeats: int = 5) -> LayerRates:
+    """Time ``repeats`` forward + backward passes of the probe layer with ``matmuls`` ("bf16":
+    under autocast; "fp32") whose matmul peak is ``peak`` FLOP/s, after a warm-up, split
     each one's time by what the profiler attributes to matmuls and attention (the rest is
     element-wise work and the Python between kernels), express each part as a fraction of
     its peak and take the median of each fraction (the element-wise part is a difference of
@@ -52,7 +56,7 @@ def measure_layer_rates(peak_bf16: float, memory_bw: float, repeats: int = 5) ->
     config = LlamaConfig(**{k: v for k, v in PROBE_CONFIG.items() if k != "model_type"})
     config._attn_implementation = "sdpa"
     shape = shape_from_config(PROBE_CONFIG, "probe")
-    step = PROBE_STEP
+    step = PROBE_STEPS[matmuls]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         layer, rope = LlamaDecoderLayer(config, 0), LlamaRotaryEmbedding(config)
@@ -60,7 +64,7 @@ def measure_layer_rates(peak_bf16: float, memory_bw: float, repeats: int = 5) ->
     positions = torch.arange(step.seq)[None].expand(step.batch, -1)  # (b, s)
 
     def forward_backward() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=matmuls == "bf16"):
             out = layer(x, position_embeddings=rope(x, positions))
             out = out[0] if isinstance(out, tuple) else out  # (b, s, h)
         out.float().sum().backward()
@@ -70,7 +74,8 @@ def measure_layer_rates(peak_bf16: float, memory_bw: float, repeats: int = 5) ->
     for _ in range(2):  # warm-up: kernels chosen, malloc's caches filled
         forward_backward()
     splits = [_profiled(forward_backward) for _ in range(repeats)]
-    rates = [_rates(shape, step, peak_bf16, memory_bw, *split) for split in splits]
+    regime = "autocast" if matmuls == "bf16" else "fp32"
+    rates = [_rates(shape, step, regime, peak, memory_bw, *split) for split in splits]
     return LayerRates(*(statistics.median(getattr(r, f.name) for r in rates)
                         for f in fields(LayerRates)))
 
@@ -94,14 +99,14 @@ def _profiled(fn) -> tuple[float, float, float, float]:
     return seconds, matmul, attention, max(seconds - matmul - attention, 1e-3 * seconds)
 
 
-def _rates(shape: ModelShape, step: StepShape, peak_bf16: float, memory_bw: float,
+def _rates(shape: ModelShape, step: StepShape, regime: str, peak: float, memory_bw: float,
            seconds: float, matmul: float, attention: float, elementwise: float) -> LayerRates:
     """The fractions that price the probe's parts at the seconds they took (forward and
     backward: the backward costs twice the forward's FLOPs)."""
-    fwd_bytes, bwd_bytes = layer_traffic(shape, step, "autocast")  # the trainer's regime
+    fwd_bytes, bwd_bytes = layer_traffic(shape, step, regime)
     return LayerRates(
-        matmul_efficiency=3 * dense_flops(shape, step) / (matmul * peak_bf16),
-        attention_efficiency=3 * attention_flops(shape, step) / (attention * peak_bf16),
+        matmul_efficiency=3 * dense_flops(shape, step) / (matmul * peak),
+        attention_efficiency=3 * attention_flops(shape, step) / (attention * peak),
         memory_efficiency=(fwd_bytes + bwd_bytes) / (elementwise * memory_bw),
         layer_seconds=seconds)
 

@@ -44,6 +44,11 @@ def print_header(logger, *, opts: TrainOptions, precision, tier: ComputeTier, wo
     logger.print()
     logger.print(section("System", list(system.items())))
     logger.record("system", **system, peak_matmul_flops=peak, rss_baseline_bytes=baseline)
+    if on_cpu and peak_dtype == "bf16" and not measure.fast_bf16():
+        fp32 = peak_matmul_flops("fp32")
+        logger.print(f"note: this CPU has no native bf16 (AVX512-BF16 or AMX): its bf16 "
+                     f"matmuls ran at {peak / 1e9:.1f} GFLOP/s against {fp32 / 1e9:.1f} in fp32; "
+                     f"--matmul-dtype fp32 with fp32 weights trains faster here")
 
     # [Dataset]
     eval_tokens = len(data.eval) if data.eval is not None else 0

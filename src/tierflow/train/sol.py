@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import platform
 import time
@@ -35,7 +34,8 @@ def peak_matmul_flops(dtype_name: str) -> float:
     thread count: the best of timed square matmuls, cached in calibration.json, unless other
     processes were keeping the CPUs busy (a figure measured then would be too low for good)."""
     import torch
-    key = f"{cpu_model()}|threads={torch.get_num_threads()}|torch={torch.__version__}|{dtype_name}"
+    key = (f"{cpu_identity()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+           f"|{dtype_name}")
     cache = _cache_dir() / "calibration.json"
     data: dict[str, Any] = {}
     with contextlib.suppress(OSError, ValueError):
@@ -44,21 +44,16 @@ def peak_matmul_flops(dtype_name: str) -> float:
     if isinstance(entry, (int, float)) and entry > 0:
         return float(entry)
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    n = 2048
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        a = torch.randn(n, n, dtype=dtype)
-        b = torch.randn(n, n, dtype=dtype)
-    a @ b  # warm-up
-    best = math.inf
-    spent = 0.0
+    n, one = _timed_size(dtype)
+    best, spent = one, one
+    a, b = _square_operands(n, dtype)
     for _ in range(20):
+        if spent > 1.0:
+            break
         t = time.perf_counter()
         a @ b
         dt = time.perf_counter() - t
         best, spent = min(best, dt), spent + dt
-        if spent > 1.0:
-            break
     flops = 2 * n ** 3 / best
     if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
         return flops
@@ -70,6 +65,41 @@ def peak_matmul_flops(dtype_name: str) -> float:
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, cache)
     return flops
+
+
+_SIZES = (256, 512, 1024, 2048)  # the largest is the peak's reference size
+_LONG_ENOUGH = 0.2  # seconds: a matmul this long is timed well; a larger one only costs time
+
+
+def _timed_size(dtype) -> tuple[int, float]:
+    """(n, seconds of one n x n matmul after a warm-up): the smallest of ``_SIZES`` whose
+    matmul takes ``_LONG_ENOUGH``, or the largest. A CPU without native bf16 runs bf16
+    matmuls through PyTorch's scalar fallback, hundreds of times slower than fp32 (a 2048
+    matmul took 52 s on a 2-core AVX2 machine), so the size grows only while it is fast."""
+    for n in _SIZES:
+        a, b = _square_operands(n, dtype)
+        a @ b  # warm-up: the kernel chosen, the output allocated
+        start = time.perf_counter()
+        a @ b
+        seconds = time.perf_counter() - start
+        if seconds >= _LONG_ENOUGH:
+            break
+    return n, seconds
+
+
+def _square_operands(n: int, dtype):
+    """Two n x n random matrices of ``dtype`` (the global RNG left as it was)."""
+    import torch
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+
+
+def cpu_identity() -> str:
+    """The CPU's model name and whether it computes bf16 natively: the key of measured
+    figures (virtual machines may name different CPU generations alike, e.g. "AMD EPYC")."""
+    from ..measure import fast_bf16
+    return f"{cpu_model()}|bf16 {'native' if fast_bf16() else 'emulated'}"
 
 
 def model_flops_per_token(model, seq_len: int) -> float:
