@@ -13,8 +13,12 @@ model's layer time equal the measured one.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 from ..errors import TierflowError
@@ -84,8 +88,8 @@ def _profiled(fn) -> tuple[float, float, float, float]:
     """(seconds, matmul, attention, element-wise) of one run of ``fn``: the wall time, what
     the profiler attributes to matmul and attention kernels, and the rest."""
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU]) as prof:  # ~1 ms over ~1 s
-        seconds = timed(fn)
+    with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        seconds = timed(fn)  # the profiler adds ~1 ms over ~1 s
     matmul = attention = 0.0
     for event in prof.key_averages():
         if event.key in _MATMUL_OPS:
@@ -97,6 +101,22 @@ def _profiled(fn) -> tuple[float, float, float, float]:
                             f"kernels in the probe layer (this torch names them otherwise): "
                             f"calibration needs {_MATMUL_OPS} and {_ATTENTION_MARK}* ops")
     return seconds, matmul, attention, max(seconds - matmul - attention, 1e-3 * seconds)
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 on /dev/null meanwhile: the profiler's C++ side prints a line at
+    its start and stop ("USDT: ... profiler_start") that no flag turns off. Python's own
+    errors are raised after it is restored."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _rates(shape: ModelShape, step: StepShape, regime: str, peak: float, memory_bw: float,

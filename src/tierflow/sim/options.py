@@ -83,12 +83,13 @@ def add_setup_arguments(parser: argparse.ArgumentParser, *, lists: bool) -> None
     parser.add_argument("--optim-dtype", choices=OPTIM_DTYPES, default=None,
                         help="AdamW moments (default fp32)")
     parser.add_argument("--matmul-dtype", choices=MATMUL_DTYPES, default=None,
-                        help="matmul dtype (default bf16)")
+                        help="matmul dtype (default bf16; on the cpu profile fp32 where its "
+                             "bf16 matmuls are the slower, as the trainer does)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def precision_from_args(args: argparse.Namespace, hw: Hardware) -> RunPrecision:
-    default = RunPrecision.default_for(hw.has_gpu)
+    default = RunPrecision.default_for(hw)
     prec = RunPrecision(args.model_dtype or default.model, args.master or default.master,
                         args.optim_dtype or default.optim, args.matmul_dtype or default.matmul)
     hw.flops(prec.matmul)  # a one-line error when the hardware lacks the dtype

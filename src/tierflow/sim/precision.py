@@ -7,9 +7,13 @@ tensor cores or AMX run). Pure data.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..errors import TierflowError
 from ..plan.placement import Precision
+
+if TYPE_CHECKING:
+    from .hardware import Hardware
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1, "fp8": 1}
 MODEL_DTYPES = ("fp32", "bf16")
@@ -36,11 +40,15 @@ class RunPrecision:
                                     f"{', '.join(allowed)}")
 
     @classmethod
-    def default_for(cls, has_gpu: bool) -> RunPrecision:
-        """What tierflow trains with there: on the CPU fp32 weights under bf16 autocast (the
-        trainer of this repository), on a GPU bf16 weights with an fp32 master copy."""
-        return cls("bf16", "fp32", "fp32", "bf16") if has_gpu else cls("fp32", "none", "fp32",
-                                                                         "bf16")
+    def default_for(cls, hw: Hardware) -> RunPrecision:
+        """What tierflow trains with on ``hw``: on a GPU bf16 weights with an fp32 master
+        copy; on a CPU fp32 weights, under bf16 autocast where its bf16 matmuls are the
+        faster (the trainer's default follows native bf16 support: without it, bf16 runs
+        in PyTorch's fallback kernels, far slower than fp32), else in fp32."""
+        if hw.has_gpu:
+            return cls("bf16", "fp32", "fp32", "bf16")
+        matmul = "bf16" if hw.peak_flops.get("bf16", 0.0) > hw.flops("fp32") else "fp32"
+        return cls("fp32", "none", "fp32", matmul)
 
     def bytes_per_param(self) -> Precision:
         master = 4 if self.master == "fp32" and self.model != "fp32" else 0

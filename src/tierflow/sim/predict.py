@@ -38,7 +38,7 @@ class Setup:
 
     @property
     def run_precision(self) -> RunPrecision:
-        return self.precision or RunPrecision.default_for(self.hardware.has_gpu)
+        return self.precision or RunPrecision.default_for(self.hardware)
 
 
 @dataclass(frozen=True)
