@@ -98,6 +98,27 @@ def test_low_precision_disk_run_matches_the_in_memory_run(train_env, tmp_path, c
         assert any("master" in name for name in saved[1]), sorted(saved[1])[:8]
 
 
+@pytest.mark.parametrize("grad_accum", ["1", "2"])
+def test_fp8_matmuls_on_disk_match_the_in_memory_run(train_env, tmp_path, capsys, grad_accum):
+    """fp8 decoder Linears hold the Linears' own Parameters, so their weights stream like any
+    other: every stage streamed from disk gives the in-memory fp8 run's losses and checkpoint
+    to the bit (unclipped)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    flags = ("--dtype", "bf16", "--matmul-dtype", "fp8", "--clip", "0", "--grad-accum",
+             grad_accum)
+    train(capsys, *train_args(train_env, tmp_path / "ram", *flags))
+    out = train(capsys, *train_args(train_env, tmp_path / "disk-run", *flags, "--disk",
+                                    str(disk), "--stream", "all"))
+    assert "streamed stages" in out and "matmuls fp8" in out, out
+    assert train_losses(tmp_path / "disk-run") == train_losses(tmp_path / "ram")
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        expected, got = (load_file(str(tmp_path / run / f"step_{STEPS}" / name))
+                         for run in ("ram", "disk-run"))
+        assert expected.keys() == got.keys()
+        assert all(torch.equal(got[k], expected[k]) for k in expected), name
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16-weights"])
 def test_checkpoints_resume_across_disk_and_memory(train_env, tmp_path, capsys, precision):
     """A --disk checkpoint resumes in memory and an in-memory one resumes with --disk, each

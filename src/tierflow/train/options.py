@@ -160,10 +160,9 @@ class TrainOptions:
                                 "process")
 
     def _validate_disk(self, world_size: int) -> None:
-        """What the disk tier runs: one process, any weight and AdamW precision, bf16 or
-        fp32 matmuls, no torch.compile (the combinations it is tested with)."""
+        """What the disk tier runs: one process, any weight and AdamW precision, fp32, bf16
+        or fp8 matmuls, no torch.compile (the combinations it is tested with)."""
         refused = [(world_size > 1, f"{world_size} ranks (torchrun)", "one process"),
-                   (self.matmul_dtype == "fp8", "--matmul-dtype fp8", "--matmul-dtype bf16"),
                    (self.compile is True, "--compile", "no --compile")]
         for bad, what, fix in refused:
             if bad:
