@@ -23,7 +23,7 @@ def run_demo(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_demo_quick_end_to_end(tmp_path):
+def test_demo_quick_end_to_end_then_reuses_its_token_files(tmp_path):
     out = tmp_path / "demo"
     start = time.perf_counter()
     proc = run_demo("--quick", "--out", str(out))
@@ -53,19 +53,13 @@ def test_demo_quick_end_to_end(tmp_path):
     assert len(evals) >= 2, evals
     assert evals[-1] < evals[0], evals
 
-
-@pytest.mark.slow
-def test_demo_reuses_its_token_files(tmp_path):
-    """A second run finds the token files of the first (meta.json with the same inputs and vocab)
-    and does not tokenize again."""
-    out = tmp_path / "demo"
-    first = run_demo("--quick", "--out", str(out), "--steps", "2")
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    assert "tierflow tokenize:" in first.stdout
-    second = run_demo("--quick", "--out", str(out), "--steps", "2")
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert f"reusing {out / 'data'}" in second.stdout
-    assert "tierflow tokenize:" not in second.stdout
+    # a second run finds the first one's token files (meta.json with the same inputs and
+    # vocab) and does not tokenize again
+    assert "tierflow tokenize:" in text
+    again = run_demo("--quick", "--out", str(out), "--steps", "2")
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"reusing {out / 'data'}" in again.stdout
+    assert "tierflow tokenize:" not in again.stdout
 
 
 def test_demo_bad_flags_are_one_line(tmp_path):
