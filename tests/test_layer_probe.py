@@ -2,7 +2,7 @@
 seconds it took (stages.py's model run backwards), and on this machine they are sane."""
 import pytest
 
-from tierflow.measure import fast_bf16
+from tierflow.measure import default_matmul_dtype
 from tierflow.sim.layer_probe import PROBE_CONFIG, PROBE_STEPS, _rates, measure_layer_rates
 from tierflow.sim.shapes import shape_from_config
 from tierflow.sim.stages import attention_flops, dense_flops, layer_traffic
@@ -29,7 +29,7 @@ def test_measured_rates_are_fractions_of_the_peaks():
     """In the trainer's default regime here (bf16 only where the CPU computes it natively:
     elsewhere a bf16 probe layer would take an hour)."""
     from tierflow.train.sol import peak_matmul_flops
-    matmuls = "bf16" if fast_bf16() else "fp32"
+    matmuls = default_matmul_dtype()
     rates = measure_layer_rates(matmuls, peak_matmul_flops(matmuls), MEMCPY, repeats=2)
     assert 0.05 < rates.matmul_efficiency < 1.5
     assert 0.01 < rates.attention_efficiency < 1.5
@@ -43,10 +43,10 @@ def test_the_peak_is_timed_on_matmuls_that_take_long_enough(monkeypatch):
 
     from tierflow.train import sol
     monkeypatch.setattr(sol, "_LONG_ENOUGH", 0.0)  # every size is long enough: the first
-    n, seconds = sol._timed_size(torch.float32)
-    assert n == sol._SIZES[0] and seconds > 0
+    a, _, seconds = sol._timed_operands(torch.float32)
+    assert a.shape[0] == sol._SIZES[0] and seconds > 0
     monkeypatch.setattr(sol, "_LONG_ENOUGH", float("inf"))  # none is: the reference size
-    assert sol._timed_size(torch.float32)[0] == sol._SIZES[-1] == 2048
+    assert sol._timed_operands(torch.float32)[0].shape[0] == sol._SIZES[-1] == 2048
 
 
 def test_measured_figures_are_keyed_by_native_bf16(monkeypatch):

@@ -199,7 +199,7 @@ class _Tee(io.StringIO):
 def run_compare(args: argparse.Namespace) -> int:
     """``tierflow compare``: plain PyTorch, then tierflow under the budget, in fresh processes."""
     quick = args.quick
-    dtype = args.dtype if args.dtype != "auto" else ("bf16" if measure.fast_bf16() else "fp32")
+    dtype = args.dtype if args.dtype != "auto" else measure.default_matmul_dtype()
     workload = measure.Workload(
         arch=args.arch or ("llama-tiny" if quick else "llama-20m"),
         seq=args.seq or (128 if quick else 512), batch=args.batch or (2 if quick else 4),

@@ -88,6 +88,12 @@ def fast_bf16() -> bool:
     return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
 
 
+def default_matmul_dtype() -> str:
+    """The CPU trainer's matmul dtype when none is asked (``--dtype auto``): "bf16" where
+    the CPU computes it natively, else "fp32" (PyTorch's bf16 fallback is far slower)."""
+    return "bf16" if fast_bf16() else "fp32"
+
+
 # ---------------------------------------------------------------- parent side (no torch)
 
 def run_json(cmd: list[str], *, timeout: float | None = None, env: dict[str, str] | None = None,

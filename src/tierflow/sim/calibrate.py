@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..measure import fast_bf16
+from ..measure import default_matmul_dtype
 from ..train.sol import _cache_dir, cpu_identity, cpu_model, peak_matmul_flops
 from .hardware import Hardware
 from .layer_probe import measure_layer_rates, timed
@@ -72,7 +72,7 @@ def calibrate(disk_dir: str | Path | None = None) -> Hardware:
     flops = {dtype: peak_matmul_flops(dtype) for dtype in ("fp32", "bf16")}
     read, write = disk_bandwidth(directory)
     copy = memcpy_bandwidth()
-    matmuls = "bf16" if fast_bf16() else "fp32"  # the trainer's default (--dtype auto)
+    matmuls = default_matmul_dtype()  # the layer runs as the trainer's default does
     layer = measure_layer_rates(matmuls, flops[matmuls], copy)
     rates = {moments: optimizer_bandwidth(moments=moments) for moments in OPTIM_DTYPES}
     optimizer = rates["fp32"]

@@ -44,9 +44,9 @@ def peak_matmul_flops(dtype_name: str) -> float:
     if isinstance(entry, (int, float)) and entry > 0:
         return float(entry)
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    n, one = _timed_size(dtype)
+    a, b, one = _timed_operands(dtype)
+    n = a.shape[0]
     best, spent = one, one
-    a, b = _square_operands(n, dtype)
     for _ in range(20):
         if spent > 1.0:
             break
@@ -71,8 +71,8 @@ _SIZES = (256, 512, 1024, 2048)  # the largest is the peak's reference size
 _LONG_ENOUGH = 0.2  # seconds: a matmul this long is timed well; a larger one only costs time
 
 
-def _timed_size(dtype) -> tuple[int, float]:
-    """(n, seconds of one n x n matmul after a warm-up): the smallest of ``_SIZES`` whose
+def _timed_operands(dtype) -> tuple[Any, Any, float]:
+    """(a, b, seconds of a @ b after a warm-up), n x n each: n the smallest of ``_SIZES`` whose
     matmul takes ``_LONG_ENOUGH``, or the largest. A CPU without native bf16 runs bf16
     matmuls through PyTorch's scalar fallback, hundreds of times slower than fp32 (a 2048
     matmul took 52 s on a 2-core AVX2 machine), so the size grows only while it is fast."""
@@ -84,7 +84,7 @@ def _timed_size(dtype) -> tuple[int, float]:
         seconds = time.perf_counter() - start
         if seconds >= _LONG_ENOUGH:
             break
-    return n, seconds
+    return a, b, seconds
 
 
 def _square_operands(n: int, dtype):
