@@ -207,6 +207,58 @@ def test_one_line_exit_2_and_nothing_half_written(results, name):
         assert all(n == "log.jsonl" for n in left), left
 
 
+_TORCH_BLOCKED = """
+import sys
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('torch', 'transformers'):
+            raise ImportError(name + ' imported before the bad input was found')
+sys.meta_path.insert(0, Blocked())
+from tierflow.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("case", ["model missing", "data missing", "no train.bin", "wrong magic",
+                                  "negative lr", "negative ram", "unwritable out",
+                                  "non-numeric steps"])
+def test_cheap_bad_input_fails_before_torch_is_imported(root, tmp_path, case):
+    """Flags, --model's path, --data and the output directory are checked before torch and
+    transformers are imported (2-4 s here): the same one-line error with both unimportable."""
+    args, fragments = _cases(root)[case]
+    args = [a.replace("{out}", str(tmp_path / "out")) for a in args]
+    env = dict(os.environ, PYTHONPATH=SRC)
+    proc = subprocess.run([sys.executable, "-c", _TORCH_BLOCKED, *args], capture_output=True,
+                          text=True, env=env, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith("tierflow: error: ") and proc.stderr.count("\n") == 1, proc.stderr
+    for fragment in fragments:
+        assert fragment in proc.stderr
+
+
+def test_a_bad_disk_directory_fails_before_torch_is_imported(root, tmp_path):
+    args = _base(root, tmp_path / "out", "--disk", str(tmp_path / "nope"))
+    proc = subprocess.run([sys.executable, "-c", _TORCH_BLOCKED, *args], capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=SRC), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"disk directory {tmp_path / 'nope'} does not exist" in proc.stderr
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--model", "{tmp}/nope", "--prompt", "x"], "--model {tmp}/nope does not exist"),
+    (["--model", "{tmp}", "--prompt", "x"], "no tokenizer.json in {tmp}"),
+    (["--model", "{tmp}", "--prompt", ""], "the prompt is empty"),
+    (["--model", "{tmp}", "--prompt", "x", "--tokenizer", "t.json", "--ram", "lots"],
+     "--ram 'lots'")])
+def test_bad_generate_input_fails_before_torch_is_imported(tmp_path, args, fragment):
+    args = ["generate", *(a.replace("{tmp}", str(tmp_path)) for a in args)]
+    proc = subprocess.run([sys.executable, "-c", _TORCH_BLOCKED, *args], capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=SRC), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert fragment.replace("{tmp}", str(tmp_path)) in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+
+
 def test_previous_checkpoints_untouched(results, root):
     """The failed resumes above left the run they read as it was."""
     from tierflow.models import load_model

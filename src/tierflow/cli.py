@@ -201,7 +201,7 @@ def _bounded_number(kind: type, what: str, minimum: float, *, above: bool = Fals
 
 def _add_generate(sub: Any) -> None:
     """Register ``tierflow generate`` (the work is in tierflow.generate)."""
-    from .generate import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
+    from .generate_options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
     gen = sub.add_parser(
         "generate", help="sample text from a checkpoint with a KV cache",
         description="Load a causal LM directory (config.json, model.safetensors, tokenizer.json; "
@@ -236,10 +236,12 @@ def _add_generate(sub: Any) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream the prompt and its continuation to stdout, then the tokens/s line."""
+    from .generate_options import check_request
+    request = dict(tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_k=args.top_k, ram=args.ram)
+    check_request(args.model, args.prompt, **request)  # bad input fails before torch loads
     from .generate import run
-    run(args.model, args.prompt, tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, top_k=args.top_k, seed=args.seed, dtype=args.dtype,
-        ram=args.ram)
+    run(args.model, args.prompt, seed=args.seed, dtype=args.dtype, **request)
     return 0
 
 
@@ -283,10 +285,14 @@ def _add_train(sub: Any) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .dist import exit_rank, world_size_from_env
-    from .train.loop import train
+    from .torchrun_env import world_size_from_env
     from .train.options import from_args
-    code = train(from_args(args))
+    from .train.preflight import preflight
+    opts = from_args(args)
+    preflight(opts)  # bad input fails here, before the seconds of importing torch
+    from .dist import exit_rank
+    from .train.loop import train
+    code = train(opts)
     if world_size_from_env() > 1:  # a torchrun rank whose run is over: see exit_rank
         exit_rank(code)
     return code

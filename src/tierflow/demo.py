@@ -156,7 +156,7 @@ def _data_is_valid(data: Path, inputs: list[str], vocab_size: int) -> bool:
     from .data.tokenize import _describe_input
     try:
         meta = json.loads((data / "meta.json").read_text(encoding="utf-8"))
-        from .train.loop import open_data
+        from .train.data_dir import open_data
         open_data(data)
     except Exception:  # missing, half-written or foreign: tokenize again
         return False

@@ -24,7 +24,6 @@ below even that is refused, naming the smallest budget that works.
 """
 from __future__ import annotations
 
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -35,10 +34,14 @@ import torch
 
 from .errors import TierflowError
 from .generate_memory import MemoryNeed, dtype_name, fits_in_ram, memory_needed
+from .generate_options import (
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_TEMPERATURE,
+    check_options,
+    check_request,
+)
 from .generate_stream import load_streamed
 
-DEFAULT_MAX_NEW_TOKENS = 64
-DEFAULT_TEMPERATURE = 0.8
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
 
 
@@ -65,21 +68,6 @@ class GenerateStats:
         return (f"[generate] {self.new_tokens} tokens in {self.prefill_s + self.decode_s:.2f} s: "
                 f"{self.tok_s:.1f} tok/s (prompt {self.prompt_tokens} tokens in "
                 f"{self.prefill_s * 1000:.0f} ms; stopped at {end}{seed})")
-
-
-def check_options(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
-    """Reject out-of-range sampling options with a one-line error naming the fix."""
-    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
-            or max_new_tokens < 1):
-        raise TierflowError(f"--max-new-tokens {max_new_tokens!r} must be a whole number of at "
-                            "least 1")
-    if (not isinstance(temperature, (int, float)) or not math.isfinite(temperature)
-            or temperature < 0):
-        raise TierflowError(f"--temperature {temperature!r} must be a finite number >= 0 "
-                            "(0 picks the most likely token)")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise TierflowError(f"--top-k {top_k!r} must be a whole number of at least 1 (or left "
-                            "out to sample from the whole vocabulary)")
 
 
 def max_positions(model: Any) -> int | None:
@@ -290,23 +278,9 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
     from .models.load import load_model
 
     out = out if out is not None else sys.stdout
-    check_options(max_new_tokens, temperature, top_k)
-    if not prompt:
-        raise TierflowError("the prompt is empty: give some text with --prompt")
-    directory = Path(model_dir)
-    if not directory.is_dir():
-        what = "does not exist" if not directory.exists() else "is not a directory"
-        raise TierflowError(f"--model {directory} {what}: pass a checkpoint directory with "
-                            "config.json and model.safetensors (e.g. OUT/step_N from tierflow "
-                            "train)")
-    tok_path = Path(tokenizer) if tokenizer is not None else directory / "tokenizer.json"
-    if tokenizer is None and not tok_path.is_file():
-        raise TierflowError(f"no tokenizer.json in {directory}: pass --tokenizer PATH (the "
-                            "tokenizer.json the model was trained with)")
-    budget = None
-    if ram is not None:
-        from .units import parse_bytes
-        budget = parse_bytes(ram, what="--ram")
+    directory, tok_path, budget = check_request(model_dir, prompt, tokenizer=tokenizer,
+                                                max_new_tokens=max_new_tokens,
+                                                temperature=temperature, top_k=top_k, ram=ram)
     tok = load_tokenizer(tok_path)
     torch_dtype = resolve_dtype(dtype)
     prompt_tokens = len(encode_prompt(tok, prompt))

@@ -1,4 +1,5 @@
-"""Output directories checked before any slow work, so a bad path fails in one line at once."""
+"""Directories checked before any slow work (before torch is imported, on the command line),
+so a bad path fails in one line at once."""
 from __future__ import annotations
 
 import os
@@ -20,3 +21,16 @@ def require_writable_dir(path: str | Path, flag: str) -> Path:
         raise TierflowError(f"{flag} {path} is not writable ({e.strerror or e}): choose a "
                             "directory you can write to") from None
     return path
+
+
+def require_disk_directory(directory: str | Path) -> Path:
+    """``directory`` for the disk tier: it must exist and be writable (it is not created: a
+    mistyped path should not fill another disk); else a one-line TierflowError naming it."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise TierflowError(f"disk directory {directory} does not exist: create it or give "
+                            f"another directory for the disk tier")
+    if not os.access(directory, os.W_OK):
+        raise TierflowError(f"disk directory {directory} is not writable: give a directory "
+                            f"you can write to for the disk tier")
+    return directory

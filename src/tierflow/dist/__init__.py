@@ -9,8 +9,8 @@
 - ``comm.py``: measured bus bandwidth and the step's predicted communication time.
 """
 from .comm import bus_bandwidth, step_seconds
-from .world import RankLostError, World, exit_rank, join_from_env, world_size_from_env
+from .world import RankLostError, World, exit_rank, join_from_env
 from .zero import ShardedOptimizer
 
 __all__ = ["RankLostError", "ShardedOptimizer", "World", "bus_bandwidth", "exit_rank",
-           "join_from_env", "step_seconds", "world_size_from_env"]
+           "join_from_env", "step_seconds"]

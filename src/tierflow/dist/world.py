@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import TierflowError
+from ..torchrun_env import world_size_from_env
 
 _ALIVE = "tierflow/alive/{}"
 _CLOSED = "tierflow/closed/{}"
@@ -137,19 +138,6 @@ def _first_sentence(err: BaseException) -> str:
     text = " ".join(str(err).split())
     text = re.sub(r"^\[[^\]]*\.(?:cpp|cc|h):\d+\]\s*", "", text)
     return text.split(". ")[0][:160] or type(err).__name__
-
-
-def world_size_from_env() -> int:
-    """``WORLD_SIZE`` as torchrun sets it; 1 without it."""
-    text = os.environ.get("WORLD_SIZE", "1")
-    try:
-        size = int(text)
-    except ValueError:
-        raise TierflowError(f"WORLD_SIZE={text!r} is not a whole number: launch with torchrun "
-                            "--nproc-per-node N, or unset it") from None
-    if size < 1:
-        raise TierflowError(f"WORLD_SIZE={size} must be at least 1: launch with torchrun")
-    return size
 
 
 def join_from_env(timeout: float) -> World | None:

@@ -1,6 +1,7 @@
 """The disk tier: tensors kept in files under a directory, one file per key, and read back
 into given buffers (``file_io`` moves the bytes: past the page cache where it can), plus the
-checks and one-line errors for the directory that holds it.
+one-line errors of a directory that cannot hold it (``paths.require_disk_directory`` checks
+it first).
 
 Below a GPU, a tensor on the accelerator goes through a page-locked host buffer of its size
 (taken from torch's caching host allocator, which keeps it for the next transfer of that
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import TierflowError
+from ..paths import require_disk_directory
 from ..units import format_bytes
 from .copy_stream import SideStreamCopier
 from .file_io import direct_io_supported, file_bytes, read_tensors, write_tensors
@@ -39,7 +41,7 @@ class DiskStore:
     def __init__(self, directory: str | Path, direct: bool | None = None,
                  device: torch.device | str = "cpu"):
         self.directory = Path(directory)
-        _check_directory(self.directory)
+        require_disk_directory(self.directory)
         self.direct = direct_io_supported(self.directory) if direct is None else direct
         self.sizes: dict[str, int] = {}
         self._copier = SideStreamCopier(device)
@@ -122,16 +124,11 @@ def measure_bandwidth(directory: str | Path, nbytes: int = 64 << 20) -> float:
     return 2 * nbytes / max(elapsed, 1e-9)
 
 
-def check_disk_directory(directory: str | Path) -> None:
-    """One line naming ``directory`` and the fix when it cannot hold the disk tier."""
-    _check_directory(Path(directory))
-
-
 @contextlib.contextmanager
 def scratch_directory(parent: str | Path) -> Iterator[Path]:
     """A fresh ``tierflow-<pid>-*`` directory in ``parent`` for one run's disk tier, removed
     with everything in it when the block ends (however it ends)."""
-    _check_directory(Path(parent))
+    require_disk_directory(Path(parent))
     try:
         path = Path(tempfile.mkdtemp(prefix=f"tierflow-{os.getpid()}-", dir=parent))
     except OSError as e:
@@ -140,15 +137,6 @@ def scratch_directory(parent: str | Path) -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _check_directory(directory: Path) -> None:
-    if not directory.is_dir():
-        raise TierflowError(f"disk directory {directory} does not exist: create it or give "
-                            f"another directory for the disk tier")
-    if not os.access(directory, os.W_OK):
-        raise TierflowError(f"disk directory {directory} is not writable: give a directory "
-                            f"you can write to for the disk tier")
 
 
 def _disk_error(e: OSError, directory: Path) -> TierflowError:

@@ -24,7 +24,7 @@ from ..errors import TierflowError
 from ..exec.offload import OffloadedParameters, attach
 from ..safetensors_io import read_header, read_tensor
 from .init import initialize
-from .presets import PRESETS, preset_config
+from .presets import model_directory, preset_config
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -305,16 +305,9 @@ def load_model(spec: str | Path, *, vocab_size: int | None = None,
     ``offload`` builds or loads the model straight onto the disk tier, one module (preset) or
     tensor (directory) at a time: its weights live there and visit RAM only when used (see
     ``models/init.py``), so ``tierflow.fit`` can train a model larger than the RAM budget."""
-    if isinstance(spec, str) and spec in PRESETS:
-        return _random_init(spec, vocab_size, dtype or torch.float32, seed, offload)
-    directory = Path(spec)
-    if not directory.exists():
-        raise TierflowError(f"model {str(spec)!r} is neither a preset ({', '.join(PRESETS)}) nor "
-                            "an existing directory: pass a preset name or a directory with "
-                            "config.json and model.safetensors")
-    if not directory.is_dir():
-        raise TierflowError(f"model {str(spec)!r} is a file: pass the directory that holds "
-                            "config.json and model.safetensors")
+    directory = model_directory(spec)
+    if directory is None:
+        return _random_init(str(spec), vocab_size, dtype or torch.float32, seed, offload)
     model = load_pretrained(directory, dtype=dtype, offload=offload)
     if vocab_size is not None and vocab_size > model.config.vocab_size:
         raise TierflowError(f"the tokenizer's vocabulary ({vocab_size}) is larger than the "

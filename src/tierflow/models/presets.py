@@ -8,6 +8,7 @@ counts a config's parameters by building it on the meta device (no memory is all
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..errors import TierflowError
@@ -99,6 +100,23 @@ def preset_config(name: str, *, vocab_size: int | None = None, max_positions: in
         return Qwen2Config(**shape, **common, **extra)
     from transformers import LlamaConfig
     return LlamaConfig(**shape, **common, **extra)
+
+
+def model_directory(spec: str | Path) -> Path | None:
+    """None when ``spec`` names a preset; else the directory it names, which must exist (a
+    one-line TierflowError if not). No torch: the command line checks ``--model`` with this
+    before it imports torch."""
+    if isinstance(spec, str) and spec in PRESETS:
+        return None
+    directory = Path(spec)
+    if not directory.exists():
+        raise TierflowError(f"model {str(spec)!r} is neither a preset ({', '.join(PRESETS)}) nor "
+                            "an existing directory: pass a preset name or a directory with "
+                            "config.json and model.safetensors")
+    if not directory.is_dir():
+        raise TierflowError(f"model {str(spec)!r} is a file: pass the directory that holds "
+                            "config.json and model.safetensors")
+    return directory
 
 
 def count_parameters(config) -> int:

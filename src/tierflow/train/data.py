@@ -1,7 +1,5 @@
-"""The data directory of ``tierflow train`` and the training batches drawn from it.
-
-``open_data`` checks a directory written by ``tierflow tokenize`` (cheap: the token files are
-memory-mapped) and finds its vocabulary size.
+"""The training and evaluation batches of ``tierflow train``, drawn from the token files of
+its data directory (``data_dir.py`` opens and checks it).
 
 ``Batches`` draws random windows of ``seq_len + 1`` tokens from ``train.bin``. Batch ``k``
 comes from a numpy generator seeded with ``(seed, k)``, so the whole stream position is one
@@ -12,75 +10,11 @@ exactly what one process sees. ``eval_batches`` are fixed, consecutive windows o
 """
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
 import numpy as np
 import torch
 
 from ..data.tokenfile import TokenFile
 from ..errors import TierflowError
-
-
-@dataclass
-class DataDir:
-    """A checked data directory: its token files, vocabulary and tokenizer."""
-    path: Path
-    train: Any  # TokenFile
-    eval: Any | None
-    vocab_size: int
-    tokenizer_file: Path | None
-    max_token: int
-
-    def identity(self) -> dict[str, Any]:
-        tok = None
-        if self.tokenizer_file is not None:
-            import hashlib
-            tok = hashlib.sha256(self.tokenizer_file.read_bytes()).hexdigest()[:16]
-        return {"train_tokens": len(self.train), "eval_tokens": len(self.eval) if self.eval else 0,
-                "vocab_size": self.vocab_size, "tokenizer": tok}
-
-
-def open_data(path: str | Path) -> DataDir:
-    """Open and check ``--data path``; every problem is one ``TierflowError`` line."""
-    path = Path(path)
-    if not path.is_dir():
-        what = "is a file" if path.exists() else "does not exist"
-        raise TierflowError(f"--data {path} {what}: give a directory written by 'tierflow "
-                            "tokenize' (train.bin, eval.bin, tokenizer.json)")
-    if not (path / "train.bin").is_file():
-        raise TierflowError(f"--data {path} has no train.bin: run 'tierflow tokenize INPUT... "
-                            f"--out {path}' first")
-    train = TokenFile.open(path / "train.bin")
-    if len(train) == 0:
-        raise TierflowError(f"{path / 'train.bin'} holds no tokens: tokenize a non-empty corpus")
-    evalf = TokenFile.open(path / "eval.bin") if (path / "eval.bin").is_file() else None
-    tokenizer_file = path / "tokenizer.json"
-    tokenizer_file = tokenizer_file if tokenizer_file.is_file() else None
-    vocab = None
-    meta = path / "meta.json"
-    if meta.is_file():
-        try:
-            vocab = int(json.loads(meta.read_text())["vocab_size"])
-        except (ValueError, KeyError, TypeError):
-            vocab = None
-    if vocab is None and tokenizer_file is not None:
-        try:
-            from tokenizers import Tokenizer
-            vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size(with_added_tokens=True)
-        except Exception:
-            vocab = None
-    if vocab is None:
-        vocab = train.vocab_size
-    top = max(train.max_token() or 0, (evalf.max_token() or 0) if evalf is not None else 0)
-    if vocab is None:
-        vocab = top + 1
-    if top >= vocab:
-        raise TierflowError(f"--data {path} holds token id {top}, but its vocab size is {vocab}: "
-                            "the token files and tokenizer do not belong together; tokenize again")
-    return DataDir(path, train, evalf, int(vocab), tokenizer_file, top)
 
 
 class Batches:

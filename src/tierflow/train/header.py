@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from .. import measure
-from .data import DataDir
+from .data_dir import DataDir
 from .device import ComputeTier
 from .logger import section
 from .options import TrainOptions

@@ -36,10 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BudgetError, TierflowError
-from ..paths import require_writable_dir
 from ..seeding import derived_seed
 from ..units import format_bytes
-from .data import DataDir, open_data
+from .data_dir import DataDir
 from .device import ComputeTier
 from .guards import Interrupt, traced
 from .header import print_header
@@ -68,32 +67,27 @@ def _train(opts: TrainOptions) -> int:
     from transformers import AutoModelForCausalLM  # noqa: F401  (part of the RSS baseline)
 
     from .. import api, measure  # noqa: F401  (api: part of the RSS baseline)
-    from ..dist import join_from_env, world_size_from_env
-    from ..exec.disk import check_disk_directory
+    from ..dist import join_from_env
+    from ..torchrun_env import world_size_from_env
     from .checkpoint import load_checkpoint
+    from .preflight import check_paths
 
     # the run's peaks count from here: an earlier peak of this process (the demo's tokenizer)
     # would hide them and make the baseline more than the process holds
     measure.reset_peak_rss()
     baseline = measure.maxrss_bytes()
 
-    # --- everything cheap first: resume state, data, output directory
+    # --- everything cheap first (the command line's preflight made these checks already,
+    # unless the run resumes): resume state, options, data, output directories
     ckpt = load_checkpoint(opts.resume) if opts.resume else None
     if ckpt is not None:
         saved_opts = ckpt.trainer_state.get("options")
         if isinstance(saved_opts, dict):
             opts.inherit(saved_opts)
     opts.validate(world_size_from_env())
-    data = open_data(opts.data)
     out = Path(opts.out) if opts.out else (ckpt.path.parent if ckpt is not None else Path("out"))
     opts.out = str(out)
-    require_writable_dir(out, "--out")
-    if opts.tensorboard:
-        require_writable_dir(opts.tensorboard, "--tensorboard")
-    if opts.trace:
-        require_writable_dir(Path(opts.trace).parent, "--trace")
-    if opts.disk:
-        check_disk_directory(opts.disk)
+    data = check_paths(opts)
     log_path = Path(opts.log) if opts.log else out / "log.jsonl"
     tier = ComputeTier.from_options(opts)
 

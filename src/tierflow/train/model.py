@@ -21,7 +21,7 @@ from ..errors import TierflowError
 from ..exec.offload import OffloadedParameters
 from ..precision import PrecisionConfig, apply_precision
 from .codec import config_hash, differences, model_arch, spec_arch
-from .data import DataDir
+from .data_dir import DataDir
 from .options import TrainOptions
 
 

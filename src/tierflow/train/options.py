@@ -85,6 +85,14 @@ class TrainOptions:
 
     def validate(self, world_size: int = 1) -> "TrainOptions":
         """Check every value; ``world_size`` ranks (torchrun) split each global batch."""
+        self.check_flags(world_size)
+        self._check_precision_support()
+        return self
+
+    def check_flags(self, world_size: int = 1) -> "TrainOptions":
+        """Every check of ``validate`` but what this torch and CPU can run: these need no
+        torch, so the command line makes them before importing it (a bad flag is one line at
+        once, not after seconds of imports)."""
         if not self.model and not self.resume:
             raise TierflowError("--model is missing: give a preset name (e.g. llama-20m) or a "
                                 "directory with config.json and model.safetensors")
@@ -109,7 +117,7 @@ class TrainOptions:
                                 "--min-lr at most --lr")
         if self.dtype not in DTYPES:
             raise TierflowError(f"--dtype {self.dtype!r} is unknown: use fp32, bf16 or auto")
-        self._validate_precision(world_size)
+        self._check_precision_flags(world_size)
         if self.disk == "none":  # resuming a --disk run in memory
             self.disk = None
         if self.stream not in STREAM:
@@ -167,7 +175,7 @@ class TrainOptions:
                                 "(torchrun) yet: use one process with --disk, or leave --disk "
                                 "out")
 
-    def _validate_precision(self, world_size: int) -> None:
+    def _check_precision_flags(self, world_size: int) -> None:
         for name, choices in PRECISION.items():
             value = getattr(self, name)
             if value not in choices and not (name == "matmul_dtype" and value is None):
@@ -188,9 +196,13 @@ class TrainOptions:
                                 "states without a random stream (no int8 blocks, no stochastic "
                                 "rounding); use --optim-dtype fp32 and --master fp32, or one "
                                 "process")
+
+    def _check_precision_support(self) -> None:
+        """The precision's contradictions and what this torch and CPU cannot run (imports
+        torch)."""
         from ..measure import fast_bf16
         from ..precision import PrecisionError
-        try:  # contradictions; what this CPU cannot run
+        try:
             self.precision(fast_bf16()).validate("cpu")
         except PrecisionError as e:  # the same line, in flags: --master none, not master='none'
             flags = re.sub(r"\b(model_dtype|master|optim_dtype|matmul_dtype|fp8_grad)='(\w+)'",
@@ -377,7 +389,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> TrainOptions:
-    """Defaults, then the TOML file of ``--config``, then the flags given; validated."""
+    """Defaults, then the TOML file of ``--config``, then the flags given; checked as far as
+    they can be without torch (``check_flags``; the run validates the rest)."""
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values.update(read_toml(Path(args.config)))
@@ -385,7 +398,7 @@ def from_args(args: argparse.Namespace) -> TrainOptions:
         given = getattr(args, f.name, None)
         if given is not None:
             values[f.name] = given
-    return TrainOptions(**values, given=frozenset(values)).validate()
+    return TrainOptions(**values, given=frozenset(values)).check_flags()
 
 
 def read_toml(path: Path) -> dict[str, Any]:

@@ -1,0 +1,50 @@
+"""The sampling defaults of ``tierflow generate`` and the checks of what it is asked, apart
+from ``generate.py`` and free of torch: the command line shows the defaults in its help and
+turns bad input into one error line before it imports torch (seconds on a small machine)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .errors import TierflowError
+from .units import parse_bytes
+
+DEFAULT_MAX_NEW_TOKENS = 64
+DEFAULT_TEMPERATURE = 0.8
+
+
+def check_options(max_new_tokens: int, temperature: float, top_k: int | None) -> None:
+    """Reject out-of-range sampling options with a one-line error naming the fix."""
+    if (isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int)
+            or max_new_tokens < 1):
+        raise TierflowError(f"--max-new-tokens {max_new_tokens!r} must be a whole number of at "
+                            "least 1")
+    if (not isinstance(temperature, (int, float)) or not math.isfinite(temperature)
+            or temperature < 0):
+        raise TierflowError(f"--temperature {temperature!r} must be a finite number >= 0 "
+                            "(0 picks the most likely token)")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise TierflowError(f"--top-k {top_k!r} must be a whole number of at least 1 (or left "
+                            "out to sample from the whole vocabulary)")
+
+
+def check_request(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None,
+                  max_new_tokens: int, temperature: float, top_k: int | None,
+                  ram: str | int | None) -> tuple[Path, Path, int | None]:
+    """Check a ``tierflow generate`` request before anything is loaded; returns the model
+    directory, the tokenizer file and the RAM budget in bytes (None: no budget)."""
+    check_options(max_new_tokens, temperature, top_k)
+    if not prompt:
+        raise TierflowError("the prompt is empty: give some text with --prompt")
+    directory = Path(model_dir)
+    if not directory.is_dir():
+        what = "does not exist" if not directory.exists() else "is not a directory"
+        raise TierflowError(f"--model {directory} {what}: pass a checkpoint directory with "
+                            "config.json and model.safetensors (e.g. OUT/step_N from tierflow "
+                            "train)")
+    tok_path = Path(tokenizer) if tokenizer is not None else directory / "tokenizer.json"
+    if tokenizer is None and not tok_path.is_file():
+        raise TierflowError(f"no tokenizer.json in {directory}: pass --tokenizer PATH (the "
+                            "tokenizer.json the model was trained with)")
+    budget = parse_bytes(ram, what="--ram") if ram is not None else None
+    return directory, tok_path, budget

@@ -1,0 +1,43 @@
+"""The checks of ``tierflow train`` that need neither torch nor the model, made by the command
+line before it imports torch and transformers (seconds on a small machine): a bad flag, model
+path, data directory, output path or disk directory is then one error line at once.
+
+The run makes them again after the imports (``loop._train``; they take milliseconds). That
+keeps its memory baseline as it was: the token files mapped here are unmapped again before
+the run's RSS baseline is read. A run that resumes is not checked here: its options are the
+checkpoint's until the checkpoint is read, which needs torch.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..models.presets import model_directory
+from ..paths import require_disk_directory, require_writable_dir
+from ..torchrun_env import world_size_from_env
+from .data_dir import DataDir, open_data
+from .options import TrainOptions
+
+
+def preflight(opts: TrainOptions) -> None:
+    """Raise the one-line ``TierflowError`` that ``opts`` would meet before the model is built,
+    without importing torch; nothing when they pass or when the run resumes."""
+    if opts.resume:
+        return
+    opts.check_flags(world_size_from_env())
+    model_directory(opts.model)
+    check_paths(opts)  # the data directory it opens is dropped (unmapped) here
+
+
+def check_paths(opts: TrainOptions) -> DataDir:
+    """Check ``--data`` (opened), the directories the run writes into (``--out``, created if
+    missing, ``--tensorboard``, ``--trace``'s) and ``--disk``; one line for the first that
+    fails."""
+    data = open_data(opts.data)
+    require_writable_dir(Path(opts.out) if opts.out else Path("out"), "--out")
+    if opts.tensorboard:
+        require_writable_dir(opts.tensorboard, "--tensorboard")
+    if opts.trace:
+        require_writable_dir(Path(opts.trace).parent, "--trace")
+    if opts.disk:
+        require_disk_directory(opts.disk)
+    return data
