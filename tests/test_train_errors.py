@@ -234,6 +234,7 @@ def test_cheap_bad_input_fails_before_torch_is_imported(root, tmp_path, case):
     assert proc.stderr.startswith("tierflow: error: ") and proc.stderr.count("\n") == 1, proc.stderr
     for fragment in fragments:
         assert fragment in proc.stderr
+    assert not (tmp_path / "out").exists()  # the checks create nothing
 
 
 def test_a_bad_disk_directory_fails_before_torch_is_imported(root, tmp_path):

@@ -2,6 +2,7 @@
 so a bad path fails in one line at once."""
 from __future__ import annotations
 
+import errno
 import os
 import time
 from pathlib import Path
@@ -21,6 +22,23 @@ def require_writable_dir(path: str | Path, flag: str) -> Path:
         raise TierflowError(f"{flag} {path} is not writable ({e.strerror or e}): choose a "
                             "directory you can write to") from None
     return path
+
+
+def check_writable_dir(path: str | Path, flag: str) -> None:
+    """What ``require_writable_dir`` would find, without creating or writing anything:
+    ``path``, or the nearest directory above it that exists, must be a directory this user
+    may write to; else the same one-line TierflowError."""
+    existing = Path(path).absolute()
+    while not existing.exists():
+        existing = existing.parent
+    problem = None
+    if not existing.is_dir():
+        problem = os.strerror(errno.ENOTDIR)
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = os.strerror(errno.EACCES)
+    if problem is not None:
+        raise TierflowError(f"{flag} {path} is not writable ({problem}): choose a directory "
+                            "you can write to")
 
 
 def require_disk_directory(directory: str | Path) -> Path:

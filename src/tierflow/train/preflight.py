@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..models.presets import model_directory
-from ..paths import require_disk_directory, require_writable_dir
+from ..paths import check_writable_dir, require_disk_directory, require_writable_dir
 from ..torchrun_env import world_size_from_env
 from .data_dir import DataDir, open_data
 from .options import TrainOptions
@@ -20,24 +20,26 @@ from .options import TrainOptions
 
 def preflight(opts: TrainOptions) -> None:
     """Raise the one-line ``TierflowError`` that ``opts`` would meet before the model is built,
-    without importing torch; nothing when they pass or when the run resumes."""
+    without importing torch and without creating anything; nothing when they pass or when the
+    run resumes."""
     if opts.resume:
         return
     opts.check_flags(world_size_from_env())
     model_directory(opts.model)
-    check_paths(opts)  # the data directory it opens is dropped (unmapped) here
+    check_paths(opts, create=False)  # the data directory it opens is dropped (unmapped) here
 
 
-def check_paths(opts: TrainOptions) -> DataDir:
-    """Check ``--data`` (opened), the directories the run writes into (``--out``, created if
-    missing, ``--tensorboard``, ``--trace``'s) and ``--disk``; one line for the first that
-    fails."""
+def check_paths(opts: TrainOptions, *, create: bool) -> DataDir:
+    """Check ``--data`` (opened), the directories the run writes into (``--out``,
+    ``--tensorboard``, ``--trace``'s; made with ``create``, else only checked that they could
+    be) and ``--disk``; one line for the first that fails."""
     data = open_data(opts.data)
-    require_writable_dir(Path(opts.out) if opts.out else Path("out"), "--out")
+    writable = require_writable_dir if create else check_writable_dir
+    writable(Path(opts.out) if opts.out else Path("out"), "--out")
     if opts.tensorboard:
-        require_writable_dir(opts.tensorboard, "--tensorboard")
+        writable(opts.tensorboard, "--tensorboard")
     if opts.trace:
-        require_writable_dir(Path(opts.trace).parent, "--trace")
+        writable(Path(opts.trace).parent, "--trace")
     if opts.disk:
         require_disk_directory(opts.disk)
     return data

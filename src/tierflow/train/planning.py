@@ -1,0 +1,165 @@
+"""How ``tierflow train`` plans its step: ``tierflow.fit`` under the compute tier's budgets,
+less what the process already holds (``StepPlanner.plan``); again under a smaller GPU budget
+after an out-of-memory error, from the costs already measured (``StepPlanner.replan_after_oom``);
+and the ``[Plan]`` section that shows the plan (``report_plan``).
+
+With ``--disk`` tierflow owns the optimizer (``owned.py``): the plan places the weights, the
+gradients and the optimizer's states on the tiers; without it the optimizer's states are
+``reserve``d in the plan's budget.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+from pathlib import Path
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch import nn
+
+from .. import api
+from ..config import FitConfig
+from ..errors import BudgetError, TierflowError
+from ..precision import PrecisionConfig
+from ..units import format_bytes
+from .device import ComputeTier
+from .logger import Logger, PlanPrecision, plan_section
+from .optimizer import build_optimizer, param_groups
+from .options import RECOMPUTE, TrainOptions
+
+
+def fit_config(opts: TrainOptions, precision: PrecisionConfig, tier: ComputeTier) -> FitConfig:
+    """The ``FitConfig`` of the run's flags. Every stage's optimizer rounds with one generator
+    on the compute device (the checkpoint's one generator): a stage stepped in host RAM below a
+    GPU would need a CPU one, so such runs step every stage on the GPU."""
+    on_host = opts.host_updates
+    if precision.rounds_stochastically and tier.device.type != "cpu":
+        if on_host == "all":
+            raise TierflowError("--host-updates all steps AdamW on the CPU, but this run's "
+                                "AdamW rounds stochastically with one generator on the GPU "
+                                "(bf16 moments, or bf16 weights without a master): use "
+                                "--host-updates auto, or --optim-dtype fp32 and --master fp32")
+        on_host = "never"
+    return FitConfig(planner=RECOMPUTE[opts.recompute], compile=opts.compile,
+                     stream=opts.stream, prefetch_depth=opts.prefetch,
+                     serial_reads=opts.serial_reads, simulated_gpu=tier.simulated,
+                     host_updates=on_host)
+
+
+@dataclasses.dataclass
+class StepPlanner:
+    """What planning the step needs besides the tier: ``sample`` is one micro-batch of this
+    rank (zeros), ``reserve`` the optimizer's bytes (without ``--disk``), ``rounding`` the
+    owned optimizers' stochastic-rounding generator (with ``--disk``), ``baseline`` the RSS
+    after the imports."""
+    opts: TrainOptions
+    model: nn.Module
+    sample: dict[str, torch.Tensor]
+    config: FitConfig
+    precision: PrecisionConfig
+    rounding: torch.Generator
+    reserve: int
+    disk: Path | None
+    baseline: int
+    logger: Logger
+    autocast: Callable[[], ContextManager]
+
+    def plan(self, tier: ComputeTier) -> Any:
+        """``tierflow.fit`` under ``tier``'s budgets, less what the process already holds of
+        --ram; the fitted module."""
+        opts = self.opts
+        held = tier.held_outside_the_plan(self.model, self.baseline)
+        if held:
+            self.logger.print(f"{format_bytes(held)} of --ram is held before planning (the "
+                              "data, the model's objects): the plan gets the rest")
+        try:
+            with torch.random.fork_rng(devices=[]), self.autocast():
+                if opts.disk:  # tierflow owns the optimizer: weights and states may be on disk
+                    fitted = api.fit(self.model, self.sample, **tier.fit_budgets(held),
+                                     config=self.config, disk=self.disk,
+                                     optimizer=self._owned_optimizer,
+                                     grad_accum=opts.grad_accum,
+                                     max_grad_norm=opts.clip if opts.clip > 0 else None)
+                    self.rounding.manual_seed(opts.seed)  # the optimizer probe drew from it
+                    return fitted
+                return api.fit(self.model, self.sample, **tier.fit_budgets(held),
+                               reserve=self.reserve, grad_accum=opts.grad_accum,
+                               config=self.config)
+        except BudgetError as e:
+            error = tier.over_budget(e, held)
+            raise (error if opts.disk else tier.suggest_lower_tiers(error)) from None
+
+    def _owned_optimizer(self, params: Any) -> torch.optim.Optimizer:
+        """One stage's optimizer, as ``fit`` builds it for the stages it owns."""
+        return build_optimizer(param_groups(list(params), self.opts), self.opts,
+                               self.precision, self.rounding)
+
+    def replan_after_oom(self, module: Any, tier: ComputeTier, optimizer: Any,
+                         step: int) -> tuple[Any, ComputeTier]:
+        """Plan the step again under 80% of the predicted peak that did not fit (or, when no
+        plan fits that, under the least budget that works, if that is below the peak); the
+        module and the tier to retry the step with. The plan is made from the costs already
+        measured: measuring the stages again would need GPU memory that just ran out."""
+        from ..plan.choose import make_plan
+        was, peak, costs = tier.gpu, module.plan.predicted_peak, module.plan.costs
+        tier = dataclasses.replace(tier, gpu=int(0.8 * min(was, peak)))
+        try:
+            plan = make_plan(costs, tier.gpu, self.config, tier="gpu")
+        except BudgetError as e:
+            plan = None
+            if e.smallest < peak:
+                tier = dataclasses.replace(tier, gpu=e.smallest)
+                with contextlib.suppress(BudgetError):  # rotor's rounded table may need more
+                    plan = make_plan(costs, tier.gpu, self.config, tier="gpu")
+            if plan is None:
+                raise TierflowError(f"the GPU ran out of memory at step {step} and no plan "
+                                    f"needs less than the {format_bytes(peak)} that did not fit "
+                                    "(the least that works is "
+                                    f"{format_bytes(e.smallest)}): give a smaller --batch-size "
+                                    "or --seq-len, or free the GPU") from None
+        module = module.with_plan(plan)
+        optimizer.zero_grad()
+        if tier.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+        self.logger.print(f"the GPU ran out of memory at step {step}: re-planned under "
+                          f"{format_bytes(tier.gpu)} (was {format_bytes(was)}, predicted peak "
+                          f"{format_bytes(peak)}): {module.plan.strategy}, predicted peak "
+                          f"{format_bytes(module.plan.predicted_peak)}; retrying the step once")
+        self.logger.record("replan", step=step, gpu_budget=tier.gpu, previous_budget=was,
+                           predicted_peak=module.plan.predicted_peak,
+                           strategy=module.plan.strategy)
+        return module, tier
+
+
+def report_plan(module: Any, *, opts: TrainOptions, precision: PrecisionConfig,
+                tier: ComputeTier, world: Any, trainable: list[nn.Parameter],
+                logger: Logger) -> None:
+    """Print the ``[Plan]`` section and its record: placement, peaks, the gradient bytes (one
+    stage's with ``--disk``: each stage's gradients are freed by its update), the precision's
+    bytes per parameter and, under torchrun, the measured bus and predicted communication."""
+    from ..dist import bus_bandwidth, step_seconds
+    ranks = world.size if world is not None else 1
+    grads = sum(p.nbytes for p in trainable)
+    if opts.disk:
+        grads = max((sum(p.nbytes for p in ps) for ps in module.optimizer.stage_params),
+                    default=0)
+    dist_figures = None
+    if world is not None:
+        bus = bus_bandwidth(world, torch.device("cpu"))
+        dist_figures = {"world_size": ranks, "backend": world.backend, "bus_bandwidth": bus,
+                        "comm_bytes": 2 * grads,  # gradients reduced, parameters gathered
+                        "predicted_comm_s": step_seconds(ranks, grads, grads, bus)}
+    per = precision.bytes_per_parameter()
+    count = sum(p.numel() for p in trainable)
+    table, fields = plan_section(
+        module.plan, grads=grads, budget=tier.plan_budget, grad_accum=opts.grad_accum,
+        dist=dist_figures,
+        precision=PlanPrecision(per, trainable=count, master=int(per.master * count) // ranks,
+                                dtypes=precision.to_dict()),
+        update_pass=module.update_pass)
+    logger.print()
+    logger.print(table)
+    logger.print(module.plan.explain())
+    logger.record("plan", **fields)
