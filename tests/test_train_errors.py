@@ -247,11 +247,18 @@ def test_a_bad_disk_directory_fails_before_torch_is_imported(root, tmp_path):
 
 @pytest.mark.parametrize("args, fragment", [
     (["--model", "{tmp}/nope", "--prompt", "x"], "--model {tmp}/nope does not exist"),
-    (["--model", "{tmp}", "--prompt", "x"], "no tokenizer.json in {tmp}"),
-    (["--model", "{tmp}", "--prompt", ""], "the prompt is empty"),
-    (["--model", "{tmp}", "--prompt", "x", "--tokenizer", "t.json", "--ram", "lots"],
-     "--ram 'lots'")])
+    (["--model", "{tmp}/empty", "--prompt", "x"], "no tokenizer.json in {tmp}/empty"),
+    (["--model", "{tmp}/empty", "--prompt", "x", "--tokenizer", "{tmp}/t.json"],
+     "--tokenizer {tmp}/t.json does not exist"),
+    (["--model", "{tmp}/empty", "--prompt", "x", "--tokenizer", "{tmp}/empty"],
+     "--tokenizer {tmp}/empty has no tokenizer.json"),
+    (["--model", "{tmp}/ready", "--prompt", ""], "the prompt is empty"),
+    (["--model", "{tmp}/ready", "--prompt", "x", "--ram", "lots"], "--ram 'lots'")])
 def test_bad_generate_input_fails_before_torch_is_imported(tmp_path, args, fragment):
+    """A model directory without (empty) and with (ready) a tokenizer.json; no weights."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "ready").mkdir()
+    (tmp_path / "ready" / "tokenizer.json").write_text("{}")
     args = ["generate", *(a.replace("{tmp}", str(tmp_path)) for a in args)]
     proc = subprocess.run([sys.executable, "-c", _TORCH_BLOCKED, *args], capture_output=True,
                           text=True, env=dict(os.environ, PYTHONPATH=SRC), timeout=60)

@@ -42,9 +42,13 @@ def check_request(model_dir: str | Path, prompt: str, *, tokenizer: str | Path |
         raise TierflowError(f"--model {directory} {what}: pass a checkpoint directory with "
                             "config.json and model.safetensors (e.g. OUT/step_N from tierflow "
                             "train)")
-    tok_path = Path(tokenizer) if tokenizer is not None else directory / "tokenizer.json"
-    if tokenizer is None and not tok_path.is_file():
-        raise TierflowError(f"no tokenizer.json in {directory}: pass --tokenizer PATH (the "
-                            "tokenizer.json the model was trained with)")
+    if tokenizer is not None:
+        from .data.tokenize import tokenizer_file
+        tok_path = tokenizer_file(Path(tokenizer))
+    else:
+        tok_path = directory / "tokenizer.json"
+        if not tok_path.is_file():
+            raise TierflowError(f"no tokenizer.json in {directory}: pass --tokenizer PATH (the "
+                                "tokenizer.json the model was trained with)")
     budget = parse_bytes(ram, what="--ram") if ram is not None else None
     return directory, tok_path, budget

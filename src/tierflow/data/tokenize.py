@@ -170,7 +170,7 @@ def _check_out(out: Path) -> None:
 
 def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """A ``tokenizers`` Tokenizer from a ``tokenizer.json`` or a directory holding one."""
-    file = _tokenizer_file(Path(path))
+    file = tokenizer_file(Path(path))
     try:
         return Tokenizer.from_file(str(file))
     except Exception as err:  # the Rust side raises a bare Exception for any bad file
@@ -180,7 +180,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
                             f"library") from None
 
 
-def _tokenizer_file(path: Path) -> Path:
+def tokenizer_file(path: Path) -> Path:
     """The tokenizer.json that ``path`` names: itself, or the one inside a model directory."""
     if path.is_dir():
         file = path / "tokenizer.json"
