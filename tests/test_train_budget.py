@@ -42,9 +42,15 @@ def test_a_plan_that_does_not_fit_names_the_ram_that_would():
     raised = tier.over_budget(error, 164 * MIB)
     assert raised.smallest == 2144 * MIB and raised.budget == 2048 * MIB
     message = str(raised)
-    assert message.startswith("--ram 2.00 GiB") and "at least 2.10 GiB" in message
-    assert "\n" not in message and "164.00 MiB" in message
-    assert tier.over_budget(error, 0) is error  # nothing held: the plan's own error
+    assert message.startswith("--ram 2.00 GiB is below the smallest that works in this run, "
+                              "2.10 GiB (164.00 MiB is held before planning"), message
+    # 2% and 4 MiB more for the next run's measurements, in whole MiB: 2144 x 1.02 + 4 = 2190.9
+    assert "give --ram 2191MiB or more" in message and "\n" not in message
+    alone = str(tier.over_budget(error, 0))  # nothing held: the plan's smallest, in --ram terms
+    assert alone.startswith("--ram 2.00 GiB is below the smallest that works in this run, "
+                            "1.94 GiB: give --ram 2024MiB or more"), alone
+    gpu = BudgetError("gpu budget 1 GiB is below ...", tier="gpu", budget=MIB, smallest=2 * MIB)
+    assert tier.over_budget(gpu, 164 * MIB) is gpu  # another tier's error is its own
 
 
 def test_a_budget_below_what_is_held_names_the_ram_that_would_work():

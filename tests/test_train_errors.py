@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -205,6 +206,20 @@ def test_one_line_exit_2_and_nothing_half_written(results, name):
     if out.exists():  # no checkpoint, no temporary directory, no half-written token file
         left = sorted(p.name for p in out.iterdir())
         assert all(n == "log.jsonl" for n in left), left
+
+
+def test_the_ram_an_infeasible_budget_names_works(results, root, tmp_path):
+    """What a user does next: run again with the --ram the refusal gives (measured sizes vary
+    between runs; the figure leaves room for that)."""
+    proc, _, _ = results["infeasible ram"]
+    given = re.search(r"give --ram (\d+MiB) or more", proc.stderr)
+    assert given, proc.stderr
+    env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1",
+               TIERFLOW_CACHE=str(root / "cache"))
+    again = subprocess.run([sys.executable, "-m", "tierflow",
+                            *_base(root, tmp_path / "run", "--ram", given[1])],
+                           capture_output=True, text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr
 
 
 _TORCH_BLOCKED = """

@@ -17,7 +17,7 @@ from torch import nn
 from ..errors import BudgetError, TierflowError
 from ..exec.memory import return_free_memory, rss_bytes
 from ..exec.stage_call import storage_key
-from ..units import format_bytes, parse_bytes
+from ..units import budget_to_give, format_bytes, parse_bytes
 from .options import TrainOptions
 
 ALLOCATOR_SETTINGS = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF under --gpu
@@ -77,16 +77,20 @@ class ComputeTier:
         return max(0, rss_bytes() - baseline - sum(params.values()))
 
     def over_budget(self, error: BudgetError, held: int) -> BudgetError:
-        """``error`` of a plan under the budget less ``held``, in terms of --ram."""
-        if not held or error.tier != "ram" or self.ram is None:
+        """``error`` of a plan under the budget less ``held``, in terms of --ram, with a
+        --ram to give that leaves room for the sizes measured in the next run."""
+        if error.tier != "ram" or self.ram is None:
             return error
         need = error.smallest + held
+        taken = ""
+        if held:
+            taken = (f" ({format_bytes(held)} is held before planning: the data, the model's "
+                     f"objects; the step needs {format_bytes(error.smallest, round_up=True)} "
+                     "more)")
         return BudgetError(
-            f"--ram {format_bytes(self.ram)} is below the smallest that works, "
-            f"{format_bytes(need, round_up=True)}: {format_bytes(held)} of it is taken before "
-            f"planning (the data, the model's objects, what building it left allocated) and "
-            f"the step needs {format_bytes(error.smallest, round_up=True)} more: raise --ram "
-            f"to at least {format_bytes(need, round_up=True)}",
+            f"--ram {format_bytes(self.ram)} is below the smallest that works in this run, "
+            f"{format_bytes(need, round_up=True)}{taken}: give --ram {budget_to_give(need)} or "
+            "more (what is measured before planning varies by a few MiB between runs)",
             tier="ram", budget=self.ram, smallest=need)
 
     def place_model(self, model: nn.Module) -> nn.Module:
