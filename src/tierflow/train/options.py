@@ -90,9 +90,9 @@ class TrainOptions:
         return self
 
     def check_flags(self, world_size: int = 1) -> "TrainOptions":
-        """Every check of ``validate`` but what this torch and CPU can run: these need no
-        torch, so the command line makes them before importing it (a bad flag is one line at
-        once, not after seconds of imports)."""
+        """Every check of ``validate`` but the precision's contradictions and what this torch
+        and CPU can run (``PrecisionConfig.validate``, which needs torch): the command line
+        makes these before importing torch, so a bad flag is one line at once."""
         if not self.model and not self.resume:
             raise TierflowError("--model is missing: give a preset name (e.g. llama-20m) or a "
                                 "directory with config.json and model.safetensors")
