@@ -196,7 +196,8 @@ def test_bad_inputs_are_one_line_exit_2(env, tmp_path, capsys):
         (train_args(env, tmp_path / "o", "--batch-size", "0"), "--batch-size 0 must be at least 1"),
         (train_args(env, tmp_path / "o", "--steps", "2", "--epochs", "1"), "give one of them"),
         (train_args(env, tmp_path / "o", "--ram", "lots"), "--ram 'lots'"),
-        (train_args(env, tmp_path / "o", "--ram", "64KiB", "--steps", "1"), "budget"),
+        (train_args(env, tmp_path / "o", "--ram", "64KiB", "--steps", "1"),
+         "--ram 64.00 KiB is below the smallest that works"),
         (train_args(env, tmp_path / "o", "--resume", str(tmp_path / "nope")), "does not exist"),
     ]
     for args, fragment in cases:
