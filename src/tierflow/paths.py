@@ -19,8 +19,7 @@ def require_writable_dir(path: str | Path, flag: str) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise TierflowError(f"{flag} {path} is not writable ({e.strerror or e}): choose a "
-                            "directory you can write to") from None
+        raise _not_writable(flag, path, e.strerror or str(e)) from None
     return path
 
 
@@ -37,8 +36,12 @@ def check_writable_dir(path: str | Path, flag: str) -> None:
     elif not os.access(existing, os.W_OK | os.X_OK):
         problem = os.strerror(errno.EACCES)
     if problem is not None:
-        raise TierflowError(f"{flag} {path} is not writable ({problem}): choose a directory "
-                            "you can write to")
+        raise _not_writable(flag, path, problem)
+
+
+def _not_writable(flag: str, path: str | Path, problem: str) -> TierflowError:
+    return TierflowError(f"{flag} {path} is not writable ({problem}): choose a directory you "
+                         "can write to")
 
 
 def require_disk_directory(directory: str | Path) -> Path:
