@@ -2,10 +2,9 @@
 line before it imports torch and transformers (seconds on a small machine): a bad flag, model
 path, data directory, output path or disk directory is then one error line at once.
 
-The run makes them again after the imports (``loop._train``: milliseconds, and the scan of
-the token ids, about 0.03 s per 200M tokens in the page cache, twice). That keeps its memory
-baseline as it was: the token files mapped here are unmapped again before
-the run's RSS baseline is read. A run that resumes is not checked here: its options are the
+The run makes them again after the imports (``loop._train``): milliseconds, besides a second
+scan of the token ids, which grows with the corpus. That keeps its memory baseline as it
+was: the token files mapped here are unmapped again before the run's RSS baseline is read. A run that resumes is not checked here: its options are the
 checkpoint's until the checkpoint is read, which needs torch.
 """
 from __future__ import annotations
