@@ -67,6 +67,17 @@ def test_a_budget_below_what_is_held_names_the_ram_that_would_work():
     assert caught.value.smallest > 0
 
 
+def test_the_optimizer_probe_is_no_larger_than_the_model():
+    """Its larger step (4x the smaller one's elements) is the model's size, within the probe's
+    bounds: a tiny model's updates are not priced (and paid for) at 16M elements."""
+    from tierflow.tiers import PROBE_NUMEL, probe_numel
+    low, high = PROBE_NUMEL
+    assert probe_numel(None) == probe_numel(None, 10**9) == high
+    assert probe_numel(None, 8 * low) == 2 * low
+    assert probe_numel(None, 70_000) == low
+    assert probe_numel(64 * MIB, 10**9) == probe_numel(64 * MIB) < high  # the budget's share
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_optimizer_probe_takes_a_quarter_of_the_budget_at_most(dtype):
     """With a disk tier, fit probes the optimizer before it plans; the probe's scratch

@@ -42,14 +42,17 @@ def update_rates(params: Iterable[nn.Parameter], optimizer: OptimizerFactory,
     """What the optimizer's updates cost, from probes of it on scratch parameters of the
     trainable ``params``' dtype: on the compute tier and, where host RAM is a tier below a
     GPU, in that RAM (simulated: the same CPU, so the same rate). ``fit`` measures them once,
-    whatever number of plans it makes (a probe takes seconds: 4M and 16M elements stepped)."""
-    dtype = next((p.dtype for p in params if p.requires_grad), torch.float32)
-    probe = probe_optimizer(optimizer, device, meter, probe_numel(budget), dtype)
+    whatever number of plans it makes (a probe of a large model takes seconds: 4M and 16M
+    elements stepped)."""
+    trainable = [p for p in params if p.requires_grad]
+    dtype = trainable[0].dtype if trainable else torch.float32
+    model_numel = sum(p.numel() for p in trainable)
+    probe = probe_optimizer(optimizer, device, meter, probe_numel(budget, model_numel), dtype)
     host_rate = None  # the optimizer in the host RAM below a GPU (simulated: the same CPU)
     if any(t.name == "ram" for t in lower):
         host_rate = probe.seconds_per_byte if device.type == "cpu" else probe_optimizer(
             optimizer, torch.device("cpu"), meter_for(torch.device("cpu")),
-            probe_numel(None), dtype).seconds_per_byte
+            probe_numel(None, model_numel), dtype).seconds_per_byte
     return UpdateRates(probe.state_per_byte, probe.seconds_per_byte, probe.transient_per_byte,
                        probe.transient_bytes, host_rate)
 
@@ -81,14 +84,18 @@ def host_updatable(chain: Chain) -> tuple[int, ...]:
     return tuple(i for i, params in enumerate(stage_owned_parameters(chain)) if params)
 
 
-def probe_numel(budget: int | None) -> int:
+def probe_numel(budget: int | None, model_numel: int | None = None) -> int:
     """Elements of the optimizer probe's smaller step (its larger one has 4x): as many as
     keep its peak within a share of ``budget`` (it runs before the plan, and the process's
-    high-water mark is what a RAM budget is checked against), between PROBE_NUMEL's bounds."""
+    high-water mark is what a RAM budget is checked against), and no more than make the
+    larger step the size of a model of ``model_numel`` trainable elements (a small model's
+    updates are priced at its own size, not at 16M elements'), between PROBE_NUMEL's bounds."""
     low, high = PROBE_NUMEL
-    if budget is None:
-        return high
-    return max(low, min(high, budget // PROBE_SHARE // (4 * PROBE_BYTES_PER_ELEMENT)))
+    if budget is not None:
+        high = min(high, budget // PROBE_SHARE // (4 * PROBE_BYTES_PER_ELEMENT))
+    if model_numel is not None:
+        high = min(high, -(-model_numel // 4))
+    return max(low, high)
 
 
 def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
