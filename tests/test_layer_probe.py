@@ -57,3 +57,34 @@ def test_measured_figures_are_keyed_by_native_bf16(monkeypatch):
         monkeypatch.setattr(measure, "fast_bf16", lambda native=native: native)
         keys.add(sol.cpu_identity())
     assert len(keys) == 2
+
+
+def test_only_other_processes_keep_the_peak_from_being_cached():
+    """The peak is cached unless other processes took the CPUs while it was timed: this
+    process's own work (a training run's) does not count, other busy processes do."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from tierflow.train import sol
+
+    def busy_while(work) -> bool:
+        before = sol._cpu_seconds()
+        work()
+        return sol._others_were_busy(before, sol._cpu_seconds())
+
+    def spin_here():
+        end = time.perf_counter() + 0.5
+        while time.perf_counter() < end:
+            pass
+    assert not busy_while(spin_here)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(os.cpu_count() or 1)]
+    try:
+        time.sleep(0.2)  # the interpreters started
+        assert busy_while(lambda: time.sleep(0.5))
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()

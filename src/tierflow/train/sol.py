@@ -32,7 +32,8 @@ def cpu_model() -> str:
 def peak_matmul_flops(dtype_name: str) -> float:
     """This machine's peak matmul FLOP/s for ``dtype_name`` (fp32 or bf16) at the current
     thread count: the best of timed square matmuls, cached in calibration.json, unless other
-    processes were keeping the CPUs busy (a figure measured then would be too low for good)."""
+    processes kept the CPUs busy while it was timed (a figure measured then would be too low
+    for good)."""
     import torch
     key = (f"{cpu_identity()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
            f"|{dtype_name}")
@@ -44,6 +45,7 @@ def peak_matmul_flops(dtype_name: str) -> float:
     if isinstance(entry, (int, float)) and entry > 0:
         return float(entry)
     dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    before = _cpu_seconds()
     a, b, one = _timed_operands(dtype)
     n = a.shape[0]
     best, spent = one, one
@@ -55,7 +57,7 @@ def peak_matmul_flops(dtype_name: str) -> float:
         dt = time.perf_counter() - t
         best, spent = min(best, dt), spent + dt
     flops = 2 * n ** 3 / best
-    if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
+    if _others_were_busy(before, _cpu_seconds()):
         return flops
     with contextlib.suppress(OSError):
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -65,6 +67,36 @@ def peak_matmul_flops(dtype_name: str) -> float:
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, cache)
     return flops
+
+
+_BUSY_SHARE = 0.25  # of the machine's CPU time, taken by other processes: too busy to cache
+
+
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(wall-clock seconds, CPU seconds all processes have spent busy since boot, this
+    process's CPU seconds), or None where /proc/stat cannot be read (not Linux)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    # cpu user nice system idle iowait irq softirq steal ...; a hypervisor's steal is busy too
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[1:9])
+    own = os.times()
+    return (time.perf_counter(), (user + nice + system + irq + softirq + steal)
+            / os.sysconf("SC_CLK_TCK"), own.user + own.system)
+
+
+def _others_were_busy(before: tuple[float, float, float] | None,
+                      after: tuple[float, float, float] | None) -> bool:
+    """Whether other processes (not this one: a busy training process is no reason to
+    measure again) took more than _BUSY_SHARE of the CPUs between ``before`` and ``after``
+    (``_cpu_seconds``). Without /proc/stat: whether more threads were runnable than there are
+    CPUs, by the load average (which counts this process too)."""
+    cpus = os.cpu_count() or 1
+    if before is None or after is None:
+        return os.getloadavg()[0] > cpus
+    wall, busy, own = (a - b for a, b in zip(after, before))
+    return busy - own > _BUSY_SHARE * cpus * wall
 
 
 _SIZES = (256, 512, 1024, 2048)  # the largest is the peak's reference size
