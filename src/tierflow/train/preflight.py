@@ -4,8 +4,9 @@ path, data directory, output path or disk directory is then one error line at on
 
 The run makes them again after the imports (``loop._train``): milliseconds, besides a second
 scan of the token ids, which grows with the corpus. That keeps its memory baseline as it
-was: the token files mapped here are unmapped again before the run's RSS baseline is read. A run that resumes is not checked here: its options are the
-checkpoint's until the checkpoint is read, which needs torch.
+was: the token files mapped here are unmapped again before the run's RSS baseline is read.
+A run that resumes is not checked here: its options are the checkpoint's until the
+checkpoint is read, which needs torch.
 """
 from __future__ import annotations
 
