@@ -11,7 +11,8 @@ from models import tiny_configs
 from tierflow import TierflowError
 from tierflow.models import load_model
 from tierflow.train import checkpoint as ckpt
-from tierflow.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tierflow.train.checkpoint import load_checkpoint, save_checkpoint
+from tierflow.train.checkpoint_dirs import latest_checkpoint
 from tierflow.train.codec import (capture_rng, config_hash, flatten_optimizer_states, restore_rng,
                                   unflatten_optimizer_states)
 

@@ -35,6 +35,12 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import TierflowError
+from .checkpoint_dirs import (
+    STATE_FILE,
+    checkpoint_directory,
+    intact_note,
+    remove_stale_temps,
+)
 from .codec import (
     flatten_optimizer_states,
     from_json,
@@ -47,8 +53,6 @@ STATE_FORMAT = "tierflow-trainer-state"
 OPTIMIZER_FORMAT = "tierflow-optimizer"
 VERSION = 1
 Materialize = Callable[[str, torch.Tensor], torch.Tensor]
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_TEMP_DIR = re.compile(r"^step_(\d+)\.(?:tmp|replaced)-(\d+)$")
 
 # ---------------------------------------------------------------------------------------------
 # safetensors, written by streaming one tensor at a time (no second copy of the model)
@@ -184,53 +188,6 @@ def _config_json(model) -> str:
 # ---------------------------------------------------------------------------------------------
 # checkpoints
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_stale_temps(out_dir: Path) -> None:
-    """Temporary directories left by a process that died mid-save (kill -9). A replaced
-    checkpoint whose successor never got its name is put back instead."""
-    for entry in out_dir.iterdir():
-        m = _TEMP_DIR.match(entry.name)
-        pid = int(m.group(2)) if m else 0
-        if m and entry.is_dir() and pid != os.getpid() and not _pid_alive(pid):
-            final = out_dir / f"step_{m.group(1)}"
-            if ".replaced-" in entry.name and not final.exists():
-                entry.rename(final)
-            else:
-                shutil.rmtree(entry, ignore_errors=True)
-
-
-def _steps(out_dir: Path) -> list[tuple[int, Path]]:
-    found = []
-    if out_dir.is_dir():
-        for entry in out_dir.iterdir():
-            m = _STEP_DIR.match(entry.name)
-            if m and (entry / "trainer_state.json").is_file():
-                found.append((int(m.group(1)), entry))
-    return sorted(found)
-
-
-def latest_checkpoint(out_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step in ``out_dir`` (None when there is none).
-    Temporary directories of interrupted saves are never returned."""
-    found = _steps(Path(out_dir))
-    return found[-1][1] if found else None
-
-
-def _intact(out_dir: Path) -> str:
-    previous = latest_checkpoint(out_dir)
-    return (f"the previous checkpoint {previous.name} is intact" if previous is not None
-            else "no earlier checkpoint existed")
-
-
 def save_checkpoint(out_dir: str | Path, step: int, model, *,
                     tokenizer_file: str | Path | None = None,
                     optimizer_state: Sequence[dict | None] | None = None,
@@ -270,7 +227,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model, *,
     temp = out_dir / f"step_{step}.tmp-{os.getpid()}"
     replaced = out_dir / f"step_{step}.replaced-{os.getpid()}"
     try:
-        _remove_stale_temps(out_dir)
+        remove_stale_temps(out_dir)
         if temp.exists():
             shutil.rmtree(temp)
         temp.mkdir()
@@ -288,7 +245,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model, *,
                               {"format": OPTIMIZER_FORMAT, "version": str(VERSION),
                                "tierflow.optimizer": json.dumps(opt_structure)},
                               materialize_optimizer)
-        _write_bytes(temp / "trainer_state.json", state_json.encode())  # last: marks complete
+        _write_bytes(temp / STATE_FILE, state_json.encode())  # last: marks complete
         _fsync_dir(temp)
         if final.exists():
             final.rename(replaced)
@@ -298,7 +255,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model, *,
         shutil.rmtree(temp, ignore_errors=True)
         if replaced.exists() and not final.exists():
             replaced.rename(final)
-        intact = _intact(out_dir)
+        intact = intact_note(out_dir)
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             raise TierflowError(f"no space left on device writing checkpoint to {final}: free "
                                 f"space or use --out elsewhere; {intact}") from None
@@ -378,19 +335,9 @@ class Checkpoint:
 def load_checkpoint(path: str | Path) -> Checkpoint:
     """Read and check the checkpoint ``path`` (a ``step_N`` directory, or a run's ``--out``
     directory, meaning its latest checkpoint). Any damage is one ``TierflowError`` line."""
-    path = Path(path)
-    if not path.is_dir():
-        raise TierflowError(f"checkpoint {path} does not exist: pass a step_N directory "
-                            "written by tierflow train, or the run's --out directory")
-    if not (path / "trainer_state.json").is_file():
-        latest = latest_checkpoint(path)
-        if latest is None:
-            raise TierflowError(f"{path} is not a tierflow checkpoint (no trainer_state.json) and "
-                                "holds no step_N checkpoint: pass a step_N directory written "
-                                "by tierflow train")
-        path = latest
+    path = checkpoint_directory(path)
     try:
-        data = json.loads((path / "trainer_state.json").read_text())
+        data = json.loads((path / STATE_FILE).read_text())
         if data.get("format") != STATE_FORMAT:
             raise ValueError(f"format is {data.get('format')!r}, not {STATE_FORMAT!r}")
         if data.get("version") != VERSION:
@@ -398,7 +345,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         step = int(data["step"])
         trainer_state = from_json(data["state"])
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise TierflowError(f"{path / 'trainer_state.json'} is not a valid trainer state ({e}): "
+        raise TierflowError(f"{path / STATE_FILE} is not a valid trainer state ({e}): "
                             "resume from an earlier step_N") from None
     try:
         config = json.loads((path / "config.json").read_text())

@@ -23,6 +23,7 @@ from .. import measure
 from ..errors import TierflowError
 from ..units import format_bytes
 from . import checkpoint
+from .checkpoint_dirs import latest_checkpoint
 from .codec import capture_rng, restore_rng
 from .data import Batches
 from .data_dir import DataDir
@@ -142,7 +143,7 @@ class StepLoop:
         if not (math.isfinite(loss) and math.isfinite(norm)):
             what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {norm}"
             self.logger.record("error", step=step, loss=loss, norm=norm)
-            good = checkpoint.latest_checkpoint(self.out)
+            good = latest_checkpoint(self.out)
             raise TierflowError(f"the {what} at step {step}: training stopped, nothing saved "
                                 f"for this step; the last good checkpoint is "
                                 f"{good if good else 'none (no checkpoint was written)'}; fix: "
