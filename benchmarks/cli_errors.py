@@ -6,12 +6,14 @@
 Runs each bad command ``--runs`` times as ``python -m tierflow ...`` (with ``--src``, the
 tierflow of another checkout's ``src``, e.g. an older commit's worktree, for comparison),
 checks that it exits with 2 and one ``tierflow: error:`` line, and prints the median wall
-time per command. Flags and paths are checked before torch is imported, so these should take
-about what starting Python and importing tierflow's command line take.
+time per command. Flags, paths, a model directory's config.json and weight files and
+``--resume``'s directory are checked before torch is imported, so these should take about
+what starting Python and importing tierflow's command line take.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -23,8 +25,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def scratch_inputs(scratch: Path) -> tuple[Path, Path, Path]:
+    """(a token directory of vocab 64, a model directory holding only a config.json, one
+    whose config.json states 32 positions beside a weights file) under ``scratch``."""
+    sys.path.insert(0, str(ROOT / "src"))
+    import numpy as np
+
+    from tierflow.data.tokenfile import write_tokens
+    data, no_weights, short = scratch / "data", scratch / "no-weights", scratch / "short"
+    for directory in (data, no_weights, short):
+        directory.mkdir()
+    write_tokens(data / "train.bin", np.arange(4096) % 64, 64)
+    config = json.dumps({"model_type": "llama", "vocab_size": 64, "hidden_size": 32,
+                         "intermediate_size": 64, "num_hidden_layers": 1,
+                         "num_attention_heads": 4, "max_position_embeddings": 32})
+    (no_weights / "config.json").write_text(config)
+    (short / "config.json").write_text(config)
+    (short / "model.safetensors").write_bytes(b"")  # refused first for --seq-len
+    return data, no_weights, short
+
+
 def commands(scratch: Path) -> dict[str, list[str]]:
     """Name -> arguments of ``tierflow``; each must be refused."""
+    data, no_weights, short = scratch_inputs(scratch)
     return {
         "--version (not refused: the parser alone)": ["--version"],
         "train, --data missing": ["train", "--model", "llama-20m", "--data",
@@ -33,6 +56,13 @@ def commands(scratch: Path) -> dict[str, list[str]]:
         "train, --steps many": ["train", "--model", "llama-20m", "--steps", "many"],
         "generate, --model missing": ["generate", "--model", str(scratch / "nope"), "--prompt",
                                       "x"],
+        "train, --model without weights": ["train", "--model", str(no_weights), "--data",
+                                           str(data), "--out", str(scratch / "out")],
+        "train, --seq-len 64 over 32 positions": ["train", "--model", str(short), "--data",
+                                                  str(data), "--seq-len", "64", "--out",
+                                                  str(scratch / "out")],
+        "train, --resume missing": ["train", "--model", str(short), "--data", str(data),
+                                    "--resume", str(scratch / "nope")],
     }
 
 

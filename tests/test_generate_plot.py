@@ -167,6 +167,10 @@ def test_cli_generate_missing_model_and_tokenizer(capsys, tmp_path):
     one_line_error(capsys, ["generate", "--model", str(tmp_path / "nope"), "--prompt", "x"],
                    "does not exist")
     one_line_error(capsys, ["generate", "--model", str(tmp_path), "--prompt", "x"],
+                   "no config.json", "save_pretrained")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")  # present; the tokenizer is missed first
+    one_line_error(capsys, ["generate", "--model", str(tmp_path), "--prompt", "x"],
                    "no tokenizer.json", "--tokenizer")
 
 

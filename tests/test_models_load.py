@@ -204,3 +204,18 @@ def test_sharded_index_naming_a_missing_shard(tmp_path):
     victim = sorted(directory.glob("model-*-of-*.safetensors"))[0]
     victim.unlink()
     one_line_error(directory, f"names shard {victim.name}")
+
+
+def test_config_json_states_the_vocab_and_positions_the_loaded_config_has(tmp_path):
+    """What the command line checks before torch is imported is what the loaded model's
+    config holds: Llama's max_position_embeddings, GPT-2's n_positions."""
+    from transformers import GPT2Config, LlamaConfig
+
+    from tierflow.models.files import read_config_json, vocab_and_positions
+    for name, config in (("llama", LlamaConfig(vocab_size=300, max_position_embeddings=77)),
+                         ("gpt2", GPT2Config(vocab_size=301, n_positions=78))):
+        config.save_pretrained(tmp_path / name)
+        assert vocab_and_positions(read_config_json(tmp_path / name)) == \
+            (config.vocab_size, config.max_position_embeddings)  # GPT-2 maps it to n_positions
+        assert config.max_position_embeddings in (77, 78)
+    assert vocab_and_positions({"model_type": "llama"}) == (None, None)  # left at the defaults

@@ -234,12 +234,16 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("case", ["model missing", "data missing", "no train.bin", "wrong magic",
-                                  "negative lr", "negative ram", "unwritable out",
-                                  "non-numeric steps"])
+@pytest.mark.parametrize("case", ["model missing", "model without weights", "data missing",
+                                  "no train.bin", "wrong magic", "negative lr", "negative ram",
+                                  "unwritable out", "non-numeric steps", "seq-len above positions",
+                                  "token id above the model's vocab",
+                                  "resume a missing checkpoint"])
 def test_cheap_bad_input_fails_before_torch_is_imported(root, tmp_path, case):
-    """Flags, --model's path, --data and the output directory are checked before torch and
-    transformers are imported (2-4 s here): the same one-line error with both unimportable."""
+    """Flags, --model's path, config.json and weight files, --data (against the vocab and
+    positions config.json states), the output directory and --resume's directory are checked
+    before torch and transformers are imported (2-4 s here): the same one-line error with
+    both unimportable."""
     args, fragments = _cases(root)[case]
     args = [a.replace("{out}", str(tmp_path / "out")) for a in args]
     env = dict(os.environ, PYTHONPATH=SRC)
@@ -262,18 +266,24 @@ def test_a_bad_disk_directory_fails_before_torch_is_imported(root, tmp_path):
 
 @pytest.mark.parametrize("args, fragment", [
     (["--model", "{tmp}/nope", "--prompt", "x"], "--model {tmp}/nope does not exist"),
-    (["--model", "{tmp}/empty", "--prompt", "x"], "no tokenizer.json in {tmp}/empty"),
-    (["--model", "{tmp}/empty", "--prompt", "x", "--tokenizer", "{tmp}/t.json"],
+    (["--model", "{tmp}/bare", "--prompt", "x"], "no config.json in {tmp}/bare"),
+    (["--model", "{tmp}/config", "--prompt", "x"], "no weights in {tmp}/config"),
+    (["--model", "{tmp}/weights", "--prompt", "x"], "no tokenizer.json in {tmp}/weights"),
+    (["--model", "{tmp}/weights", "--prompt", "x", "--tokenizer", "{tmp}/t.json"],
      "--tokenizer {tmp}/t.json does not exist"),
-    (["--model", "{tmp}/empty", "--prompt", "x", "--tokenizer", "{tmp}/empty"],
-     "--tokenizer {tmp}/empty has no tokenizer.json"),
+    (["--model", "{tmp}/weights", "--prompt", "x", "--tokenizer", "{tmp}/bare"],
+     "--tokenizer {tmp}/bare has no tokenizer.json"),
     (["--model", "{tmp}/ready", "--prompt", ""], "the prompt is empty"),
     (["--model", "{tmp}/ready", "--prompt", "x", "--ram", "lots"], "--ram 'lots'")])
 def test_bad_generate_input_fails_before_torch_is_imported(tmp_path, args, fragment):
-    """A model directory without (empty) and with (ready) a tokenizer.json; no weights."""
-    (tmp_path / "empty").mkdir()
-    (tmp_path / "ready").mkdir()
-    (tmp_path / "ready" / "tokenizer.json").write_text("{}")
+    """Model directories holding nothing (bare), a config.json, a config.json and (empty,
+    unread) weights, and those with a tokenizer.json (ready)."""
+    for name, files in {"bare": (), "config": ("config.json",),
+                        "weights": ("config.json", "model.safetensors"),
+                        "ready": ("config.json", "model.safetensors", "tokenizer.json")}.items():
+        (tmp_path / name).mkdir()
+        for file in files:
+            (tmp_path / name / file).write_text("{}")
     args = ["generate", *(a.replace("{tmp}", str(tmp_path)) for a in args)]
     proc = subprocess.run([sys.executable, "-c", _TORCH_BLOCKED, *args], capture_output=True,
                           text=True, env=dict(os.environ, PYTHONPATH=SRC), timeout=60)

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 from .errors import TierflowError
+from .models.files import read_config_json, require_weight_files
 from .units import parse_bytes
 
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -42,6 +43,8 @@ def check_request(model_dir: str | Path, prompt: str, *, tokenizer: str | Path |
         raise TierflowError(f"--model {directory} {what}: pass a checkpoint directory with "
                             "config.json and model.safetensors (e.g. OUT/step_N from tierflow "
                             "train)")
+    read_config_json(directory)
+    require_weight_files(directory)
     if tokenizer is not None:
         from .data.tokenize import tokenizer_file
         tok_path = tokenizer_file(Path(tokenizer))

@@ -23,11 +23,9 @@ from torch import nn
 from ..errors import TierflowError
 from ..exec.offload import OffloadedParameters, attach
 from ..safetensors_io import read_header, read_tensor
+from .files import INDEX_NAME, SINGLE_NAME, read_config_json, require_weight_files
 from .init import initialize
 from .presets import model_directory, preset_config
-
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 
 
 @contextlib.contextmanager
@@ -81,15 +79,9 @@ def read_safetensors_index(directory: Path) -> dict[str, Path]:
                                     "not exist: copy all the shards into the directory")
             files[tensor] = shard
         return files
-    if single.is_file():
-        with _open_safetensors(single) as f:
-            return {k: single for k in f.keys()}
-    if any(directory.glob("*.bin")) or any(directory.glob("*.pt")) or any(directory.glob("*.pth")):
-        raise TierflowError(f"{directory} holds only pickle weights (.bin/.pt), which tierflow "
-                            "never loads: convert them to model.safetensors with save_pretrained("
-                            "..., safe_serialization=True) where you trust the file")
-    raise TierflowError(f"no weights in {directory}: expected {SINGLE_NAME} or {INDEX_NAME} "
-                        "with its shards (save the model with save_pretrained)")
+    require_weight_files(directory)
+    with _open_safetensors(single) as f:
+        return {k: single for k in f.keys()}
 
 
 @contextlib.contextmanager
@@ -109,13 +101,7 @@ def _read_config(directory: Path):
     from transformers import AutoConfig
 
     config_file = directory / "config.json"
-    if not config_file.is_file():
-        raise TierflowError(f"no config.json in {directory}: pass a directory written by "
-                            "save_pretrained (config.json and model.safetensors)")
-    try:
-        json.loads(config_file.read_text())
-    except ValueError as e:
-        raise TierflowError(f"{config_file} is not valid JSON ({e}): fix or rewrite it") from None
+    read_config_json(directory)
     try:
         return AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except Exception as e:

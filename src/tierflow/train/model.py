@@ -22,6 +22,7 @@ from ..exec.offload import OffloadedParameters
 from ..precision import PrecisionConfig, apply_precision
 from .codec import config_hash, differences, model_arch, spec_arch
 from .data_dir import DataDir
+from .model_limits import check_model_limits
 from .options import TrainOptions
 
 
@@ -43,17 +44,10 @@ def build_model(opts: TrainOptions, ckpt, data: DataDir, precision: PrecisionCon
         model = load_model(spec, dtype=torch.float32, offload=offload)
     if ckpt is not None or spec not in PRESETS:  # a random init is finite
         _check_finite(model, ckpt.path if ckpt is not None else spec, offload)
-    model_vocab = int(model.config.vocab_size)
-    if data.max_token >= model_vocab:
-        raise TierflowError(f"--data {data.path} holds token id {data.max_token} but the model "
-                            f"{spec} has vocab size {model_vocab}: use a model whose vocab has at "
-                            f"least {data.max_token + 1} ids, or tokenize with its tokenizer")
     config = model.config
-    positions = (getattr(config, "max_position_embeddings", None)
-                 or getattr(config, "n_positions", None))
-    if positions is not None and opts.seq_len > positions:
-        raise TierflowError(f"--seq-len {opts.seq_len} is above the model's maximum positions "
-                            f"({positions}): use --seq-len {positions} or less")
+    check_model_limits(str(spec), opts.seq_len, data, int(config.vocab_size),
+                       getattr(config, "max_position_embeddings", None)
+                       or getattr(config, "n_positions", None))
     apply_precision(model, precision)
     model.train()
     return model

@@ -1,33 +1,45 @@
 """The checks of ``tierflow train`` that need neither torch nor the model, made by the command
 line before it imports torch and transformers (seconds on a small machine): a bad flag, model
-path, data directory, output path or disk directory is then one error line at once.
+path, data directory, output path or disk directory is then one error line at once; so is a
+model directory without config.json or weights, and data or a --seq-len beyond the vocab or
+positions its config.json states.
 
 The run makes them again after the imports (``loop._train``): milliseconds, besides a second
 scan of the token ids, which grows with the corpus. That keeps its memory baseline as it
 was: the token files mapped here are unmapped again before the run's RSS baseline is read.
-A run that resumes is not checked here: its options are the checkpoint's until the
-checkpoint is read, which needs torch.
+A run that resumes is checked here only for a checkpoint to resume from: its options are
+the checkpoint's until the checkpoint is read, which needs torch.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+from ..models.files import read_config_json, require_weight_files, vocab_and_positions
 from ..models.presets import model_directory
 from ..paths import check_writable_dir, require_disk_directory, require_writable_dir
 from ..torchrun_env import world_size_from_env
+from .checkpoint_dirs import checkpoint_directory
 from .data_dir import DataDir, open_data
+from .model_limits import check_model_limits
 from .options import TrainOptions
 
 
 def preflight(opts: TrainOptions) -> None:
     """Raise the one-line ``TierflowError`` that ``opts`` would meet before the model is built,
-    without importing torch and without creating anything; nothing when they pass or when the
-    run resumes."""
+    without importing torch and without creating anything; nothing when they pass. A run that
+    resumes is only checked for its checkpoint directory."""
     if opts.resume:
+        checkpoint_directory(opts.resume)
         return
     opts.check_flags(world_size_from_env())
-    model_directory(opts.model)
-    check_paths(opts, create=False)  # the data directory it opens is dropped (unmapped) here
+    directory = model_directory(opts.model)
+    config = None
+    if directory is not None:
+        config = read_config_json(directory)
+        require_weight_files(directory)
+    data = check_paths(opts, create=False)  # the data it opens is dropped (unmapped) here
+    if config is not None:
+        check_model_limits(opts.model, opts.seq_len, data, *vocab_and_positions(config))
 
 
 def check_paths(opts: TrainOptions, *, create: bool) -> DataDir:
