@@ -135,6 +135,27 @@ def test_cli_generate_prints_text_and_speed(model_dir):
     assert last.startswith("[generate] ") and "tok/s" in last and "fp32" in last
 
 
+def test_generate_from_a_run_directory_samples_its_latest_checkpoint(model_dir, tmp_path,
+                                                                     capsys):
+    """``--model OUT`` (tierflow train's --out) means its latest complete step_N, as
+    ``--resume OUT`` does; stderr names it. A step without trainer_state.json is a save
+    that did not finish, and is passed over."""
+    import shutil
+    run = tmp_path / "run"
+    for step in (2, 10, 11):
+        shutil.copytree(model_dir, run / f"step_{step}")
+        if step != 11:
+            (run / f"step_{step}" / "trainer_state.json").write_text("{}")
+    args = ["--prompt", "def add", "--max-new-tokens", "8", "--seed", "0", "--dtype", "fp32"]
+    assert cli.main(["generate", "--model", str(run), *args]) == 0
+    from_run = capsys.readouterr()
+    assert f"{run}: its latest checkpoint, step_10" in from_run.err
+    assert cli.main(["generate", "--model", str(run / "step_10"), *args]) == 0
+    from_step = capsys.readouterr()
+    assert from_step.out.splitlines()[0] == from_run.out.splitlines()[0]  # the same text
+    assert "latest checkpoint" not in from_step.err
+
+
 def one_line_error(capsys, args, *fragments):
     with pytest.raises(SystemExit) as exc:
         cli.main(args)

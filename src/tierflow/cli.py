@@ -209,7 +209,8 @@ def _add_generate(sub: Any) -> None:
                     "continuation, sampled token by token with a KV cache, then a line with "
                     "tokens/s.")
     gen.add_argument("--model", required=True, type=Path, metavar="DIR",
-                     help="checkpoint directory with config.json and model.safetensors")
+                     help="checkpoint directory with config.json and model.safetensors, or a "
+                          "tierflow train --out directory (its latest step_N)")
     gen.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     gen.add_argument("--max-new-tokens", type=_bounded_number(int, "tokens to generate", 1),
                      default=DEFAULT_MAX_NEW_TOKENS, metavar="N",

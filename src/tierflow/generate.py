@@ -281,6 +281,9 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
     directory, tok_path, budget = check_request(model_dir, prompt, tokenizer=tokenizer,
                                                 max_new_tokens=max_new_tokens,
                                                 temperature=temperature, top_k=top_k, ram=ram)
+    if directory != Path(model_dir):
+        print(f"[generate] {model_dir}: its latest checkpoint, {directory.name}", file=sys.stderr,
+              flush=True)
     tok = load_tokenizer(tok_path)
     torch_dtype = resolve_dtype(dtype)
     prompt_tokens = len(encode_prompt(tok, prompt))

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .errors import TierflowError
 from .models.files import read_config_json, require_weight_files
+from .train.checkpoint_dirs import latest_checkpoint
 from .units import parse_bytes
 
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -33,7 +34,8 @@ def check_request(model_dir: str | Path, prompt: str, *, tokenizer: str | Path |
                   max_new_tokens: int, temperature: float, top_k: int | None,
                   ram: str | int | None) -> tuple[Path, Path, int | None]:
     """Check a ``tierflow generate`` request before anything is loaded; returns the model
-    directory, the tokenizer file and the RAM budget in bytes (None: no budget)."""
+    directory (``model_dir`` itself, or the latest checkpoint of a run's ``--out`` directory),
+    the tokenizer file and the RAM budget in bytes (None: no budget)."""
     check_options(max_new_tokens, temperature, top_k)
     if not prompt:
         raise TierflowError("the prompt is empty: give some text with --prompt")
@@ -42,7 +44,9 @@ def check_request(model_dir: str | Path, prompt: str, *, tokenizer: str | Path |
         what = "does not exist" if not directory.exists() else "is not a directory"
         raise TierflowError(f"--model {directory} {what}: pass a checkpoint directory with "
                             "config.json and model.safetensors (e.g. OUT/step_N from tierflow "
-                            "train)")
+                            "train, or OUT for its latest)")
+    if not (directory / "config.json").is_file():  # a run's --out: its latest checkpoint
+        directory = latest_checkpoint(directory) or directory
     read_config_json(directory)
     require_weight_files(directory)
     if tokenizer is not None:
