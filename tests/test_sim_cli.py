@@ -37,6 +37,8 @@ def test_plan_json(capsys):
     (["--seq-len", "0"], ["--seq-len", "at least 1"]),
     (["--seq-len", "4096", "--matmul-dtype", "fp8", "--hardware", "a100-80gb"],
      ["fp8", "a100-80gb"]),
+    (["--seq-len", "1024,2048"], ["--seq-len '1024,2048'", "give one value", "tierflow sweep"]),
+    (["--seq-len", "64", "--batch-size", "x"], ["--batch-size 'x'", "e.g. --batch-size 4"]),
 ])
 def test_plan_user_errors_are_one_line_exit_2(args, fragments, capsys):
     code, _, err = run_main("plan", "--model", "llama3-8b", "--hardware", "h100-sxm", *args,
@@ -115,3 +117,25 @@ def test_a_cpu_profile_defaults_to_its_faster_matmul_dtype(bf16_peak, matmuls):
                   peak_flops={"fp32": 1.3e11, "bf16": bf16_peak})
     assert RunPrecision.default_for(cpu) == RunPrecision("fp32", "none", "fp32", matmuls)
     assert RunPrecision.default_for(PUBLISHED["h100-sxm"]).matmul == "bf16"
+
+
+@pytest.mark.parametrize("command, args, fragment", [
+    ("plan", ["--seq-len", "0"], "--seq-len '0'"),
+    ("plan", ["--seq-len", "64", "--ram", "lots"], "--ram 'lots'"),
+    ("plan", ["--seq-len", "64", "--grad-accum", "1,2"], "--grad-accum '1,2'"),
+    ("sweep", ["--seq-len", "64,x", "-o", "{tmp}"], "--seq-len '64,x'"),
+    ("sweep", ["--seq-len", "64", "--ram", "8,lots", "-o", "{tmp}"], "--ram 'lots'"),
+    ("sweep", ["--seq-len", "64", "--disk", "{tmp}/nope", "-o", "{tmp}"], "--disk"),
+])
+def test_flags_are_refused_before_the_cpu_profile_is_measured(command, args, fragment,
+                                                              monkeypatch, capsys, tmp_path):
+    """The cpu profile imports torch and may measure for seconds: bad flags come first."""
+    from tierflow.sim import options
+
+    def unreachable(name):
+        raise AssertionError(f"the {name} profile was asked for")
+    monkeypatch.setattr(options, "hardware", unreachable)
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    code, _, err = run_main(command, "--model", "llama-20m", *args, capsys=capsys)
+    assert code == 2
+    assert_error_line(err, [fragment])

@@ -317,13 +317,14 @@ def _add_plan(sub: Any) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the predicted plan (or its JSON)."""
-    from .sim.options import base_setup, hardware_from_args, memory_size, positive_list
+    from .sim.options import base_setup, hardware_from_args, memory_size, one_positive
     from .sim.predict import predict
     from .sim.report import plan_text
     from .sim.shapes import load_shape
-    hw = hardware_from_args(args)
-    (seq,) = positive_list(args.seq_len, "--seq-len")
-    setup = base_setup(args, hw, load_shape(args.model))
+    shape = load_shape(args.model)
+    hw = hardware_from_args(args, lists=False)
+    seq = one_positive(args.seq_len, "--seq-len")
+    setup = base_setup(args, hw, shape)
     gpu = memory_size(args.gpu, "--gpu") if args.gpu is not None else None
     ram = memory_size(args.ram, "--ram") if args.ram is not None else None
     prediction = predict(replace(setup, seq=seq, gpu=gpu, ram=ram))
@@ -354,8 +355,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from .sim.shapes import load_shape
     from .sim.sweep import sweep, write_csv, write_heatmaps
     out = require_writable_dir(args.out, "--out")
-    hw = hardware_from_args(args)
     shapes = [load_shape(m) for m in args.model.split(",")]
+    hw = hardware_from_args(args, lists=True)
     seqs = positive_list(args.seq_len, "--seq-len")
     gpus = [None] if args.gpu is None else [memory_size(v, "--gpu") for v in args.gpu.split(",")]
     rams = [None] if args.ram is None else [memory_size(v, "--ram") for v in args.ram.split(",")]

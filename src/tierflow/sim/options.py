@@ -36,7 +36,7 @@ def _is_number(text: str) -> bool:
     return True
 
 
-def positive_list(text: str, flag: str) -> list[int]:
+def positive_list(text: str, flag: str, *, example: str = "4096,16384") -> list[int]:
     """``4096,16384`` -> [4096, 16384]; one-line error for anything else."""
     values = []
     for part in text.split(","):
@@ -44,11 +44,20 @@ def positive_list(text: str, flag: str) -> list[int]:
             value = int(part)
         except ValueError:
             raise TierflowError(f"{flag} {text!r}: {part!r} is not a whole number; give e.g. "
-                                f"{flag} 4096,16384") from None
+                                f"{flag} {example}") from None
         if value < 1:
             raise TierflowError(f"{flag} {text!r}: {value} must be at least 1")
         values.append(value)
     return values
+
+
+def one_positive(text: str, flag: str) -> int:
+    """A single whole number of at least 1, where a list is not taken."""
+    values = positive_list(text, flag, example="4")
+    if len(values) != 1:
+        raise TierflowError(f"{flag} {text!r}: give one value here, e.g. {flag} {values[0]} "
+                            "(tierflow sweep takes lists of --model, --seq-len, --gpu and --ram)")
+    return values[0]
 
 
 def add_setup_arguments(parser: argparse.ArgumentParser, *, lists: bool) -> None:
@@ -96,19 +105,27 @@ def precision_from_args(args: argparse.Namespace, hw: Hardware) -> RunPrecision:
     return prec
 
 
-def hardware_from_args(args: argparse.Namespace) -> Hardware:
+def hardware_from_args(args: argparse.Namespace, *, lists: bool) -> Hardware:
     """The ``--hardware`` profile, after the flags that need no profile are checked (the
-    cpu profile may take seconds to measure on first use)."""
+    cpu profile imports torch and may take seconds to measure on first use). ``lists``:
+    --seq-len, --gpu and --ram may be comma-separated lists (sweep)."""
     if args.gpu is not None and args.hardware == "cpu":
         raise TierflowError(f"--gpu {args.gpu}: hardware cpu has no GPU (RAM is its compute "
                             f"tier): leave --gpu out or pick a GPU profile")
+    (positive_list if lists else one_positive)(args.seq_len, "--seq-len")
+    for flag, text in (("--gpu", args.gpu), ("--ram", args.ram)):
+        if text is not None:
+            for value in (text.split(",") if lists else [text]):
+                memory_size(value, flag)
+    _setup_flags(args)
     return hardware(args.hardware)
 
 
-def base_setup(args: argparse.Namespace, hw: Hardware, shape: ModelShape) -> Setup:
-    """The configuration the flags describe, for the first model and sequence length."""
-    (batch,) = positive_list(args.batch_size, "--batch-size")
-    (accum,) = positive_list(args.grad_accum, "--grad-accum")
+def _setup_flags(args: argparse.Namespace) -> tuple[int, int, int | None]:
+    """(batch size, accumulation, the --disk directory's free bytes or None), the disk flags
+    checked."""
+    batch = one_positive(args.batch_size, "--batch-size")
+    accum = one_positive(args.grad_accum, "--grad-accum")
     disk_budget = None
     if args.disk is not None:
         if not args.disk.is_dir():
@@ -118,6 +135,12 @@ def base_setup(args: argparse.Namespace, hw: Hardware, shape: ModelShape) -> Set
         disk_budget = stat.f_bavail * stat.f_frsize
     if args.disk_bw is not None and not args.disk_bw > 0:
         raise TierflowError(f"--disk-bw {args.disk_bw} must be a positive rate in GB/s, e.g. 7")
+    return batch, accum, disk_budget
+
+
+def base_setup(args: argparse.Namespace, hw: Hardware, shape: ModelShape) -> Setup:
+    """The configuration the flags describe, for the first model and sequence length."""
+    batch, accum, disk_budget = _setup_flags(args)
     return Setup(shape=shape, hardware=hw, seq=1, batch=batch, grad_accum=accum,
                  disk=args.disk is not None or args.disk_bw is not None,
                  disk_budget=disk_budget,
