@@ -53,6 +53,50 @@ def test_a_plan_that_does_not_fit_names_the_ram_that_would():
     assert tier.over_budget(gpu, 164 * MIB) is gpu  # another tier's error is its own
 
 
+def test_a_model_whose_states_pass_the_ram_is_refused_before_it_is_built(train_env, tmp_path,
+                                                                         monkeypatch, capsys):
+    """Without --disk the model is built whole in RAM: a 1.1B model under --ram 1GiB would
+    break the budget (4.4 GB of fp32 weights; an 8B one could have the process killed)
+    before any plan refuses it. Its weights and AdamW states alone are counted first, on
+    the meta device, and refused with the way out: --disk."""
+    from cli_support import fp32_train_args, run_main
+
+    from tierflow.train import model as model_module
+
+    def unreachable(*args, **kwargs):
+        raise AssertionError("the model was built")
+    monkeypatch.setattr(model_module, "build_model", unreachable)
+    args = fp32_train_args(train_env, tmp_path / "run", 1, "--ram", "1GiB")
+    args[args.index("--model") + 1] = "tinyllama-1.1b"
+    code, _, err = run_main(*args, capsys=capsys)
+    assert code == 2, err
+    # the corpus' 300 ids for a vocabulary: 0.97B parameters x (4 weights + 8 moments) bytes
+    assert ("--ram 1.00 GiB is below the 10.85 GiB that the weights and AdamW states of "
+            "tinyllama-1.1b take in RAM (970,205,184 parameters x 12 bytes)") in err, err
+    assert "add --disk DIR" in err and err.count("\n") == 1
+
+
+def test_the_states_floor_counts_bf16_weights_and_shards_over_ranks():
+    from tierflow.precision import PrecisionConfig
+    from tierflow.train.device import BUILT_TO_MEASURE
+    budget = 2 * BUILT_TO_MEASURE
+    tier = ComputeTier(torch.device("cpu"), False, None, budget)
+    per = PrecisionConfig(model_dtype="bf16", master="fp32").bytes_per_parameter()
+    tier.refuse_states_beyond_ram("m", budget // 14, per, 1)  # 2 + 4 + 8 bytes: fits
+    with pytest.raises(BudgetError, match=r"x 14 bytes\)"):
+        tier.refuse_states_beyond_ram("m", budget // 14 + 1000, per, 1)
+    tier.refuse_states_beyond_ram("m", budget // 8, per, 2)  # 2 + 12 / 2 bytes a rank
+    with pytest.raises(BudgetError, match="x 8 bytes, over 2 ranks"):
+        tier.refuse_states_beyond_ram("m", budget // 8 + 1000, per, 2)
+    # a smaller model is built and planned, for the exact smallest budget
+    small = ComputeTier(torch.device("cpu"), False, None, MIB)
+    small.refuse_states_beyond_ram("m", BUILT_TO_MEASURE // 14 - 1, per, 1)
+    with pytest.raises(BudgetError):
+        small.refuse_states_beyond_ram("m", BUILT_TO_MEASURE // 14 + 1, per, 1)
+    no_budget = ComputeTier(torch.device("cpu"), False, None, None)
+    no_budget.refuse_states_beyond_ram("m", 10 ** 12, per, 1)  # nothing to pass
+
+
 def test_a_budget_below_what_is_held_names_the_ram_that_would_work():
     """--ram below what the process holds before planning: fit still plans (under a byte) and
     fails with the smallest budget, which over_budget puts in terms of --ram (it used to say

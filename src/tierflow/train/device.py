@@ -17,10 +17,14 @@ from torch import nn
 from ..errors import BudgetError, TierflowError
 from ..exec.memory import return_free_memory, rss_bytes
 from ..exec.stage_call import storage_key
+from ..precision.config import BytesPerParameter
 from ..units import budget_to_give, format_bytes, parse_bytes
 from .options import TrainOptions
 
 ALLOCATOR_SETTINGS = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF under --gpu
+# a model whose weights and AdamW states take less than this is built to measure the exact
+# smallest --ram (cheap on any machine); a larger one is refused from its parameter count
+BUILT_TO_MEASURE = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,28 @@ class ComputeTier:
             f"{format_bytes(need, round_up=True)}{taken}: give --ram {budget_to_give(need)} or "
             "more (what is measured before planning varies by a few MiB between runs)",
             tier="ram", budget=self.ram, smallest=need)
+
+    def refuse_states_beyond_ram(self, model: str, parameters: int, per: BytesPerParameter,
+                                 ranks: int) -> None:
+        """Before a run without --disk builds its model in RAM: one line when the weights and
+        AdamW states of ``parameters`` (``per`` each; master and moments sharded over
+        ``ranks``) alone pass --ram and BUILT_TO_MEASURE. Building a model that large would
+        break the budget first (the out-of-memory killer may end the process before any plan
+        refuses it); gradients, activations and the runtime come on top, so this is a floor,
+        not the smallest budget that works, which a smaller model is built to measure."""
+        if self.gpu is not None or self.ram is None:
+            return
+        each = per.weights + per.optimizer_state / ranks
+        floor = int(parameters * each)
+        if floor <= self.ram or floor < BUILT_TO_MEASURE:
+            return
+        sharded = f", over {ranks} ranks" if ranks > 1 else ""
+        raise BudgetError(
+            f"--ram {format_bytes(self.ram)} is below the {format_bytes(floor, round_up=True)} "
+            f"that the weights and AdamW states of {model} take in RAM ({parameters:,} "
+            f"parameters x {each:g} bytes{sharded}), before gradients and activations: add "
+            f"--disk DIR to keep them on disk and stream them, or give --ram well above "
+            f"{format_bytes(floor, round_up=True)}", tier="ram", budget=self.ram, smallest=floor)
 
     def place_model(self, model: nn.Module) -> nn.Module:
         """``model`` moved whole to this tier's device (a run without --disk); one line

@@ -104,10 +104,14 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
     """Build or load the model (onto the disk tier with ``--disk``), then train it (every
     rank)."""
     from .. import measure
-    from .model import build_model
+    from .model import build_model, count_model_parameters
 
     # --- the model, with its precision, and the run it belongs to
     precision = opts.precision(measure.fast_bf16())
+    if not opts.disk:  # it is built whole in RAM: refused first if its states alone pass --ram
+        tier.refuse_states_beyond_ram(opts.model, count_model_parameters(opts, ckpt, data),
+                                      precision.bytes_per_parameter(),
+                                      world.size if world is not None else 1)
     with contextlib.ExitStack() as scratch:
         offload, disk = None, None
         if opts.disk:  # the disk tier: a scratch directory of this run, removed at the end
