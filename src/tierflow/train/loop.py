@@ -108,7 +108,8 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
 
     # --- the model, with its precision, and the run it belongs to
     precision = opts.precision(measure.fast_bf16())
-    if not opts.disk:  # it is built whole in RAM: refused first if its states alone pass --ram
+    if not opts.disk and tier.ram is not None:  # built whole in RAM: refused first if its
+        # weights and AdamW states alone pass --ram
         tier.refuse_states_beyond_ram(opts.model, count_model_parameters(opts, ckpt, data),
                                       precision.bytes_per_parameter(),
                                       world.size if world is not None else 1)
