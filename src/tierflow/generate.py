@@ -41,6 +41,7 @@ from .generate_options import (
     check_request,
 )
 from .generate_stream import load_streamed
+from .models.files import max_positions
 
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
 
@@ -70,19 +71,9 @@ class GenerateStats:
                 f"{self.prefill_s * 1000:.0f} ms; stopped at {end}{seed})")
 
 
-def max_positions(model: Any) -> int | None:
-    """The longest sequence the model's config allows, when it says."""
-    config = model.config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def check_length(model: Any, prompt_tokens: int, max_new_tokens: int) -> None:
     """The prompt and the new tokens must fit in the model's positions."""
-    limit = max_positions(model)
+    limit = max_positions(model.config)
     if limit is not None and prompt_tokens + max_new_tokens > limit:
         fix = (f"lower --max-new-tokens to {limit - prompt_tokens}" if prompt_tokens < limit
                else f"shorten the prompt to fewer than {limit} tokens")

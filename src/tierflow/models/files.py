@@ -44,11 +44,21 @@ def require_weight_files(directory: Path) -> None:
                         "with its shards (save the model with save_pretrained)")
 
 
+def max_positions(config: Any) -> int | None:
+    """The longest sequence a model config allows, when it says: Llama-style
+    ``max_position_embeddings``, GPT-2's ``n_positions`` or ``max_sequence_length``, read from
+    a transformers config or from a ``config.json``'s dict."""
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def vocab_and_positions(config: dict[str, Any]) -> tuple[int | None, int | None]:
-    """The vocabulary size and the maximum positions a ``config.json`` states (Llama-style
-    ``max_position_embeddings`` or GPT-2's ``n_positions``), None for what it leaves out
-    (a config written with only its differences from the defaults may)."""
-    def whole(key: str) -> int | None:
-        value = config.get(key)
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
-    return whole("vocab_size"), whole("max_position_embeddings") or whole("n_positions")
+    """The vocabulary size and the maximum positions (``max_positions``) a ``config.json``
+    states, None for what it leaves out (a config written with only its differences from the
+    defaults may)."""
+    vocab = config.get("vocab_size")
+    vocab = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else None
+    return vocab, max_positions(config)

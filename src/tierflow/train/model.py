@@ -20,6 +20,7 @@ import torch
 
 from ..errors import TierflowError
 from ..exec.offload import OffloadedParameters
+from ..models.files import max_positions
 from ..precision import PrecisionConfig, apply_precision
 from .codec import config_hash, differences, model_arch, spec_arch
 from .data_dir import DataDir
@@ -45,10 +46,8 @@ def build_model(opts: TrainOptions, ckpt, data: DataDir, precision: PrecisionCon
         model = load_model(spec, dtype=torch.float32, offload=offload)
     if ckpt is not None or spec not in PRESETS:  # a random init is finite
         _check_finite(model, ckpt.path if ckpt is not None else spec, offload)
-    config = model.config
-    check_model_limits(str(spec), opts.seq_len, data, int(config.vocab_size),
-                       getattr(config, "max_position_embeddings", None)
-                       or getattr(config, "n_positions", None))
+    check_model_limits(str(spec), opts.seq_len, data, int(model.config.vocab_size),
+                       max_positions(model.config))
     apply_precision(model, precision)
     model.train()
     return model
