@@ -42,6 +42,45 @@ def test_header_round_trip(tmp_path, vocab, dtype):
     assert not list(tmp_path.glob(".*tmp*"))
 
 
+def _rss_file_bytes() -> int:
+    """This process's resident pages that belong to mapped files (RssFile)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) * 1024
+    pytest.skip("no RssFile in /proc/self/status")
+
+
+def test_reading_a_corpus_keeps_it_out_of_the_rss(tmp_path):
+    """The id scan and the windows read the file, not its memory map: a 64 MiB corpus scanned
+    whole adds almost nothing to the process's resident file pages (through the map it added
+    all 64 MiB, which a run counted against --ram)."""
+    tokens = np.arange(32 << 20, dtype=np.int64) % 50_000  # 32M uint16 ids: 64 MiB
+    tokens[12_345_678] = 60_000
+    write_tokens(tmp_path / "big.bin", tokens, 65536)
+    f = TokenFile.open(tmp_path / "big.bin")
+    before = _rss_file_bytes()
+    assert f.max_token() == 60_000
+    assert f.window(12_345_670, 10).tolist() == tokens[12_345_670:12_345_680].tolist()
+    assert _rss_file_bytes() - before < 16 << 20
+
+
+def test_max_token_is_read_again_when_the_file_changes(tmp_path):
+    path = tmp_path / "t.bin"
+    write_tokens(path, [1, 2, 3], 10)
+    assert TokenFile.open(path).max_token() == 3
+    write_tokens(path, [1, 2, 9, 4], 10)
+    assert TokenFile.open(path).max_token() == 9
+
+
+def test_file_truncated_while_in_use(tmp_path):
+    path = tmp_path / "t.bin"
+    write_tokens(path, list(range(100)), 100)
+    f = TokenFile.open(path)
+    os.truncate(path, HEADER_BYTES + 50 * 2)
+    with pytest.raises(TierflowError, match="truncated while in use"):
+        f.window(40, 20)
+
+
 def test_write_accepts_ids_and_chunks(tmp_path):
     write_tokens(tmp_path / "a.bin", iter([1, 2, 3, np.int64(4)]), 10)
     write_tokens(tmp_path / "b.bin", [[1, 2], np.array([3]), [], 4], 10)

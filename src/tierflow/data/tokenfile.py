@@ -1,4 +1,4 @@
-"""Token files: a 64-byte header, then the tokens, little-endian, memory-mapped for reading.
+"""Token files: a 64-byte header, then the tokens, little-endian.
 
 Header (little-endian): magic ``b"TFTOKENS"`` (8 bytes), format version (uint32), bytes per
 token (uint32: 2 or 4), token count (uint64), vocab size (uint64), zero padding to 64 bytes.
@@ -8,13 +8,17 @@ refuse a truncated or foreign file with a clear message instead of training on g
 nanoGPT's ``.bin`` files (raw uint16, no header) are read too: a file without the magic is
 taken as one, unless its first 8 bytes are printable text (another format's magic, or a text
 file), which is refused as a wrong magic; ``headerless=True`` forces the nanoGPT reading.
+
+Training reads a file with ``pread`` into fresh arrays and drops what it read from the page
+cache, never through the memory map: mapped pages that were touched count in the process's
+RSS, so a scan of a 10 GB corpus through the map would hold 10 GB against ``--ram``.
 """
 from __future__ import annotations
 
 import os
 import struct
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import BinaryIO, Iterable, Sequence
 
 import numpy as np
 
@@ -150,7 +154,9 @@ def _fsync_dir(directory: Path) -> None:
 # ---------------------------------------------------------------- reading
 
 class TokenFile:
-    """A read-only, memory-mapped token file: ``len(f)`` tokens in ``f.tokens``.
+    """A read-only token file: ``len(f)`` tokens, memory-mapped as ``f.tokens`` for callers
+    that want an array; ``window`` and ``max_token`` read the file instead (see the module's
+    docstring).
 
     ``vocab_size`` is None for a nanoGPT file unless the caller gave it. Open with
     :meth:`open`, which validates the header and the size against the count.
@@ -161,6 +167,7 @@ class TokenFile:
         self.tokens = tokens
         self.vocab_size = vocab_size
         self.headerless = headerless
+        self._first_byte = 0 if headerless else HEADER_BYTES
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, vocab_size: int | None = None,
@@ -223,10 +230,24 @@ class TokenFile:
         return int(self.tokens.dtype.itemsize)
 
     def max_token(self) -> int | None:
-        """The largest id in the file (None when empty), scanned in chunks to bound memory."""
+        """The largest id in the file (None when empty), read in chunks into one buffer. The
+        result is remembered for this file's identity and modification time: the command line's
+        check before importing torch and the run both ask for it."""
         if len(self) == 0:
             return None
-        return max(int(self.tokens[i:i + _CHUNK].max()) for i in range(0, len(self), _CHUNK))
+        stat = self.path.stat()
+        key = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        if key not in _MAX_TOKEN:
+            buffer = np.empty(min(_CHUNK, len(self)), dtype=self.tokens.dtype)
+            top = 0
+            with open(self.path, "rb", buffering=0) as f:
+                for start in range(0, len(self), _CHUNK):
+                    chunk = buffer[:min(_CHUNK, len(self) - start)]
+                    self._read_into(f, start, chunk)
+                    top = max(top, int(chunk.max()))
+                _drop_cache(f.fileno(), 0, stat.st_size)
+            _MAX_TOKEN[key] = top
+        return _MAX_TOKEN[key]
 
     def check_vocab(self, vocab_size: int | None = None) -> None:
         """Raise TierflowError if an id is >= ``vocab_size`` (default: the file's own vocab).
@@ -250,7 +271,26 @@ class TokenFile:
             raise TierflowError(f"token file {self.path} holds {len(self)} tokens; the window "
                                 f"[{start}, {start + length}) is outside it; fix: use a shorter "
                                 f"sequence length or more data")
-        return np.array(self.tokens[start:start + length], dtype=np.int64)
+        out = np.empty(length, dtype=self.tokens.dtype)
+        with open(self.path, "rb", buffering=0) as f:
+            first = self._read_into(f, start, out)
+            _drop_cache(f.fileno(), first, out.nbytes)
+        return out.astype(np.int64)
+
+    def _read_into(self, f: BinaryIO, start: int, out: np.ndarray) -> int:
+        """Fill ``out`` with the tokens from ``start`` on, read from ``f`` (this file, opened
+        unbuffered); returns the byte offset read from."""
+        first = self._first_byte + start * self.bytes_per_token
+        view = memoryview(out).cast("B")
+        f.seek(first)
+        done = 0
+        while done < len(view):
+            got = f.readinto(view[done:])
+            if not got:
+                raise TierflowError(f"token file {self.path} ended while reading it: it was "
+                                    f"truncated while in use; fix: {_REWRITE}")
+            done += got
+        return first
 
     def __repr__(self) -> str:
         kind = "nanoGPT uint16" if self.headerless else f"v{VERSION}"
@@ -277,6 +317,16 @@ def _map(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
     if count == 0:
         return np.empty(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+
+
+_MAX_TOKEN: dict[tuple[int, int, int, int], int] = {}  # (device, inode, size, mtime) -> id
+
+
+def _drop_cache(fd: int, first: int, length: int) -> None:
+    """Drop bytes ``[first, first + length)`` of ``fd`` from the page cache (where the OS can),
+    so that reading a corpus does not fill the RAM the budget gave to training."""
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, first, length, os.POSIX_FADV_DONTNEED)
 
 
 def _looks_like_text(head: bytes) -> bool:
