@@ -4,11 +4,11 @@ path, data directory, output path or disk directory is then one error line at on
 model directory without config.json or weights, and data or a --seq-len beyond the vocab or
 positions its config.json states.
 
-The run makes them again after the imports (``loop._train``): milliseconds, besides a second
-scan of the token ids, which grows with the corpus. That keeps its memory baseline as it
-was: the token files mapped here are unmapped again before the run's RSS baseline is read.
-A run that resumes is checked here only for a checkpoint to resume from: its options are
-the checkpoint's until the checkpoint is read, which needs torch.
+The run makes them again after the imports (``loop._train``): milliseconds, since the scan of
+the token ids is remembered per file (``TokenFile.max_token``); the token files are read,
+not mapped into the RSS, so nothing here changes the run's memory baseline. A run that
+resumes is checked here only for a checkpoint to resume from: its options are the
+checkpoint's until the checkpoint is read, which needs torch.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def preflight(opts: TrainOptions) -> None:
     if directory is not None:
         config = read_config_json(directory)
         require_weight_files(directory)
-    data = check_paths(opts, create=False)  # the data it opens is dropped (unmapped) here
+    data = check_paths(opts, create=False)
     if config is not None:
         check_model_limits(opts.model, opts.seq_len, data, *vocab_and_positions(config))
 
