@@ -332,3 +332,31 @@ def test_the_plan_table_counts_the_update_pass():
     _, inside = plan_section(plan, grads=200, budget=None, grad_accum=1, dist=None,
                              precision=precision)
     assert inside["predicted_peak"] == plan.predicted_peak
+
+
+def test_the_plan_table_counts_the_optimizer_step_and_what_is_held_outside_the_plan():
+    """The [Plan] table lists the optimizer step's temporaries apart from its states (both are
+    reserved), and its free bytes are the budget less the peak and less what the process held
+    before planning (the plan got only the rest)."""
+    from tierflow.config import FitConfig
+    from tierflow.plan.choose import make_plan
+    from tierflow.plan.costs import ChainCosts, StageCost
+    from tierflow.precision.config import PrecisionConfig
+    from tierflow.train.logger import PlanPrecision, plan_section
+    from tierflow.units import format_bytes
+
+    stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
+                      tape=30)
+    costs = ChainCosts(stages=(stage, stage), input_bytes=10, static_bytes=1400,
+                       extra={"parameters": 200, "reserved": 1200})
+    plan = make_plan(costs, 4000, FitConfig(planner="keep-all"))  # 1000 of 5000 held outside
+    config = PrecisionConfig()
+    precision = PlanPrecision(config.bytes_per_parameter(), 50, 0, config.to_dict())
+    text, record = plan_section(plan, grads=200, budget=5000, grad_accum=1, dist=None,
+                                precision=precision, step_temporaries=400)
+    assert record["optimizer states (reserved)"] == record["moments"] == 800
+    assert record["optimizer step (reserved)"] == 400
+    free = format_bytes(5000 - 1000 - plan.predicted_peak)
+    assert f"free                        : {free} of the 4.88 KiB budget (1000 B is held " \
+           "outside the plan)" in text, text
+    assert "optimizer step              : 400 B (float32 temporaries" in text, text

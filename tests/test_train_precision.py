@@ -57,8 +57,9 @@ def test_plan_rows_follow_the_precision(env, tmp_path, capsys, flags, total, mas
     assert per["weights"] + per["gradients"] + per["master"] + per["moments"] == total
     assert f"trainable x {total} bytes" in out
     for row in ("  weights ", "  gradients ", "  optimizer states (reserved) ", "    master ",
-                "    moments "):
+                "    moments ", "  optimizer step "):
         assert row in out, row
+    assert plan["optimizer step (reserved)"] > 0  # the step's temporaries, measured
     assert plan["weights"] == plan["gradients"] == n * per["weights"]
     assert plan["master"] == master * n
     if moment_bytes is not None:

@@ -63,8 +63,9 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     activations. Call ``fit`` under the same autocast mode you will train with.
     ``optimizer`` is a factory such as ``lambda ps: torch.optim.AdamW(ps, lr=1e-4)``; it is
     called once per stage, and updates then happen during ``backward()``. Without it, step
-    your own optimizer and give the bytes it keeps (AdamW: 2x the fp32 parameter bytes) as
-    ``reserve``: the plan leaves them free on the compute tier. ``disk`` is a directory for
+    your own optimizer and give the bytes it holds while it steps as ``reserve`` (its states,
+    AdamW's 2x the fp32 parameter bytes, and the temporaries of its step): the plan leaves
+    them free on the compute tier. ``disk`` is a directory for
     the disk tier: when the optimizer's states do not fit the budget beside the rest, they
     live there between updates, and so do the weights of the stages that do not fit
     (streamed in ahead of their use).

@@ -303,6 +303,14 @@ def probe_optimizer(factory: OptimizerFactory, device: torch.device, meter: Host
                           0 if per_byte else large.transient)
 
 
+def step_transient(factory: OptimizerFactory, device: torch.device,
+                   meter: HostMeter | DeviceMeter, numel: int, dtype: torch.dtype) -> int:
+    """The bytes one step of ``factory``'s optimizer allocates beyond its states and the
+    gradient, measured on a scratch parameter of ``numel`` elements of ``dtype``: what an
+    optimizer the caller steps after the backward needs on top of its states."""
+    return _probe_step(factory, device, meter, numel, dtype).transient
+
+
 def _probe_step(factory: OptimizerFactory, device: torch.device,
                 meter: HostMeter | DeviceMeter, numel: int, dtype: torch.dtype) -> _Step:
     """State bytes, seconds and temporaries of one step on a parameter of ``numel``."""

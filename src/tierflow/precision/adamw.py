@@ -13,11 +13,12 @@ decoupled weight decay and bias correction), done in float32 on float32 working 
   0.999 decay is below half a bf16 ulp); int8 moments are re-quantized (``quant.py``).
 
 A parameter is updated CHUNK (4M) elements at a time, so the step's float32 temporaries stay
-a few times 16 MiB even for a 32000 x 2048 embedding (256 MiB per float32 temporary of it
-otherwise, several at once, which the planner does not count). Every operation is
-element-wise and int8 slices start on block boundaries, so without stochastic rounding the
-result equals one pass over the whole tensor; stochastic rounding draws its noise slice by
-slice (as reproducible, another stream).
+2 to 9 times 16 MiB (fp32 weights; int8 moments) even for a 32000 x 2048 embedding (256 MiB
+per float32 temporary of it otherwise); the trainer measures them and plans room for them
+(``train/optimizer.step_transient_bytes``). Every operation is element-wise and int8 slices
+start on block boundaries, so without stochastic rounding the result equals one pass over
+the whole tensor; stochastic rounding draws its noise slice by slice (as reproducible,
+another stream).
 
 ``state_dict()`` holds only tensors and plain numbers: per parameter ``step`` (a 0-dim float32
 tensor, as ``torch.optim.AdamW`` saves it, so that a checkpoint names the same tensors whether

@@ -69,10 +69,12 @@ def _per(value: float) -> str:
 
 def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                  dist: dict[str, Any] | None, precision: PlanPrecision,
-                 update_pass: UpdatePass | None = None) -> tuple[str, dict[str, Any]]:
+                 update_pass: UpdatePass | None = None,
+                 step_temporaries: int = 0) -> tuple[str, dict[str, Any]]:
     """The ``[Plan]`` table (bytes per kind and per parameter, the strategy, the predicted
-    step) and the fields of its JSON record. The optimizer states (master and moments) are
-    what the plan reserves for the optimizer. ``update_pass`` is the pass after the backward
+    step) and the fields of its JSON record. The optimizer states (master and moments) and
+    ``step_temporaries`` (what a step of the optimizer after the backward allocates besides)
+    are what the plan reserves for the optimizer. ``update_pass`` is the pass after the backward
     when updates are deferred: its time is part of the step and its peak may be the step's.
     Under torchrun ``dist`` holds ``world_size``, ``backend``, ``bus_bandwidth`` (bytes/s),
     ``comm_bytes`` and ``predicted_comm_s``; every figure is this rank's (budgets are per
@@ -81,10 +83,12 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
     peak = with_update_pass(plan.predicted_peak, update_pass)
     per, dtypes = precision.per, precision.dtypes
     activations = max(0, plan.simulation.peak - grads)
-    reserved = extra.get("reserved", 0) or extra.get("optimizer states", 0)  # or fit's own
+    reserved = (extra.get("reserved", 0) - step_temporaries  # the states, or fit's own
+                or extra.get("optimizer states", 0))
     master = min(precision.master, reserved)
     kinds = [("weights", extra.get("parameters", 0)), ("gradients", grads),
              ("master", master), ("moments", reserved - master),
+             ("optimizer step", step_temporaries),
              ("activations", activations), ("runtime", extra.get("runtime", 0))]
     shard = f", 1/{dist['world_size']} shard" if dist is not None else ""
     weight = dtypes["model_dtype"]
@@ -97,13 +101,16 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
     notes = {"weights": f"{_per(per.weights)}, {weight}",
              "gradients": f"{_per(per.gradients)}, {weight}",
              "master": master_note,
-             "moments": f"{_per(per.moments)}{scales}, AdamW m and v in {dtypes['optim_dtype']}"}
+             "moments": f"{_per(per.moments)}{scales}, AdamW m and v in {dtypes['optim_dtype']}",
+             "optimizer step": "float32 temporaries of AdamW's step after the backward"}
     total = per.weights + per.gradients + per.master + per.moments
     rows: list[tuple[str, Any]] = [
         ("parameters", f"{precision.trainable:,} trainable x {total:g} bytes (weights "
                        f"{per.weights:g} + gradients {per.gradients:g} + master {per.master:g} + "
                        f"moments {per.moments:g})")]
     for name, value in kinds:
+        if name == "optimizer step" and not value:
+            continue
         if name == "master":
             below = extra.get("optimizer states on disk", 0)
             rows.append((f"optimizer states (reserved{shard})",
@@ -134,8 +141,12 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
             rows.append((f"{tier} tier", " + ".join(f"{format_bytes(n)} {what}"
                                                     for what, n in below[tier].items())
                          + f"; {ahead}"))
-    free = (f"{format_bytes(budget - peak)} of the {format_bytes(budget)} "
-            "budget" if budget else "- (no --ram budget)")
+    # the plan was made for the budget less what the process held before planning (the
+    # trainer's data and model objects under --ram): that is not free either
+    held = budget - plan.budget if budget and plan.budget is not None else 0
+    free = (f"{format_bytes(budget - held - peak)} of the {format_bytes(budget)} budget"
+            + (f" ({format_bytes(held)} is held outside the plan)" if held else "")
+            if budget else "- (no --ram budget)")
     seconds = plan.predicted_time * grad_accum
     if update_pass is not None:
         seconds += update_pass.seconds
@@ -147,8 +158,9 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
     step = (f"{seconds * 1e3:.0f} ms ({grad_accum} x {plan.predicted_time * 1e3:.0f} ms "
             f"forward+backward, {updates})")
     rows += [("free", free), ("strategy", plan.strategy), ("predicted step", step)]
-    fields: dict[str, Any] = {k: int(v) for k, v in kinds}
+    fields: dict[str, Any] = {k: int(v) for k, v in kinds if k != "optimizer step"}
     fields["optimizer states (reserved)"] = int(reserved)  # master + moments
+    fields["optimizer step (reserved)"] = int(step_temporaries)
     fields.update(bytes_per_parameter={"weights": per.weights, "gradients": per.gradients,
                                        "master": per.master, "moments": per.moments,
                                        "moment_scales": per.moment_scales, "total": per.total},

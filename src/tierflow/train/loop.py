@@ -181,7 +181,13 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     from ..precision.rounding import generator_for
     from .codec import restore_rng
     from .data import Batches, eval_batches
-    from .optimizer import LocalOptimizer, build_optimizer, param_groups, reserved_bytes
+    from .optimizer import (
+        LocalOptimizer,
+        build_optimizer,
+        param_groups,
+        reserved_bytes,
+        step_transient_bytes,
+    )
     from .owned import FitOwnedOptimizer
     from .planning import StepPlanner, fit_config, report_plan
     from .steps import StepLoop
@@ -204,10 +210,12 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
         # with --disk, the per-stage optimizers' one stochastic-rounding stream (owned.py)
         rounding=generator_for(tier.device, opts.seed),
         reserve=-(-reserved_bytes(trainable, precision) // ranks),  # this rank's shard
+        step_temporaries=0 if opts.disk else step_transient_bytes(trainable, opts, precision,
+                                                                  tier.device),
         disk=disk, baseline=baseline, logger=logger, autocast=autocast)
     module = planner.plan(tier)
     report_plan(module, opts=opts, precision=precision, tier=tier, world=world,
-                trainable=trainable, logger=logger)
+                trainable=trainable, step_temporaries=planner.step_temporaries, logger=logger)
 
     groups = param_groups(params, opts)
     if opts.disk:

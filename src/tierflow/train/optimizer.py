@@ -2,9 +2,11 @@
 
 ``build_optimizer`` is ``tierflow.precision.make_optimizer``: AdamW with its moments in
 ``--optim-dtype`` and bf16 weights kept by an fp32 master or by stochastic rounding. With fp32
-everything it is ``torch.optim.AdamW``'s arithmetic, op for op. ``reserved_bytes`` is what the
-plan leaves free for the optimizer's own states (master copy, moments, int8 scales), from
-``PrecisionConfig.bytes_per_parameter`` plus the int8 blocks' padding.
+everything it is ``torch.optim.AdamW``'s arithmetic, op for op. Without ``--disk`` the plan
+leaves free what the optimizer holds while it steps after the backward: its own states
+(``reserved_bytes``: master copy, moments, int8 scales, from
+``PrecisionConfig.bytes_per_parameter`` plus the int8 blocks' padding) and the temporaries of
+its step (``step_transient_bytes``: 32 MiB for fp32 weights, about 144 MiB for int8 moments).
 """
 from __future__ import annotations
 
@@ -55,6 +57,23 @@ def reserved_bytes(params: list, precision: PrecisionConfig) -> int:
             blocks = -(-n // BLOCK)
             total += 2 * (blocks * BLOCK - n + 4 * blocks)  # per moment: padding + scales
     return total
+
+
+def step_transient_bytes(trainable: list, opts: TrainOptions, precision: PrecisionConfig,
+                         device: torch.device) -> int:
+    """Bytes the optimizer's step allocates beyond its states, measured on a scratch
+    parameter as large as the largest of ``trainable`` up to the slice of CHUNK elements
+    tierflow's AdamW updates at a time (a larger parameter needs no more)."""
+    from ..exec.memory import meter_for
+    from ..exec.optimizer import step_transient
+    from ..precision.adamw import CHUNK
+
+    if not trainable:
+        return 0
+    numel = min(max(p.numel() for p in trainable), CHUNK)
+    return step_transient(
+        lambda ps: build_optimizer(param_groups(list(ps), opts), opts, precision),
+        device, meter_for(device), numel, trainable[0].dtype)
 
 
 class LocalOptimizer:

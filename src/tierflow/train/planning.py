@@ -50,9 +50,11 @@ def fit_config(opts: TrainOptions, precision: PrecisionConfig, tier: ComputeTier
 @dataclasses.dataclass
 class StepPlanner:
     """What planning the step needs besides the tier: ``sample`` is one micro-batch of this
-    rank (zeros), ``reserve`` the optimizer's bytes (without ``--disk``), ``rounding`` the
-    owned optimizers' stochastic-rounding generator (with ``--disk``), ``baseline`` the RSS
-    after the imports."""
+    rank (zeros); without ``--disk``, ``reserve`` the optimizer's states and
+    ``step_temporaries`` what its step allocates besides (both reserved in the plan: the
+    step runs after the backward, with every gradient present); ``rounding`` the owned
+    optimizers' stochastic-rounding generator (with ``--disk``), ``baseline`` the RSS after
+    the imports."""
     opts: TrainOptions
     model: nn.Module
     sample: dict[str, torch.Tensor]
@@ -60,6 +62,7 @@ class StepPlanner:
     precision: PrecisionConfig
     rounding: torch.Generator
     reserve: int
+    step_temporaries: int
     disk: Path | None
     baseline: int
     logger: Logger
@@ -84,7 +87,8 @@ class StepPlanner:
                     self.rounding.manual_seed(opts.seed)  # the optimizer probe drew from it
                     return fitted
                 return api.fit(self.model, self.sample, **tier.fit_budgets(held),
-                               reserve=self.reserve, grad_accum=opts.grad_accum,
+                               reserve=self.reserve + self.step_temporaries,
+                               grad_accum=opts.grad_accum,
                                config=self.config)
         except BudgetError as e:
             error = tier.over_budget(e, held)
@@ -135,10 +139,11 @@ class StepPlanner:
 
 def report_plan(module: Any, *, opts: TrainOptions, precision: PrecisionConfig,
                 tier: ComputeTier, world: Any, trainable: list[nn.Parameter],
-                logger: Logger) -> None:
+                step_temporaries: int, logger: Logger) -> None:
     """Print the ``[Plan]`` section and its record: placement, peaks, the gradient bytes (one
-    stage's with ``--disk``: each stage's gradients are freed by its update), the precision's
-    bytes per parameter and, under torchrun, the measured bus and predicted communication."""
+    stage's with ``--disk``: each stage's gradients are freed by its update), the optimizer
+    step's ``step_temporaries`` (reserved with the states), the precision's bytes per
+    parameter and, under torchrun, the measured bus and predicted communication."""
     from ..dist import bus_bandwidth, step_seconds
     ranks = world.size if world is not None else 1
     grads = sum(p.nbytes for p in trainable)
@@ -158,7 +163,7 @@ def report_plan(module: Any, *, opts: TrainOptions, precision: PrecisionConfig,
         dist=dist_figures,
         precision=PlanPrecision(per, trainable=count, master=int(per.master * count) // ranks,
                                 dtypes=precision.to_dict()),
-        update_pass=module.update_pass)
+        update_pass=module.update_pass, step_temporaries=step_temporaries)
     logger.print()
     logger.print(table)
     logger.print(module.plan.explain())
