@@ -1,6 +1,6 @@
 """--ram covers the whole run above the post-import RSS: what the trainer holds before it plans
-(the data, the model's objects) comes off the budget the plan gets, and a budget too small
-for that says which --ram would work."""
+(torch's first-use caches, the model's objects) comes off the budget the plan gets, and a
+budget too small for that says which --ram would work."""
 from __future__ import annotations
 
 import pytest

@@ -69,8 +69,8 @@ class ComputeTier:
 
     def held_outside_the_plan(self, model: nn.Module, baseline: int) -> int:
         """Bytes the process holds above its post-import RSS ``baseline`` besides the model's
-        resident parameters (which the plan counts): the data, the model's own objects, what
-        building it left allocated. ``--ram`` covers the whole run above that baseline while
+        resident parameters (which the plan counts): torch's kernels and thread pools on first
+        use, the model's own objects, what building it left allocated. ``--ram`` covers the whole run above that baseline while
         ``fit`` counts what is resident when it starts as outside its budget, so the
         trainer hands ``fit`` the budget less this. 0 unless the CPU computes under --ram."""
         if self.gpu is not None or self.ram is None:
@@ -88,8 +88,8 @@ class ComputeTier:
         need = error.smallest + held
         taken = ""
         if held:
-            taken = (f" ({format_bytes(held)} is held before planning: the data, the model's "
-                     f"objects; the step needs {format_bytes(error.smallest, round_up=True)} "
+            taken = (f" ({format_bytes(held)} is held before planning: torch's first-use "
+                     f"caches, the model's objects; the step needs {format_bytes(error.smallest, round_up=True)} "
                      "more)")
         return BudgetError(
             f"--ram {format_bytes(self.ram)} is below the smallest that works in this run, "

@@ -74,8 +74,9 @@ class StepPlanner:
         opts = self.opts
         held = tier.held_outside_the_plan(self.model, self.baseline)
         if held:
-            self.logger.print(f"{format_bytes(held)} of --ram is held before planning (the "
-                              "data, the model's objects): the plan gets the rest")
+            self.logger.print(f"{format_bytes(held)} of --ram is held before planning "
+                              "(torch's first-use caches, the model's objects): the plan gets "
+                              "the rest")
         try:
             with torch.random.fork_rng(devices=[]), self.autocast():
                 if opts.disk:  # tierflow owns the optimizer: weights and states may be on disk
