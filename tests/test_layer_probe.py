@@ -98,5 +98,5 @@ def test_cpu_seconds_count_this_process_apart():
         pass
     after = sol._cpu_seconds()
     _wall, busy, own = (a - b for a, b in zip(after, before))
-    assert 0.3 <= own < 0.35
+    assert 0.29 <= own < 0.4  # os.times counts in clock ticks too
     assert busy >= own - 0.05  # /proc/stat counts in clock ticks (10 ms)
