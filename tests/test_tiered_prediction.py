@@ -80,26 +80,30 @@ def test_a_small_disk_keeps_everything_in_ram_or_fails():
 
 
 @pytest.mark.parametrize("moments", ["fp32", "bf16", "int8"])
-def test_adamw_temporaries_are_what_the_trainer_probe_measures(moments):
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_adamw_temporaries_are_what_the_trainer_probe_measures(moments, weights):
     """The fixed temporaries the prediction prices each update with are what the trainer's
     own probe measures for its AdamW (which works through a parameter in slices, so they
     do not grow with it; the RSS sampling the probe reads varies by about 10%)."""
-    run_in_fresh_process("test_tiered_prediction", "_probe_matches_the_prediction", moments)
+    run_in_fresh_process("test_tiered_prediction", "_probe_matches_the_prediction", moments,
+                         weights)
 
 
-def _probe_matches_the_prediction(moments: str) -> None:
+def _probe_matches_the_prediction(moments: str, weights: str) -> None:
     import torch
 
     from tierflow.exec.memory import meter_for
     from tierflow.exec.optimizer import probe_optimizer
     from tierflow.precision.adamw import AdamW
-    from tierflow.sim.tiered import ADAMW_TRANSIENT_BYTES
+    from tierflow.sim.tiered import adamw_transient_bytes
 
+    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
     # the least of three probes: what else the process allocates meanwhile only adds to the
     # RSS the probe reads
     probes = [probe_optimizer(lambda ps: AdamW(list(ps), lr=1e-3, moment_dtype=moments),
-                              torch.device("cpu"), meter_for(torch.device("cpu")))
+                              torch.device("cpu"), meter_for(torch.device("cpu")), dtype=dtype)
               for _ in range(3)]
     assert all(probe.transient_per_byte == 0.0 for probe in probes)
     least = min(probe.transient_bytes for probe in probes)
-    assert least == pytest.approx(ADAMW_TRANSIENT_BYTES[moments], rel=0.25)
+    assert least == pytest.approx(adamw_transient_bytes(moments, dtype.itemsize),
+                                  rel=0.25)

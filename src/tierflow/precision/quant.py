@@ -82,10 +82,19 @@ def quantize_(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, shape: torch.Size,
                mapping: Mapping) -> torch.Tensor:
     """The float32 tensor of ``shape`` stored in ``codes`` and ``scales``."""
-    q = codes.view(-1, BLOCK).to(torch.float32) / mapping.levels  # (blocks, BLOCK) in [-1, 1]
-    magnitude = q.abs().pow(mapping.power) * scales[:, None]
-    values = magnitude * q.sign() if mapping.signed else magnitude
-    return values.reshape(-1)[:numel].reshape(shape)
+    out = torch.empty(codes.numel(), dtype=torch.float32, device=codes.device)
+    return dequantize_into(out, codes, scales, mapping)[:numel].reshape(shape)
+
+
+def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    mapping: Mapping) -> torch.Tensor:
+    """Decode ``codes`` and ``scales`` into the float32 vector ``out`` (as many elements as
+    ``codes``, whole blocks) in place, allocating nothing of that size; returns ``out``."""
+    q = out.view(-1, BLOCK).copy_(codes.view(-1, BLOCK))  # (blocks, BLOCK)
+    q.div_(mapping.levels).abs_().pow_(mapping.power).mul_(scales[:, None])  # magnitudes
+    if mapping.signed:
+        q.copysign_(codes.view(-1, BLOCK))  # a code's sign is its value's; 0 stays +0
+    return out
 
 
 def error_bound(x: torch.Tensor, mapping: Mapping) -> torch.Tensor:

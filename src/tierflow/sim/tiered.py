@@ -34,10 +34,18 @@ if TYPE_CHECKING:
 
 COMPUTE_TIER = "ram"
 # Temporaries of one step of the trainer's AdamW (precision/adamw.py), by moment dtype, on
-# fp32 weights: it works through a parameter 4M elements at a time, so they do not grow with
-# it. Measured by exec/optimizer.probe_optimizer, the probe the trainer prices them with
-# (tests/test_tiered_prediction.py checks them against it).
-ADAMW_TRANSIENT_BYTES = {"fp32": 32 << 20, "bf16": 108 << 20, "int8": 128 << 20}
+# fp32 weights: it works through a parameter 4M elements at a time in one step-long workspace,
+# so they do not grow with it. Measured by exec/optimizer.probe_optimizer, the probe the
+# trainer prices them with (tests/test_tiered_prediction.py checks them against it).
+ADAMW_TRANSIENT_BYTES = {"fp32": 16 << 20, "bf16": 108 << 20, "int8": 132 << 20}
+ADAMW_BF16_GRAD_BYTES = 16 << 20  # bf16 weights: the gradient's float32 copy, one slice more
+
+
+def adamw_transient_bytes(optim_dtype: str, weight_bytes: float) -> int:
+    """The trainer's AdamW temporaries for moments in ``optim_dtype`` and weights of
+    ``weight_bytes`` bytes per parameter (2: bf16)."""
+    return ADAMW_TRANSIENT_BYTES[optim_dtype] + (ADAMW_BF16_GRAD_BYTES if weight_bytes == 2
+                                                 else 0)
 
 
 def tiered_placement(setup: Setup) -> Placement:
@@ -84,7 +92,7 @@ def _problem(setup: Setup, head_chunk: int) -> TierProblem:
         rates=UpdateRates(per.states / per.weights,
                           per.update_traffic / hw.update_bw(prec.optim) / per.weights,
                           transient_per_byte=0.0,
-                          transient_bytes=ADAMW_TRANSIENT_BYTES[prec.optim]),
+                          transient_bytes=adamw_transient_bytes(prec.optim, width)),
         largest=(vocab_matrix, *[layer_matrix] * shape.layers, vocab_matrix),
         trainable=shape.total_params() * width, streamable=streamable, lower=(disk,),
         deferred=setup.grad_accum > 1)
