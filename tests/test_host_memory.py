@@ -122,3 +122,24 @@ def test_only_the_last_guard_started_runs():
             break
         time.sleep(0.005)
     assert names.count("tierflow-rss-guard") == 1
+
+
+def test_a_fitted_module_makes_room_for_work_outside_its_plan():
+    """``module.make_room(n)`` (the trainer calls it before its optimizer's step) gives malloc's
+    caches back when the RSS plus ``n`` would pass the plan's predicted peak, and does nothing
+    without a RAM budget."""
+    import tierflow
+
+    def fitted(**budget):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 1))
+        return tierflow.fit(model, torch.randn(8, 64), **budget)
+
+    module = fitted(ram="1GiB")
+    room = module._host_room
+    cached = _cache_freed_blocks()
+    trims = room.trims
+    module.make_room(room.limit)  # whatever the RSS, this passes the predicted peak
+    assert room.trims == trims + 1
+    assert rss_bytes() < cached - 32 * MIB
+    fitted().make_room(1 << 40)  # no budget: nothing to keep under

@@ -101,6 +101,15 @@ class TierflowModule(nn.Module):
     def explain(self) -> str:
         return self._plan.explain()
 
+    def make_room(self, nbytes: int) -> None:
+        """Call before work outside the plan that allocates up to ``nbytes`` on the host (the
+        step of an optimizer you run yourself, whose bytes you gave ``fit`` as ``reserve``):
+        malloc's cached free memory goes back to the system if the RSS plus ``nbytes`` would
+        pass the plan's predicted peak. Large temporaries do not reuse that cache, so it
+        would stay resident beside them. A no-op without a RAM budget."""
+        if self._host_room is not None:
+            self._host_room.make_room(nbytes, fresh=True)
+
     @property
     def last_grad_norm(self) -> float | None:
         """The global gradient norm (before clipping) of the last step's updates, when

@@ -148,6 +148,7 @@ class StepLoop:
                                 f"for this step; the last good checkpoint is "
                                 f"{good if good else 'none (no checkpoint was written)'}; fix: "
                                 "lower --lr, raise --warmup or set --clip")
+        self.module.make_room(self.planner.step_temporaries)  # what the plan reserved for it
         self.optimizer.step()
         return loss, norm
 
