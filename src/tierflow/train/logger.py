@@ -165,7 +165,7 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                                        "master": per.master, "moments": per.moments,
                                        "moment_scales": per.moment_scales, "total": per.total},
                   trainable_parameters=precision.trainable, precision=dict(dtypes),
-                  predicted_peak=int(peak), budget=budget,
+                  predicted_peak=int(peak), budget=budget, held_outside_the_plan=int(held),
                   strategy=plan.strategy, predicted_step_s=seconds,
                   disk_bytes=below["disk"], ram_tier_bytes=below["ram"],
                   prefetch_depth=extra.get("prefetch depth"))
