@@ -141,8 +141,8 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
             rows.append((f"{tier} tier", " + ".join(f"{format_bytes(n)} {what}"
                                                     for what, n in below[tier].items())
                          + f"; {ahead}"))
-    # the plan was made for the budget less what the process held before planning (the
-    # trainer's data and model objects under --ram): that is not free either
+    # the plan was made for the budget less what the process held before planning (under
+    # --ram: torch's first-use caches, the model's objects): that is not free either
     held = budget - plan.budget if budget and plan.budget is not None else 0
     free = (f"{format_bytes(budget - held - peak)} of the {format_bytes(budget)} budget"
             + (f" ({format_bytes(held)} is held outside the plan)" if held else "")
