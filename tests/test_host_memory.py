@@ -112,6 +112,34 @@ def _guard_trims_once() -> None:
     del fresh
 
 
+def test_the_guard_trims_again_when_the_rss_keeps_growing_near_its_level():
+    """After a trim the RSS may stay within the margin of the level and grow on (what is freed
+    meanwhile goes to malloc's caches again): the guard trims again once it has grown by half
+    the margin since, not only after it fell below the margin. (In a fresh process, as
+    above.)"""
+    run_in_fresh_process("test_host_memory", "_guard_trims_again")
+
+
+def _guard_trims_again() -> None:
+    configure_host_allocator(CACHING_THRESHOLD)
+    room = HostRoom(limit=0)
+    room.start_guard(rss_bytes() + GUARD_MARGIN // 4)  # within the margin: it trims at once
+    for _ in range(200):
+        if room.guard_trims:
+            break
+        time.sleep(0.005)
+    assert room.guard_trims == 1
+    time.sleep(0.05)
+    assert room.guard_trims == 1  # the RSS did not grow: no more trims
+    live = torch.ones(GUARD_MARGIN // 4)  # the RSS grows by GUARD_MARGIN
+    for _ in range(200):
+        if room.guard_trims > 1:
+            break
+        time.sleep(0.005)
+    assert room.guard_trims >= 2
+    del live
+
+
 def test_only_the_last_guard_started_runs():
     first, second = HostRoom(limit=0), HostRoom(limit=0)
     first.start_guard(1 << 50)
