@@ -70,9 +70,10 @@ class ComputeTier:
     def held_outside_the_plan(self, model: nn.Module, baseline: int) -> int:
         """Bytes the process holds above its post-import RSS ``baseline`` besides the model's
         resident parameters (which the plan counts): torch's kernels and thread pools on first
-        use, the model's own objects, what building it left allocated. ``--ram`` covers the whole run above that baseline while
-        ``fit`` counts what is resident when it starts as outside its budget, so the
-        trainer hands ``fit`` the budget less this. 0 unless the CPU computes under --ram."""
+        use, the model's own objects, what building it left allocated. ``--ram`` covers the
+        whole run above that baseline while ``fit`` counts what is resident when it starts as
+        outside its budget, so the trainer hands ``fit`` the budget less this. 0 unless the
+        CPU computes under --ram."""
         if self.gpu is not None or self.ram is None:
             return 0
         return_free_memory()
@@ -88,9 +89,9 @@ class ComputeTier:
         need = error.smallest + held
         taken = ""
         if held:
+            step = format_bytes(error.smallest, round_up=True)
             taken = (f" ({format_bytes(held)} is held before planning: torch's first-use "
-                     f"caches, the model's objects; the step needs {format_bytes(error.smallest, round_up=True)} "
-                     "more)")
+                     f"caches, the model's objects; the step needs {step} more)")
         return BudgetError(
             f"--ram {format_bytes(self.ram)} is below the smallest that works in this run, "
             f"{format_bytes(need, round_up=True)}{taken}: give --ram {budget_to_give(need)} or "

@@ -28,7 +28,6 @@ from .logger import Logger, PlanPrecision, plan_section
 from .optimizer import build_optimizer, param_groups
 from .options import RECOMPUTE, TrainOptions
 
-
 # of the RAM the plan gets without --disk, kept free for what a plan cannot predict: the
 # measured peak of llama-20m runs that filled --ram 500MiB and 600MiB came out up to 5.7 MiB
 # (1%) above their prediction (benchmarks/ram_budget.py)
