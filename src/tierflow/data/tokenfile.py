@@ -23,6 +23,7 @@ from typing import BinaryIO, Iterable, Sequence
 import numpy as np
 
 from ..errors import TierflowError
+from ..page_cache import drop_from_page_cache
 
 MAGIC = b"TFTOKENS"
 VERSION = 1
@@ -245,7 +246,7 @@ class TokenFile:
                     chunk = buffer[:min(_CHUNK, len(self) - start)]
                     self._read_into(f, start, chunk)
                     top = max(top, int(chunk.max()))
-                _drop_cache(f.fileno(), 0, stat.st_size)
+                drop_from_page_cache(f.fileno(), 0, stat.st_size)
             _MAX_TOKEN[key] = top
         return _MAX_TOKEN[key]
 
@@ -274,7 +275,7 @@ class TokenFile:
         out = np.empty(length, dtype=self.tokens.dtype)
         with open(self.path, "rb", buffering=0) as f:
             first = self._read_into(f, start, out)
-            _drop_cache(f.fileno(), first, out.nbytes)
+            drop_from_page_cache(f.fileno(), first, out.nbytes)
         return out.astype(np.int64)
 
     def _read_into(self, f: BinaryIO, start: int, out: np.ndarray) -> int:
@@ -320,13 +321,6 @@ def _map(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
 
 
 _MAX_TOKEN: dict[tuple[int, int, int, int], int] = {}  # (device, inode, size, mtime) -> id
-
-
-def _drop_cache(fd: int, first: int, length: int) -> None:
-    """Drop bytes ``[first, first + length)`` of ``fd`` from the page cache (where the OS can),
-    so that reading a corpus does not fill the RAM the budget gave to training."""
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, first, length, os.POSIX_FADV_DONTNEED)
 
 
 def _looks_like_text(head: bytes) -> bool:

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from ..page_cache import drop_from_page_cache
+
 ALIGN = 4096  # bytes: the file offsets and memory addresses that direct I/O accepts
 BOUNCE_BYTES = 1 << 20  # per I/O thread: a multiple of ALIGN
 
@@ -184,7 +186,7 @@ def _write_buffered(path: Path, tensors: Sequence[torch.Tensor]) -> None:
         for t in tensors:
             f.write(tensor_bytes(t))
         os.fdatasync(f.fileno())
-        _drop_cache(f.fileno())
+        drop_from_page_cache(f.fileno())
 
 
 def _read_buffered(path: Path, tensors: Sequence[torch.Tensor]) -> bool:
@@ -193,10 +195,7 @@ def _read_buffered(path: Path, tensors: Sequence[torch.Tensor]) -> bool:
             view = tensor_bytes(t)
             if f.readinto(view) != len(view):
                 return False
-        _drop_cache(f.fileno())
+        drop_from_page_cache(f.fileno())
     return True
 
 
-def _drop_cache(fd: int) -> None:
-    if hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

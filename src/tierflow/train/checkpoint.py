@@ -35,6 +35,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import TierflowError
+from ..page_cache import drop_from_page_cache
 from .checkpoint_dirs import (
     STATE_FILE,
     checkpoint_directory,
@@ -117,8 +118,7 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
             _write(f, raw_bytes(values))
         f.flush()
         os.fsync(f.fileno())
-        if hasattr(os, "posix_fadvise"):  # written and synced: no need to keep it cached
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        drop_from_page_cache(f.fileno())  # written and synced: no need to keep it cached
 
 
 def _open_safetensors(path: Path):
