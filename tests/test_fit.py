@@ -126,8 +126,14 @@ def test_bad_budget_strings():
     model = sequential_mlp()
     with pytest.raises(ValueError, match="unknown unit"):
         tierflow.fit(model, mlp_sample(), ram="2 parsecs")
-    with pytest.raises(tierflow.BudgetError, match="at least"):
+    with pytest.raises(tierflow.BudgetError, match="at least") as error:
         tierflow.fit(model, mlp_sample(), ram=1000)
+    # what a new process may need beside this one's smallest: 2% and 4 MiB more, in MiB
+    smallest = error.value.smallest
+    assert smallest * 1.02 + (4 << 20) <= error.value.to_give < smallest * 1.02 + (5 << 20)
+    assert str(error.value).endswith(
+        f'there give ram="{error.value.to_give >> 20}MiB" or more')
+    assert "\n" not in str(error.value)
 
 
 def test_optimizer_states_on_disk_match_plain_adamw(tmp_path):

@@ -224,14 +224,16 @@ def _smallest_budget_holds_the_update_pass(tmp_path: str) -> None:
     tierflow.fit(model, sample, **clipped)  # warm: the runtime's first-use bytes are paid
     with pytest.raises(tierflow.BudgetError) as error:
         tierflow.fit(model, sample, ram=1, **clipped)
-    # 8 MiB for the noise of measured runtime bytes (clean-clone CI runs measured 2.2 and
-    # 5.4 MiB more the second time): less than what the pass needs beyond the plan (about
-    # 26 MiB), asserted below, so a stated smallest without the pass would still fail here
-    margin = 8 << 20
-    smallest = error.value.smallest + margin
-    module = tierflow.fit(model, sample, ram=smallest, **clipped)
+    # what the message says to give a new process: the smallest and a margin for the noise
+    # of measured runtime bytes (clean-clone CI runs measured 2.2 and 5.4 MiB more the second
+    # time), less than what the pass needs beyond the plan (about 26 MiB), asserted below, so
+    # a stated smallest without the pass would still fail here
+    given = error.value.to_give
+    assert f'give ram="{given >> 20}MiB" or more' in str(error.value)
+    module = tierflow.fit(model, sample, ram=given, **clipped)
     assert module.update_pass is not None
-    assert max(module.plan.predicted_peak, module.update_pass.peak) <= smallest
+    assert max(module.plan.predicted_peak, module.update_pass.peak) <= given
+    margin = given - error.value.smallest
     assert module.update_pass.peak > module.plan.predicted_peak + margin  # the pass binds
 
 

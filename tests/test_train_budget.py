@@ -53,6 +53,21 @@ def test_a_plan_that_does_not_fit_names_the_ram_that_would():
     assert tier.over_budget(gpu, 164 * MIB) is gpu  # another tier's error is its own
 
 
+def test_a_gpu_plan_that_does_not_fit_names_the_gpu_budget_to_give():
+    """Under --gpu the plan's smallest is in --gpu terms too, with the next run's margin (the
+    error fit raises names fit's keyword, gpu=, which is not a flag)."""
+    tier = ComputeTier(torch.device("cpu"), True, 512 * MIB, 1024 * MIB)
+    error = BudgetError('gpu (simulated) budget 512 MiB is below ...: give gpu="614MiB"',
+                        tier="gpu (simulated)", budget=512 * MIB, smallest=600 * MIB)
+    message = str(tier.over_budget(error, 0))
+    # 600 x 1.02 + 4 = 616
+    assert message == ("--gpu 512.00 MiB is below the smallest that works in this run, "
+                       "600.00 MiB: give --gpu 616MiB or more (what is measured before "
+                       "planning varies by a few MiB between runs)"), message
+    ram = BudgetError("ram budget 1 GiB is below ...", tier="ram", budget=MIB, smallest=2 * MIB)
+    assert "give --ram 7MiB" in str(tier.over_budget(ram, 0))  # the host tier below it
+
+
 def test_a_model_whose_states_pass_the_ram_is_refused_before_it_is_built(train_env, tmp_path,
                                                                          monkeypatch, capsys):
     """Without --disk the model is built whole in RAM: a 1.1B model under --ram 1GiB would

@@ -55,7 +55,7 @@ def test_a_gpu_budget_too_small_without_a_disk_tier_names_the_disk_tier(train_en
     code, _, err = run_main(*train_args(train_env, tmp_path / "a", "--gpu", "1MiB",
                                         "--simulate-gpu", "--ram", "1GiB"), capsys=capsys)
     assert code == 2
-    assert_error_line(err, ["gpu (simulated) budget 1.00 MiB", "smallest", "--disk DIR"])
+    assert_error_line(err, ["--gpu 1.00 MiB is below the smallest", "give --gpu", "--disk DIR"])
 
 
 def test_a_model_whose_weights_pass_a_cuda_gpu_budget_is_one_line():

@@ -15,7 +15,7 @@ from torch import nn
 from .chain import to_chain
 from .chain.base import Chain
 from .config import FitConfig
-from .errors import TierflowError
+from .errors import BudgetError, TierflowError
 from .exec.boundaries import BoundaryStash
 from .exec.compile import compile_chain
 from .exec.context import AutocastMode, untouched
@@ -44,7 +44,7 @@ from .plan.tier_costs import LowerTier
 from .plan.tier_search import TierPlan, UpdateRates, auto_head_chunk
 from .profile.profiler import profile_chain
 from .tiers import lower_tiers, place, update_rates
-from .units import parse_bytes
+from .units import budget_to_give, parse_bytes
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -130,10 +130,18 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     attempt = functools.partial(_profile_and_plan, model, sample, device, autocast, budget, tier,
                                 reserved, rates, lower, config, say, before, deferred,
                                 grads_resident)
-    if config.head_chunk_tokens is not None:
-        chain, placed = attempt(config.head_chunk_tokens)
-    else:
-        chain, placed = auto_head_chunk(attempt, lambda result: result[1])
+    try:
+        if config.head_chunk_tokens is not None:
+            chain, placed = attempt(config.head_chunk_tokens)
+        else:
+            chain, placed = auto_head_chunk(attempt, lambda result: result[1])
+    except BudgetError as e:
+        if e.tier == tier:  # its smallest holds what this process measured
+            keyword = "ram" if tier == "ram" else "gpu"
+            e.args = (f"{e}; a new process measures the runtime's bytes a few MiB "
+                      f"differently: there give {keyword}=\"{budget_to_give(e.smallest)}\" "
+                      "or more",)
+        raise
     plan = placed.plan
     states = placed.states.store if placed.states else None
     depth = 0 if config.serial_reads else placed.depth  # stages read ahead as the step runs

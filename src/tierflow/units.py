@@ -51,8 +51,13 @@ _RERUN_FRACTION = 0.02
 _RERUN_BYTES = 4 * 2**20
 
 
+def with_rerun_margin(smallest: int) -> int:
+    """A budget (bytes) for the next run after ``smallest`` (bytes, measured in this run) was
+    found to be the least that works: 2% and 4 MiB more, for the measured sizes that vary
+    between runs, rounded up to a whole MiB."""
+    return math.ceil((smallest * (1 + _RERUN_FRACTION) + _RERUN_BYTES) / 2**20) * 2**20
+
+
 def budget_to_give(smallest: int) -> str:
-    """A budget to copy into a flag after ``smallest`` (bytes, measured in this run) was found
-    to be the least that works: 2% and 4 MiB more, for the measured sizes that vary between
-    runs, rounded up to a whole MiB, e.g. ``"234MiB"``."""
-    return f"{math.ceil((smallest * (1 + _RERUN_FRACTION) + _RERUN_BYTES) / 2**20)}MiB"
+    """``with_rerun_margin(smallest)`` as a flag's value, e.g. ``"234MiB"``."""
+    return f"{with_rerun_margin(smallest) // 2**20}MiB"

@@ -82,9 +82,14 @@ class ComputeTier:
         return max(0, rss_bytes() - baseline - sum(params.values()))
 
     def over_budget(self, error: BudgetError, held: int) -> BudgetError:
-        """``error`` of a plan under the budget less ``held``, in terms of --ram, with a
-        --ram to give that leaves room for the sizes measured in the next run."""
-        if error.tier != "ram" or self.ram is None:
+        """``error`` of a plan under the budget less ``held`` (RAM) in terms of --ram or
+        --gpu, with a budget to give that leaves room for the sizes measured in the next
+        run."""
+        if error.tier == "ram" and self.ram is not None:
+            flag, budget = "--ram", self.ram
+        elif error.tier.startswith("gpu") and self.gpu is not None:
+            flag, budget = "--gpu", self.gpu
+        else:
             return error
         need = error.smallest + held
         taken = ""
@@ -93,10 +98,10 @@ class ComputeTier:
             taken = (f" ({format_bytes(held)} is held before planning: torch's first-use "
                      f"caches, the model's objects; the step needs {step} more)")
         return BudgetError(
-            f"--ram {format_bytes(self.ram)} is below the smallest that works in this run, "
-            f"{format_bytes(need, round_up=True)}{taken}: give --ram {budget_to_give(need)} or "
-            "more (what is measured before planning varies by a few MiB between runs)",
-            tier="ram", budget=self.ram, smallest=need)
+            f"{flag} {format_bytes(budget)} is below the smallest that works in this run, "
+            f"{format_bytes(need, round_up=True)}{taken}: give {flag} {budget_to_give(need)} "
+            "or more (what is measured before planning varies by a few MiB between runs)",
+            tier=error.tier, budget=budget, smallest=need)
 
     def refuse_states_beyond_ram(self, model: str, parameters: int, per: BytesPerParameter,
                                  ranks: int) -> None:
