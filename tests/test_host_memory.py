@@ -88,6 +88,23 @@ def _fresh_growth_is_not_served() -> None:
     assert room.trims == 2
 
 
+def test_cached_blocks_serve_no_block_larger_than_them():
+    """malloc's free blocks are scattered pieces (48 MiB of 4 MiB blocks here): an operation
+    whose growth is one 16 MiB block (a parameter's gradient) cannot be served from them, so
+    they go back when the RSS plus that block would pass the limit. Without this a rotor run
+    under --ram 600MiB peaked at 601.3 MiB: the LM head's 31 MiB weight gradient and logits
+    chunk grew the heap beside 147 MiB of free pieces. (In a fresh process, as above.)"""
+    run_in_fresh_process("test_host_memory", "_cached_blocks_serve_no_larger_block")
+
+
+def _cached_blocks_serve_no_larger_block() -> None:
+    room = _measured_room()
+    room.make_room(SLACK + 16 * MIB, largest=4 * MIB)  # pieces of the cache's size: served
+    assert room.trims == 1
+    room.make_room(SLACK + 16 * MIB, largest=16 * MIB)  # one block larger than any piece
+    assert room.trims == 2
+
+
 def test_the_guard_gives_the_caches_back_when_a_fresh_mapping_passes_the_limit():
     """Growth HostRoom was not asked about (a large fresh mapping beside 48 MiB of cached
     blocks) takes the RSS past the guard's level: the guard thread trims, once for the

@@ -54,6 +54,9 @@ class TierflowModule(nn.Module):
         self._update_pass = update_pass
         self._growth = plan.simulation.growth() if host_room is not None else []
         self._largest_growth = max(self._growth, default=0)  # no stage adds more in eval
+        # per stage, its largest parameter: its gradient is one block of that size
+        self._largest_block = [max((p.nbytes for p in stage.parameters()), default=0)
+                               for stage in chain.stages]
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
         self._forward_count = len(plan.forward_ops)
         self.ledger = Ledger({storage_key(p) for p in model.parameters()})
@@ -174,8 +177,10 @@ class TierflowModule(nn.Module):
         op = self._plan.ops[position]
         streamed = self._streamer.stage_params if self._streamer is not None else {}
         # a streamed stage's weights and gradients come as large fresh allocations
-        fresh = getattr(op, "stage", None) in streamed
-        self._host_room.make_room(self._growth[position], fresh=fresh)
+        stage = getattr(op, "stage", None)
+        fresh = stage in streamed
+        largest = self._largest_block[stage] if stage is not None else 0
+        self._host_room.make_room(self._growth[position], fresh=fresh, largest=largest)
 
     def _run_without_grad(self, x: torch.Tensor, ctx: Any, autocast: AutocastMode) -> torch.Tensor:
         """Evaluation: every stage once in order, streamed weights fetched around their use."""

@@ -102,7 +102,9 @@ class HostRoom:
     and a low one would count live bytes as cache. Until the first trim, and while the RSS is
     past the limit, they count as none. Nor do they count for an operation whose growth is
     ``fresh``: allocations of malloc's mmap threshold and more (a streamed stage's weights
-    and their gradients) are new mappings that free blocks cannot serve.
+    and their gradients) are new mappings that free blocks cannot serve. Nor for the
+    operation's ``largest`` block: free blocks are scattered pieces, and a 31 MiB gradient
+    grew the heap beside 147 MiB of them.
 
     What an operation's growth is made of is not always known: the fused LM head's chunks of
     logits are mappings too, and so are buffers the I/O threads fill beside the operations.
@@ -133,9 +135,12 @@ class HostRoom:
             threading.Thread(target=_guard, args=(_guarded, interval), daemon=True,
                              name="tierflow-rss-guard").start()
 
-    def make_room(self, nbytes: int, fresh: bool = False) -> None:
+    def make_room(self, nbytes: int, fresh: bool = False, largest: int = 0) -> None:
+        """Trim before an operation that adds up to ``nbytes`` if the RSS would pass the
+        limit. ``largest``: the largest single block the operation allocates. malloc's
+        free blocks are scattered pieces, so they serve at most ``nbytes - largest``."""
         rss = rss_bytes()
-        cached = 0 if fresh else self._cached(rss)
+        cached = 0 if fresh else min(self._cached(rss), max(0, nbytes - largest))
         if rss + nbytes > self.limit and rss + nbytes - cached > self.limit:
             return_free_memory()
             self.trims += 1
