@@ -64,6 +64,26 @@ def test_bytes_per_parameter_are_the_design_facts():
     assert small.total - small.moment_scales == 6 and small.moment_scales == 8 / 256
 
 
+def test_quantization_and_rounding_compute_in_a_given_vector():
+    """AdamW hands quantize_ and stochastic_round_bf16 a vector of its workspace: the input
+    is left as it was, only the vector's first elements are written, and the codes and the
+    rounding equal those computed in vectors of their own."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1000, generator=g)  # 3 whole blocks and a partial one
+    kept = x.clone()
+    work = torch.full((2048,), 7.0)
+    codes, scales = empty_codes(x.numel(), SIGNED, x.device)
+    quantize_(x, codes, scales, SIGNED, work)
+    alone, alone_scales = empty_codes(x.numel(), SIGNED, x.device)
+    quantize_(x, alone, alone_scales, SIGNED)
+    assert torch.equal(codes, alone) and torch.equal(scales, alone_scales)
+    assert torch.equal(x, kept) and bool((work[1024:] == 7.0).all())
+    first = torch.Generator().manual_seed(2)
+    second = torch.Generator().manual_seed(2)
+    assert torch.equal(stochastic_round_bf16(x, first, work), stochastic_round_bf16(x, second))
+    assert torch.equal(x, kept)
+
+
 def test_stochastic_rounding_is_unbiased():
     """Values between two bf16 neighbours lo < x < hi round to hi with probability
     p = (x - lo) / (hi - lo): the mean of n roundings must be within 5 standard errors

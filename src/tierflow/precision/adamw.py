@@ -14,9 +14,11 @@ decoupled weight decay and bias correction), done in float32 on float32 working 
 
 A parameter is updated CHUNK (4M) elements at a time in float32 scratch vectors of one slice,
 allocated once per step (``_workspace``: the gradient, working weights and moments as
-float32, the denominator), so the step's temporaries stay 1 to 9 times 16 MiB (fp32
-weights; int8 moments, whose quantization and stochastic rounding allocate their own) even
-for a 32000 x 2048 embedding (256 MiB per float32 temporary of it otherwise). The trainer
+float32, the denominator; int8 quantization and stochastic rounding compute in the
+denominator's vector once the weights are updated), so the step's temporaries stay 1 to 5
+times 16 MiB (16 MiB for fp32 weights and moments, 64 MiB for int8 moments, 81 MiB for
+bf16 moments, whose rounding still casts and masks a slice of its own) even for a
+32000 x 2048 embedding (256 MiB per float32 temporary of it otherwise). The trainer
 measures them and plans room for them (``train/optimizer.step_transient_bytes``). Every
 operation is element-wise and int8 slices start on block boundaries, so without stochastic
 rounding the result equals one pass over the whole tensor; stochastic rounding draws its
@@ -176,14 +178,14 @@ class AdamW(torch.optim.Optimizer):
         denom = torch.sqrt(exp_avg_sq, out=scratch["denom"][:n])
         denom.div_(bias_correction2 ** 0.5).add_(eps)
         weights.addcdiv_(exp_avg, denom, value=-step_size)
-        self._store(state, "exp_avg", exp_avg, start, stop)
-        self._store(state, "exp_avg_sq", exp_avg_sq, start, stop)
+        self._store(state, "exp_avg", exp_avg, start, stop, scratch["denom"])
+        self._store(state, "exp_avg_sq", exp_avg_sq, start, stop, scratch["denom"])
         if p.dtype == torch.float32:
             return  # the weights were updated in place
         if master is not None:
             flat.copy_(weights)  # round to nearest: the master keeps what bf16 cannot
         else:
-            flat.copy_(stochastic_round_bf16(weights, self._generator))
+            flat.copy_(stochastic_round_bf16(weights, self._generator, scratch["denom"]))
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         state["step"] = 0
@@ -209,12 +211,16 @@ class AdamW(torch.optim.Optimizer):
             return dequantize_into(out, codes, scales, _MAPPINGS[key])[:stop - start]
         return scratch[key][:stop - start].copy_(stored.view(-1)[start:stop])
 
-    def _store(self, state: dict, key: str, value: torch.Tensor, start: int, stop: int) -> None:
+    def _store(self, state: dict, key: str, value: torch.Tensor, start: int, stop: int,
+               work: torch.Tensor) -> None:
+        """Write moment ``key``'s elements [start, stop) back from ``value``, computing in
+        the float32 vector ``work`` (the denominator's, free once the weights are updated)."""
         if self.moment_dtype == "int8":
             codes, scales = self._codes(state, key, start, stop)
-            quantize_(value, codes, scales, _MAPPINGS[key])
+            quantize_(value, codes, scales, _MAPPINGS[key], work)
         elif self.moment_dtype == "bf16":
-            state[key].view(-1)[start:stop].copy_(stochastic_round_bf16(value, self._generator))
+            state[key].view(-1)[start:stop].copy_(
+                stochastic_round_bf16(value, self._generator, work))
         # fp32: ``value`` is a view of the state tensor, updated in place
 
     @staticmethod

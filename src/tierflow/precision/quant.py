@@ -62,20 +62,28 @@ def empty_codes(numel: int, mapping: Mapping, device: torch.device
 
 
 def quantize_(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-              mapping: Mapping) -> None:
+              mapping: Mapping, work: torch.Tensor | None = None) -> None:
     """Write float32 ``x`` (any shape, ``numel`` elements) into ``codes`` and ``scales`` (as
-    made by ``empty_codes``) in place."""
-    if not mapping.signed and bool((x < 0).any()):
+    made by ``empty_codes``) in place. The codes are computed in ``work``, a float32 vector
+    of at least ``codes.numel()`` elements (allocated when not given): nothing else of
+    ``x``'s size is allocated, so AdamW can hand it a vector of its workspace."""
+    size, n = codes.numel(), x.numel()
+    work = torch.empty(size, dtype=torch.float32, device=x.device) if work is None \
+        else work[:size]
+    flat = x.reshape(-1)  # (n,)
+    work[:n].copy_(flat)
+    work[n:].zero_()  # the padding of the last block
+    grid = work.view(-1, BLOCK)  # (blocks, BLOCK)
+    lowest, highest = torch.aminmax(grid, dim=1)  # (blocks,) each
+    if not mapping.signed and bool((lowest < 0).any()):
         raise ValueError("the unsigned mapping stores non-negative values only")
-    flat = x.reshape(-1)
-    padded = torch.nn.functional.pad(flat, (0, codes.numel() - flat.numel()))
-    grid = padded.view(-1, BLOCK)  # (blocks, BLOCK)
-    absmax = grid.abs().amax(dim=1)  # (blocks,)
-    u = (grid.abs() / absmax.clamp_min(_TINY)[:, None]).pow(1.0 / mapping.power)  # in [0, 1]
-    q = torch.round(u * mapping.levels)
+    absmax = torch.maximum(highest, -lowest)  # (blocks,) the largest magnitude
+    # u = (|x| / a)^(1/p) in [0, 1], then its code round(Q u), in place
+    grid.abs_().div_(absmax.clamp_min(_TINY)[:, None]).pow_(1.0 / mapping.power)
+    grid.mul_(mapping.levels).round_()
     if mapping.signed:
-        q = q * grid.sign()
-    codes.copy_(q.reshape(-1))  # exact: integers within the code dtype's range
+        work[:n].copysign_(flat)  # a code carries its value's sign
+    codes.copy_(work)  # exact: integers within the code dtype's range
     scales.copy_(absmax)
 
 

@@ -17,19 +17,27 @@ import torch
 _LOW_BITS = 1 << 16
 
 
-def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator,
+                          work: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` (float32, any shape) rounded to bfloat16 up or down at random, unbiased:
     E[result] == x for every finite x whose bf16 neighbours are finite. NaN stays NaN, +-inf
     stays +-inf; a value within one bf16 ulp of bf16's largest finite may round to inf, as it
-    would in any stochastic-rounding hardware. ``generator`` lives on ``x``'s device."""
+    would in any stochastic-rounding hardware. ``generator`` lives on ``x``'s device.
+    ``work``: a float32 vector of at least ``x.numel()`` elements the rounding is computed in
+    (allocated when not given), so that AdamW's workspace serves it."""
     if x.dtype != torch.float32:
         raise TypeError(f"stochastic_round_bf16 takes float32, got {x.dtype}")
     bits = x.contiguous().view(torch.int32)  # same bytes, read as int32
-    noise = torch.randint(0, _LOW_BITS, x.shape, dtype=torch.int32, device=x.device,
-                          generator=generator)
+    if work is None:
+        work = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+    noise = work[:x.numel()].view(torch.int32).view(x.shape)
+    torch.randint(0, _LOW_BITS, x.shape, dtype=torch.int32, device=x.device,
+                  generator=generator, out=noise)
     # sign-magnitude: adding to the bit pattern grows the magnitude, the mask truncates it
-    rounded = ((bits + noise) & -_LOW_BITS).view(torch.float32)  # low 16 bits now zero
-    rounded = torch.where(torch.isfinite(x), rounded, x)
+    rounded = noise.add_(bits).bitwise_and_(-_LOW_BITS).view(torch.float32)  # low 16 bits 0
+    special = ~torch.isfinite(x)
+    if bool(special.any()):
+        rounded[special] = x[special]  # NaN and +-inf as they are
     return rounded.to(torch.bfloat16)  # exact: the low 16 bits are zero
 
 
