@@ -16,7 +16,7 @@ A parameter is updated CHUNK (4M) elements at a time in float32 scratch vectors 
 allocated once per step (``_workspace``: the gradient, working weights and moments as
 float32, the denominator; int8 quantization and stochastic rounding compute in the
 denominator's vector once the weights are updated), so the step's temporaries stay 1 to 5
-times 16 MiB (16 MiB for fp32 weights and moments, 64 MiB for int8 moments, 81 MiB for
+times 16 MiB (16 MiB for fp32 weights and moments, 64 MiB for int8 moments, 78 MiB for
 bf16 moments, whose rounding still casts and masks a slice of its own) even for a
 32000 x 2048 embedding (256 MiB per float32 temporary of it otherwise). The trainer
 measures them and plans room for them (``train/optimizer.step_transient_bytes``). Every

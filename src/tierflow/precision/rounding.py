@@ -35,9 +35,7 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator,
                   generator=generator, out=noise)
     # sign-magnitude: adding to the bit pattern grows the magnitude, the mask truncates it
     rounded = noise.add_(bits).bitwise_and_(-_LOW_BITS).view(torch.float32)  # low 16 bits 0
-    special = ~torch.isfinite(x)
-    if bool(special.any()):
-        rounded[special] = x[special]  # NaN and +-inf as they are
+    torch.where(torch.isfinite(x), rounded, x, out=rounded)  # NaN and +-inf as they are
     return rounded.to(torch.bfloat16)  # exact: the low 16 bits are zero
 
 
