@@ -207,6 +207,25 @@ def test_bad_inputs_are_one_line_exit_2(env, tmp_path, capsys):
         assert lines[0].startswith("tierflow: error: ") and fragment in lines[0], (fragment, lines)
 
 
+def test_a_refused_run_leaves_the_log_of_the_run_before(env, tmp_path, capsys):
+    """A run into the directory of an earlier one writes its log beside that run's until it
+    has a plan: refused for its budget, it leaves the earlier log as it was (it used to
+    truncate it at the start) and no file of its own. A run that plans replaces it."""
+    out = tmp_path / "run"
+    out.mkdir()
+    earlier = '{"kind": "train", "step": 400}\n'
+    (out / "log.jsonl").write_text(earlier)
+    code, _, err = run_main(*train_args(env, out, "--ram", "64KiB", "--steps", "1"),
+                            capsys=capsys)
+    assert code == 2, err
+    assert (out / "log.jsonl").read_text() == earlier
+    assert sorted(p.name for p in out.iterdir()) == ["log.jsonl"]
+    code, _, err = run_main(*train_args(env, out, "--steps", "1"), capsys=capsys)
+    assert code == 0, err
+    assert records(out / "log.jsonl")[0]["kind"] == "options"
+    assert not (out / "log.jsonl.new").exists()
+
+
 def test_preset_takes_the_data_vocab(env, tmp_path, capsys):
     code, out, err = run_main("train", "--model", "llama-20m", "--data", env["data"], "--seq-len",
                               "16", "--batch-size", "1", "--grad-accum", "2", "--epochs", "0.0001",
@@ -265,6 +284,7 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
         logger.bar(5, 10, 0.5)
         logger.print("[T] step 6")
         logger.record("train", step=6, loss=1.5)
+        logger.keep()
         logger.close()
         assert ("5/10 eta 2 s" in bar.getvalue()) == tty
         assert out.getvalue() == "[T] step 6\n"

@@ -3,6 +3,7 @@ a progress bar on a terminal (only), and every record as one JSON line in the lo
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -195,11 +196,15 @@ class Logger:
         self.path = log_path
         self.active = active
         self.file = None
+        # a new run writes beside the log already there until it is under way (``keep``): a
+        # run refused before that (a budget no plan fits, bad input) leaves that log intact
+        self._pending = None if append else log_path.with_name(log_path.name + ".new")
         if not active:
             return
         try:
             log_path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(log_path, "a" if append else "w", encoding="utf-8")
+            self.file = open(self._pending or log_path, "a" if append else "w",
+                             encoding="utf-8")
         except OSError as e:
             raise TierflowError(f"cannot write the log {log_path} ({e.strerror}): use --log or "
                                 "--out with a writable path") from None
@@ -234,7 +239,16 @@ class Logger:
             self.bar_stream.flush()
             self._bar_shown = False
 
+    def keep(self) -> None:
+        """The run is under way (it has its plan): its log replaces the one at ``path``."""
+        if self._pending is not None and self.file is not None:
+            os.replace(self._pending, self.path)  # the open file follows the rename
+        self._pending = None
+
     def close(self) -> None:
+        """Close the log; one never kept (the run ended before it was under way) is removed."""
         self._clear_bar()
         if self.file is not None:
             self.file.close()
+            if self._pending is not None:
+                self._pending.unlink(missing_ok=True)

@@ -214,6 +214,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
                                                                   tier.device),
         disk=disk, baseline=baseline, logger=logger, autocast=autocast)
     module = planner.plan(tier)
+    logger.keep()  # planned: this run's log replaces an earlier run's in its place
     report_plan(module, opts=opts, precision=precision, tier=tier, world=world,
                 trainable=trainable, step_temporaries=planner.step_temporaries, logger=logger)
 
