@@ -39,6 +39,11 @@ def test_header_round_trip(tmp_path, vocab, dtype):
     f.check_vocab()
     window = f.window(3, 5)
     assert window.dtype == np.int64 and window.tolist() == tokens[3:8].tolist()
+    rows = f.windows([7, 0, 7], 4)  # (3, 4), one open of the file
+    assert rows.dtype == np.int64 and rows.shape == (3, 4)
+    assert rows.tolist() == [tokens[7:11].tolist(), tokens[0:4].tolist(), tokens[7:11].tolist()]
+    with pytest.raises(TierflowError, match=r"window \[" + str(len(tokens) - 2)):
+        f.windows([0, len(tokens) - 2], 4)  # the second row runs past the end
     assert not list(tmp_path.glob(".*tmp*"))
 
 

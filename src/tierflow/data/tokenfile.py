@@ -268,14 +268,21 @@ class TokenFile:
 
     def window(self, start: int, length: int) -> np.ndarray:
         """Tokens ``[start, start + length)`` as a fresh int64 array (not a view of the map)."""
-        if start < 0 or length < 0 or start + length > len(self):
-            raise TierflowError(f"token file {self.path} holds {len(self)} tokens; the window "
-                                f"[{start}, {start + length}) is outside it; fix: use a shorter "
-                                f"sequence length or more data")
-        out = np.empty(length, dtype=self.tokens.dtype)
+        return self.windows([start], length)[0]
+
+    def windows(self, starts: Sequence[int], length: int) -> np.ndarray:
+        """The windows of ``length`` tokens from each of ``starts``, as a fresh
+        (len(starts), length) int64 array, read through one open of the file."""
+        for start in starts:
+            if start < 0 or length < 0 or start + length > len(self):
+                raise TierflowError(f"token file {self.path} holds {len(self)} tokens; the "
+                                    f"window [{start}, {start + length}) is outside it; fix: use "
+                                    f"a shorter sequence length or more data")
+        out = np.empty((len(starts), length), dtype=self.tokens.dtype)  # (rows, length)
         with open(self.path, "rb", buffering=0) as f:
-            first = self._read_into(f, start, out)
-            drop_from_page_cache(f.fileno(), first, out.nbytes)
+            for row, start in zip(out, starts):
+                first = self._read_into(f, int(start), row)
+                drop_from_page_cache(f.fileno(), first, row.nbytes)
         return out.astype(np.int64)
 
     def _read_into(self, f: BinaryIO, start: int, out: np.ndarray) -> int:

@@ -39,8 +39,7 @@ class Batches:
         self.index += 1
         high = len(self.tokens) - self.seq_len - 1
         starts = rng.integers(0, high + 1, size=self.batch_size)  # (batch_size,)
-        rows = [self.tokens.window(int(s), self.seq_len + 1) for s in starts[self.rows]]
-        return torch.from_numpy(np.stack(rows))
+        return torch.from_numpy(self.tokens.windows(starts[self.rows].tolist(), self.seq_len + 1))
 
     def state(self) -> dict:
         return {"index": self.index, "seed": self.seed}
@@ -53,10 +52,10 @@ def eval_batches(tokens: TokenFile, seq_len: int, batch_size: int, steps: int) -
     out = []
     w = 0
     while len(out) < steps and w + batch_size <= n_windows:
-        rows = [tokens.window((w + i) * seq_len, seq_len + 1) for i in range(batch_size)]
-        out.append(torch.from_numpy(np.stack(rows)))
+        starts = [(w + i) * seq_len for i in range(batch_size)]
+        out.append(torch.from_numpy(tokens.windows(starts, seq_len + 1)))
         w += batch_size
     if not out and n_windows > 0:
-        rows = [tokens.window(i * seq_len, seq_len + 1) for i in range(n_windows)]
-        out.append(torch.from_numpy(np.stack(rows)))
+        starts = [i * seq_len for i in range(n_windows)]
+        out.append(torch.from_numpy(tokens.windows(starts, seq_len + 1)))
     return out
