@@ -48,9 +48,9 @@ def memory_needed(directory: str | Path, dtype: torch.dtype, prompt_tokens: int,
     - activations (the stated margin): the prefill's fp32 logits (prompt x vocab x 4), one
       layer's working set (prompt x (4 x hidden + 2 x intermediate) x ``dtype`` bytes) and
       the attention scores (heads x prompt^2 x 4 bytes)."""
-    from .models.load import _read_config
+    from .models.load import read_config
     directory = Path(directory)
-    config = _read_config(directory)
+    config = read_config(directory)
     size = torch.empty(0, dtype=dtype).element_size()
     weights = sum(math.prod(t.shape) * size for t in stored_tensors(directory).values())
     layers = _config_int(config, "num_hidden_layers", "n_layer") or 0

@@ -199,8 +199,8 @@ def load_streamed(directory: Path, dtype: torch.dtype, need: MemoryNeed, budget:
     from transformers import AutoModelForCausalLM
 
     from .chain.hf import _decoder_layers
-    from .models.load import _read_config, params_on_meta
-    config = _read_config(directory)
+    from .models.load import params_on_meta, read_config
+    config = read_config(directory)
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise TierflowError(f"the tokenizer's vocabulary ({vocab_size}) is larger than the "
                             f"model's ({config.vocab_size} in {directory / 'config.json'}): "

@@ -97,7 +97,9 @@ def _open_safetensors(path: Path):
         yield f
 
 
-def _read_config(directory: Path):
+def read_config(directory: Path):
+    """The transformers config of the model directory ``directory`` (its config.json checked
+    first); a one-line error when transformers does not know it."""
     from transformers import AutoConfig
 
     config_file = directory / "config.json"
@@ -142,7 +144,7 @@ def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float3
     exists whole in memory."""
     from transformers import AutoModelForCausalLM
 
-    config = _read_config(directory)
+    config = read_config(directory)
     files = read_safetensors_index(directory)  # checks shard files before building anything
     with params_on_meta():
         try:

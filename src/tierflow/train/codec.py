@@ -113,7 +113,7 @@ def config_hash(value: Any) -> str:
 
 def spec_arch(spec: str, vocab_size: int) -> dict[str, Any]:
     """The architecture ``--model spec`` names, read without loading any weight."""
-    from ..models.load import _read_config
+    from ..models.load import read_config
     from ..models.presets import PRESETS, preset_config
     if spec in PRESETS:
         return _config_arch(preset_config(spec, vocab_size=vocab_size))
@@ -121,7 +121,7 @@ def spec_arch(spec: str, vocab_size: int) -> dict[str, Any]:
     if not path.is_dir():
         raise TierflowError(f"--model {spec!r} is neither a preset nor a directory: pass the "
                             "model the checkpoint was trained from, or leave --model out")
-    return _config_arch(_read_config(path))
+    return _config_arch(read_config(path))
 
 
 def model_arch(model) -> dict[str, Any]:

@@ -56,14 +56,14 @@ def build_model(opts: TrainOptions, ckpt, data: DataDir, precision: PrecisionCon
 def count_model_parameters(opts: TrainOptions, ckpt, data: DataDir) -> int:
     """The parameters of the model ``build_model`` would build (tied ones once), counted on
     the meta device from its config: nothing allocated, whatever the model's size."""
-    from ..models.load import _read_config
+    from ..models.load import read_config
     from ..models.presets import PRESETS, count_parameters, preset_config
 
     if ckpt is not None:
-        return count_parameters(_read_config(ckpt.path))
+        return count_parameters(read_config(ckpt.path))
     if opts.model in PRESETS:
         return count_parameters(preset_config(opts.model, vocab_size=data.vocab_size))
-    return count_parameters(_read_config(Path(opts.model)))
+    return count_parameters(read_config(Path(opts.model)))
 
 
 def _check_finite(model, source, offload: OffloadedParameters | None) -> None:
