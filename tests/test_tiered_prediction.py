@@ -107,3 +107,39 @@ def _probe_matches_the_prediction(moments: str, weights: str) -> None:
     least = min(probe.transient_bytes for probe in probes)
     assert least == pytest.approx(adamw_transient_bytes(moments, dtype.itemsize),
                                   rel=0.25)
+
+
+def test_an_optimizers_growing_temporaries_are_priced_as_a_line():
+    """Temporaries that grow with the parameter are priced as the line through the probe's
+    two sizes, a fixed part and a part per byte: torch's AdamW took 2 to 5.5 MiB for a
+    1 MiB parameter and 8 MiB for 4 MiB, and choosing between all fixed and all per byte
+    flipped with that noise. Here an optimizer whose step allocates 4 MiB plus its
+    parameter's bytes (measured in a fresh process: its RSS alone)."""
+    run_in_fresh_process("test_tiered_prediction", "_growing_temporaries_priced_as_a_line")
+
+
+def _growing_temporaries_priced_as_a_line() -> None:
+    import torch
+
+    from tierflow.exec.memory import meter_for
+    from tierflow.exec.optimizer import probe_optimizer
+
+    class AffineScratch(torch.optim.Optimizer):
+        """A step that fills a temporary of 4 MiB plus the parameter's bytes, then frees it."""
+
+        def __init__(self, params):
+            super().__init__(params, {})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p]["step"] = torch.tensor(1.0)
+                    scratch = torch.ones(p.numel() + (1 << 20))  # (numel + 1M,) float32
+                    p.add_(scratch[:p.numel()], alpha=0.0)
+
+    cpu = torch.device("cpu")
+    probe = probe_optimizer(AffineScratch, cpu, meter_for(cpu), numel=1 << 20)  # 4, 16 MiB
+    mib = 1 << 20
+    assert probe.transient_per_byte == pytest.approx(1.0, abs=0.1)
+    assert probe.transient_bytes == pytest.approx(4 * mib, abs=mib)

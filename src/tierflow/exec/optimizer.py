@@ -272,6 +272,13 @@ def _copy(value: object) -> object:
     return value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
+PROBE_SECONDS = 0.05  # the least time the probe's measured steps take
+# a probe's temporaries grow with its parameter when 4x the elements take more than this
+# many times the bytes: tierflow's AdamW took 1.0x to 1.33x (int8 moments: 48.5 MiB for a
+# 16 MiB parameter, a slice of it, and 64.5 for 64 MiB, its most), torch's 1.45x to 4x
+GROWING = 1.4
+
+
 @dataclass(frozen=True)
 class OptimizerProbe:
     state_per_byte: float  # optimizer state bytes per parameter byte
@@ -292,15 +299,22 @@ def probe_optimizer(factory: OptimizerFactory, device: torch.device, meter: Host
                     numel: int = 1 << 22, dtype: torch.dtype = torch.float32) -> OptimizerProbe:
     """Run the optimizer on scratch parameters of ``numel`` and 4 x ``numel`` elements of
     the model's ``dtype`` (bf16 weights bring an fp32 master copy) to learn its state size,
-    its speed and the temporaries one step allocates. Temporaries that grow with the
-    parameter are priced per byte of it; ones that do not (an optimizer that works through a
-    parameter a slice at a time, as tierflow's AdamW does) as fixed bytes."""
+    its speed and the temporaries one step allocates. Temporaries that do not grow with the
+    parameter (an optimizer that works through it a slice at a time, as tierflow's AdamW
+    does) are priced as fixed bytes, the larger of the two measured; others as the line
+    through the two measurements, a fixed part and a part per byte of the parameter:
+    torch's AdamW measured 2 to 5.5 MiB for 1 MiB (malloc's heap grows in steps) and 8 MiB
+    for 4 MiB, so neither fixed nor proportional bytes fit it, and a choice between the two
+    flipped with that noise (8 MiB apart for an 8 MiB parameter)."""
     small = _probe_step(factory, device, meter, numel, dtype)
     large = _probe_step(factory, device, meter, 4 * numel, dtype)
-    per_byte = large.transient > 2 * small.transient  # 4x the elements, about 4x the bytes
-    return OptimizerProbe(large.state / large.nbytes, large.seconds / large.nbytes,
-                          large.transient / large.nbytes if per_byte else 0.0,
-                          0 if per_byte else large.transient)
+    state_per_byte, seconds_per_byte = large.state / large.nbytes, large.seconds / large.nbytes
+    if large.transient <= GROWING * small.transient:  # does not grow with the parameter
+        return OptimizerProbe(state_per_byte, seconds_per_byte, 0.0,
+                              max(small.transient, large.transient))
+    per_byte = (large.transient - small.transient) / (large.nbytes - small.nbytes)
+    return OptimizerProbe(state_per_byte, seconds_per_byte, per_byte,
+                          max(0, int(small.transient - per_byte * small.nbytes)))
 
 
 def step_transient(factory: OptimizerFactory, device: torch.device,
@@ -320,14 +334,18 @@ def _probe_step(factory: OptimizerFactory, device: torch.device,
     opt.step()  # creates the state
     state = sum(t.nbytes for s in opt.state.values() for t in s.values()
                 if isinstance(t, torch.Tensor) and t.numel() > 1)
-    rounds = 3
     if device.type == "cpu":  # else the step's first free may trim free memory left by
         return_free_memory()  # earlier work, and the RSS would fall by more than it adds
     base = meter.current()
     meter.reset_peak()
     start = time.perf_counter()
-    for _ in range(rounds):
+    rounds = 0
+    # at least PROBE_SECONDS of steps: a host meter samples the RSS every half millisecond,
+    # and three steps of a 1 MiB parameter (a millisecond each) let it miss the peak of
+    # their temporaries in some runs (1.0 to 4.4 MiB measured for torch's AdamW)
+    while rounds < 3 or (time.perf_counter() - start < PROBE_SECONDS and rounds < 100):
         opt.step()
-    meter.finish()
+        meter.finish()
+        rounds += 1
     seconds = (time.perf_counter() - start) / rounds
     return _Step(state, seconds, max(0, meter.peak() - base), probe.nbytes)
