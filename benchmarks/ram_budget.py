@@ -30,8 +30,9 @@ from random_tokens import random_token_files  # noqa: E402
 MIB = 1 << 20
 
 
-def run_once(args: argparse.Namespace, data: Path, out: Path) -> tuple[int, int, int]:
-    """(predicted peak, measured peak, budget) in bytes above the baseline of one run."""
+def run_once(args: argparse.Namespace, data: Path, out: Path) -> tuple[int, int, int, str]:
+    """(predicted peak, measured peak, budget) in bytes above the baseline of one run, and
+    its plan's strategy."""
     env = dict(os.environ, PYTHONPATH=str(args.src))
     argv = [sys.executable, "-m", "tierflow", "train", "--model", args.model, "--data",
             str(data), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
@@ -47,7 +48,7 @@ def run_once(args: argparse.Namespace, data: Path, out: Path) -> tuple[int, int,
     if held is None:  # an older tierflow: the line it printed
         line = next(x for x in proc.stdout.splitlines() if "held before planning" in x)
         held = int(float(line.split()[0]) * MIB)
-    return plan["predicted_peak"] + held, measured, plan["budget"]
+    return plan["predicted_peak"] + held, measured, plan["budget"], plan["strategy"]
 
 
 def main() -> None:
@@ -67,10 +68,11 @@ def main() -> None:
               "post-import baseline")
         runs = []
         for k in range(args.runs):
-            predicted, measured, budget = run_once(args, data, Path(scratch) / f"run{k}")
+            predicted, measured, budget, strategy = run_once(args, data,
+                                                             Path(scratch) / f"run{k}")
             runs.append((predicted, measured))
             print(f"  run {k + 1}: predicted {predicted / MIB:7.1f}  measured "
-                  f"{measured / MIB:7.1f}  budget {budget / MIB:7.1f}")
+                  f"{measured / MIB:7.1f}  budget {budget / MIB:7.1f}  ({strategy})")
         over = sum(measured > budget for _, measured in runs)
         print(f"  median: predicted {statistics.median(p for p, _ in runs) / MIB:7.1f}  "
               f"measured {statistics.median(m for _, m in runs) / MIB:7.1f}; {over} of "
