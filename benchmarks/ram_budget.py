@@ -9,8 +9,9 @@ tierflow of another checkout's ``src``, e.g. an older commit's worktree, for com
 From each run's log.jsonl it reads the predicted peak (the plan's, plus what the process held
 before planning, which the plan's budget leaves out) and the measured one (the largest
 ``ram_bytes`` of the step records: the RSS peak above the post-import baseline), and prints
-both per run, their medians and how many runs passed the budget. At the default sizes the
-plan keeps every activation and predicts a peak within 20 MiB of the 500 MiB budget.
+both per run with the plan's strategy and the median step time, their medians and how many
+runs passed the budget. At the default sizes the plan keeps every activation and predicts a
+peak within 20 MiB of the 500 MiB budget.
 """
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ from random_tokens import random_token_files  # noqa: E402
 MIB = 1 << 20
 
 
-def run_once(args: argparse.Namespace, data: Path, out: Path) -> tuple[int, int, int, str]:
-    """(predicted peak, measured peak, budget) in bytes above the baseline of one run, and
-    its plan's strategy."""
+def run_once(args: argparse.Namespace, data: Path,
+             out: Path) -> tuple[int, int, int, str, float]:
+    """(predicted peak, measured peak, budget) in bytes above the baseline of one run, its
+    plan's strategy and its median step time in ms (the first step left out: its AdamW
+    states are new)."""
     env = dict(os.environ, PYTHONPATH=str(args.src))
     argv = [sys.executable, "-m", "tierflow", "train", "--model", args.model, "--data",
             str(data), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
@@ -48,7 +51,9 @@ def run_once(args: argparse.Namespace, data: Path, out: Path) -> tuple[int, int,
     if held is None:  # an older tierflow: the line it printed
         line = next(x for x in proc.stdout.splitlines() if "held before planning" in x)
         held = int(float(line.split()[0]) * MIB)
-    return plan["predicted_peak"] + held, measured, plan["budget"], plan["strategy"]
+    step_ms = statistics.median(r["ms"] for r in records if r["kind"] == "train"
+                                and r["step"] > 1)
+    return plan["predicted_peak"] + held, measured, plan["budget"], plan["strategy"], step_ms
 
 
 def main() -> None:
@@ -68,15 +73,17 @@ def main() -> None:
               "post-import baseline")
         runs = []
         for k in range(args.runs):
-            predicted, measured, budget, strategy = run_once(args, data,
-                                                             Path(scratch) / f"run{k}")
-            runs.append((predicted, measured))
+            predicted, measured, budget, strategy, step_ms = run_once(
+                args, data, Path(scratch) / f"run{k}")
+            runs.append((predicted, measured, step_ms))
             print(f"  run {k + 1}: predicted {predicted / MIB:7.1f}  measured "
-                  f"{measured / MIB:7.1f}  budget {budget / MIB:7.1f}  ({strategy})")
-        over = sum(measured > budget for _, measured in runs)
-        print(f"  median: predicted {statistics.median(p for p, _ in runs) / MIB:7.1f}  "
-              f"measured {statistics.median(m for _, m in runs) / MIB:7.1f}; {over} of "
-              f"{len(runs)} runs above the budget")
+                  f"{measured / MIB:7.1f}  budget {budget / MIB:7.1f}  step {step_ms:6.0f} ms "
+                  f"({strategy})")
+        over = sum(measured > budget for _, measured, _ in runs)
+        print(f"  median: predicted {statistics.median(p for p, _, _ in runs) / MIB:7.1f}  "
+              f"measured {statistics.median(m for _, m, _ in runs) / MIB:7.1f}  step "
+              f"{statistics.median(t for _, _, t in runs):6.0f} ms; {over} of {len(runs)} runs "
+              "above the budget")
 
 
 if __name__ == "__main__":
