@@ -291,6 +291,24 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
         assert records(tmp_path / f"log{tty}.jsonl")[0]["loss"] == 1.5
 
 
+def test_a_resumed_run_removes_the_log_of_a_run_killed_before_its_plan(tmp_path):
+    """A run killed before it had its plan (SIGKILL: no close) leaves its log.jsonl.new; the
+    next new run would overwrite it, and a resumed run, which appends to log.jsonl, removes it."""
+    from tierflow.train.logger import Logger
+
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"kind": "train", "step": 400}\n')
+    killed = Logger(log, out=io.StringIO())
+    killed.record("options", steps=1)
+    killed.file.close()  # as a SIGKILL leaves it: neither kept nor removed
+    assert (tmp_path / "log.jsonl.new").exists()
+    resumed = Logger(log, out=io.StringIO(), append=True)
+    resumed.record("resume", step=400)
+    resumed.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log.jsonl"]
+    assert [r["kind"] for r in records(log)] == ["train", "resume"]
+
+
 def test_schedule_warmup_then_cosine():
     kw = dict(lr=1.0, warmup=4, total=14, min_lr=0.1)
     assert [lr_at(s, **kw) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]

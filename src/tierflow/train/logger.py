@@ -198,11 +198,14 @@ class Logger:
         self.file = None
         # a new run writes beside the log already there until it is under way (``keep``): a
         # run refused before that (a budget no plan fits, bad input) leaves that log intact
-        self._pending = None if append else log_path.with_name(log_path.name + ".new")
+        pending = log_path.with_name(log_path.name + ".new")
+        self._pending = None if append else pending
         if not active:
             return
         try:
             log_path.parent.mkdir(parents=True, exist_ok=True)
+            if append:  # left by a new run killed before its plan: the log of no run
+                pending.unlink(missing_ok=True)
             self.file = open(self._pending or log_path, "a" if append else "w",
                              encoding="utf-8")
         except OSError as e:
