@@ -319,16 +319,16 @@ def test_unreadable_token_file(root, tmp_path):
 def test_permission_errors_are_one_line(root, tmp_path, monkeypatch):
     """A file the user may not read (simulated: root reads everything) is one line naming it."""
     from tierflow.models import load as load_module
-    original = load_module._read_config
+    original = load_module.read_config
 
     def denied(directory):
         raise PermissionError(errno.EACCES, "Permission denied", str(directory / "config.json"))
-    monkeypatch.setattr(load_module, "_read_config", denied)
+    monkeypatch.setattr(load_module, "read_config", denied)
     code, _, err = _run_main(*_base(root, tmp_path / "out"))
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1, err
     assert f"cannot read {root / 'model' / 'config.json'} (permission denied)" in lines[0]
-    monkeypatch.setattr(load_module, "_read_config", original)
+    monkeypatch.setattr(load_module, "read_config", original)
 
 
 def test_full_disk_while_checkpointing_keeps_the_previous_one(root, tmp_path, monkeypatch):

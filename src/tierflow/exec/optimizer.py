@@ -275,7 +275,9 @@ def _copy(value: object) -> object:
 PROBE_SECONDS = 0.05  # the least time the probe's measured steps take
 # a probe's temporaries grow with its parameter when 4x the elements take more than this
 # many times the bytes: tierflow's AdamW took 1.0x to 1.33x (int8 moments: 48.5 MiB for a
-# 16 MiB parameter, a slice of it, and 64.5 for 64 MiB, its most), torch's 1.45x to 4x
+# 16 MiB parameter, a slice of it, and 64.5 for 64 MiB, its most), torch's 1.45x to 4x.
+# At 2x, the rule before, torch's AdamW was priced as 8 MiB fixed in some fits and 2 bytes
+# per byte in others: 8 MiB apart for an 8 MiB parameter.
 GROWING = 1.4
 
 
@@ -299,22 +301,19 @@ def probe_optimizer(factory: OptimizerFactory, device: torch.device, meter: Host
                     numel: int = 1 << 22, dtype: torch.dtype = torch.float32) -> OptimizerProbe:
     """Run the optimizer on scratch parameters of ``numel`` and 4 x ``numel`` elements of
     the model's ``dtype`` (bf16 weights bring an fp32 master copy) to learn its state size,
-    its speed and the temporaries one step allocates. Temporaries that do not grow with the
-    parameter (an optimizer that works through it a slice at a time, as tierflow's AdamW
-    does) are priced as fixed bytes, the larger of the two measured; others as the line
-    through the two measurements, a fixed part and a part per byte of the parameter:
-    torch's AdamW measured 2 to 5.5 MiB for 1 MiB (malloc's heap grows in steps) and 8 MiB
-    for 4 MiB, so neither fixed nor proportional bytes fit it, and a choice between the two
-    flipped with that noise (8 MiB apart for an 8 MiB parameter)."""
+    its speed and the temporaries one step allocates. Temporaries that grow with the
+    parameter are priced per byte of it, at the larger step's rate; ones that do not (an
+    optimizer that works through a parameter a slice at a time, as tierflow's AdamW does)
+    as fixed bytes, the larger of the two measured. Only the larger step prices growing
+    temporaries: the smaller one's vary with the state of malloc's heap (torch's AdamW: 2 to
+    5.5 MiB for 1 MiB, against a steady 8 MiB for 4 MiB)."""
     small = _probe_step(factory, device, meter, numel, dtype)
     large = _probe_step(factory, device, meter, 4 * numel, dtype)
     state_per_byte, seconds_per_byte = large.state / large.nbytes, large.seconds / large.nbytes
-    if large.transient <= GROWING * small.transient:  # does not grow with the parameter
-        return OptimizerProbe(state_per_byte, seconds_per_byte, 0.0,
-                              max(small.transient, large.transient))
-    per_byte = (large.transient - small.transient) / (large.nbytes - small.nbytes)
-    return OptimizerProbe(state_per_byte, seconds_per_byte, per_byte,
-                          max(0, int(small.transient - per_byte * small.nbytes)))
+    if large.transient > GROWING * small.transient:
+        return OptimizerProbe(state_per_byte, seconds_per_byte, large.transient / large.nbytes)
+    return OptimizerProbe(state_per_byte, seconds_per_byte, 0.0,
+                          max(small.transient, large.transient))
 
 
 def step_transient(factory: OptimizerFactory, device: torch.device,
