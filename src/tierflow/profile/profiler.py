@@ -17,10 +17,12 @@ import torch
 from torch import nn
 
 from ..chain.base import Chain
+from ..exec.compile import is_compiled
 from ..exec.context import AutocastMode
 from ..exec.memory import DeviceMeter, HostMeter
 from ..exec.stage_call import context_tensors, forward_plain, forward_taped, storage_key, tape_bytes
 from ..plan.costs import StageCost
+from .tensor_ledger import TensorLedger
 
 
 @dataclass(frozen=True)
@@ -101,13 +103,18 @@ def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: A
              repeats: int, timing: Callable[[], Any] | None) -> _Measured:
     """Memory from ``repeats`` rounds after a warm-up round; times from the same rounds, or,
     when ``timing`` is given (a context that sets the allocator the steps will run with),
-    from ``repeats`` rounds inside it after one more warm-up round."""
-    run = lambda: _round(stage, x, ctx, autocast, meter, held, input_grad)  # noqa: E731
-    memory = [run() for _ in range(repeats + 1)][1:]
+    from ``repeats`` rounds inside it after one more warm-up round. Memory measured apart
+    from times on the host (a RAM budget is at stake) counts tensor bytes too."""
+    counted = timing is not None and isinstance(meter, HostMeter) and not is_compiled(stage)
+    ledger = TensorLedger() if counted else None
+    run = lambda ledger: measure_round(stage, x, ctx, autocast, meter, held,  # noqa: E731
+                                       input_grad, ledger)
+    with ledger if ledger is not None else contextlib.nullcontext():
+        memory = [run(ledger) for _ in range(repeats + 1)][1:]
     timed = memory
     if timing is not None:
         with timing():
-            timed = [run() for _ in range(repeats + 1)][1:]
+            timed = [run(None) for _ in range(repeats + 1)][1:]
     last = memory[-1]
     return _Measured(fwd_time=statistics.median(r.fwd_time for r in timed),
                      bwd_time=statistics.median(r.bwd_time for r in timed),
@@ -118,36 +125,54 @@ def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: A
                      bwd_transient=max(r.bwd_transient for r in memory))
 
 
-def _round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
-           meter: HostMeter | DeviceMeter, held: set[int], input_grad: bool) -> _Measured:
+class _Window:
+    """The peak growth of the tier's bytes over a part of a round: the meter's, and no less
+    than the tensor bytes ``ledger`` counted (the host meter's samples can miss a peak)."""
+
+    def __init__(self, meter: HostMeter | DeviceMeter, ledger: TensorLedger | None) -> None:
+        self.meter = meter
+        self.ledger = ledger
+        self.base = meter.current()
+        meter.reset_peak()
+        if ledger is not None:
+            ledger.restart()
+
+    def growth(self) -> int:
+        grown = self.meter.peak() - self.base
+        return grown if self.ledger is None else max(grown, self.ledger.peak)
+
+
+def measure_round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any],
+                  autocast: AutocastMode, meter: HostMeter | DeviceMeter, held: set[int],
+                  input_grad: bool, ledger: TensorLedger | None) -> _Measured:
+    """One round of ``stage`` on ``x``: a forward without a tape, one with (``held``: the
+    storages that are no tape, such as parameters) and its backward, timed and measured by
+    ``meter`` and, when given, ``ledger`` (whose dispatch mode must be active)."""
     params = stage_parameters(stage)
-    base = meter.current()
-    meter.reset_peak()
+    window = _Window(meter, ledger)
     y = forward_plain(stage, x, ctx, autocast)
     out_bytes = y.untyped_storage().nbytes()
-    nograd_transient = meter.peak() - base - out_bytes
+    nograd_transient = window.growth() - out_bytes
     del y
 
-    base = meter.current()
-    meter.reset_peak()
+    window = _Window(meter, ledger)
     start = time.perf_counter()
     taped = forward_taped(stage, x, ctx, autocast, input_grad=input_grad)
     meter.finish()
     fwd_time = time.perf_counter() - start
     tape = tape_bytes(taped, held)
     output_in_tape = storage_key(taped.y) in taped.saved
-    tape_transient = meter.peak() - base - out_bytes - tape
+    tape_transient = window.growth() - out_bytes - tape
 
     grad_y = _unit_gradient(taped.y)
     inputs = ([taped.xin] if taped.xin.requires_grad else []) + params
-    base = meter.current()
-    meter.reset_peak()
+    window = _Window(meter, ledger)
     start = time.perf_counter()
     grads = torch.autograd.grad(taped.y, inputs, grad_y, allow_unused=True) if inputs else ()
     meter.finish()
     bwd_time = time.perf_counter() - start
     made = sum(g.nbytes for g in grads if g is not None)
-    bwd_transient = meter.peak() - base - made
+    bwd_transient = window.growth() - made
     return _Measured(fwd_time=fwd_time, bwd_time=bwd_time, output_bytes=out_bytes, tape=tape,
                   output_in_tape=output_in_tape, fwd_transient=max(0, tape_transient),
                   fwd_transient_nograd=max(0, nograd_transient),

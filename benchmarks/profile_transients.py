@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""How the profiler's host transients vary between rounds: RSS sampling against the ledger.
+
+    .venv/bin/python benchmarks/profile_transients.py [--rounds 8] [--model llama-20m]
+                                                     [--seq-len 512] [--batch-size 4]
+
+Cuts ``--model`` (random weights, vocabulary 32000) into its chain under the exact malloc
+thresholds a RAM budget uses, and measures each stage ``--rounds`` times, as a profile round
+does: the forward without a tape, the forward with one and the backward. Each round is
+measured twice, once by the RSS meter alone (its sampling thread) and once by the tensor
+ledger alone (``profile/tensor_ledger.py``). For each stage and each of the three transients
+it prints the smallest and largest of the rounds in MiB: a wide RSS range is a peak the
+sampler caught in some rounds only; the profiler takes the larger of the two per round.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from tierflow.chain import to_chain  # noqa: E402
+from tierflow.exec.context import AutocastMode  # noqa: E402
+from tierflow.exec.memory import HostMeter, configure_host_allocator  # noqa: E402
+from tierflow.exec.stage_call import forward_plain, storage_key  # noqa: E402
+from tierflow.models.load import load_model  # noqa: E402
+from tierflow.profile.profiler import measure_round  # noqa: E402
+from tierflow.profile.tensor_ledger import TensorLedger  # noqa: E402
+
+MIB = 1 << 20
+FIELDS = ("fwd_transient_nograd", "fwd_transient", "bwd_transient")
+
+
+class _NoMeter(HostMeter):
+    """A meter that sees nothing: the ledger's count alone."""
+
+    def current(self) -> int:
+        return 0
+
+    def reset_peak(self) -> None:
+        pass
+
+    def peak(self) -> int:
+        return 0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--model", default="llama-20m")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=4)
+    args = parser.parse_args()
+    configure_host_allocator()
+    torch.manual_seed(0)
+    model = load_model(args.model, vocab_size=32000)
+    ids = torch.randint(0, 32000, (args.batch_size, args.seq_len))
+    chain = to_chain(model, {"input_ids": ids, "labels": ids})
+    x, ctx = chain.split_inputs(input_ids=ids, labels=ids)
+    autocast = AutocastMode.capture("cpu")
+    held = {storage_key(p) for stage in chain.stages for p in stage.parameters()}
+    rss, blind = HostMeter(), _NoMeter()
+    print(f"{args.model} seq {args.seq_len} batch {args.batch_size}, {args.rounds} rounds "
+          "per stage: min-max MiB over the rounds, RSS meter | tensor ledger")
+    print(f"{'stage':10s}" + "".join(f"{f:>32s}" for f in FIELDS))
+    for i, stage in enumerate(chain.stages):
+        input_grad = x.is_floating_point() and i > 0
+        by_rss, by_ledger = [], []
+        for _ in range(args.rounds + 1):  # the first is a warm-up
+            by_rss.append(measure_round(stage, x, ctx, autocast, rss, held, input_grad, None))
+            ledger = TensorLedger()
+            with ledger:
+                by_ledger.append(measure_round(stage, x, ctx, autocast, blind, held, input_grad,
+                                        ledger))
+        cells = []
+        for field in FIELDS:
+            a = [getattr(r, field) / MIB for r in by_rss[1:]]
+            b = [getattr(r, field) / MIB for r in by_ledger[1:]]
+            cells.append(f"{min(a):6.1f}-{max(a):6.1f} | {min(b):6.1f}-{max(b):6.1f}")
+        print(f"{chain.names[i]:10s}" + "".join(f"{c:>32s}" for c in cells))
+        if i + 1 < len(chain.stages):
+            x = forward_plain(stage, x, ctx, autocast)
+
+
+if __name__ == "__main__":
+    main()
