@@ -66,6 +66,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--src", type=Path, default=ROOT / "src")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(f"--steps {args.steps}: give 2 or more (step 1, whose AdamW states are "
+                     "new, is left out of the median step time)")
     with tempfile.TemporaryDirectory() as scratch:
         data = random_token_files(Path(scratch) / "data", 32000)
         print(f"tierflow from {args.src}: {args.model} seq {args.seq_len} batch "
