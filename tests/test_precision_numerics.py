@@ -140,3 +140,10 @@ def test_int8_moments_round_trip_within_the_stated_bound(mapping, signed):
     assert bool((bound <= 0.008 * block_max).all())
     if not signed:
         assert bool((back >= 0).all())
+
+
+def test_the_unsigned_mapping_refuses_negative_values():
+    x = torch.tensor([1.0, -1e-30, 2.0])
+    codes, scales = empty_codes(x.numel(), UNSIGNED, x.device)
+    with pytest.raises(ValueError, match="non-negative values only"):
+        quantize_(x, codes, scales, UNSIGNED)
