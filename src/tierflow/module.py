@@ -54,9 +54,12 @@ class TierflowModule(nn.Module):
         self._update_pass = update_pass
         self._growth = plan.simulation.growth() if host_room is not None else []
         self._largest_growth = max(self._growth, default=0)  # no stage adds more in eval
-        # per stage, its largest parameter: its gradient is one block of that size
-        self._largest_block = [max((p.nbytes for p in stage.parameters()), default=0)
-                               for stage in chain.stages]
+        # per stage, the blocks malloc's scattered free pieces cannot serve: its largest
+        # parameter's gradient and the largest tensor it allocates (the LM head's chunk of
+        # logits), each one block
+        self._largest_blocks = [max((p.nbytes for p in stage.parameters()), default=0)
+                                + cost.largest_block
+                                for stage, cost in zip(chain.stages, plan.costs.stages)]
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
         self._forward_count = len(plan.forward_ops)
         self.ledger = Ledger({storage_key(p) for p in model.parameters()})
@@ -179,7 +182,7 @@ class TierflowModule(nn.Module):
         # a streamed stage's weights and gradients come as large fresh allocations
         stage = getattr(op, "stage", None)
         fresh = stage in streamed
-        largest = self._largest_block[stage] if stage is not None else 0
+        largest = self._largest_blocks[stage] if stage is not None else 0
         self._host_room.make_room(self._growth[position], fresh=fresh, largest=largest)
 
     def _run_without_grad(self, x: torch.Tensor, ctx: Any, autocast: AutocastMode) -> torch.Tensor:

@@ -103,11 +103,13 @@ class HostRoom:
     past the limit, they count as none. Nor do they count for an operation whose growth is
     ``fresh``: allocations of malloc's mmap threshold and more (a streamed stage's weights
     and their gradients) are new mappings that free blocks cannot serve. Nor for the
-    operation's ``largest`` block: free blocks are scattered pieces, and a 31 MiB gradient
-    grew the heap beside 147 MiB of them.
+    operation's ``largest`` blocks, its gradient and its largest tensor as the profiler
+    counted it: free blocks are scattered pieces, a 31 MiB gradient grew the heap beside 147
+    MiB of them, and the fused LM head's 125 MiB chunk of logits is a mapping of its own.
 
-    What an operation's growth is made of is not always known: the fused LM head's chunks of
-    logits are mappings too, and so are buffers the I/O threads fill beside the operations.
+    What an operation's growth is made of is not always known: buffers the I/O threads fill
+    beside the operations are mappings too, and the profiler counts no tensors of compiled
+    stages.
     ``start_guard(level)`` adds a thread that looks at the RSS every millisecond and gives the
     caches back as soon as it comes within ``GUARD_MARGIN`` of ``level``; then again only once
     the RSS has grown by half that margin since (what was freed meanwhile went to the caches
@@ -137,8 +139,9 @@ class HostRoom:
 
     def make_room(self, nbytes: int, fresh: bool = False, largest: int = 0) -> None:
         """Trim before an operation that adds up to ``nbytes`` if the RSS would pass the
-        limit. ``largest``: the largest single block the operation allocates. malloc's
-        free blocks are scattered pieces, so they serve at most ``nbytes - largest``."""
+        limit. ``largest``: the bytes of the large single blocks the operation allocates.
+        malloc's free blocks are scattered pieces, so they serve at most
+        ``nbytes - largest``."""
         rss = rss_bytes()
         cached = 0 if fresh else min(self._cached(rss), max(0, nbytes - largest))
         if rss + nbytes > self.limit and rss + nbytes - cached > self.limit:

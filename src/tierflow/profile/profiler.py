@@ -37,6 +37,7 @@ class _Measured:
     fwd_transient: int
     fwd_transient_nograd: int
     bwd_transient: int
+    largest_block: int  # the largest tensor the round allocated (0: no ledger counted it)
 
 
 _CACHE: dict[tuple, _Measured] = {}
@@ -91,7 +92,8 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
                                param_bytes=own, output_bytes=m.output_bytes, tape=m.tape,
                                output_in_tape=m.output_in_tape, fwd_transient=m.fwd_transient,
                                fwd_transient_nograd=m.fwd_transient_nograd,
-                               bwd_transient=m.bwd_transient, input_grad=input_grad))
+                               bwd_transient=m.bwd_transient, input_grad=input_grad,
+                               largest_block=m.largest_block))
         if i + 1 < len(chain.stages):
             with resident(stage_parameters(stage)):
                 x = forward_plain(stage, x, ctx, autocast)
@@ -122,7 +124,8 @@ def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: A
                      output_in_tape=last.output_in_tape,
                      fwd_transient=max(r.fwd_transient for r in memory),
                      fwd_transient_nograd=max(r.fwd_transient_nograd for r in memory),
-                     bwd_transient=max(r.bwd_transient for r in memory))
+                     bwd_transient=max(r.bwd_transient for r in memory),
+                     largest_block=max(r.largest_block for r in memory))
 
 
 class _Window:
@@ -141,6 +144,10 @@ class _Window:
         grown = self.meter.peak() - self.base
         return grown if self.ledger is None else max(grown, self.ledger.peak)
 
+    def largest(self) -> int:
+        """The largest tensor allocated in the window (0 without a ledger)."""
+        return 0 if self.ledger is None else self.ledger.largest
+
 
 def measure_round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any],
                   autocast: AutocastMode, meter: HostMeter | DeviceMeter, held: set[int],
@@ -153,6 +160,7 @@ def measure_round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any],
     y = forward_plain(stage, x, ctx, autocast)
     out_bytes = y.untyped_storage().nbytes()
     nograd_transient = window.growth() - out_bytes
+    largest = window.largest()
     del y
 
     window = _Window(meter, ledger)
@@ -163,6 +171,7 @@ def measure_round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any],
     tape = tape_bytes(taped, held)
     output_in_tape = storage_key(taped.y) in taped.saved
     tape_transient = window.growth() - out_bytes - tape
+    largest = max(largest, window.largest())
 
     grad_y = _unit_gradient(taped.y)
     inputs = ([taped.xin] if taped.xin.requires_grad else []) + params
@@ -173,10 +182,11 @@ def measure_round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any],
     bwd_time = time.perf_counter() - start
     made = sum(g.nbytes for g in grads if g is not None)
     bwd_transient = window.growth() - made
+    largest = max(largest, window.largest())
     return _Measured(fwd_time=fwd_time, bwd_time=bwd_time, output_bytes=out_bytes, tape=tape,
-                  output_in_tape=output_in_tape, fwd_transient=max(0, tape_transient),
-                  fwd_transient_nograd=max(0, nograd_transient),
-                  bwd_transient=max(0, bwd_transient))
+                     output_in_tape=output_in_tape, fwd_transient=max(0, tape_transient),
+                     fwd_transient_nograd=max(0, nograd_transient),
+                     bwd_transient=max(0, bwd_transient), largest_block=largest)
 
 
 def _unit_gradient(y: torch.Tensor) -> torch.Tensor:

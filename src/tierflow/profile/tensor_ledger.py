@@ -25,20 +25,23 @@ from torch.utils._pytree import tree_flatten
 
 
 class TensorLedger(TorchDispatchMode):
-    """Net bytes of ``device_type`` tensor storage allocated since ``restart`` (``net``), and
-    the most they reached (``peak``), as seen at op boundaries while the mode is active."""
+    """Net bytes of ``device_type`` tensor storage allocated since ``restart`` (``net``), the
+    most they reached (``peak``), as seen at op boundaries while the mode is active, and the
+    largest single storage allocated (``largest``)."""
 
     def __init__(self, device_type: str = "cpu") -> None:
         super().__init__()
         self.device_type = device_type
         self.net = 0
         self.peak = 0
+        self.largest = 0
         self._watched: dict[int, weakref.ref] = {}  # storage address -> weakref to it
 
     def restart(self) -> None:
         """Count from zero again; storages already seen still take their bytes off when freed."""
         self.net = 0
         self.peak = 0
+        self.largest = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
@@ -62,6 +65,7 @@ class TensorLedger(TorchDispatchMode):
             storage, lambda _, address=address, nbytes=nbytes: self._freed(address, nbytes))
         if new:
             self.net += nbytes
+            self.largest = max(self.largest, nbytes)
 
     def _freed(self, address: int, nbytes: int) -> None:
         self.net -= nbytes
