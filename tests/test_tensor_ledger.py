@@ -1,5 +1,5 @@
-"""The tensor ledger counts storage bytes op by op, and the profiler's host transients do not
-depend on the RSS sampler catching a peak."""
+"""The tensor ledger counts storage bytes op by op; the profiler's host transients do not
+depend on the RSS sampler catching a peak, and a stage's largest tensor reaches make_room."""
 from __future__ import annotations
 
 import contextlib
@@ -30,6 +30,7 @@ def test_new_storages_count_until_freed_and_views_do_not() -> None:
         assert ledger.net == 2 * MIB
         del z, w
     assert ledger.peak == 2 * MIB
+    assert ledger.largest == MIB
 
 
 def test_storages_met_as_inputs_take_their_bytes_off_when_freed() -> None:
@@ -88,3 +89,31 @@ def test_a_peak_the_sampler_misses_is_still_measured_when_memory_is_at_stake() -
     assert budgeted.bwd_transient >= hidden
     # without a RAM budget the rounds are also timed, and only the meter is read
     assert unbudgeted.fwd_transient_nograd == 0
+
+
+def test_a_fitted_module_counts_a_stage_largest_tensor_as_a_block_the_cache_cannot_serve(
+        monkeypatch) -> None:
+    """Under a RAM budget the profile records the largest tensor each stage allocates (the
+    8 MiB temporary), and before that stage's operations ``make_room`` is told its gradient's
+    block and that tensor: malloc's scattered free pieces serve neither."""
+    import tierflow
+    from tierflow.exec.memory import HostRoom
+
+    profiler._CACHE.clear()
+    told: list[int] = []
+    real = HostRoom.make_room
+
+    def make_room(room: HostRoom, nbytes: int, fresh: bool = False, largest: int = 0) -> None:
+        told.append(largest)
+        real(room, nbytes, fresh, largest)
+
+    monkeypatch.setattr(HostRoom, "make_room", make_room)
+    model = nn.Sequential(_Temporary(), nn.Linear(64, 64))
+    try:
+        module = tierflow.fit(model, torch.randn(256, 64), ram="1GiB")
+    finally:
+        profiler._CACHE.clear()
+    hidden, gradient = 256 * 8192 * 4, 8192 * 64 * 4  # the temporary; up's weight gradient
+    assert module.plan.costs.stages[0].largest_block == hidden
+    module(torch.randn(256, 64)).sum().backward()
+    assert max(told) == hidden + gradient
