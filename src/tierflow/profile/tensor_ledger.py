@@ -62,14 +62,15 @@ class TensorLedger(TorchDispatchMode):
         if nbytes == 0 or address in self._watched:
             return
         self._watched[address] = weakref.ref(
-            storage, lambda _, address=address, nbytes=nbytes: self._freed(address, nbytes))
+            storage, lambda ref, address=address, nbytes=nbytes: self._freed(ref, address, nbytes))
         if new:
             self.net += nbytes
             self.largest = max(self.largest, nbytes)
 
-    def _freed(self, address: int, nbytes: int) -> None:
+    def _freed(self, ref: weakref.ref, address: int, nbytes: int) -> None:
         self.net -= nbytes
-        del self._watched[address]
+        if self._watched.get(address) is ref:  # not a storage made since at that address
+            del self._watched[address]
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
