@@ -109,8 +109,8 @@ def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: A
     from times on the host (a RAM budget is at stake) counts tensor bytes too."""
     counted = timing is not None and isinstance(meter, HostMeter) and not is_compiled(stage)
     ledger = TensorLedger() if counted else None
-    run = lambda ledger: measure_round(stage, x, ctx, autocast, meter, held,  # noqa: E731
-                                       input_grad, ledger)
+    run = lambda counter: measure_round(stage, x, ctx, autocast, meter, held,  # noqa: E731
+                                        input_grad, counter)
     with ledger if ledger is not None else contextlib.nullcontext():
         memory = [run(ledger) for _ in range(repeats + 1)][1:]
     timed = memory
