@@ -1,12 +1,17 @@
 """Precision numerics: the config's validation, JSON round trip and bytes per parameter; the
-stochastic rounding's unbiasedness and reproducibility; the int8 moments' error bound."""
+stochastic rounding's unbiasedness and reproducibility; the int8 moments' error bound; the
+AdamW step's peak memory."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from tierflow.errors import TierflowError
 from tierflow.precision import PrecisionConfig, PrecisionError, stochastic_round_bf16
+from tierflow.precision.adamw import CHUNK
 from tierflow.precision.quant import (
     SIGNED,
     UNSIGNED,
@@ -15,6 +20,8 @@ from tierflow.precision.quant import (
     error_bound,
     quantize_,
 )
+
+MIB = 2 ** 20
 
 
 def test_config_json_round_trip_and_unknown_keys():
@@ -116,9 +123,14 @@ def test_stochastic_rounding_reproducible_from_generator_state():
     assert not torch.equal(first, stochastic_round_bf16(x, generator))  # fresh bits each call
     generator.set_state(saved)
     assert torch.equal(first, stochastic_round_bf16(x, generator))
-    special = torch.tensor([math.nan, math.inf, -math.inf, 0.0, 2.0])
-    out = stochastic_round_bf16(special, generator).float()
-    assert out[0].isnan() and out[1:].tolist() == [math.inf, -math.inf, 0.0, 2.0]
+    # NaNs whose payload the added noise could turn into inf or carry into the sign bit
+    nans = torch.tensor([0x7F800001, 0x7FFFFFFF, -1, 0x7FC00000], dtype=torch.int32)
+    special = torch.cat([nans.view(torch.float32).expand(64, 4).reshape(-1),
+                         torch.tensor([math.inf, -math.inf, 0.0, 2.0])])
+    into = torch.empty(special.shape, dtype=torch.bfloat16)
+    out = stochastic_round_bf16(special, generator, out=into)
+    assert out is into
+    assert bool(out[:256].isnan().all()) and out[256:].tolist() == [math.inf, -math.inf, 0, 2]
 
 
 @pytest.mark.parametrize("mapping, signed", [(SIGNED, True), (UNSIGNED, False)])
@@ -147,3 +159,44 @@ def test_the_unsigned_mapping_refuses_negative_values():
     codes, scales = empty_codes(x.numel(), UNSIGNED, x.device)
     with pytest.raises(ValueError, match="non-negative values only"):
         quantize_(x, codes, scales, UNSIGNED)
+
+
+_STEP_PEAK_SCRIPT = """
+import torch
+from pathlib import Path
+from tierflow.measure import reset_peak_rss
+from tierflow.precision.adamw import AdamW, CHUNK
+dtype = torch.bfloat16 if "{model_dtype}" == "bf16" else torch.float32
+p = torch.nn.Parameter(torch.randn(2 * CHUNK, dtype=dtype))
+p.grad = torch.randn_like(p)
+optimizer = AdamW([p], moment_dtype="{optim_dtype}", master="{master}", seed=0)
+def status_kib(field):
+    line = [l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(field)]
+    return int(line[0].split()[1])
+optimizer.step(); optimizer.step()  # the states exist and malloc has seen a step
+growth = []
+for _ in range(3):
+    before = status_kib("VmRSS")
+    reset_peak_rss()
+    optimizer.step()
+    growth.append(status_kib("VmHWM") - before)
+print(max(growth) * 1024)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux only")
+@pytest.mark.parametrize("model_dtype, optim_dtype, master, vectors", [
+    ("fp32", "int8", "fp32", 3), ("fp32", "bf16", "fp32", 3),
+    ("bf16", "int8", "fp32", 4), ("bf16", "bf16", "none", 5)])
+def test_adamw_steps_within_its_workspace(model_dtype, optim_dtype, master, vectors):
+    """A step's peak RSS (the kernel's high-water mark, in a fresh process) grows by its
+    workspace of float32 slices of CHUNK elements and nothing more: int8 decoding reads the
+    codes' signs from the workspace and stochastic rounding writes into the state, where an
+    op mixing int8 and float32 copied the codes as floats (16 MiB more) and the rounding
+    allocated a mask and a bf16 slice (16 MiB more)."""
+    script = _STEP_PEAK_SCRIPT.format(model_dtype=model_dtype, optim_dtype=optim_dtype,
+                                      master=master)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True).stdout
+    workspace = vectors * 4 * CHUNK
+    assert int(out.split()[-1]) <= workspace + 2 * MIB, (out, workspace)

@@ -14,11 +14,14 @@ decoupled weight decay and bias correction), done in float32 on float32 working 
 
 A parameter is updated CHUNK (4M) elements at a time in float32 scratch vectors of one slice,
 allocated once per step (``_workspace``: the gradient, working weights and moments as
-float32, the denominator; int8 quantization and stochastic rounding compute in the
-denominator's vector once the weights are updated), so the step's temporaries stay 1 to 5
-times 16 MiB (16 MiB for fp32 weights and moments, 64 MiB for int8 moments, 78 MiB for
-bf16 moments, whose rounding still casts and masks a slice of its own) even for a
-32000 x 2048 embedding (256 MiB per float32 temporary of it otherwise). The trainer
+float32, the denominator). Decoding int8 moments reads the codes' signs in the denominator's
+vector before it is computed; int8 quantization and stochastic rounding compute in it once
+the weights are updated, and the rounding writes straight into the bf16 state. So a step
+allocates its workspace and nothing else of a slice's size: 1 to 5 times 16 MiB (16 MiB for
+fp32 weights and moments, 48 MiB for int8 or bf16 moments, 16 MiB more for bf16 weights,
+16 more for their stochastic rounding) even for a 32000 x 2048 embedding (256 MiB per
+float32 temporary of it otherwise; tests/test_precision_numerics.py reads the kernel's
+high-water mark around a step). The trainer
 measures them and plans room for them (``train/optimizer.step_transient_bytes``). Every
 operation is element-wise and int8 slices start on block boundaries, so without stochastic
 rounding the result equals one pass over the whole tensor; stochastic rounding draws its
@@ -185,7 +188,7 @@ class AdamW(torch.optim.Optimizer):
         if master is not None:
             flat.copy_(weights)  # round to nearest: the master keeps what bf16 cannot
         else:
-            flat.copy_(stochastic_round_bf16(weights, self._generator, scratch["denom"]))
+            stochastic_round_bf16(weights, self._generator, scratch["denom"], out=flat)
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         state["step"] = 0
@@ -208,7 +211,9 @@ class AdamW(torch.optim.Optimizer):
         if self.moment_dtype == "int8":
             codes, scales = self._codes(state, key, start, stop)
             out = scratch[key][:codes.numel()]  # whole blocks
-            return dequantize_into(out, codes, scales, _MAPPINGS[key])[:stop - start]
+            # the denominator's vector is free until the moments are loaded
+            return dequantize_into(out, codes, scales, _MAPPINGS[key],
+                                   scratch["denom"])[:stop - start]
         return scratch[key][:stop - start].copy_(stored.view(-1)[start:stop])
 
     def _store(self, state: dict, key: str, value: torch.Tensor, start: int, stop: int,
@@ -219,8 +224,8 @@ class AdamW(torch.optim.Optimizer):
             codes, scales = self._codes(state, key, start, stop)
             quantize_(value, codes, scales, _MAPPINGS[key], work)
         elif self.moment_dtype == "bf16":
-            state[key].view(-1)[start:stop].copy_(
-                stochastic_round_bf16(value, self._generator, work))
+            stochastic_round_bf16(value, self._generator, work,
+                                  out=state[key].view(-1)[start:stop])
         # fp32: ``value`` is a view of the state tensor, updated in place
 
     @staticmethod

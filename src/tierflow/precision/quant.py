@@ -96,13 +96,19 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, numel: int, shape: tor
 
 
 def dequantize_into(out: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                    mapping: Mapping) -> torch.Tensor:
+                    mapping: Mapping, work: torch.Tensor | None = None) -> torch.Tensor:
     """Decode ``codes`` and ``scales`` into the float32 vector ``out`` (as many elements as
-    ``codes``, whole blocks) in place, allocating nothing of that size; returns ``out``."""
+    ``codes``, whole blocks) in place; returns ``out``. The signed mapping reads the codes'
+    signs from ``work``, a float32 vector of at least as many elements that does not overlap
+    ``out`` (allocated when not given): an op mixing int8 and float32 operands would make a
+    float32 copy of the codes, so AdamW hands it a vector of its workspace instead."""
     q = out.view(-1, BLOCK).copy_(codes.view(-1, BLOCK))  # (blocks, BLOCK)
     q.div_(mapping.levels).abs_().pow_(mapping.power).mul_(scales[:, None])  # magnitudes
     if mapping.signed:
-        q.copysign_(codes.view(-1, BLOCK))  # a code's sign is its value's; 0 stays +0
+        if work is None:
+            work = torch.empty(codes.numel(), dtype=torch.float32, device=codes.device)
+        signs = work[:codes.numel()].view(-1, BLOCK).copy_(codes.view(-1, BLOCK))
+        q.copysign_(signs)  # a code's sign is its value's; 0 stays +0
     return out
 
 

@@ -6,7 +6,7 @@ everything it is ``torch.optim.AdamW``'s arithmetic, op for op. Without ``--disk
 leaves free what the optimizer holds while it steps after the backward: its own states
 (``reserved_bytes``: master copy, moments, int8 scales, from
 ``PrecisionConfig.bytes_per_parameter`` plus the int8 blocks' padding) and the temporaries of
-its step (``step_transient_bytes``: 16 MiB for fp32 weights, 64 MiB for int8 moments).
+its step (``step_transient_bytes``: 16 MiB for fp32 weights, 48 MiB for int8 moments).
 """
 from __future__ import annotations
 
