@@ -291,6 +291,29 @@ def test_train_gpu_with_a_disk_tier_matches_the_cpu_run_and_resumes(train_env, t
     assert list(disk.iterdir()) == []  # the runs' scratch directories are gone
 
 
+def test_stochastic_rounding_in_host_ram_below_the_gpu_resumes(train_env, tmp_path, capsys):
+    """bf16 moments (stochastic rounding) with every stage stepped in host RAM below the GPU:
+    those stages draw from a CPU generator (a CUDA one would be refused by AdamW), the
+    checkpoint keeps both streams, and the step-2 checkpoint resumes bit for bit."""
+    from tierflow.train.checkpoint import load_checkpoint
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    gpu = ("--optim-dtype", "bf16", "--gpu", "64MiB", "--ram", "1GiB", "--disk", str(disk),
+           "--stream", "all", "--host-updates", "all")
+    code, out, err = run_main(*fp32_train_args(train_env, tmp_path / "gpu", 4, "--save-every",
+                                               "2", *gpu), capsys=capsys)
+    assert code == 0, err
+    assert "stages in host RAM" in out, out
+    saved = load_checkpoint(tmp_path / "gpu" / "step_2").optimizer.read_all()[0]
+    assert {"generator", "host_generator"} <= set(saved)
+    code, _, err = run_main("train", "--resume", str(tmp_path / "gpu" / "step_2"), "--out",
+                            str(tmp_path / "resumed"), *gpu, capsys=capsys)
+    assert code == 0, err
+    torch.testing.assert_close(train_losses(tmp_path / "resumed"),
+                               train_losses(tmp_path / "gpu")[2:], rtol=0.0, atol=0.0)
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "not fixed: on an H100 a step that ran out of memory in its backward left ~200 MiB of "
     "the stages' saved tensors allocated (held by autograd, not by tierflow's objects: the "

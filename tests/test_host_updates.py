@@ -221,3 +221,32 @@ def test_train_on_a_simulated_gpu_steps_in_host_ram_and_resumes(train_env, tmp_p
                                              "--host-updates", "all"), capsys=capsys)
     assert code == 2
     assert_error_line(err, ["--host-updates all", "--gpu", "--disk DIR"])
+
+
+def test_stochastic_rounding_in_host_ram_has_a_cpu_stream_of_its_own(train_env, tmp_path, capsys):
+    """With bf16 moments (stochastic rounding) below a (simulated) GPU, the stages stepped in
+    host RAM draw from a CPU generator of their own, not the compute device's: the checkpoint
+    saves both streams (``generator``, still at its seed here, where every stage steps in host
+    RAM, and ``host_generator``, moved on), and a run resumed from it continues with the
+    uninterrupted run's losses, bit for bit."""
+    from tierflow.precision.rounding import generator_for
+    from tierflow.train.checkpoint import load_checkpoint
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    flags = ("--optim-dtype", "bf16", "--gpu", "64MiB", "--simulate-gpu", "--ram", "1GiB",
+             "--disk", str(disk), "--stream", "all", "--host-updates", "all")
+    code, out, err = run_main(*fp32_train_args(train_env, tmp_path / "run", 4, "--save-every",
+                                               "2", *flags), capsys=capsys)
+    assert code == 0, err
+    assert "stages in host RAM" in out, out
+    saved = load_checkpoint(tmp_path / "run" / "step_2").optimizer.read_all()[0]
+    seed = 0  # fp32_train_args leaves --seed at its default
+    assert torch.equal(saved["generator"], generator_for(torch.device("cpu"), seed).get_state())
+    fresh_host = generator_for(torch.device("cpu"), seed + 1).get_state()
+    assert not torch.equal(saved["host_generator"], fresh_host)
+    code, _, err = run_main("train", "--resume", str(tmp_path / "run" / "step_2"), "--out",
+                            str(tmp_path / "resumed"), *flags, capsys=capsys)
+    assert code == 0, err
+    torch.testing.assert_close(train_losses(tmp_path / "resumed"),
+                               train_losses(tmp_path / "run")[2:], rtol=0.0, atol=0.0)

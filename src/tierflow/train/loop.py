@@ -182,7 +182,6 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
 
     from ..dist import ShardedOptimizer
     from ..precision import autocast_context
-    from ..precision.rounding import generator_for
     from .codec import restore_rng
     from .data import Batches, eval_batches
     from .optimizer import (
@@ -192,7 +191,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
         reserved_bytes,
         step_transient_bytes,
     )
-    from .owned import FitOwnedOptimizer
+    from .owned import FitOwnedOptimizer, RoundingStreams
     from .planning import StepPlanner, fit_config, report_plan
     from .steps import StepLoop
 
@@ -210,9 +209,9 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
                                device=tier.device)  # (rows, seq_len + 1)
     planner = StepPlanner(
         opts, model, {"input_ids": sample_batch[:, :-1], "shift_labels": sample_batch[:, 1:]},
-        config=fit_config(opts, precision, tier), precision=precision,
-        # with --disk, the per-stage optimizers' one stochastic-rounding stream (owned.py)
-        rounding=generator_for(tier.device, opts.seed),
+        config=fit_config(opts, tier), precision=precision,
+        # with --disk, the per-stage optimizers' stochastic-rounding streams (owned.py)
+        rounding=RoundingStreams.seeded(tier.device, opts.seed, model),
         reserve=-(-reserved_bytes(trainable, precision) // ranks),  # this rank's shard
         step_temporaries=0 if opts.disk else step_transient_bytes(trainable, opts, precision,
                                                                   tier.device),
@@ -224,7 +223,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
 
     groups = param_groups(params, opts)
     if opts.disk:
-        optimizer: Any = FitOwnedOptimizer(module, params, opts)
+        optimizer: Any = FitOwnedOptimizer(module, params, opts, planner.rounding)
     elif world is None:
         optimizer = LocalOptimizer(build_optimizer(groups, opts, precision), params)
     else:

@@ -9,20 +9,24 @@ norm the update measured, and checkpoints.
 Checkpoints hold the single-process format (one ``state_dict()`` over all parameters, the
 decay group first, as ``LocalOptimizer`` and the ZeRO shards write it), so a run may resume
 with or without ``--disk``. Stochastic rounding (bf16 moments, bf16 weights without a
-master) draws from one generator that every stage's optimizer shares: the format's one
-``generator``. The stages then draw in update order (the last stage first), so a --disk run
-rounds with other random numbers than an in-memory one; resumed in the same mode it
-continues bit for bit. They are written and read one stage at a time: the states of a
-model larger than the RAM budget never exist in memory at once.
+master) draws from ``RoundingStreams``: one generator on the compute device that every
+stage stepped there shares, the format's one ``generator``, and below a GPU one in host RAM
+for the stages stepped there (``--host-updates``), saved beside it as ``host_generator``.
+The stages draw in update order (the last stage first), so a --disk run rounds with other
+random numbers than an in-memory one; resumed in the same mode it continues bit for bit.
+They are written and read one stage at a time: the states of a model larger than the RAM
+budget never exist in memory at once.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..precision.rounding import generator_for
 from .checkpoint import Checkpoint
 from .optimizer import param_groups
 from .options import TrainOptions
@@ -30,12 +34,45 @@ from .options import TrainOptions
 _NAME = re.compile(r"^opt\.0\.state\.(\d+)\.(.+)$")  # flatten_optimizer_states' names
 
 
+@dataclass(frozen=True)
+class RoundingStreams:
+    """The stochastic-rounding generators of the per-stage optimizers: ``device`` for the
+    stages stepped on the compute device, ``host`` (a CPU generator) for those stepped in
+    host RAM below a GPU, over host twins of their parameters."""
+    device: torch.Generator
+    host: torch.Generator
+    model_params: frozenset[int]  # ids of the model's parameters
+
+    @classmethod
+    def seeded(cls, device: torch.device, seed: int, model: nn.Module) -> "RoundingStreams":
+        return cls(generator_for(device, seed), generator_for(torch.device("cpu"), seed + 1),
+                   frozenset(id(p) for p in model.parameters()))
+
+    def reseed(self, seed: int) -> None:
+        """Both streams from the start again (after fit's optimizer probe drew from them)."""
+        self.device.manual_seed(seed)
+        self.host.manual_seed(seed + 1)
+
+    def for_params(self, params: list[nn.Parameter]) -> torch.Generator:
+        """The generator an optimizer over ``params`` draws from: ``host`` for tensors in host
+        RAM below a GPU, that is on another device than ``device``'s or, below a simulated
+        GPU (where both are the CPU), other than the model's own parameters (their twins)."""
+        if params[0].device.type != self.device.device.type:
+            return self.host
+        if self.device.device.type == "cpu" and not all(id(p) in self.model_params
+                                                        for p in params):
+            return self.host
+        return self.device
+
+
 class FitOwnedOptimizer:
     """The per-stage optimizers of a fitted module, with ``LocalOptimizer``'s interface."""
 
-    def __init__(self, module: Any, params: list[nn.Parameter], opts: TrainOptions):
+    def __init__(self, module: Any, params: list[nn.Parameter], opts: TrainOptions,
+                 rounding: RoundingStreams):
         self.module = module
         self.owned = module.optimizer
+        self.rounding = rounding
         order = [p for group in param_groups(params, opts) for p in group["params"]]
         self._global = {id(p): k for k, p in enumerate(order)}  # single-process index
         self._group_sizes = [len(g["params"]) for g in param_groups(params, opts)]
@@ -78,12 +115,12 @@ class FitOwnedOptimizer:
         and dtypes): what ``materialize`` fills in, stage by stage, while it is written."""
         groups: list[dict] = []
         state: dict[int, dict] = {}
-        generator = None  # the stages' one shared stochastic-rounding stream, if any
+        rounds = False  # whether the stages draw from the stochastic-rounding streams
         for i, opt in enumerate(self.owned.optimizers):
             if opt is None:
                 continue
             local = opt.state_dict()
-            generator = local.get("generator", generator)
+            rounds = rounds or "generator" in local
             if not groups:
                 groups = [{k: v for k, v in g.items() if k != "params"}
                           for g in local["param_groups"]]
@@ -97,7 +134,11 @@ class FitOwnedOptimizer:
             group["params"] = list(range(start, start + size))
             start += size
         full = {"state": state, "param_groups": groups}
-        return full if generator is None else {**full, "generator": generator}
+        if rounds:
+            full["generator"] = self.rounding.device.get_state()
+            if self.owned.host_stages:
+                full["host_generator"] = self.rounding.host.get_state()
+        return full
 
     def materialize(self, name: str, placeholder: torch.Tensor) -> torch.Tensor:
         """The values of ``name`` (``opt.0.state.<index>.<key>``), reading its stage's states
@@ -120,9 +161,12 @@ class FitOwnedOptimizer:
             return
         full = ckpt.optimizer.references()[0]  # tensor names in place of tensors
         groups = full["param_groups"]
-        generator = full.get("generator")
-        if isinstance(generator, str):
-            generator = ckpt.optimizer.read(generator)
+        streams = {key: ckpt.optimizer.read(value) if isinstance(value, str) else value
+                   for key in ("generator", "host_generator")
+                   if (value := full.get(key)) is not None}
+        if "generator" in streams and "host_generator" not in streams:
+            # written without stages in host RAM: they start their stream where it is
+            streams["host_generator"] = self.rounding.host.get_state()
         for i, opt in enumerate(self.owned.optimizers):
             if opt is None:
                 continue
@@ -137,8 +181,10 @@ class FitOwnedOptimizer:
                 local_groups.append({**group, "params": list(range(start, start + size))})
                 start += size
             stage = {"state": local, "param_groups": local_groups}
-            self.owned.load_stage_state(
-                i, stage if generator is None else {**stage, "generator": generator})
+            key = "host_generator" if i in self.owned.host_stages else "generator"
+            if streams:
+                stage["generator"] = streams[key]
+            self.owned.load_stage_state(i, stage)
 
 
 def _placeholder(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

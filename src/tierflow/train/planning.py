@@ -27,6 +27,7 @@ from .device import ComputeTier
 from .logger import Logger, PlanPrecision, plan_section
 from .optimizer import build_optimizer, param_groups
 from .options import RECOMPUTE, TrainOptions
+from .owned import RoundingStreams
 
 # of the RAM the plan gets without --disk, kept free for what a plan cannot predict: the
 # measured peak of llama-20m runs that filled --ram 500MiB and 600MiB came out up to 5.7 MiB
@@ -34,23 +35,13 @@ from .options import RECOMPUTE, TrainOptions
 RAM_HEADROOM = 0.02
 
 
-def fit_config(opts: TrainOptions, precision: PrecisionConfig, tier: ComputeTier) -> FitConfig:
-    """The ``FitConfig`` of the run's flags. Every stage's optimizer rounds with one generator
-    on the compute device (the checkpoint's one generator): a stage stepped in host RAM below a
-    GPU would need a CPU one, so such runs step every stage on the GPU. A plan of the CPU
-    under --ram without --disk keeps ``RAM_HEADROOM`` of its budget free."""
-    on_host = opts.host_updates
-    if precision.rounds_stochastically and tier.device.type != "cpu":
-        if on_host == "all":
-            raise TierflowError("--host-updates all steps AdamW on the CPU, but this run's "
-                                "AdamW rounds stochastically with one generator on the GPU "
-                                "(bf16 moments, or bf16 weights without a master): use "
-                                "--host-updates auto, or --optim-dtype fp32 and --master fp32")
-        on_host = "never"
+def fit_config(opts: TrainOptions, tier: ComputeTier) -> FitConfig:
+    """The ``FitConfig`` of the run's flags. A plan of the CPU under --ram without --disk
+    keeps ``RAM_HEADROOM`` of its budget free."""
     return FitConfig(planner=RECOMPUTE[opts.recompute], compile=opts.compile,
                      stream=opts.stream, prefetch_depth=opts.prefetch,
                      serial_reads=opts.serial_reads, simulated_gpu=tier.simulated,
-                     host_updates=on_host,
+                     host_updates=opts.host_updates,
                      headroom=RAM_HEADROOM if tier.gpu is None and tier.ram is not None
                      and not opts.disk else 0.0)
 
@@ -61,14 +52,14 @@ class StepPlanner:
     rank (zeros); without ``--disk``, ``reserve`` the optimizer's states and
     ``step_temporaries`` what its step allocates besides (both reserved in the plan: the
     step runs after the backward, with every gradient present); ``rounding`` the owned
-    optimizers' stochastic-rounding generator (with ``--disk``), ``baseline`` the RSS after
+    optimizers' stochastic-rounding streams (with ``--disk``), ``baseline`` the RSS after
     the imports."""
     opts: TrainOptions
     model: nn.Module
     sample: dict[str, torch.Tensor]
     config: FitConfig
     precision: PrecisionConfig
-    rounding: torch.Generator
+    rounding: RoundingStreams
     reserve: int
     step_temporaries: int
     disk: Path | None
@@ -93,7 +84,7 @@ class StepPlanner:
                                      optimizer=self._owned_optimizer,
                                      grad_accum=opts.grad_accum,
                                      max_grad_norm=opts.clip if opts.clip > 0 else None)
-                    self.rounding.manual_seed(opts.seed)  # the optimizer probe drew from it
+                    self.rounding.reseed(opts.seed)  # the optimizer probe drew from it
                     return fitted
                 return api.fit(self.model, self.sample, **tier.fit_budgets(held),
                                reserve=self.reserve + self.step_temporaries,
@@ -105,8 +96,9 @@ class StepPlanner:
 
     def _owned_optimizer(self, params: Any) -> torch.optim.Optimizer:
         """One stage's optimizer, as ``fit`` builds it for the stages it owns."""
-        return build_optimizer(param_groups(list(params), self.opts), self.opts,
-                               self.precision, self.rounding)
+        params = list(params)
+        return build_optimizer(param_groups(params, self.opts), self.opts, self.precision,
+                               self.rounding.for_params(params))
 
     def replan_after_oom(self, module: Any, tier: ComputeTier, optimizer: Any,
                          step: int) -> tuple[Any, ComputeTier]:
