@@ -129,7 +129,7 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         lower))  # measured at the first plan, once for every plan
     attempt = functools.partial(_profile_and_plan, model, sample, device, autocast, budget, tier,
                                 reserved, rates, lower, config, say, before, deferred,
-                                grads_resident)
+                                grads_resident, grad_accum > 1)
     try:
         if config.head_chunk_tokens is not None:
             chain, placed = attempt(config.head_chunk_tokens)
@@ -215,11 +215,12 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                       autocast: AutocastMode, budget: int | None, tier: str, reserved: int,
                       rates: Callable[[], UpdateRates] | None, lower: list[LowerTier],
                       config: FitConfig, say: Callable[[str], Any], before: int,
-                      deferred: bool, grads_resident: bool,
+                      deferred: bool, grads_resident: bool, accumulates: bool,
                       head_chunk_tokens: int) -> tuple[Chain, TierPlan]:
     """Cut the model into a chain, measure its stages and plan the step under the budget.
     ``before`` is the RSS when fit began: growth since then is the runtime's resident share.
-    ``grads_resident``: the caller accumulates gradients over micro-batches (static bytes).
+    ``grads_resident``: the caller accumulates gradients over micro-batches (static bytes);
+    ``accumulates``: the owned optimizer's deferred updates come after several.
     ``rates``: the owned optimizer's update rates (None: the caller steps its own)."""
     meter = meter_for(device)
     exact_host = budget is not None and tier == "ram"  # memory measured with exact thresholds
@@ -261,7 +262,7 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
         return chain, TierPlan(make_plan(costs, budget, config, tier=tier), None)
     weights_from = [t for t in lower if offloaded is not None and t.store is offloaded.store]
     return chain, place(costs, chain, rates(), budget, config, tier, lower, deferred,
-                        weights_from if offloaded is not None else None)
+                        weights_from if offloaded is not None else None, accumulates)
 
 
 def _as_call(sample: Any) -> tuple[tuple, dict]:

@@ -59,11 +59,12 @@ def update_rates(params: Iterable[nn.Parameter], optimizer: OptimizerFactory,
 
 def place(costs: ChainCosts, chain: Chain, rates: UpdateRates, budget: int | None,
           config: FitConfig, tier: str, lower: list[LowerTier], deferred: bool = False,
-          weights_tiers: list[LowerTier] | None = None) -> TierPlan:
+          weights_tiers: list[LowerTier] | None = None, accumulates: bool = False) -> TierPlan:
     """Plan with the optimizer's states on the compute tier or on each lower tier, and with
     the weights of the largest stages (or all) streamed from a lower tier too, its updates
     priced at ``rates`` (``update_rates``).
-    ``deferred``: updates run in a pass after the backward (see exec/deferred.py).
+    ``deferred``: updates run in a pass after the backward (see exec/deferred.py), after
+    several micro-batches when ``accumulates``.
     ``weights_tiers`` limits where weights may stream from (a model built on disk)."""
     trainable = [p for p in chain_parameters(chain) if p.requires_grad]
     problem = TierProblem(
@@ -73,7 +74,7 @@ def place(costs: ChainCosts, chain: Chain, rates: UpdateRates, budget: int | Non
         trainable=sum(p.nbytes for p in trainable),
         streamable=tuple(stage_parameters_to_stream(chain.stages)),
         lower=tuple(lower), weights_tiers=None if weights_tiers is None else tuple(weights_tiers),
-        deferred=deferred, min_tape_bytes=tape_offload.MIN_BYTES,
+        deferred=deferred, accumulates=accumulates, min_tape_bytes=tape_offload.MIN_BYTES,
         min_boundary_bytes=boundary_stash.MIN_BYTES,
         host_updatable=host_updatable(chain))
     return place_on_tiers(problem, budget, config, tier)

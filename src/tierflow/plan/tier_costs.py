@@ -7,6 +7,7 @@ and plans each.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -183,18 +184,26 @@ def lower_bytes(candidate: Candidate, base: ChainCosts, state_of: list[int],
 
 
 def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
-                   seconds_per_byte: float,
-                   host_seconds_per_byte: float = 0.0) -> tuple[ChainCosts, UpdatePass]:
+                   seconds_per_byte: float, host_seconds_per_byte: float = 0.0, *,
+                   largest: Sequence[int] = (),
+                   accumulates: bool = False) -> tuple[ChainCosts, UpdatePass]:
     """A candidate's costs when updates are deferred: the plan's Update(i) only hands a
-    streamed stage's gradients to the lower tier (written behind its backward); resident
-    stages' gradients stay for the whole step; the optimizer work moves to the update pass.
+    streamed stage's gradients to the lower tier (written behind the next backward: one
+    stage's at a time, static bytes here); resident stages' gradients stay for the whole
+    step; the optimizer work moves to the update pass. ``accumulates`` (over micro-batches):
+    each backward adds its gradients to ones it reads back (a streamed stage's) or keeps,
+    so a stage's backward also holds a fresh gradient of its ``largest`` parameter.
     A stage stepped in host RAM (``candidate.host_stages``) adds nothing to the pass's peak
     on the compute tier; the host steps it (priced one stage after the other, after the
     compute tier's updates) from its gradients, which wait in host RAM already when it is
     streamed, or come down first, its new weights going up after."""
     states, weights = candidate.states, candidate.weights
-    stages, persistent, work, seconds = [], 0, 0, 0.0
+    stages, persistent, seconds, in_flight = [], 0, 0.0, 0
+    own: dict[int, int] = {}  # stage -> its bytes on the compute tier while it updates there
+    work: dict[int, int] = {}  # stage -> its bytes in flight while a neighbour updates
     for i, s in enumerate(candidate.costs.stages):
+        if accumulates and largest:
+            s = replace(s, bwd_transient=s.bwd_transient + largest[i])
         params = base.stages[i].param_bytes
         grads = params + (base.shared_grad_bytes if i == 0 else 0)
         io = 2 * state_of[i] / states.bandwidth if states else 0.0  # states in and out
@@ -203,24 +212,31 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
         if i in candidate.streamed:
             stages.append(replace(s, update_time=max(0.0, grads / weights.bandwidth - s.bwd_time),
                                   update_transient=0))
+            in_flight = max(in_flight, grads)  # being written behind the next backward
             if i in candidate.host_stages:
                 continue
             io += (3 * params + grads) / weights.bandwidth  # weights in and out, grads in
-            work = max(work, params + grads + (state_of[i] if states else 0))
+            work[i] = params + grads + (state_of[i] if states else 0)
+            own[i] = s.update_transient + grads  # its gradients come back from the stash
         else:
             stages.append(replace(s, update_time=0.0, update_transient=0))
             persistent += grads
             if i in candidate.host_stages:  # its gradients down, its new weights up
                 seconds += (grads + params) / states.bandwidth
                 continue
-            work = max(work, state_of[i] if states else 0)
+            work[i] = state_of[i] if states else 0
+            own[i] = s.update_transient
         update = seconds_per_byte * params
         seconds += max(update, io) if candidate.depth else update + io  # read ahead, or not
     costs = replace(candidate.costs, stages=tuple(stages),
-                    static_bytes=candidate.costs.static_bytes + persistent)
-    # the stage updating (its in-backward update transient: states, weights, temporaries),
-    # `depth` stages read ahead and one written back behind
-    peak = costs.static_bytes + (candidate.depth + 1) * work + max(
-        (s.update_transient for i, s in enumerate(candidate.costs.stages)
-         if i not in candidate.host_stages), default=0)
+                    static_bytes=candidate.costs.static_bytes + persistent + in_flight)
+    # at each stage of the pass (last first): the stage updating (its in-backward update
+    # transient: states, weights, temporaries; a streamed stage's gradients), the `depth`
+    # stages after it read ahead and the one before it written back behind. The largest
+    # stages of a language model (embedding, head) are the pass's ends, never neighbours.
+    order = sorted(own, reverse=True)
+    peak = costs.static_bytes + max(
+        (own[u] + (work[order[p - 1]] if p else 0)
+         + sum(work[v] for v in order[p + 1:p + 1 + candidate.depth])
+         for p, u in enumerate(order)), default=0)
     return costs, UpdatePass(seconds, peak)

@@ -67,7 +67,8 @@ class TierProblem:
     (those no other stage shares); ``lower``: the tiers below the compute tier, nearest
     first; ``weights_tiers``: where weights may stream from (None: any lower tier);
     ``deferred``: updates run in one pass after the backward (accumulation, clipping);
-    ``host_updatable``: the stages whose parameters the optimizer may step in host RAM (those
+    ``accumulates``: over several micro-batches (each backward adds to gradients it reads
+    back); ``host_updatable``: the stages whose parameters the optimizer may step in host RAM (those
     that own trainable parameters)."""
 
     costs: ChainCosts
@@ -78,6 +79,7 @@ class TierProblem:
     lower: tuple[LowerTier, ...]
     weights_tiers: tuple[LowerTier, ...] | None = None
     deferred: bool = False
+    accumulates: bool = False
     min_tape_bytes: int = MIN_TAPE_BYTES
     min_boundary_bytes: int = MIN_BOUNDARY_BYTES
     host_updatable: tuple[int, ...] = ()
@@ -309,7 +311,9 @@ def _costs(candidate: Candidate, problem: TierProblem,
     if problem.deferred:
         costs, update_pass = deferred_costs(candidate, problem.costs, state_of,
                                             problem.rates.seconds_per_byte,
-                                            problem.rates.host_seconds_per_byte or 0.0)
+                                            problem.rates.host_seconds_per_byte or 0.0,
+                                            largest=problem.largest,
+                                            accumulates=problem.accumulates)
     if candidate.tiers:
         costs = replace(costs, extra={**costs.extra, "prefetch depth": candidate.depth})
     return costs, update_pass

@@ -95,7 +95,7 @@ def _problem(setup: Setup, head_chunk: int) -> TierProblem:
                           transient_bytes=adamw_transient_bytes(prec.optim, width)),
         largest=(vocab_matrix, *[layer_matrix] * shape.layers, vocab_matrix),
         trainable=shape.total_params() * width, streamable=streamable, lower=(disk,),
-        deferred=setup.grad_accum > 1)
+        deferred=setup.grad_accum > 1, accumulates=setup.grad_accum > 1)
 
 
 def _nothing_fits(setup: Setup, config: FitConfig) -> PlacementError:
