@@ -188,8 +188,8 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
                    largest: Sequence[int] = (),
                    accumulates: bool = False) -> tuple[ChainCosts, UpdatePass]:
     """A candidate's costs when updates are deferred: the plan's Update(i) only hands a
-    streamed stage's gradients to the lower tier (written behind the next backward: one
-    stage's at a time, static bytes here); resident stages' gradients stay for the whole
+    streamed stage's gradients to the lower tier (written behind the next backward, if any:
+    one stage's at a time, static bytes here); resident stages' gradients stay for the whole
     step; the optimizer work moves to the update pass. ``accumulates`` (over micro-batches):
     each backward adds its gradients to ones it reads back (a streamed stage's) or keeps,
     so a stage's backward also holds a fresh gradient of its ``largest`` parameter.
@@ -212,7 +212,8 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
         if i in candidate.streamed:
             stages.append(replace(s, update_time=max(0.0, grads / weights.bandwidth - s.bwd_time),
                                   update_transient=0))
-            in_flight = max(in_flight, grads)  # being written behind the next backward
+            if i > 0:  # being written behind the next backward (the first stage's has none)
+                in_flight = max(in_flight, grads)
             if i in candidate.host_stages:
                 continue
             io += (3 * params + grads) / weights.bandwidth  # weights in and out, grads in
