@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..precision.rounding import generator_for
 from .checkpoint import Checkpoint
 from .optimizer import param_groups
 from .options import TrainOptions
@@ -45,11 +44,14 @@ class RoundingStreams:
 
     @classmethod
     def seeded(cls, device: torch.device, seed: int, model: nn.Module) -> "RoundingStreams":
-        return cls(generator_for(device, seed), generator_for(torch.device("cpu"), seed + 1),
-                   frozenset(id(p) for p in model.parameters()))
+        streams = cls(torch.Generator(device=device), torch.Generator(device="cpu"),
+                      frozenset(id(p) for p in model.parameters()))
+        streams.reseed(seed)
+        return streams
 
     def reseed(self, seed: int) -> None:
-        """Both streams from the start again (after fit's optimizer probe drew from them)."""
+        """Both streams from the start (``seed``, and ``seed + 1`` for the host's): at the
+        run's start and again after fit's optimizer probe drew from them."""
         self.device.manual_seed(seed)
         self.host.manual_seed(seed + 1)
 
