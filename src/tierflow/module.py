@@ -116,6 +116,22 @@ class TierflowModule(nn.Module):
         if self._host_room is not None:
             self._host_room.make_room(nbytes, fresh=True)
 
+    def abandon_step(self) -> None:
+        """Forget a step that raised (a GPU out-of-memory error) before any stage was
+        updated, so that it can run again from its first micro-batch: no gradient, no tape or
+        weight fetched ahead, no micro-batch counted. A step in which some stage was updated
+        (``optimizer.updates`` grew) cannot run again: its weights changed."""
+        for p in self.model.parameters():
+            p.grad = None
+        if self._deferred is not None:
+            self._deferred.forget_step()
+        if self._tapes is not None:
+            self._tapes.forget_all()
+        if self._boundaries is not None:
+            self._boundaries.reset()
+        if self._streamer is not None:
+            self._streamer.drop_fetched()
+
     @property
     def last_grad_norm(self) -> float | None:
         """The global gradient norm (before clipping) of the last step's updates, when

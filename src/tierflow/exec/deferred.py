@@ -65,6 +65,13 @@ class DeferredUpdates:
         self.micro = 0
         self._update_all()
 
+    def forget_step(self) -> None:
+        """After a step that failed before its update pass: its micro-batches forgotten, the
+        gradients stashed on the lower tier too (the caller drops those in ``.grad``)."""
+        self.micro = 0
+        if self.stash is not None:
+            self.stash.forget_all()
+
     def _update_all(self) -> None:
         stages = [i for i, opt in enumerate(self.optimizer.optimizers) if opt is not None]
         # gradients on disk were measured as they left; those in memory are measured here

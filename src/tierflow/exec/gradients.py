@@ -69,3 +69,11 @@ class GradientStash:
         """A new step: nothing stashed, no norms."""
         self._stashed.clear()
         self.square_norms.clear()
+
+    def forget_all(self) -> None:
+        """After a step that failed: its writes finished (their errors ignored: the step
+        runs again and writes anew), nothing stashed, no norms."""
+        for future in self._writer.writes.values():
+            future.exception()
+        self._writer.writes.clear()
+        self.clear()

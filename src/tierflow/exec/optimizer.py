@@ -60,6 +60,7 @@ class OwnedOptimizer:
         self.measures_norm = True  # off when a deferred update pass measures it first
         self.host: HostUpdates | None = None
         self._twins: dict[int, list[nn.Parameter]] = {}
+        self.updates = 0  # stage updates begun since the start: a step with any is not rerun
 
     def step_on_host(self, host: HostUpdates, factory: OptimizerFactory) -> None:
         """From now on the optimizer of each of ``host.stages`` steps in host RAM, over
@@ -80,6 +81,7 @@ class OwnedOptimizer:
         where ``grads[k]``, ``params[k]``'s, waited in host RAM between micro-batches (any
         other gradient of the stage is copied down)."""
         stashed = {id(p): grad for p, grad in zip(params, grads)}
+        self.updates += 1
         self.host.update(i, self.stage_params[i], self._twins[i], self.optimizers[i], scale,
                          stashed)
 
@@ -89,6 +91,7 @@ class OwnedOptimizer:
         opt = self.optimizers[i]
         if opt is None:
             return
+        self.updates += 1
         self._fetch(i)
         if self.measures_norm:
             if i == self._first_update:  # a new step's updates begin (the last stage first)

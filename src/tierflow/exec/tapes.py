@@ -99,6 +99,17 @@ class TapeOffload:
         """Stage i's backward is done: forget its handles."""
         self._tapes.pop(i, None)
 
+    def forget_all(self) -> None:
+        """After a step that failed: no tape held, none in flight (each write and read
+        finishes first, so that nothing still fills a buffer the next step reuses)."""
+        for tape in self._tapes.values():
+            for handle in tape.handles:
+                handle.written.exception()  # waits; the step runs again and writes anew
+                if handle.read is not None:
+                    handle.read.exception()
+        self._tapes.clear()
+        self._unwritten.clear()
+
     def _write(self, i: int, key: str, t: torch.Tensor, order: list[int] | None) -> None:
         data = t.permute(order) if order is not None else t.contiguous()  # no copy if dense
         with span(f"write tape {i}", "disk write"):

@@ -103,6 +103,15 @@ class WeightStreamer:
             future.result()
         self.wait_writes()
 
+    def drop_fetched(self) -> None:
+        """After a step that failed before any update: every weight back on its tier only,
+        none resident or on its way, as before the step's first read. (The copies there are
+        current: no stage was updated, so nothing resident is newer.)"""
+        self.settle()
+        self._reads.clear()
+        for i in list(self._resident):
+            self._release(i)
+
     def close(self) -> None:
         self.wait_writes()
         self._reader.shutdown()

@@ -68,7 +68,9 @@ class RoundingStreams:
 
 
 class FitOwnedOptimizer:
-    """The per-stage optimizers of a fitted module, with ``LocalOptimizer``'s interface."""
+    """The per-stage optimizers of a fitted module, with ``LocalOptimizer``'s interface.
+    A module re-planned after an out-of-memory error (``with_plan``) shares the optimizers,
+    the streamer and the update pass of ``module``, so this one serves it too."""
 
     def __init__(self, module: Any, params: list[nn.Parameter], opts: TrainOptions,
                  rounding: RoundingStreams):
@@ -100,6 +102,9 @@ class FitOwnedOptimizer:
 
     def step(self) -> None:
         """Nothing to do: every stage was updated during or right after the backward."""
+
+    def zero_grad(self) -> None:
+        """Nothing to do: the module drops its gradients (``abandon_step``)."""
 
     def state_bytes(self) -> int:
         return self.owned.state_bytes()

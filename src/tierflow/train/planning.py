@@ -108,21 +108,23 @@ class StepPlanner:
         measured: measuring the stages again would need GPU memory that just ran out."""
         from ..plan.choose import make_plan
         was, peak, costs = tier.gpu, module.plan.predicted_peak, module.plan.costs
-        tier = dataclasses.replace(tier, gpu=int(0.8 * min(was, peak)))
+        # an update pass after the backward keeps its own peak: the plan may not go below it
+        floor = module.update_pass.peak if module.update_pass is not None else 0
+        if floor >= peak:
+            raise _no_smaller_plan(step, peak, floor)
+        tier = dataclasses.replace(tier, gpu=max(int(0.8 * min(was, peak)), floor))
         try:
             plan = make_plan(costs, tier.gpu, self.config, tier="gpu")
         except BudgetError as e:
             plan = None
-            if e.smallest < peak:
-                tier = dataclasses.replace(tier, gpu=e.smallest)
+            least = max(e.smallest, floor)
+            if least < peak:
+                tier = dataclasses.replace(tier, gpu=least)
                 with contextlib.suppress(BudgetError):  # rotor's rounded table may need more
                     plan = make_plan(costs, tier.gpu, self.config, tier="gpu")
             if plan is None:
-                raise TierflowError(f"the GPU ran out of memory at step {step} and no plan "
-                                    f"needs less than the {format_bytes(peak)} that did not fit "
-                                    "(the least that works is "
-                                    f"{format_bytes(e.smallest)}): give a smaller --batch-size "
-                                    "or --seq-len, or free the GPU") from None
+                raise _no_smaller_plan(step, peak, least) from None
+        module.abandon_step()
         module = module.with_plan(plan)
         optimizer.zero_grad()
         if tier.device.type == "cuda":
@@ -136,6 +138,13 @@ class StepPlanner:
                            predicted_peak=module.plan.predicted_peak,
                            strategy=module.plan.strategy)
         return module, tier
+
+
+def _no_smaller_plan(step: int, peak: int, least: int) -> TierflowError:
+    return TierflowError(f"the GPU ran out of memory at step {step} and no plan needs less "
+                         f"than the {format_bytes(peak)} that did not fit (the least that "
+                         f"works is {format_bytes(least)}): give a smaller --batch-size or "
+                         "--seq-len, or free the GPU")
 
 
 def report_plan(module: Any, *, opts: TrainOptions, precision: PrecisionConfig,

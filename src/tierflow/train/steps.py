@@ -115,8 +115,10 @@ class StepLoop:
     def _step(self, step: int) -> tuple[float, float]:
         """Forward, backward (retried once after a GPU out-of-memory error), clipping and the
         update; the step's loss (mean over the ranks) and gradient norm."""
-        retry = self.tier.gpu is not None and not self.opts.disk  # a GPU plan of ours to shrink
+        retry = self.tier.gpu is not None  # a GPU plan of ours to shrink
         position, rng = self.batches.index, capture_rng() if retry else None
+        owned = self.module.optimizer
+        updates = owned.updates if owned is not None else 0
         try:
             loss = self._forward_backward()
         except torch.OutOfMemoryError:
@@ -124,6 +126,8 @@ class StepLoop:
                 raise
             loss = None  # re-planned below, once the handler has let the error go
         if loss is None:
+            if owned is not None and owned.updates != updates:
+                raise self._not_rerun(step, owned.updates - updates)
             self.module, self.tier = self.planner.replan_after_oom(self.module, self.tier,
                                                                    self.optimizer, step)
             self.batches.index = position
@@ -151,6 +155,16 @@ class StepLoop:
         self.module.make_room(self.planner.step_temporaries)  # what the plan reserved for it
         self.optimizer.step()
         return loss, norm
+
+    def _not_rerun(self, step: int, updated: int) -> TierflowError:
+        """The error of a GPU out-of-memory error after ``updated`` stages' updates began."""
+        good = latest_checkpoint(self.out)
+        self.logger.record("error", step=step, out_of_memory=True, stages_updated=updated)
+        again = (f"continue with --resume {good} and a smaller --gpu" if good else
+                 "start again with a smaller --gpu (no checkpoint was written)")
+        return TierflowError(f"the GPU ran out of memory at step {step} after {updated} "
+                             "stage(s) were updated, so the step cannot run again: "
+                             f"{again}; what else uses the GPU is not in the budget")
 
     def _forward_backward(self) -> float:
         """One step's micro-batches, forward and backward; their mean loss."""
