@@ -106,6 +106,8 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
                             "only when it owns the optimizer: pass optimizer= too, or leave "
                             "disk out")
     host_tier = tier != "ram"  # under a GPU, real or simulated, host RAM is the next tier
+    _check_states_tier(config.optimizer_states, optimizer is not None, host_tier,
+                       disk is not None)
     if config.stream == "all" and disk is None and not host_tier:
         raise TierflowError("config.stream='all' streams weights from the disk tier: give "
                             "disk=DIR too, or use stream='auto'")
@@ -186,6 +188,22 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     boundaries = BoundaryStash(placed.boundaries.store) if placed.boundaries else None
     return TierflowModule(model, chain, plan, autocast, device, owned, log, streamer,
                           updates, tapes, host_room, boundaries, placed.update_pass)
+
+
+def _check_states_tier(states: str, owned: bool, host_tier: bool, disk: bool) -> None:
+    """TierflowError when ``config.optimizer_states`` names a tier this fit cannot use."""
+    if states == "auto":
+        return
+    if not owned:
+        raise TierflowError(f"config.optimizer_states={states!r} places the states of an "
+                            "optimizer tierflow owns: pass optimizer= too, or leave it 'auto'")
+    if states == "ram" and not host_tier:
+        raise TierflowError("config.optimizer_states='ram' keeps them in the host RAM below a "
+                            "GPU: give gpu= too (on the CPU, RAM is the compute tier: "
+                            "'compute')")
+    if states == "disk" and not disk:
+        raise TierflowError("config.optimizer_states='disk' keeps them on the disk tier: give "
+                            "disk=DIR too")
 
 
 def _stream(model: nn.Module, chain: Chain, placed: TierPlan, depth: int, *,

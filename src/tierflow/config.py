@@ -11,6 +11,7 @@ from pathlib import Path
 
 PLANNERS = ("auto", "keep-all", "checkpoint-all", "rotor")
 STREAMING = ("auto", "never", "all")
+STATES_TIERS = ("auto", "compute", "ram", "disk")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class FitConfig:
     # the optimizer steps in host RAM, where its states live, the stages whose weights stream
     # from there (below a GPU, real or simulated): auto/never/all
     host_updates: str = "auto"
+    # where the owned optimizer's states live: the planner's choice (auto), the compute tier,
+    # the host RAM below a GPU (ZeRO-Offload's CPU offload) or the disk tier (NVMe offload)
+    optimizer_states: str = "auto"
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
@@ -55,6 +59,9 @@ class FitConfig:
         if self.host_updates not in STREAMING:
             raise ValueError(f"host_updates {self.host_updates!r} is unknown: use one of "
                              f"{', '.join(STREAMING)}")
+        if self.optimizer_states not in STATES_TIERS:
+            raise ValueError(f"optimizer_states {self.optimizer_states!r} is unknown: use one "
+                             f"of {', '.join(STATES_TIERS)}")
         if self.prefetch_depth is not None and self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth={self.prefetch_depth} must be at least 0")
         if not 0.0 <= self.headroom < 1.0:

@@ -1,21 +1,28 @@
-"""Optimizer steps in host RAM, where a stage's optimizer states live below a GPU.
+"""Optimizer steps in host RAM, where a stage's optimizer states live below a GPU (or on the
+disk below that RAM).
 
 When the plan keeps a stage's optimizer states in the host RAM below a GPU (real or
 simulated), bringing them up for the update and back after it moves four times the weights'
 bytes over the link (AdamW in fp32: two moments up and down), and a streamed stage's
 updated weights go down too. Stepping in host RAM moves the gradients down instead
-(ZeRO-Offload's division of work). The stage's optimizer is built over host parameters,
-its twins: for a weight streamed from host RAM, the weight's own copy in the host store
-(``HostStore.entries``), which the step updates in place and the stage's next fetch reads;
-for a weight that stays on the compute tier, a host copy of its own, whose new values the
-host thread copies up after the step. One host thread steps the stages in update order (the
-last stage first), each one beside the backward of the stages before it; at most one step
-waits behind the running one, so host RAM holds the gradients of two stages at most, as
-the plan counts. With updates deferred to after the backward (accumulation, clipping) a
-streamed stage's gradients already wait in host RAM between micro-batches
-(``GradientStash``), and the update pass steps them there.
+(ZeRO-Offload's division of work). States on the disk tier come to host RAM for the step
+and go back after it, as ZeRO-Infinity's NVMe offload does: the owner of the states
+(``OwnedOptimizer``) gives each step the two halves of that move, and host RAM holds three
+stages' states at most: the one stepping, the next one read, the last one being written.
+The stage's optimizer is built over host parameters, its twins: for a weight streamed from
+host RAM, the weight's own copy in the host store (``HostStore.entries``), which the step
+updates in place and the stage's next fetch reads; for a weight that stays on the compute
+tier, a host copy of its own, whose new values the host thread copies up after the step.
+One host thread steps the stages in update order (the last stage first), each one beside
+the backward of the stages before it; at most one step waits behind the running one, so
+host RAM holds the gradients of two stages at most, as the plan counts. With updates
+deferred to after the backward (accumulation, clipping) a streamed stage's gradients
+already wait in host RAM between micro-batches (``GradientStash``), and the update pass
+steps them there.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -60,10 +67,13 @@ class HostUpdates:
 
     def update(self, i: int, params: list[nn.Parameter], twins: list[nn.Parameter],
                optimizer: torch.optim.Optimizer, scale: float = 1.0,
-               stashed: dict[int, torch.Tensor] | None = None) -> None:
+               stashed: dict[int, torch.Tensor] | None = None,
+               fetch: Callable[[], None] | None = None,
+               release: Callable[[], None] | None = None) -> None:
         """Give stage i's twins their gradients, then step ``optimizer`` on the host thread
-        with them times ``scale``. A gradient in ``stashed`` (by parameter id) is in host RAM
-        already; the others are copied down and freed on the compute tier."""
+        with them times ``scale``, between ``fetch`` (its states into host RAM, from disk)
+        and ``release`` (them back). A gradient in ``stashed`` (by parameter id) is in host
+        RAM already; the others are copied down and freed on the compute tier."""
         stashed = stashed or {}
         down = [(p, twin) for p, twin in zip(params, twins)
                 if id(p) not in stashed and p.grad is not None]
@@ -77,14 +87,18 @@ class HostUpdates:
         for p, twin in zip(params, twins):
             if id(p) in stashed:
                 twin.grad = stashed[id(p)]
-        self._steps.submit(i, self._step, i, optimizer, twins, scale)
+        self._steps.submit(i, self._step, i, optimizer, twins, scale, fetch, release)
 
     def wait(self) -> None:
         """Until every step has run and sent its weights up (and raise a step's error)."""
         self._steps.wait()
 
     def _step(self, i: int, optimizer: torch.optim.Optimizer, twins: list[nn.Parameter],
-              scale: float) -> None:
+              scale: float, fetch: Callable[[], None] | None,
+              release: Callable[[], None] | None) -> None:
+        if fetch is not None:
+            with span(f"wait for optimizer states {i}", "optimizer"):
+                fetch()
         with span(f"host update {i}", "optimizer"):
             if scale != 1.0:  # clipping by the global norm
                 for twin in twins:
@@ -92,6 +106,8 @@ class HostUpdates:
                         twin.grad.mul_(scale)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+        if release is not None:
+            release()
         uploads = self._uploads.get(i)
         if uploads:
             with span(f"weights up {i}", "disk read"):

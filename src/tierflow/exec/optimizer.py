@@ -3,6 +3,7 @@ complete, so that gradients never all exist at once."""
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,7 +37,11 @@ class OwnedOptimizer:
     Without ``read_ahead`` (a prefetch depth of 0) each stage's states are read at its update.
     States read back live in buffers of a pool on the parameters' device (the GPU's when they
     wait in host RAM below it), given back once they are written again. The stages
-    ``step_on_host`` hands over are stepped in host RAM instead (exec/host_update.py).
+    ``step_on_host`` hands over are stepped in host RAM instead (exec/host_update.py): their
+    states stay there, or, on the disk tier, are read into a host pool by the host thread's
+    step (started when the stage is handed over: while the host steps the stage before it)
+    and written back after it. Only that thread touches a host stage's states while its
+    step is queued; the main thread prefetches them only as it hands the stage over.
     """
 
     def __init__(self, chain: Chain, factory: OptimizerFactory, disk: DiskStore | None = None,
@@ -53,6 +58,7 @@ class OwnedOptimizer:
         self._reads: dict[int, Future] = {}
         device = next((p.device for ps in self.stage_params for p in ps), torch.device("cpu"))
         self._pool = BufferPool(device=device)  # states come back to where they update
+        self._host_pool = BufferPool()  # ... in host RAM, for the stages stepped there
         self._flat: dict[int, torch.Tensor] = {}  # stage -> the pool buffer its states view
         owned = [j for j, opt in enumerate(self.optimizers) if opt is not None]
         self._first_update = owned[-1] if owned else -1
@@ -80,10 +86,8 @@ class OwnedOptimizer:
         """Step stage i in host RAM, its gradients times ``scale``: deferred updates' pass,
         where ``grads[k]``, ``params[k]``'s, waited in host RAM between micro-batches (any
         other gradient of the stage is copied down)."""
-        stashed = {id(p): grad for p, grad in zip(params, grads)}
         self.updates += 1
-        self.host.update(i, self.stage_params[i], self._twins[i], self.optimizers[i], scale,
-                         stashed)
+        self._step_on_host(i, scale, {id(p): grad for p, grad in zip(params, grads)})
 
     def step_stage(self, i: int, scale: float = 1.0) -> None:
         """Update stage i's parameters from their gradients times ``scale`` (clipping), then
@@ -92,15 +96,15 @@ class OwnedOptimizer:
         if opt is None:
             return
         self.updates += 1
-        self._fetch(i)
         if self.measures_norm:
             if i == self._first_update:  # a new step's updates begin (the last stage first)
                 self._square_norm = 0.0
             self._square_norm += square_norm(p.grad for p in self.stage_params[i]
                                              if p.grad is not None)
         if i in self._twins:
-            self.host.update(i, self.stage_params[i], self._twins[i], opt, scale)
+            self._step_on_host(i, scale)
             return
+        self._fetch(i)
         if scale != 1.0:
             for p in self.stage_params[i]:
                 if p.grad is not None:
@@ -108,8 +112,24 @@ class OwnedOptimizer:
         opt.step()
         opt.zero_grad(set_to_none=True)
         self._evict(i)
+        self._prefetch_next(i)
+
+    def _step_on_host(self, i: int, scale: float,
+                      stashed: dict[int, torch.Tensor] | None = None) -> None:
+        """Hand stage i to the host thread, its states (on disk) read meanwhile."""
         if self.read_ahead:
-            self._prefetch(self._next_update(i))
+            self._prefetch(i)
+        self.host.update(i, self.stage_params[i], self._twins[i], self.optimizers[i], scale,
+                         stashed, fetch=functools.partial(self._fetch, i),
+                         release=functools.partial(self._evict, i))
+        self._prefetch_next(i)
+
+    def _prefetch_next(self, i: int) -> None:
+        """Start reading the states of the stage updated after stage i, unless the host steps
+        it (its queued step owns them; they are read when it is handed over)."""
+        following = self._next_update(i)
+        if self.read_ahead and following not in self._twins:
+            self._prefetch(following)
 
     def _next_update(self, i: int) -> int:
         """The stage updated after stage i: the closest lower one with an optimizer, or after
@@ -193,7 +213,7 @@ class OwnedOptimizer:
         if pending is not None:
             pending.result()
         with span(f"read optimizer states {i}", "disk read"):
-            flat, buffers = self._pool.views(shapes)
+            flat, buffers = self._pool_of(i).views(shapes)
             self.disk.read(f"optimizer-{i}", buffers)
         return flat, buffers
 
@@ -210,13 +230,13 @@ class OwnedOptimizer:
 
     def _evict(self, i: int) -> None:
         """Hand stage i's state tensors to the writer and drop them from the optimizer (a
-        no-op without disk, and for a stage stepped in host RAM, whose states live there
-        already); the writer frees them once they are on disk."""
-        if self.disk is None or i in self._twins:
+        no-op without a lower tier, and for a stage stepped in the host RAM its states live
+        in); the writer frees them once they are on disk."""
+        if self.disk is None or (i in self._twins and self.disk.kind == "ram"):
             return
         entries = self._offloaded[i]
         tensors = []
-        for p in self.stage_params[i]:
+        for p in self._twins.get(i, self.stage_params[i]):  # what its optimizer steps
             state = self.optimizers[i].state.get(p, {})
             for key in sorted(state):
                 value = state[key]
@@ -233,7 +253,11 @@ class OwnedOptimizer:
         with span(f"write optimizer states {i}", "disk write"):
             self.disk.write(f"optimizer-{i}", tensors)
         if flat is not None:
-            self._pool.give(flat)
+            self._pool_of(i).give(flat)
+
+    def _pool_of(self, i: int) -> BufferPool:
+        """Where stage i's states are read to: host RAM if the host steps it."""
+        return self._host_pool if i in self._twins else self._pool
 
     def wait(self) -> None:
         """Until every host step has run and every state write has reached the disk (and

@@ -57,12 +57,14 @@ class Candidate:
     tape_stages: frozenset[int] = frozenset()
     boundaries: LowerTier | None = None  # where stashed checkpoints wait
     host_stages: frozenset[int] = frozenset()  # stages the optimizer steps in host RAM
+    host: LowerTier | None = None  # that host RAM (the states' tier, or the RAM above it)
     host_bytes: int = 0  # what those updates hold in host RAM: gradients, temporaries
 
     @property
     def tiers(self) -> tuple[LowerTier, ...]:
         """The lower tiers this placement keeps something on (a tier may appear twice)."""
-        return tuple(t for t in (self.states, self.weights, self.tapes, self.boundaries) if t)
+        return tuple(t for t in (self.states, self.weights, self.tapes, self.boundaries,
+                                 self.host) if t)
 
 
 def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier, config: FitConfig,
@@ -139,12 +141,15 @@ def states_in_flight(state_of: list[int], read_ahead: bool) -> int:
 
 def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
                     host: frozenset[int], streamed: frozenset[int], home: LowerTier,
-                    host_seconds_per_byte: float, read_ahead: bool) -> ChainCosts:
-    """``costs`` (states on ``home``, the host RAM below a GPU) with the ``host`` stages'
-    updates run in host RAM instead: their gradients go down the link, the host optimizer
-    steps their states and host copies of their weights, and the new weights come up: a
-    ``streamed`` stage's (streamed from ``home``) with its next fetch, a resident stage's
-    right after the step.
+                    link: LowerTier, host_seconds_per_byte: float,
+                    read_ahead: bool) -> ChainCosts:
+    """``costs`` (states on ``home``, the host RAM below a GPU or the disk below that RAM)
+    with the ``host`` stages' updates run in host RAM instead: their gradients go down the
+    ``link`` (the host RAM tier), the host optimizer steps their states and host copies of
+    their weights, and the new weights come up: a ``streamed`` stage's (streamed from host
+    RAM) with its next fetch, a resident stage's right after the step. States on disk are
+    read into host RAM for the step and written back after it: read while the step before
+    runs (``read_ahead``), or by the step itself.
 
     Stage i's host step runs beside the backward of stage i - 1; the compute tier waits at
     stage i's update for what stage i + 1's step outlasted of that backward, and at the end
@@ -154,8 +159,9 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
     lowest = min(host)
     for i in host:
         params = base.stages[i].param_bytes
-        down = params / home.bandwidth  # the gradients, as large as the weights
+        down = params / link.bandwidth  # the gradients, as large as the weights
         work = host_seconds_per_byte * params + (0.0 if i in streamed else down)  # + up
+        work = _with_state_io(work, state_of[i], home, read_ahead)
         beside = sum(s.bwd_time for s in base.stages[:i]) if i == lowest else \
             base.stages[i - 1].bwd_time
         # a streamed stage's weights stay until the update (the gradients are counted)
@@ -168,11 +174,33 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
                    extra={**costs.extra, "updated on the host": sorted(host)})
 
 
+def host_states_in_flight(state_of: list[int], host: frozenset[int], home: LowerTier,
+                          read_ahead: bool) -> int:
+    """Host RAM bytes of the states of the ``host`` stages when they live on disk (``home``):
+    the stage stepping, the last one's being written back and, reading ahead, the next
+    one's being read (none when they live in host RAM, counted there whole)."""
+    if home.name != "disk":
+        return 0
+    return (3 if read_ahead else 2) * max(state_of[i] for i in host)
+
+
+def _with_state_io(work: float, states: int, home: LowerTier, read_ahead: bool) -> float:
+    """Seconds of a host step of ``work`` seconds whose ``states`` bytes live on ``home``:
+    on disk, they are read before the step and written after it (both behind the steps of
+    neighbouring stages when reading ahead: the slower of the two paces the steps)."""
+    if home.name != "disk":
+        return work
+    io = states / home.bandwidth
+    return max(work, 2 * io) if read_ahead else work + io
+
+
 def lower_bytes(candidate: Candidate, base: ChainCosts, state_of: list[int],
                  lower: LowerTier, deferred: bool) -> int:
-    """Bytes a placement keeps on ``lower``: states (and what their host updates hold),
-    streamed weights, stashed gradients."""
-    held = sum(state_of) + candidate.host_bytes if candidate.states is lower else 0
+    """Bytes a placement keeps on ``lower``: states, what their host updates hold, streamed
+    weights, stashed gradients."""
+    held = sum(state_of) if candidate.states is lower else 0
+    if candidate.host is lower:
+        held += candidate.host_bytes
     if candidate.weights is lower:
         weights = sum(base.stages[i].param_bytes for i in candidate.streamed)
         held += weights * (2 if deferred else 1)  # deferred: the gradients wait there too
@@ -208,7 +236,8 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
         grads = params + (base.shared_grad_bytes if i == 0 else 0)
         io = 2 * state_of[i] / states.bandwidth if states else 0.0  # states in and out
         if i in candidate.host_stages:  # stepped in host RAM, after the others
-            seconds += host_seconds_per_byte * params
+            seconds += _with_state_io(host_seconds_per_byte * params, state_of[i], states,
+                                      candidate.depth > 0)
         if i in candidate.streamed:
             stages.append(replace(s, update_time=max(0.0, grads / weights.bandwidth - s.bwd_time),
                                   update_transient=0))
@@ -223,7 +252,7 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
             stages.append(replace(s, update_time=0.0, update_transient=0))
             persistent += grads
             if i in candidate.host_stages:  # its gradients down, its new weights up
-                seconds += (grads + params) / states.bandwidth
+                seconds += (grads + params) / candidate.host.bandwidth
                 continue
             work[i] = state_of[i] if states else 0
             own[i] = s.update_transient

@@ -33,6 +33,7 @@ from .tier_costs import (
     LowerTier,
     UpdatePass,
     deferred_costs,
+    host_states_in_flight,
     lower_bytes,
     states_below,
     updated_on_host,
@@ -223,6 +224,8 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
     ahead = f"read {depth} stages ahead of use" if depth else "read when needed"
     sources = problem.lower if problem.weights_tiers is None else problem.weights_tiers
     for home in [None, *problem.lower]:
+        if config.optimizer_states not in ("auto", home.name if home else "compute"):
+            continue
         if home is None:
             with_states, notes = resident, ()
         else:
@@ -269,39 +272,45 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
 def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
                      problem: TierProblem, stages: list[StageCost], state_of: list[int],
                      config: FitConfig) -> Candidate | None:
-    """``candidate`` (its states in the host RAM below a GPU) with the updates of its stages
-    run there, on their twins (exec/host_update.py): a streamed stage's weights must stream
-    from that RAM too, a resident stage's get a host copy. None when no stage qualifies.
-    ``weights_notes`` say where the weights live; the states' note is replaced. Deferred
-    updates step them in the update pass (``deferred_costs``)."""
+    """``candidate`` (its states in the host RAM below a GPU, or on the disk below that RAM)
+    with the updates of its stages run in host RAM, on their twins (exec/host_update.py): a
+    streamed stage's weights must stream from that RAM too, a resident stage's get a host
+    copy. None when no stage qualifies. ``weights_notes`` say where the weights live; the
+    states' note is replaced. Deferred updates step them in the update pass
+    (``deferred_costs``)."""
     rates, home = problem.rates, candidate.states
+    ram = next((t for t in problem.lower if t.name == "ram"), None)
     if (config.host_updates == "never" or rates.host_seconds_per_byte is None
-            or home is None or home.name != "ram"):
+            or home is None or ram is None):
         return None
     host = frozenset(i for i in problem.host_updatable
-                     if i not in candidate.streamed or candidate.weights is home)
+                     if i not in candidate.streamed or candidate.weights is ram)
     if not host:
         return None
+    read_ahead = candidate.depth > 0
     costs = updated_on_host(candidate.costs, problem.costs, state_of, host,
-                            candidate.streamed, home, rates.host_seconds_per_byte,
-                            candidate.depth > 0)
+                            candidate.streamed, home, ram, rates.host_seconds_per_byte,
+                            read_ahead)
     largest = max(problem.costs.stages[i].param_bytes for i in host)
     copies = sum(problem.costs.stages[i].param_bytes for i in host - candidate.streamed)
-    # the resident stages' host copies, the step's temporaries, and inside the backward the
-    # gradients of the stage stepping and of the next one (deferred, a streamed stage's
-    # wait in host RAM anyway)
-    held = copies + max(stages[i].update_transient for i in host) + (
-        0 if problem.deferred else 2 * largest)
-    why = (f"the optimizer steps {len(host)} stages in {home.about}, where their states "
-           f"({format_bytes(sum(state_of[i] for i in host))}) live: their gradients go down "
-           f"({format_bytes(home.bandwidth)}/s), and the new weights come up with the next "
-           "fetch of a streamed stage, after the step for a resident one")
+    # the resident stages' host copies, the step's temporaries, states read from disk, and
+    # inside the backward the gradients of the stage stepping and of the next one (deferred,
+    # a streamed stage's wait in host RAM anyway)
+    held = copies + max(stages[i].update_transient for i in host) + \
+        host_states_in_flight(state_of, host, home, read_ahead) + \
+        (0 if problem.deferred else 2 * largest)
+    moved = "" if home is ram else (
+        f" and come up to it for each step, going back after ({format_bytes(home.bandwidth)}/s)")
+    why = (f"the optimizer steps {len(host)} stages in {ram.about}: their states "
+           f"({format_bytes(sum(state_of[i] for i in host))}) live in {home.about}{moved}; "
+           f"their gradients go down ({format_bytes(ram.bandwidth)}/s), and the new weights "
+           "come up with the next fetch of a streamed stage, after the step for a resident one")
     others = sum(n for i, n in enumerate(state_of) if i not in host)
     if others:
         why += (f"; the other stages' states ({format_bytes(others)}) come up for their "
                 "update and go back after")
     return replace(candidate, costs=costs, notes=weights_notes + (why,), host_stages=host,
-                   host_bytes=held)
+                   host=ram, host_bytes=held)
 
 
 def _costs(candidate: Candidate, problem: TierProblem,

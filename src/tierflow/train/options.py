@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 
 STREAM = ("auto", "all")
 HOST_UPDATES = ("auto", "never", "all")
+OPTIMIZER_STATES = ("auto", "compute", "ram", "disk")  # FitConfig's STATES_TIERS
 RECOMPUTE = {"auto": "auto", "none": "keep-all", "all": "checkpoint-all"}
 DTYPES = ("auto", "fp32", "bf16")
 # the precision flags and their choices (tierflow.precision.config's, without importing torch)
@@ -51,6 +52,7 @@ class TrainOptions:
     prefetch: int | None = None  # with --disk: stages read ahead (0: on demand); None: planned
     serial_reads: bool = False  # with --disk: the plan's reads on demand (the overlap ablation)
     host_updates: str = "auto"  # with --disk and --gpu: AdamW steps in host RAM (auto/never/all)
+    optimizer_states: str = "auto"  # with --disk: the tier of AdamW's states (or the planner's)
     seq_len: int = 256
     batch_size: int = 4
     grad_accum: int = 1
@@ -144,6 +146,16 @@ class TrainOptions:
             raise TierflowError(f"--host-updates {self.host_updates} chooses where AdamW steps "
                                 "the stages whose states live in the host RAM below a GPU: give "
                                 "--gpu and --disk DIR too")
+        if self.optimizer_states not in OPTIMIZER_STATES:
+            raise TierflowError(f"--optimizer-states {self.optimizer_states!r} is unknown: use "
+                                f"{', '.join(OPTIMIZER_STATES)}")
+        if self.optimizer_states != "auto" and self.disk is None:
+            raise TierflowError(f"--optimizer-states {self.optimizer_states} places AdamW's "
+                                "states among the tiers of a run with --disk DIR: give it too")
+        if self.optimizer_states == "ram" and self.gpu is None:
+            raise TierflowError("--optimizer-states ram keeps AdamW's states in the host RAM "
+                                "below a GPU: give --gpu too (without it RAM is the compute "
+                                "tier: compute)")
         self._require_bool("compile")
         return self
 
@@ -231,11 +243,12 @@ class TrainOptions:
     def inherit(self, saved: dict[str, Any]) -> None:
         """With --resume: the options of the checkpoint's run for those not given now
         (--out, --log, --resume, --config and --trace are never inherited; nor are --stream,
-        --prefetch, --serial-reads and --host-updates when --disk is given, ``--disk none``
+        --prefetch, --serial-reads, --host-updates and --optimizer-states when --disk is
+        given, ``--disk none``
         included)."""
         never = {"given", "out", "log", "resume", "config", "trace"}
         if "disk" in self.given:
-            never |= {"stream", "prefetch", "serial_reads", "host_updates"}
+            never |= {"stream", "prefetch", "serial_reads", "host_updates", "optimizer_states"}
         for f in fields(self):
             if f.name in saved and f.name not in self.given and f.name not in never:
                 setattr(self, f.name, saved[f.name])
@@ -348,6 +361,10 @@ _HELP = {
                            "(their gradients go down and their new weights up instead of the "
                            "states coming up and back), never keeps every update on the GPU, "
                            "all steps every such stage there"),
+    "optimizer_states": (None, "with --disk: the tier where AdamW's states live between "
+                               "updates: auto lets the planner choose, compute keeps them on "
+                               "the GPU (or, without --gpu, in RAM), ram in the host RAM below "
+                               "--gpu, disk in --disk DIR"),
     "trace": ("FILE", "write a Chrome-trace JSON of every step (compute, disk reads and "
                       "writes, optimizer, the RSS as a counter), for Perfetto or "
                       "chrome://tracing"),
@@ -382,6 +399,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument("--stream", choices=STREAM, default=None, help=help_text)
         elif f.name == "host_updates":
             parser.add_argument("--host-updates", choices=HOST_UPDATES, default=None,
+                                help=help_text)
+        elif f.name == "optimizer_states":
+            parser.add_argument("--optimizer-states", choices=OPTIMIZER_STATES, default=None,
                                 help=help_text)
         else:
             parser.add_argument(_flag(f.name), dest=f.name, type=_TYPES.get(f.name, str),

@@ -41,7 +41,7 @@ def fit_config(opts: TrainOptions, tier: ComputeTier) -> FitConfig:
     return FitConfig(planner=RECOMPUTE[opts.recompute], compile=opts.compile,
                      stream=opts.stream, prefetch_depth=opts.prefetch,
                      serial_reads=opts.serial_reads, simulated_gpu=tier.simulated,
-                     host_updates=opts.host_updates,
+                     host_updates=opts.host_updates, optimizer_states=opts.optimizer_states,
                      headroom=RAM_HEADROOM if tier.gpu is None and tier.ram is not None
                      and not opts.disk else 0.0)
 

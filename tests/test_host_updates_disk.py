@@ -1,0 +1,232 @@
+"""The optimizer stepped in host RAM for stages whose AdamW states live on the disk tier below
+it (ZeRO-Infinity's NVMe offload), here below a simulated GPU: the states come to host RAM
+for the host thread's step and go back after it, never to the compute tier. The training is
+plain PyTorch's; the planner prices the move and counts what it holds in host RAM."""
+import copy
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+from cli_support import assert_error_line, fp32_train_args, run_main, train_losses
+from models import hf_sample, tiny_hf
+from side_by_side import train_and_match
+
+import tierflow
+from tierflow import FitConfig
+from tierflow.exec.disk import DiskStore
+from tierflow.exec.host_model import start_in_host_ram
+from tierflow.plan.costs import ChainCosts, StageCost
+from tierflow.plan.tier_costs import LowerTier
+from tierflow.plan.tier_search import TierProblem, UpdateRates, place_on_tiers
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _fit_with_states_on_disk(model, sample, disk, grad_accum=1, **config):
+    """Every stage streamed from host RAM (where the model starts) and stepped there, its
+    AdamW states on ``disk`` (``optimizer_states="disk"``)."""
+    start_in_host_ram(model, torch.device("cpu"))
+    module = tierflow.fit(model, sample, optimizer=_adamw, gpu="1GiB", ram="1GiB", disk=disk,
+                          grad_accum=grad_accum, max_grad_norm=0.5 if grad_accum > 1 else None,
+                          config=FitConfig(simulated_gpu=True, stream="all",
+                                           planner="checkpoint-all", host_updates="all",
+                                           optimizer_states="disk", **config))
+    owned = module.optimizer
+    assert isinstance(owned.disk, DiskStore), module.plan.notes
+    assert owned.host is not None
+    assert owned.host.stages == frozenset(range(len(owned.stage_params)))
+    assert "come up to it for each step" in " ".join(module.plan.notes)
+    return module
+
+
+@pytest.mark.parametrize("grad_accum,depth", [(1, 0), (1, 1), (4, 1)])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_states_on_disk_stepped_in_host_ram_train_as_plain_pytorch(family, grad_accum, depth,
+                                                                  tmp_path):
+    """Every stage's states on disk, stepped in host RAM, reading them ahead or not, inside
+    the backward or (4 micro-batches, clipped) in the pass after it: 3 steps with dropout,
+    the losses and every parameter as plain PyTorch's."""
+    model = tiny_hf(family, layers=3, dropout=0.1)
+    reference = copy.deepcopy(model)
+    samples = [hf_sample(seed=k) for k in range(grad_accum)]
+    module = _fit_with_states_on_disk(model, samples[0], tmp_path, grad_accum=grad_accum,
+                                      prefetch_depth=depth)
+    train_and_match(module, reference, samples, _adamw)
+
+
+def test_the_host_thread_moves_the_states_between_disk_and_host_ram(tmp_path):
+    """The main thread never waits for a state read: the host thread takes each stage's
+    states from disk (read into host RAM) before its step and hands them back after it.
+    Between steps every host stage's states are on disk, none in memory."""
+    model = tiny_hf("llama", layers=3)
+    sample = hf_sample()
+    module = _fit_with_states_on_disk(model, sample, tmp_path)
+    owned = module.optimizer
+    moves = []
+    for name in ("_fetch", "_evict"):
+        original = getattr(owned, name)
+
+        def spy(i, original=original, name=name):
+            moves.append((name, i, threading.current_thread().name))
+            return original(i)
+        setattr(owned, name, spy)
+    for _ in range(2):  # the first step makes the states, the second reads them back
+        module(**sample).loss.backward()
+    owned.wait()
+    stages = sorted(owned.host.stages, reverse=True)
+    assert [(name, i) for name, i, _ in moves] == \
+        [(name, i) for _ in range(2) for i in stages for name in ("_fetch", "_evict")]
+    assert {thread for _, _, thread in moves} == {"tierflow-host-update_0"}
+    for i in stages:
+        states = owned.optimizers[i].state.values()
+        assert states and all(s["exp_avg"].numel() == 0 for s in states)  # on disk
+        assert owned.disk.sizes[f"optimizer-{i}"] > 0
+
+
+def test_a_host_stage_state_dict_on_disk_round_trips(tmp_path):
+    """A checkpoint of host stages whose states live on disk holds those states (read back
+    for it): a fresh fit of the checkpoint's weights that loads them trains on as the
+    uninterrupted module does, bit for bit."""
+    model = tiny_hf("llama", layers=3)
+    resumed = copy.deepcopy(model)
+    sample = hf_sample()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = _fit_with_states_on_disk(model, sample, tmp_path / "a")
+    first(**sample).loss.backward()
+    states = {i: first.optimizer.stage_state_dict(i) for i in first.optimizer.host.stages}
+    assert all(s["exp_avg"].numel() > 1 for state in states.values()
+               for s in state["state"].values())
+    weights = {k.removeprefix("model."): v for k, v in first.state_dict().items()}
+    resumed.load_state_dict(weights)
+    second = _fit_with_states_on_disk(resumed, sample, tmp_path / "b")
+    for i, state in states.items():
+        second.optimizer.load_stage_state(i, state)
+    for _ in range(2):
+        torch.manual_seed(1)
+        expected = first(**sample).loss
+        expected.backward()
+        torch.manual_seed(1)
+        loss = second(**sample).loss
+        loss.backward()
+        torch.testing.assert_close(loss, expected, rtol=0.0, atol=0.0)
+
+
+def _problem(link: float, disk: float, ram_budget: int | None) -> TierProblem:
+    """Four like stages of 64 MiB of weights with AdamW (2 bytes of state per weight byte)
+    under a GPU whose host RAM (``ram_budget``), where the model starts, is reached at
+    ``link`` bytes/s, and a disk of ``disk`` bytes/s below it."""
+    stage = StageCost("layer", fwd_time=0.05, bwd_time=0.1, param_bytes=64 << 20,
+                      output_bytes=1 << 20, tape=4 << 20)
+    costs = ChainCosts(stages=(stage,) * 4, input_bytes=1 << 20,
+                       static_bytes=4 * (64 << 20))
+    lower = (LowerTier("ram", link, ram_budget, "host RAM"),
+             LowerTier("disk", disk, None, "the disk tier"))
+    return TierProblem(costs=costs, rates=UpdateRates(2.0, 1e-10, 0.0, 0, 2e-10),
+                       largest=(64 << 20,) * 4, trainable=4 * (64 << 20),
+                       streamable=(0, 1, 2, 3), lower=lower, weights_tiers=lower[:1],
+                       host_updatable=(0, 1, 2, 3))
+
+
+MiB = 1 << 20
+
+
+def test_host_ram_holds_the_weights_and_three_stages_of_states_read_from_disk():
+    """RAM for the weights (256 MiB) but not their states (512 MiB more), and a GPU without
+    room for states in flight: the states live on disk and the host steps them in RAM,
+    holding the stage stepping, the next one read ahead and the last one being written
+    (three stages of 128 MiB, two without reading ahead), beside two stages' gradients
+    (2 x 64 MiB)."""
+    config = FitConfig(stream="all", planner="checkpoint-all", host_updates="all")
+    for depth, in_flight in ((1, 3), (0, 2)):
+        placed = place_on_tiers(_problem(link=2e9, disk=2e9, ram_budget=800 * MiB),
+                                400 * MiB, replace(config, prefetch_depth=depth), "gpu")
+        assert placed.states.name == "disk" and placed.weights.name == "ram"
+        assert placed.host_stages == frozenset({0, 1, 2, 3})
+        held = dict(placed.held)
+        assert held["disk"] == 4 * 128 * MiB
+        assert held["ram"] == 4 * 64 * MiB + in_flight * 128 * MiB + 2 * 64 * MiB
+
+
+def test_the_planner_steps_states_from_disk_on_the_host_when_the_gpu_has_no_room_for_them():
+    """States on disk come up either to the GPU for its update or to host RAM for a step
+    there. Here the disk is as fast as the link, so the GPU's update is faster, and chosen
+    where the GPU has room (1 GiB) for the states it updates and reads ahead; the host step
+    holds none of them on the GPU, and is chosen under a budget (400 MiB) too small for
+    them. With no room in host RAM for three stages' states (and the weights) it is not
+    chosen, and asking for it names the RAM it needs."""
+    config = FitConfig(stream="all", planner="checkpoint-all", prefetch_depth=1,
+                       optimizer_states="disk")
+    problem = _problem(link=2e9, disk=2e9, ram_budget=800 * MiB)
+    roomy = place_on_tiers(problem, 1 << 30, config, "gpu")
+    host = place_on_tiers(problem, 1 << 30, replace(config, host_updates="all"), "gpu")
+    assert roomy.states.name == host.states.name == "disk"
+    assert not roomy.host_stages and host.host_stages == frozenset({0, 1, 2, 3})
+    assert roomy.predicted_time < host.predicted_time
+    assert host.predicted_peak < 400 * MiB < roomy.predicted_peak
+    tight = place_on_tiers(problem, 400 * MiB, config, "gpu")
+    assert tight.states.name == "disk" and tight.host_stages == frozenset({0, 1, 2, 3})
+    no_room = _problem(link=2e9, disk=2e9, ram_budget=600 * MiB)
+    assert not place_on_tiers(no_room, 1 << 30, config, "gpu").host_stages
+    with pytest.raises(tierflow.BudgetError, match="raise ram to at least 768.00 MiB"):
+        place_on_tiers(no_room, 1 << 30, replace(config, host_updates="all"), "gpu")
+
+
+def test_train_with_states_on_disk_stepped_in_host_ram_resumes(train_env, tmp_path, capsys):
+    """``tierflow train --simulate-gpu --disk --optimizer-states disk --host-updates all``:
+    the states live on disk and the host steps them in RAM (clipped, in the pass after the
+    backward). The losses are the CPU run's, and a run resumed from the step-2 checkpoint
+    continues with the uninterrupted run's losses, bit for bit."""
+    def train(out, *extra):
+        code, stdout, err = run_main(*fp32_train_args(train_env, out, 4, "--save-every", "2",
+                                                      *extra), capsys=capsys)
+        assert code == 0, err
+        return stdout
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    gpu = ("--gpu", "64MiB", "--simulate-gpu", "--ram", "1GiB", "--disk", str(disk),
+           "--stream", "all", "--host-updates", "all", "--optimizer-states", "disk")
+    train(tmp_path / "cpu")
+    out = train(tmp_path / "gpu", *gpu)
+    assert "come up to it for each step" in out, out
+    torch.testing.assert_close(train_losses(tmp_path / "gpu"), train_losses(tmp_path / "cpu"),
+                               rtol=1e-5, atol=0.0)
+    code, out, err = run_main("train", "--resume", str(tmp_path / "gpu" / "step_2"), "--out",
+                              str(tmp_path / "resumed"), *gpu, capsys=capsys)
+    assert code == 0, err
+    torch.testing.assert_close(train_losses(tmp_path / "resumed"),
+                               train_losses(tmp_path / "gpu")[2:], rtol=0.0, atol=0.0)
+
+
+@pytest.mark.parametrize("flags,named", [
+    (("--optimizer-states", "disk"), ["--optimizer-states disk", "--disk DIR"]),
+    (("--optimizer-states", "ram", "--disk", "{disk}"), ["--optimizer-states ram", "--gpu"]),
+])
+def test_optimizer_states_flags_a_run_cannot_use_are_one_line(train_env, tmp_path, capsys,
+                                                              flags, named):
+    """--optimizer-states needs the tier it names: one line naming the flag and the fix."""
+    flags = [f.format(disk=tmp_path) for f in flags]
+    code, _, err = run_main(*fp32_train_args(train_env, tmp_path / "run", 1, *flags),
+                            capsys=capsys)
+    assert code == 2
+    assert_error_line(err, named)
+
+
+def test_fit_refuses_a_states_tier_it_does_not_have():
+    """``optimizer_states`` names a tier this fit has, for an optimizer it owns."""
+    model = tiny_hf("llama", layers=2)
+    sample = hf_sample()
+    with pytest.raises(tierflow.TierflowError, match="give disk=DIR too"):
+        tierflow.fit(model, sample, optimizer=_adamw, ram="1GiB",
+                     config=FitConfig(optimizer_states="disk"))
+    with pytest.raises(tierflow.TierflowError, match="give gpu= too"):
+        tierflow.fit(model, sample, optimizer=_adamw, ram="1GiB",
+                     config=FitConfig(optimizer_states="ram"))
+    with pytest.raises(tierflow.TierflowError, match="pass optimizer= too"):
+        tierflow.fit(model, sample, ram="1GiB", config=FitConfig(optimizer_states="compute"))
+    with pytest.raises(ValueError, match="optimizer_states 'nvme' is unknown"):
+        FitConfig(optimizer_states="nvme")
