@@ -191,11 +191,17 @@ def test_host_updates_count_their_gradients_in_host_ram():
 
 
 
-def test_train_on_a_simulated_gpu_steps_in_host_ram_and_resumes(train_env, tmp_path, capsys):
+@pytest.mark.parametrize("states,note", [
+    ((), "stages in host RAM"),
+    (("--optimizer-states", "disk"), "come up to it for each step"),
+])
+def test_train_on_a_simulated_gpu_steps_in_host_ram_and_resumes(train_env, tmp_path, capsys,
+                                                                 states, note):
     """``tierflow train --simulate-gpu --disk --host-updates all``: the model waits in host
     RAM, as below a real GPU, every stage streams from there and is stepped there (clipped,
-    in the pass after the backward); the losses are the CPU run's, and a run resumed from
-    the step-2 checkpoint (the host optimizers' states loaded back, stage by stage)
+    in the pass after the backward), its AdamW states in host RAM or, with
+    ``--optimizer-states disk``, on disk; the losses are the CPU run's, and a run resumed
+    from the step-2 checkpoint (the host optimizers' states loaded back, stage by stage)
     continues with the uninterrupted run's losses. Without --gpu the flag is one line."""
     def train(out, *extra):
         code, stdout, err = run_main(*fp32_train_args(train_env, out, 4, "--save-every", "2",
@@ -206,10 +212,10 @@ def test_train_on_a_simulated_gpu_steps_in_host_ram_and_resumes(train_env, tmp_p
     disk = tmp_path / "disk"
     disk.mkdir()
     gpu = ("--gpu", "64MiB", "--simulate-gpu", "--ram", "1GiB", "--disk", str(disk),
-           "--stream", "all", "--host-updates", "all")
+           "--stream", "all", "--host-updates", "all", *states)
     train(tmp_path / "cpu")
     out = train(tmp_path / "gpu", *gpu)
-    assert "stages in host RAM" in out, out
+    assert note in out, out
     expected = train_losses(tmp_path / "cpu")
     torch.testing.assert_close(train_losses(tmp_path / "gpu"), expected, rtol=1e-5, atol=0.0)
     code, out, err = run_main("train", "--resume", str(tmp_path / "gpu" / "step_2"), "--out",

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from cli_support import assert_error_line, fp32_train_args, run_main, train_losses
+from cli_support import assert_error_line, fp32_train_args, run_main
 from models import hf_sample, tiny_hf
 from side_by_side import train_and_match
 
@@ -173,33 +173,6 @@ def test_the_planner_steps_states_from_disk_on_the_host_when_the_gpu_has_no_room
     assert not place_on_tiers(no_room, 1 << 30, config, "gpu").host_stages
     with pytest.raises(tierflow.BudgetError, match="raise ram to at least 768.00 MiB"):
         place_on_tiers(no_room, 1 << 30, replace(config, host_updates="all"), "gpu")
-
-
-def test_train_with_states_on_disk_stepped_in_host_ram_resumes(train_env, tmp_path, capsys):
-    """``tierflow train --simulate-gpu --disk --optimizer-states disk --host-updates all``:
-    the states live on disk and the host steps them in RAM (clipped, in the pass after the
-    backward). The losses are the CPU run's, and a run resumed from the step-2 checkpoint
-    continues with the uninterrupted run's losses, bit for bit."""
-    def train(out, *extra):
-        code, stdout, err = run_main(*fp32_train_args(train_env, out, 4, "--save-every", "2",
-                                                      *extra), capsys=capsys)
-        assert code == 0, err
-        return stdout
-
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    gpu = ("--gpu", "64MiB", "--simulate-gpu", "--ram", "1GiB", "--disk", str(disk),
-           "--stream", "all", "--host-updates", "all", "--optimizer-states", "disk")
-    train(tmp_path / "cpu")
-    out = train(tmp_path / "gpu", *gpu)
-    assert "come up to it for each step" in out, out
-    torch.testing.assert_close(train_losses(tmp_path / "gpu"), train_losses(tmp_path / "cpu"),
-                               rtol=1e-5, atol=0.0)
-    code, out, err = run_main("train", "--resume", str(tmp_path / "gpu" / "step_2"), "--out",
-                              str(tmp_path / "resumed"), *gpu, capsys=capsys)
-    assert code == 0, err
-    torch.testing.assert_close(train_losses(tmp_path / "resumed"),
-                               train_losses(tmp_path / "gpu")[2:], rtol=0.0, atol=0.0)
 
 
 @pytest.mark.parametrize("flags,named", [
