@@ -20,6 +20,10 @@ AdamW (lr 1e-4, weight decay 0.01). Configurations:
 - `stream-host` and `stream-gpu-update` (only when asked for): `stream` with every stage
   AdamW can step in host RAM stepped there (`host_updates="all"`), and with every update on
   the GPU (`host_updates="never"`);
+- `stream-disk-host` and `stream-disk-gpu-update` (only when asked for, with `--disk DIR`):
+  `stream-disk` with the AdamW states on disk (`optimizer_states="disk"`), stepped in host
+  RAM where AdamW can (`host_updates="all"`: the states come up to host RAM for the step),
+  or every stage updated on the GPU (`"never"`: the states come up to the GPU);
 - `host-start` (only when asked for): the model built in host RAM, not on the GPU, and
   fitted under `--host-start-gpu` with the planner's choice of what streams
   (`stream="auto"`): fit moves it to the GPU empty and streams what does not fit.
@@ -41,7 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("plain", "stream", "stream-serial", "stream-prefetch0", "stream-disk", "host-start",
-           "stream-host", "stream-gpu-update")
+           "stream-host", "stream-gpu-update", "stream-disk-host", "stream-disk-gpu-update")
 DEFAULT_CONFIGS = CONFIGS[:4]
 
 
@@ -82,9 +86,12 @@ def run_one(config: str, args: argparse.Namespace) -> dict:
         options = {"stream-serial": {"serial_reads": True},
                    "stream-prefetch0": {"prefetch_depth": 0},
                    "stream-host": {"host_updates": "all"},
-                   "stream-gpu-update": {"host_updates": "never"}}.get(config, {})
-        tiers = {"ram": args.disk_ram, "disk": args.disk} if config == "stream-disk" else \
-            {"ram": args.ram}
+                   "stream-gpu-update": {"host_updates": "never"},
+                   "stream-disk-host": {"host_updates": "all", "optimizer_states": "disk"},
+                   "stream-disk-gpu-update": {"host_updates": "never",
+                                              "optimizer_states": "disk"}}.get(config, {})
+        tiers = {"ram": args.disk_ram, "disk": args.disk} \
+            if config.startswith("stream-disk") else {"ram": args.ram}
         host_start = config == "host-start"
         with autocast:
             module = tierflow.fit(model, sample, optimizer=adamw, **tiers,
@@ -140,8 +147,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                         help=f"some of {','.join(CONFIGS)}")
-    parser.add_argument("--disk", help="the disk tier's directory (stream-disk)")
-    parser.add_argument("--disk-ram", default="6GiB", help="host RAM budget of stream-disk")
+    parser.add_argument("--disk", help="the disk tier's directory (stream-disk*)")
+    parser.add_argument("--disk-ram", default="6GiB", help="host RAM budget of stream-disk*")
     parser.add_argument("--host-start-gpu", default="4GiB", help="GPU budget of host-start")
     parser.add_argument("--results", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--tag", default="")
