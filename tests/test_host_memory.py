@@ -188,3 +188,29 @@ def test_a_fitted_module_makes_room_for_work_outside_its_plan():
     assert room.trims == trims + 1
     assert rss_bytes() < cached - 32 * MIB
     fitted().make_room(1 << 40)  # no budget: nothing to keep under
+
+
+def test_a_module_given_another_plan_keeps_its_ram_guard():
+    """``module.with_plan(plan)`` under a RAM budget: the new module's room has the limit of
+    the new plan's predicted peak (the old limit moved by the difference), the same guarded
+    level, and its steps make room as the old module's do."""
+    import tierflow
+    from tierflow.plan.plan import Plan
+    from tierflow.plan.strategies import checkpoint_all
+
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                      torch.nn.Linear(256, 64))
+                                  for _ in range(4)])
+    sample = torch.randn(1024, 64)  # keep-all holds each block's 1 MiB of hidden tape
+    module = tierflow.fit(model, sample, ram="1GiB", planner="keep-all")
+    costs = module.plan.costs
+    other = module.with_plan(Plan("checkpoint-all", tuple(checkpoint_all(costs)), costs))
+    old, new = module._host_room, other._host_room
+    assert new is not None and new is not old
+    assert new.limit - old.limit == other.plan.predicted_peak - module.plan.predicted_peak != 0
+    assert new.guard_level == old.guard_level is not None
+    asked = []
+    original = new.make_room
+    new.make_room = lambda *args, **kw: (asked.append(args), original(*args, **kw))
+    other(sample).sum().backward()
+    assert asked  # before each operation that grows the RSS

@@ -21,7 +21,7 @@ from .exec.tapes import TapeOffload
 from .exec.weights import WeightStreamer
 from .plan.ops import Forward, Stash
 from .plan.plan import Plan
-from .plan.tier_costs import UpdatePass
+from .plan.tier_costs import UpdatePass, with_update_pass
 
 
 class TierflowModule(nn.Module):
@@ -94,10 +94,14 @@ class TierflowModule(nn.Module):
             raise TierflowError("the plan stashes checkpoints on a lower tier but this module "
                                 "has none: fit with the same budgets and disk= the plan was "
                                 "made with")
+        host_room = None
+        if self._host_room is not None:  # the RSS the new plan predicts, the same guard
+            old, new = (with_update_pass(p.predicted_peak, self._update_pass)
+                        for p in (self._plan, plan))
+            host_room = self._host_room.moved(new - old)
         return TierflowModule(self.model, self._chain, plan, self._autocast, self._device,
                               self._optimizer, self.fit_log, self._streamer, self._deferred,
-                              self._tapes, boundaries=self._boundaries,
-                              update_pass=self._update_pass)
+                              self._tapes, host_room, self._boundaries, self._update_pass)
 
     @property
     def update_pass(self) -> UpdatePass | None:

@@ -137,6 +137,16 @@ class HostRoom:
             threading.Thread(target=_guard, args=(_guarded, interval), daemon=True,
                              name="tierflow-rss-guard").start()
 
+    def moved(self, delta: int) -> HostRoom:
+        """The room of another plan of the same run: its limit ``delta`` bytes away (the new
+        plan's predicted peak less the old one's), what was measured outside malloc kept, and
+        the same level guarded (from now on by the new room's thread)."""
+        room = HostRoom(self.limit + delta)
+        room._outside_malloc = self._outside_malloc
+        if self.guard_level is not None:
+            room.start_guard(self.guard_level)
+        return room
+
     def make_room(self, nbytes: int, fresh: bool = False, largest: int = 0) -> None:
         """Trim before an operation that adds up to ``nbytes`` if the RSS would pass the
         limit. ``largest``: the bytes of the large single blocks the operation allocates.
