@@ -57,6 +57,36 @@ def test_states_on_disk_stepped_in_host_ram_train_as_plain_pytorch(family, grad_
     train_and_match(module, reference, samples, _adamw)
 
 
+@pytest.mark.parametrize("grad_accum", [1, 4])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_stages_stepped_in_host_ram_beside_stages_updated_on_the_gpu(family, grad_accum,
+                                                                     tmp_path, monkeypatch):
+    """With only the odd stages open to host steps (``host_updatable`` patched, as when
+    other stages' weights stream from disk), the states of all live on disk: the odd ones
+    are read into host RAM for the host thread's step, the even ones come up for the
+    (simulated) GPU's update, through the same disk reader and writer. 3 steps as plain
+    PyTorch's."""
+    from tierflow import tiers
+
+    monkeypatch.setattr(tiers, "host_updatable", lambda chain: tuple(range(1, len(chain), 2)))
+    model = tiny_hf(family, layers=3, dropout=0.1)
+    reference = copy.deepcopy(model)
+    samples = [hf_sample(seed=k) for k in range(grad_accum)]
+    start_in_host_ram(model, torch.device("cpu"))
+    module = tierflow.fit(model, samples[0], optimizer=_adamw, gpu="1GiB", ram="1GiB",
+                          disk=tmp_path, grad_accum=grad_accum,
+                          max_grad_norm=0.5 if grad_accum > 1 else None,
+                          config=FitConfig(simulated_gpu=True, stream="all",
+                                           planner="checkpoint-all", host_updates="all",
+                                           optimizer_states="disk"))
+    owned = module.optimizer
+    stages = [i for i, opt in enumerate(owned.optimizers) if opt is not None]
+    assert isinstance(owned.disk, DiskStore)
+    assert owned.host.stages == {i for i in stages if i % 2} and len(stages) > 3
+    train_and_match(module, reference, samples, _adamw)
+    assert all(owned.disk.sizes[f"optimizer-{i}"] > 0 for i in stages)
+
+
 def test_the_host_thread_moves_the_states_between_disk_and_host_ram(tmp_path):
     """The main thread never waits for a state read: the host thread takes each stage's
     states from disk (read into host RAM) before its step and hands them back after it.
