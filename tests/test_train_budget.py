@@ -150,7 +150,7 @@ def test_the_optimizer_probe_takes_a_quarter_of_the_budget_at_most(dtype):
     script = f"""
 import resource, torch
 from tierflow.exec.memory import HostMeter, configure_host_allocator, rss_bytes
-from tierflow.exec.optimizer import probe_optimizer
+from tierflow.exec.optimizer_probe import probe_optimizer
 from tierflow.precision import PrecisionConfig, make_optimizer
 from tierflow.tiers import probe_numel
 configure_host_allocator()

@@ -19,7 +19,8 @@ from .exec.disk import DiskStore, measure_bandwidth
 from .exec.host_store import HostStore, measure_copy_bandwidth
 from .exec.memory import meter_for
 from .exec.offload import OffloadedParameters
-from .exec.optimizer import probe_optimizer, stage_owned_parameters
+from .exec.optimizer import stage_owned_parameters
+from .exec.optimizer_probe import probe_optimizer
 from .exec.stage_call import storage_key
 from .exec.weights import stage_parameters_to_stream
 from .plan.costs import ChainCosts
