@@ -13,8 +13,9 @@ import tierflow
 from tierflow import FitConfig
 from tierflow.exec.host_store import HostStore
 from tierflow.plan.costs import ChainCosts, StageCost
+from tierflow.plan.tier_candidates import TierProblem, UpdateRates
 from tierflow.plan.tier_costs import LowerTier
-from tierflow.plan.tier_search import TierProblem, UpdateRates, place_on_tiers
+from tierflow.plan.tier_search import place_on_tiers
 
 
 def _adamw(params):

@@ -40,8 +40,9 @@ from .exec.weights import WeightStreamer, stage_parameters_to_stream
 from .module import TierflowModule
 from .plan.choose import make_plan
 from .plan.costs import ChainCosts
+from .plan.tier_candidates import UpdateRates
 from .plan.tier_costs import LowerTier
-from .plan.tier_search import TierPlan, UpdateRates, auto_head_chunk
+from .plan.tier_search import TierPlan, auto_head_chunk
 from .profile.profiler import profile_chain
 from .tiers import lower_tiers, place, update_rates
 from .units import budget_to_give, parse_bytes

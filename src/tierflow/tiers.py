@@ -24,8 +24,9 @@ from .exec.optimizer_probe import probe_optimizer
 from .exec.stage_call import storage_key
 from .exec.weights import stage_parameters_to_stream
 from .plan.costs import ChainCosts
+from .plan.tier_candidates import TierProblem, UpdateRates
 from .plan.tier_costs import LowerTier
-from .plan.tier_search import TierPlan, TierProblem, UpdateRates, place_on_tiers
+from .plan.tier_search import TierPlan, place_on_tiers
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 PROBE_SHARE = 4  # the optimizer probe's scratch parameters take 1/PROBE_SHARE of the budget

@@ -2,8 +2,8 @@
 and how keeping optimizer states, streamed weights, tapes or deferred updates there changes a
 chain's costs (the planner's only input) and the bytes each lower tier must hold.
 
-Pure data. ``tier_search.TierSearch`` builds one ``Candidate`` per placement from these
-and plans each.
+Pure data. ``tier_candidates`` builds one ``Candidate`` per placement from these, and
+``tier_search.TierSearch`` plans each.
 """
 from __future__ import annotations
 

@@ -17,14 +17,13 @@ from ..config import FitConfig
 from ..errors import BudgetError
 from ..plan.ops import Fetch, Forward
 from ..plan.placement import KindPlacement, Placement, PlacementError, infeasible_error
+from ..plan.tier_candidates import TierProblem, UpdateRates
 from ..plan.tier_costs import LowerTier
 from ..plan.tier_search import (
     LARGE_HEAD_CHUNK,
     SMALL_HEAD_CHUNK,
     TierPlan,
-    TierProblem,
     TierSearch,
-    UpdateRates,
     auto_head_chunk,
 )
 from .stages import StepShape, chain_costs
