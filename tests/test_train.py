@@ -18,7 +18,8 @@ import torch
 from cli_support import make_train_env, records, run_killed_beside_full, run_main, spy_saved_models
 
 from tierflow import cli
-from tierflow.train.options import TrainOptions, from_args
+from tierflow.train.option_flags import from_args
+from tierflow.train.options import TrainOptions
 from tierflow.train.schedule import lr_at
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -274,7 +274,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 def _add_train(sub: Any) -> None:
     """Register ``tierflow train`` (options in tierflow.train.options, the loop in .loop)."""
-    from .train.options import add_arguments
+    from .train.option_flags import add_arguments
     train = sub.add_parser(
         "train", help="train a causal LM on token files inside a memory budget",
         description="Train a preset (random init) or a local Hugging Face model on the token "
@@ -287,7 +287,7 @@ def _add_train(sub: Any) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from .torchrun_env import world_size_from_env
-    from .train.options import from_args
+    from .train.option_flags import from_args
     from .train.preflight import preflight
     opts = from_args(args)
     preflight(opts)  # bad input fails here, before the seconds of importing torch

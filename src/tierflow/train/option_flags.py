@@ -1,0 +1,191 @@
+"""The command line and TOML side of ``tierflow train``'s options: one argparse flag per
+``TrainOptions`` field, with its help, and the merge of defaults, ``--config FILE`` and the
+flags given (see ``options.py`` for the rules).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from ..errors import TierflowError
+from .options import (
+    DTYPES,
+    HOST_UPDATES,
+    OPTIMIZER_STATES,
+    PRECISION,
+    RECOMPUTE,
+    STREAM,
+    TrainOptions,
+    flag_of,
+)
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+_HELP = {
+    "model": ("SPEC", "a preset (llama-20m, llama-134m, gpt2-124m, ...) or a local Hugging Face "
+                      "directory (config.json + model.safetensors)"),
+    "data": ("DIR", "a directory written by 'tierflow tokenize'"),
+    "ram": ("SIZE", "RAM budget for the training step, e.g. 4GiB (default: none)"),
+    "gpu": ("SIZE", "GPU budget, e.g. 8GiB: train on the CUDA GPU, host RAM (--ram) below it"),
+    "simulate_gpu": (None, "with --gpu: plan and run on the CPU as if it were a GPU of that "
+                           "size (host RAM and --disk below it), to try a GPU plan without one"),
+    "disk": ("DIR", "an existing directory for the disk tier: the weights and AdamW states "
+                    "that do not fit --ram live there between uses (a scratch subdirectory, "
+                    "removed at the end; checkpoints still go to --out); with --gpu, "
+                    "tierflow owns AdamW and the model starts in host RAM, streamed to the "
+                    "GPU from RAM or disk; --resume keeps the run's --disk unless given, "
+                    "'none' for no disk tier"),
+    "seq_len": ("N", "tokens per sequence (default 256)"),
+    "batch_size": ("N", "sequences per micro-batch over all ranks (the global batch): under "
+                        "torchrun each rank takes batch-size / ranks of them (default 4)"),
+    "grad_accum": ("N", "micro-batches per optimizer step (default 1)"),
+    "steps": ("N", "optimizer steps (default 100, or from --epochs)"),
+    "epochs": ("F", "passes over train.bin, in tokens (instead of --steps)"),
+    "lr": ("F", "peak learning rate (default 3e-4)"),
+    "warmup": ("N", "linear warmup steps (default 5%% of the steps)"),
+    "min_lr": ("F", "learning rate at the end of the cosine decay (default lr/10)"),
+    "weight_decay": ("F", "AdamW weight decay on matrices (default 0.1)"),
+    "clip": ("F", "clip the global gradient norm to F; 0 disables (default 1.0)"),
+    "seed": ("N", "seed of the init and the batches (default 0)"),
+    "eval_every": ("N", "evaluate every N steps; 0 disables (default 100)"),
+    "eval_steps": ("N", "eval batches per evaluation (default 10)"),
+    "save_every": ("N", "checkpoint every N steps; 0: only at the end (default 0)"),
+    "out": ("DIR", "where checkpoints and the log go (default ./out; with --resume, the "
+                   "checkpoint's run directory)"),
+    "resume": ("DIR", "continue from a checkpoint (a step_N directory or a run's --out); "
+                      "options not given are the checkpoint's run's"),
+    "log": ("FILE", "the JSONL log (default OUT/log.jsonl)"),
+    "dtype": (None, "bf16 autocast or fp32 (auto: bf16 where the CPU has native bf16); the "
+                    "older name of --matmul-dtype"),
+    "model_dtype": (None, "weight and gradient storage (default fp32); bf16 needs bf16 or fp8 "
+                          "matmuls"),
+    "master": (None, "with bf16 weights: keep an fp32 master copy in the optimizer (fp32, "
+                     "default) or update the bf16 weights by stochastic rounding (none)"),
+    "optim_dtype": (None, "AdamW moment storage: fp32 (default), bf16 (stochastic rounding) or "
+                          "int8 (blockwise, a float32 scale per 256)"),
+    "matmul_dtype": (None, "matmuls: fp32, bf16 autocast, or fp8 (e4m3 decoder Linears through "
+                           "torch._scaled_mm inside bf16 autocast; emulated on a CPU); default "
+                           "from --dtype"),
+    "fp8_grad": (None, "gradient matmuls of fp8 Linears: bf16 (default) or e5m2"),
+    "compile": (None, "torch.compile the decoder layers"),
+    "recompute": (None, "activation recomputation: auto (the planner), none or all"),
+    "tensorboard": ("DIR", "also write TensorBoard event files (loss, grad norm, lr, tok/s, "
+                           "RAM, eval loss) to DIR"),
+    "stream": (None, "with --disk: auto streams the weights of the fewest stages that make the "
+                     "step fit --ram (the planner's choice), all streams every stage's weights "
+                     "and keeps the optimizer states on disk"),
+    "prefetch": ("N", "with --disk: stages whose weights, optimizer states and tapes are read "
+                      "ahead of the one computing (default: the planner's choice, the fastest "
+                      "that fits --ram; 0 reads each on demand; checkpoints stashed on disk "
+                      "are always read one backward ahead)"),
+    "serial_reads": (None, "with --disk: run the plan made for its prefetch depth with every "
+                           "weight, optimizer state and tape read on demand, to measure what "
+                           "reading ahead saves (the [Plan] prediction still assumes it)"),
+    "host_updates": (None, "with --disk under --gpu: auto lets the planner step AdamW in host "
+                           "RAM, on the CPU, for the stages whose optimizer states live there "
+                           "(their gradients go down and their new weights up instead of the "
+                           "states coming up and back), never keeps every update on the GPU, "
+                           "all steps every such stage there"),
+    "optimizer_states": (None, "with --disk: the tier where AdamW's states live between "
+                               "updates: auto lets the planner choose, compute keeps them on "
+                               "the GPU (or, without --gpu, in RAM), ram in the host RAM below "
+                               "--gpu, disk in --disk DIR"),
+    "trace": ("FILE", "write a Chrome-trace JSON of every step (compute, disk reads and "
+                      "writes, optimizer, the RSS as a counter), for Perfetto or "
+                      "chrome://tracing"),
+    "dist_timeout": ("S", "under torchrun: seconds a rank waits for the others before it "
+                          "stops with an error naming the rank that died (default 300)"),
+    "config": ("FILE", "a TOML file of options; flags win over it"),
+}
+_TYPES = {"seq_len": _int, "batch_size": _int, "grad_accum": _int, "steps": _int,
+          "epochs": _float, "lr": _float, "warmup": _int, "min_lr": _float,
+          "weight_decay": _float, "clip": _float, "seed": _int, "eval_every": _int,
+          "eval_steps": _int, "save_every": _int, "dist_timeout": _float, "prefetch": _int}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Every option as a flag; defaults are None so that the merge knows what was given."""
+    for f in fields(TrainOptions):
+        if f.name == "given":
+            continue
+        metavar, help_text = _HELP[f.name]
+        if f.name in ("compile", "simulate_gpu", "serial_reads"):
+            parser.add_argument(flag_of(f.name), action="store_true", default=None,
+                                help=help_text)
+        elif f.name == "dtype":
+            parser.add_argument("--dtype", choices=DTYPES, default=None, help=help_text)
+        elif f.name in PRECISION:
+            parser.add_argument(flag_of(f.name), dest=f.name, choices=PRECISION[f.name],
+                                default=None, help=help_text)
+        elif f.name == "recompute":
+            parser.add_argument("--recompute", choices=tuple(RECOMPUTE), default=None,
+                                help=help_text)
+        elif f.name == "stream":
+            parser.add_argument("--stream", choices=STREAM, default=None, help=help_text)
+        elif f.name == "host_updates":
+            parser.add_argument("--host-updates", choices=HOST_UPDATES, default=None,
+                                help=help_text)
+        elif f.name == "optimizer_states":
+            parser.add_argument("--optimizer-states", choices=OPTIMIZER_STATES, default=None,
+                                help=help_text)
+        else:
+            parser.add_argument(flag_of(f.name), dest=f.name, type=_TYPES.get(f.name, str),
+                                default=None, metavar=metavar, help=help_text)
+
+
+def from_args(args: argparse.Namespace) -> TrainOptions:
+    """Defaults, then the TOML file of ``--config``, then the flags given; checked as far as
+    they can be without torch (``check_flags``; the run validates the rest)."""
+    values: dict[str, Any] = {}
+    if getattr(args, "config", None):
+        values.update(read_toml(Path(args.config)))
+    for f in fields(TrainOptions):
+        given = getattr(args, f.name, None)
+        if given is not None:
+            values[f.name] = given
+    return TrainOptions(**values, given=frozenset(values)).check_flags()
+
+
+def read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise TierflowError(f"--config {path} does not exist: give a TOML file") from None
+    except OSError as e:
+        raise TierflowError(f"cannot read --config {path} ({e.strerror})") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise TierflowError(f"--config {path} is not valid TOML ({e})") from None
+    known = {f.name for f in fields(TrainOptions)} - {"config", "given"}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise TierflowError(f"--config {path} has an unknown option {key!r}: known options "
+                                f"are {', '.join(sorted(k.replace('_', '-') for k in known))}")
+        if name in ("ram", "gpu", "disk", "model", "data", "out", "resume", "log", "tensorboard",
+                    "trace") \
+                and value is not None:
+            value = str(value)
+        if name in ("epochs", "lr", "min_lr", "weight_decay", "clip", "dist_timeout") \
+                and isinstance(value, int) \
+                and not isinstance(value, bool):
+            value = float(value)
+        out[name] = value
+    return out
