@@ -209,6 +209,8 @@ def test_the_planner_steps_states_from_disk_on_the_host_when_the_gpu_has_no_room
 @pytest.mark.parametrize("flags,named", [
     (("--optimizer-states", "disk"), ["--optimizer-states disk", "--disk DIR"]),
     (("--optimizer-states", "ram", "--disk", "{disk}"), ["--optimizer-states ram", "--gpu"]),
+    (("--optimizer-states", "compute", "--disk", "{disk}", "--stream", "all"),
+     ["--optimizer-states compute", "--stream all", "--stream auto"]),
 ])
 def test_optimizer_states_flags_a_run_cannot_use_are_one_line(train_env, tmp_path, capsys,
                                                               flags, named):
@@ -234,3 +236,5 @@ def test_fit_refuses_a_states_tier_it_does_not_have():
         tierflow.fit(model, sample, ram="1GiB", config=FitConfig(optimizer_states="compute"))
     with pytest.raises(ValueError, match="optimizer_states 'nvme' is unknown"):
         FitConfig(optimizer_states="nvme")
+    with pytest.raises(ValueError, match="use stream='auto'"):
+        FitConfig(optimizer_states="compute", stream="all")

@@ -40,7 +40,8 @@ class FitConfig:
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
-            raise ValueError(f"planner {self.planner!r} is unknown: use one of {', '.join(PLANNERS)}")
+            raise ValueError(f"planner {self.planner!r} is unknown: use one of "
+                             f"{', '.join(PLANNERS)}")
         if self.rotor_slots < 10:
             raise ValueError(f"rotor_slots={self.rotor_slots} is too coarse: use at least 10")
         if self.profile_repeats < 1:
@@ -62,6 +63,10 @@ class FitConfig:
         if self.optimizer_states not in STATES_TIERS:
             raise ValueError(f"optimizer_states {self.optimizer_states!r} is unknown: use one "
                              f"of {', '.join(STATES_TIERS)}")
+        if self.optimizer_states == "compute" and self.stream == "all":
+            raise ValueError("stream='all' keeps the optimizer states below the compute tier, "
+                             "beside the streamed weights: optimizer_states='compute' "
+                             "contradicts it; use stream='auto', or another states tier")
         if self.prefetch_depth is not None and self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth={self.prefetch_depth} must be at least 0")
         if not 0.0 <= self.headroom < 1.0:

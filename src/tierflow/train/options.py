@@ -149,6 +149,10 @@ class TrainOptions:
         if self.optimizer_states != "auto" and self.disk is None:
             raise TierflowError(f"--optimizer-states {self.optimizer_states} places AdamW's "
                                 "states among the tiers of a run with --disk DIR: give it too")
+        if self.optimizer_states == "compute" and self.stream == "all":
+            raise TierflowError("--optimizer-states compute keeps AdamW's states on the "
+                                "compute tier, but --stream all keeps them below it, beside "
+                                "the streamed weights: give --stream auto, or another tier")
         if self.optimizer_states == "ram" and self.gpu is None:
             raise TierflowError("--optimizer-states ram keeps AdamW's states in the host RAM "
                                 "below a GPU: give --gpu too (without it RAM is the compute "
