@@ -35,10 +35,11 @@ class OwnedOptimizer:
     States read back live in buffers of a pool on the parameters' device (the GPU's when they
     wait in host RAM below it), given back once they are written again. The stages
     ``step_on_host`` hands over are stepped in host RAM instead (exec/host_update.py): their
-    states stay there, or, on the disk tier, are read into a host pool by the host thread's
-    step (started when the stage is handed over: while the host steps the stage before it)
-    and written back after it. Only that thread touches a host stage's states while its
-    step is queued; the main thread prefetches them only as it hands the stage over.
+    states stay there, or, on the disk tier, are read into a host pool for the host thread's
+    step (the read starts as the stage is handed over, while the host steps the stage handed
+    over before it) and written back after it. Only that thread touches a host stage's
+    states while its step is queued; the main thread starts their read only as it hands the
+    stage over. Both threads hand writes to the one writer, whose queue both bound.
     """
 
     def __init__(self, chain: Chain, factory: OptimizerFactory, disk: DiskStore | None = None,
