@@ -293,6 +293,39 @@ def test_an_offloaded_tape_of_a_streamed_stage_moves_only_its_activations():
         assert after.fwd_time == max(before.fwd_time, 3.0)  # 30 bytes written at 10 B/s
 
 
+def test_a_streamed_stage_whose_tape_is_offloaded_reads_its_weights_again_for_backward():
+    """The executor drops a streamed stage's weights after its forward when its tape waits
+    on a lower tier, and reads them again for its backward: the backward pays that read
+    whole without read-ahead, and the part of it that outlasts ``depth`` backwards with it.
+    A candidate whose tapes go down is priced with it; the W2 plan without read-ahead was
+    predicted 22% short without it (docs/benchmarks.md)."""
+    from tierflow.plan.streaming import read_again_for_backward
+    from tierflow.plan.tape_offload import offloaded_tape_costs
+    from tierflow.plan.tier_costs import Candidate, LowerTier, with_offloaded_tapes
+
+    stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
+                      tape=30)
+    costs = ChainCosts(stages=(stage, stage, stage), input_bytes=10, static_bytes=1000)
+    on_demand = read_again_for_backward(costs, {1, 2}, read_bytes_per_s=20.0, depth=0)
+    assert on_demand.stages[0] == stage
+    assert [s.bwd_time for s in on_demand.stages[1:]] == [2.0 + 5.0, 2.0 + 5.0]
+    ahead = read_again_for_backward(costs, {1}, read_bytes_per_s=20.0, depth=2)
+    assert ahead.stages[1].bwd_time == 2.5  # 5 s of read behind two 2 s backwards
+    disk = LowerTier("disk", 20.0, None, "the disk tier")
+    for depth in (0, 1):
+        moved = streamed_costs(costs, {0, 1, 2}, read_bytes_per_s=20.0, write_bytes_per_s=20.0,
+                               depth=depth)
+        kept = Candidate(moved, disk, disk, frozenset({0, 1, 2}), (), depth)
+        [_, offloaded] = with_offloaded_tapes([kept], disk, FitConfig(), min_bytes=1)
+        tapes = offloaded_tape_costs(moved, {0, 1, 2}, read_bytes_per_s=20.0,
+                                     write_bytes_per_s=20.0, read_ahead=depth > 0,
+                                     streamed={0, 1, 2})
+        for priced, taped in zip(offloaded.costs.stages, tapes.stages):
+            # 100 bytes at 20 B/s: 5 s, whole on demand, behind one backward reading ahead
+            assert priced.bwd_time == (max(taped.bwd_time, 5.0) if depth
+                                       else taped.bwd_time + 5.0)
+
+
 def test_a_preset_built_on_disk_trains_like_the_same_preset_in_memory(tmp_path):
     """The model never exists whole in memory: built onto the disk tier module by module,
     planned with its weights fetched stage by stage, trained with every stage streamed."""

@@ -11,7 +11,9 @@ has about d stages of compute to hide behind: on a chain of like stages (the dec
 that dominate), d times its own; its forward costs the longer of its compute and a d-th of
 its read. A deeper prefetch costs a buffer of the largest streamed stage per stage of depth.
 The write-back of updated weights runs beside the next backward, so only the part of it
-that outlasts the stage's own backward time is added.
+that outlasts the stage's own backward time is added. A stage whose tape waits on a lower
+tier has its weights read again for its backward (``read_again_for_backward``): the tape
+does not hold them.
 """
 from __future__ import annotations
 
@@ -38,6 +40,21 @@ def streamed_costs(costs: ChainCosts, streamed: set[int], *, read_bytes_per_s: f
              "prefetch depth": depth, "stream buffers": buffers}
     return replace(costs, stages=tuple(stages),
                    static_bytes=costs.static_bytes - moved + buffers, extra=extra)
+
+
+def read_again_for_backward(costs: ChainCosts, stages: set[int], *, read_bytes_per_s: float,
+                            depth: int) -> ChainCosts:
+    """``costs`` with the weights of the streamed ``stages`` read a second time, for their
+    backward: their tapes do not hold them (the tapes wait on a lower tier), so the weights
+    leave after the forward. The read is priced as the forward's is: added whole at
+    ``depth`` 0, else hidden behind ``depth`` backwards of like stages."""
+    moved = list(costs.stages)
+    for i in stages:
+        s = moved[i]
+        read = s.param_bytes / read_bytes_per_s
+        moved[i] = replace(s, bwd_time=max(s.bwd_time, read / depth) if depth
+                           else s.bwd_time + read)
+    return replace(costs, stages=tuple(moved))
 
 
 def _streamed_stage(s: StageCost, read_bps: float, write_bps: float, depth: int) -> StageCost:

@@ -15,6 +15,7 @@ from ..config import FitConfig
 from ..units import format_bytes
 from .boundary_stash import stashable_boundaries, stashed_boundary_costs
 from .costs import ChainCosts
+from .streaming import read_again_for_backward
 from .tape_offload import activation_tape, offloaded_tape_costs
 
 
@@ -80,6 +81,9 @@ def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier, config: F
         costs = offloaded_tape_costs(c.costs, set(stages), read_bytes_per_s=tier.bandwidth,
                                      write_bytes_per_s=tier.bandwidth, read_ahead=c.depth > 0,
                                      streamed=c.streamed)
+        if c.weights is not None:
+            costs = read_again_for_backward(costs, set(stages & c.streamed),
+                                            read_bytes_per_s=c.weights.bandwidth, depth=c.depth)
         costs = replace(costs, extra={**costs.extra, "tapes tier": tier.name})
         total = format_bytes(costs.extra["offloaded tape bytes"])
         back = "one backward ahead" if c.depth else "when their backward needs them"
