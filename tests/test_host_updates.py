@@ -217,6 +217,7 @@ def test_train_on_a_simulated_gpu_steps_in_host_ram_and_resumes(train_env, tmp_p
     train(tmp_path / "cpu")
     out = train(tmp_path / "gpu", *gpu)
     assert note in out, out
+    assert "for AdamW's steps there" in out, out  # the [Plan]'s ram tier counts them
     expected = train_losses(tmp_path / "cpu")
     torch.testing.assert_close(train_losses(tmp_path / "gpu"), expected, rtol=1e-5, atol=0.0)
     code, out, err = run_main("train", "--resume", str(tmp_path / "gpu" / "step_2"), "--out",

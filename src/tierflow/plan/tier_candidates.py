@@ -191,6 +191,7 @@ def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
     if others:
         why += (f"; the other stages' states ({format_bytes(others)}) come up for their "
                 "update and go back after")
+    costs = replace(costs, extra={**costs.extra, "host step bytes": held})
     return replace(candidate, costs=costs, notes=weights_notes + (why,), host_stages=host,
                    host=ram, host_bytes=held)
 

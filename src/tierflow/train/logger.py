@@ -134,7 +134,11 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                  else 0, f"tapes of {len(extra.get('offloaded tapes', []))} stages"),
                 (sum(plan.costs.x_bytes(i) for i in stashed)
                  if extra.get("boundaries tier") == tier else 0,
-                 f"{len(stashed)} checkpoint{'s' if len(stashed) != 1 else ''}")]
+                 f"{len(stashed)} checkpoint{'s' if len(stashed) != 1 else ''}"),
+                (extra.get("host step bytes", 0) if tier == "ram" else 0,
+                 "for AdamW's steps there (gradients, temporaries"
+                 + (", states read from disk)" if extra.get("optimizer states on disk")
+                    else ")"))]
         below[tier] = {what: int(n) for n, what in held if n}
         if below[tier]:
             depth = extra.get("prefetch depth", 0)
