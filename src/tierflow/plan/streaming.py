@@ -52,16 +52,21 @@ def read_again_for_backward(costs: ChainCosts, stages: set[int], *, read_bytes_p
     for i in stages:
         s = moved[i]
         read = s.param_bytes / read_bytes_per_s
-        moved[i] = replace(s, bwd_time=max(s.bwd_time, read / depth) if depth
-                           else s.bwd_time + read)
+        moved[i] = replace(s, bwd_time=_with_read(s.bwd_time, read, depth))
     return replace(costs, stages=tuple(moved))
+
+
+def _with_read(compute: float, read: float, depth: int) -> float:
+    """Seconds of an operation of ``compute`` seconds whose weights take ``read`` seconds to
+    read: after the read at ``depth`` 0, else behind ``depth`` like operations before it."""
+    return max(compute, read / depth) if depth else compute + read
 
 
 def _streamed_stage(s: StageCost, read_bps: float, write_bps: float, depth: int) -> StageCost:
     read = s.param_bytes / read_bps
     write = s.param_bytes / write_bps
     return replace(s,
-                   fwd_time=max(s.fwd_time, read / depth) if depth else s.fwd_time + read,
+                   fwd_time=_with_read(s.fwd_time, read, depth),
                    tape=s.tape + s.param_bytes,
                    fwd_transient_nograd=s.fwd_transient_nograd + s.param_bytes,
                    update_transient=s.update_transient + s.param_bytes,
