@@ -62,8 +62,8 @@ def test_states_on_disk_stepped_in_host_ram_train_as_plain_pytorch(family, grad_
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_stages_stepped_in_host_ram_beside_stages_updated_on_the_gpu(family, grad_accum,
                                                                      tmp_path, monkeypatch):
-    """With only the odd stages open to host steps (``host_updatable`` patched, as when
-    other stages' weights stream from disk), the states of all live on disk: the odd ones
+    """With only the odd stages open to host steps (``host_updatable`` patched), the
+    states of all live on disk: the odd ones
     are read into host RAM for the host thread's step, the even ones come up for the
     (simulated) GPU's update, through the same disk reader and writer. 3 steps as plain
     PyTorch's."""
@@ -146,10 +146,12 @@ def test_a_host_stage_state_dict_on_disk_round_trips(tmp_path):
         torch.testing.assert_close(loss, expected, rtol=0.0, atol=0.0)
 
 
-def _problem(link: float, disk: float, ram_budget: int | None) -> TierProblem:
+def _problem(link: float, disk: float, ram_budget: int | None,
+             weights_on_disk: bool = False) -> TierProblem:
     """Four like stages of 64 MiB of weights with AdamW (2 bytes of state per weight byte)
-    under a GPU whose host RAM (``ram_budget``), where the model starts, is reached at
-    ``link`` bytes/s, and a disk of ``disk`` bytes/s below it."""
+    under a GPU whose host RAM (``ram_budget``), where the model starts (or, with
+    ``weights_on_disk``, the disk), is reached at ``link`` bytes/s, and a disk of ``disk``
+    bytes/s below it."""
     stage = StageCost("layer", fwd_time=0.05, bwd_time=0.1, param_bytes=64 << 20,
                       output_bytes=1 << 20, tape=4 << 20)
     costs = ChainCosts(stages=(stage,) * 4, input_bytes=1 << 20,
@@ -158,7 +160,8 @@ def _problem(link: float, disk: float, ram_budget: int | None) -> TierProblem:
              LowerTier("disk", disk, None, "the disk tier"))
     return TierProblem(costs=costs, rates=UpdateRates(2.0, 1e-10, 0.0, 0, 2e-10),
                        largest=(64 << 20,) * 4, trainable=4 * (64 << 20),
-                       streamable=(0, 1, 2, 3), lower=lower, weights_tiers=lower[:1],
+                       streamable=(0, 1, 2, 3), lower=lower,
+                       weights_tiers=lower[1:] if weights_on_disk else lower[:1],
                        host_updatable=(0, 1, 2, 3))
 
 
@@ -180,6 +183,33 @@ def test_host_ram_holds_the_weights_and_three_stages_of_states_read_from_disk():
         held = dict(placed.held)
         assert held["disk"] == 4 * 128 * MiB
         assert held["ram"] == 4 * 64 * MiB + in_flight * 128 * MiB + 2 * 64 * MiB
+
+
+def test_host_ram_holds_the_weights_a_host_step_reads_from_disk():
+    """Weights on disk too (the model starts there): host RAM holds no weights between
+    steps, but three stages' states (two without reading ahead), the weights of the stage
+    stepping and a buffer kept for the next (2 x 64 MiB) and two stages' gradients
+    (2 x 64 MiB). Each step takes the weights' read and write longer than when they stream
+    from host RAM (at the same bandwidth, so streaming itself costs the same); without
+    reading ahead the steps hide part of it behind the backward."""
+    config = FitConfig(stream="all", planner="checkpoint-all", host_updates="all",
+                       optimizer_states="disk")
+    for depth, in_flight in ((1, 3), (0, 2)):
+        placed = {on_disk: place_on_tiers(
+            _problem(link=2e9, disk=2e9, ram_budget=800 * MiB, weights_on_disk=on_disk),
+            400 * MiB, replace(config, prefetch_depth=depth), "gpu")
+            for on_disk in (False, True)}
+        from_disk = placed[True]
+        assert from_disk.states.name == from_disk.weights.name == "disk"
+        assert from_disk.host_stages == frozenset({0, 1, 2, 3})
+        held = dict(from_disk.held)
+        assert held["disk"] == 4 * 128 * MiB + 4 * 64 * MiB
+        assert held["ram"] == in_flight * 128 * MiB + 2 * 64 * MiB + 2 * 64 * MiB
+        weights_io = 2 * (64 * MiB) / 2e9  # read before each of the 4 steps, written after
+        extra = from_disk.predicted_time - placed[False].predicted_time
+        assert 0 < extra <= 4 * weights_io * (1 + 1e-9)
+        if depth:  # each step outlasts the backward beside it either way: all of it shows
+            assert extra == pytest.approx(4 * weights_io, rel=1e-9)
 
 
 def test_the_planner_steps_states_from_disk_on_the_host_when_the_gpu_has_no_room_for_them():

@@ -6,7 +6,7 @@ backward they are written to the disk tier and dropped; before its next backward
 read back into ``.grad`` (autograd then accumulates into them), and before its update too.
 On the last micro-batch of a step each stage's squared gradient norm is taken as it leaves,
 so the global norm is known when the backward ends. A stage stepped in host RAM takes its
-gradients from there instead (``take``).
+gradients there instead (``take``): where they wait, or read from disk into host memory.
 """
 from __future__ import annotations
 
@@ -57,13 +57,19 @@ class GradientStash:
             p.grad = buffer
 
     def take(self, i: int) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
-        """Stage i's parameters with stashed gradients and those gradients where they are,
-        in host RAM (the store must be a ``HostStore``): for an update run there. None of
-        either when the stage stashed none."""
+        """Stage i's parameters with stashed gradients and those gradients in host RAM, for
+        an update run there: where they are in a ``HostStore``, read into host memory from
+        the disk tier. None of either when the stage stashed none."""
         if i not in self._stashed:
             return [], []
         self._writer.writes.pop(i).result()
-        return self._stashed.pop(i), self.store.entries(f"grad-{i}")
+        params = self._stashed.pop(i)
+        if self.store.kind == "ram":
+            return params, self.store.entries(f"grad-{i}")
+        with span(f"read gradients {i}", "disk read"):
+            grads = [torch.empty(p.shape, dtype=p.dtype) for p in params]  # in host RAM
+            self.store.read(f"grad-{i}", grads)
+        return params, grads
 
     def clear(self) -> None:
         """A new step: nothing stashed, no norms."""

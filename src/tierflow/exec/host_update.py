@@ -11,7 +11,10 @@ and go back after it, as ZeRO-Infinity's NVMe offload does: the owner of the sta
 stages' states at most: the one stepping, the next one read, the last one being written.
 The stage's optimizer is built over host parameters, its twins: for a weight streamed from
 host RAM, the weight's own copy in the host store (``HostStore.entries``), which the step
-updates in place and the stage's next fetch reads; for a weight that stays on the compute
+updates in place and the stage's next fetch reads; for a weight streamed from disk, a host
+parameter that is empty between steps: the host thread reads the weight's file into it
+before the step and writes it back after (ZeRO-Infinity's parameters on NVMe, stepped by the
+CPU), and the stage's next fetch reads the new file; for a weight that stays on the compute
 tier, a host copy of its own, whose new values the host thread copies up after the step.
 One host thread steps the stages in update order (the last stage first), each one beside
 the backward of the stages before it; at most one step waits behind the running one, so
@@ -27,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .buffers import BufferPool
 from .copy_stream import SideStreamCopier
 from .disk import WriteBehind
 from .offload import OffloadedParameters
@@ -35,13 +39,14 @@ from .trace import span
 
 class HostUpdates:
     """The host side of the stages the optimizer steps in host RAM (``stages``); the weights
-    of ``streamed`` (parameter ids) live in ``offloaded``'s host store between uses."""
+    of ``streamed`` (parameter ids) live in ``offloaded``'s store (host RAM or disk) between
+    uses."""
 
     def __init__(self, stages: set[int], device: torch.device,
                  offloaded: OffloadedParameters | None = None,
                  streamed: frozenset[int] = frozenset()) -> None:
-        if streamed and (offloaded is None or offloaded.store.kind != "ram"):
-            raise TypeError("host updates step streamed weights kept in host RAM (a HostStore)")
+        if streamed and offloaded is None:
+            raise TypeError("streamed weights stepped in host RAM need their OffloadedParameters")
         self.stages = frozenset(stages)
         self.offloaded = offloaded
         self.streamed = streamed
@@ -49,13 +54,21 @@ class HostUpdates:
         # one step queued behind the running one: submitting a third waits for the first
         self._steps = WriteBehind("tierflow-host-update", limit=1)
         self._uploads: dict[int, list[tuple[nn.Parameter, nn.Parameter]]] = {}
+        # stage -> (twin, its weight's file, the twin's empty tensor) for weights on disk
+        self._from_disk: dict[int, list[tuple[nn.Parameter, str, torch.Tensor]]] = {}
+        self._weights_pool = BufferPool()  # host RAM for the weights of the stage stepping
 
     def twins(self, i: int, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """Stage i's host parameters, one per parameter of ``params``: what its optimizer
         is built over (see the module docstring)."""
         out = []
         for p in params:
-            if id(p) in self.streamed:
+            if id(p) in self.streamed and self.offloaded.store.kind == "disk":
+                empty = torch.empty(p.shape, dtype=p.dtype)
+                empty.untyped_storage().resize_(0)
+                twin = nn.Parameter(empty)
+                self._from_disk.setdefault(i, []).append((twin, self.offloaded.file_of(p), empty))
+            elif id(p) in self.streamed:
                 twin = nn.Parameter(self.offloaded.store.entries(self.offloaded.file_of(p))[0])
             else:
                 copy = torch.empty(p.shape, dtype=p.dtype, pin_memory=self._copier.pinned())
@@ -99,6 +112,7 @@ class HostUpdates:
         if fetch is not None:
             with span(f"wait for optimizer states {i}", "optimizer"):
                 fetch()
+        weights = self._weights_in(i)
         with span(f"host update {i}", "optimizer"):
             if scale != 1.0:  # clipping by the global norm
                 for twin in twins:
@@ -108,8 +122,33 @@ class HostUpdates:
             optimizer.zero_grad(set_to_none=True)
         if release is not None:
             release()
+        if weights is not None:
+            self._weights_out(i, weights)
         uploads = self._uploads.get(i)
         if uploads:
             with span(f"weights up {i}", "disk read"):
                 self._copier.copy([p.detach() for _, p in uploads],
                                   [twin.detach() for twin, _ in uploads])
+
+    def _weights_in(self, i: int) -> torch.Tensor | None:
+        """Read stage i's weights that live on disk into its twins (a buffer of the pool);
+        returns that buffer (None when none of its weights is on disk)."""
+        entries = self._from_disk.get(i)
+        if not entries:
+            return None
+        with span(f"read weights {i} for its host step", "disk read"):
+            flat, views = self._weights_pool.views([(twin.shape, twin.dtype)
+                                                    for twin, _, _ in entries])
+            for (twin, key, _), view in zip(entries, views):
+                self.offloaded.store.read(key, [view])
+                twin.data = view
+        return flat
+
+    def _weights_out(self, i: int, flat: torch.Tensor) -> None:
+        """Write stage i's stepped weights back to their files (which its next fetch reads),
+        then empty its twins and give their buffer back."""
+        with span(f"write weights {i} after its host step", "disk write"):
+            for twin, key, empty in self._from_disk[i]:
+                self.offloaded.store.write(key, [twin.detach()])
+                twin.data = empty
+        self._weights_pool.give(flat)

@@ -156,37 +156,43 @@ def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
                      config: FitConfig) -> Candidate | None:
     """``candidate`` (its states in the host RAM below a GPU, or on the disk below that RAM)
     with the updates of its stages run in host RAM, on their twins (exec/host_update.py): a
-    streamed stage's weights must stream from that RAM too, a resident stage's get a host
-    copy. None when no stage qualifies. ``weights_notes`` say where the weights live; the
-    states' note is replaced. Deferred updates step them in the update pass
-    (``deferred_costs``)."""
+    resident stage's weights get a host copy; a streamed stage's are stepped where they live
+    in host RAM, or read from disk into it for the step and written back after. None when no
+    stage qualifies. ``weights_notes`` say where the weights live; the states' note is
+    replaced. Deferred updates step them in the update pass (``deferred_costs``)."""
     rates, home = problem.rates, candidate.states
     ram = next((t for t in problem.lower if t.name == "ram"), None)
     if (config.host_updates == "never" or rates.host_seconds_per_byte is None
             or home is None or ram is None):
         return None
-    host = frozenset(i for i in problem.host_updatable
-                     if i not in candidate.streamed or candidate.weights is ram)
+    host = frozenset(problem.host_updatable)
     if not host:
         return None
     read_ahead = candidate.depth > 0
+    on_disk = host & candidate.streamed if candidate.weights is not ram else frozenset()
     costs = updated_on_host(candidate.costs, problem.costs, state_of, host,
                             candidate.streamed, home, ram, rates.host_seconds_per_byte,
-                            read_ahead)
-    largest = max(problem.costs.stages[i].param_bytes for i in host)
-    copies = sum(problem.costs.stages[i].param_bytes for i in host - candidate.streamed)
-    # the resident stages' host copies, the step's temporaries, states read from disk, and
-    # inside the backward the gradients of the stage stepping and of the next one (deferred,
-    # a streamed stage's wait in host RAM anyway)
+                            read_ahead, candidate.weights if on_disk else None)
+    size = [problem.costs.stages[i].param_bytes for i in range(problem.costs.length)]
+    largest = max(size[i] for i in host)
+    copies = sum(size[i] for i in host - candidate.streamed)
+    # the resident stages' host copies, the step's temporaries, states read from disk, the
+    # weights read from disk for the step (a buffer kept for the next one, and one for a
+    # larger stage), and the gradients of the stage stepping and of the next one: inside the
+    # backward, or deferred when they come from disk (a host-RAM stash counts them already)
     held = copies + max(stages[i].update_transient for i in host) + \
         host_states_in_flight(state_of, host, home, read_ahead) + \
-        (0 if problem.deferred else 2 * largest)
+        sum(sorted(size[i] for i in on_disk)[-2:]) + \
+        2 * (max((size[i] for i in on_disk), default=0) if problem.deferred else largest)
     moved = "" if home is ram else (
         f" and come up to it for each step, going back after ({format_bytes(home.bandwidth)}/s)")
     why = (f"the optimizer steps {len(host)} stages in {ram.about}: their states "
            f"({format_bytes(sum(state_of[i] for i in host))}) live in {home.about}{moved}; "
            f"their gradients go down ({format_bytes(ram.bandwidth)}/s), and the new weights "
            "come up with the next fetch of a streamed stage, after the step for a resident one")
+    if on_disk:
+        why += (f"; the weights of {len(on_disk)} of them come from {candidate.weights.about} "
+                "for their step and go back after it, on the host thread")
     others = sum(n for i, n in enumerate(state_of) if i not in host)
     if others:
         why += (f"; the other stages' states ({format_bytes(others)}) come up for their "

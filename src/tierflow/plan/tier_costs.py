@@ -146,14 +146,15 @@ def states_in_flight(state_of: list[int], read_ahead: bool) -> int:
 def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
                     host: frozenset[int], streamed: frozenset[int], home: LowerTier,
                     link: LowerTier, host_seconds_per_byte: float,
-                    read_ahead: bool) -> ChainCosts:
+                    read_ahead: bool, weights_disk: LowerTier | None = None) -> ChainCosts:
     """``costs`` (states on ``home``, the host RAM below a GPU or the disk below that RAM)
     with the ``host`` stages' updates run in host RAM instead: their gradients go down the
     ``link`` (the host RAM tier), the host optimizer steps their states and host copies of
-    their weights, and the new weights come up: a ``streamed`` stage's (streamed from host
-    RAM) with its next fetch, a resident stage's right after the step. States on disk are
-    read into host RAM for the step and written back after it: read while the step before
-    runs (``read_ahead``), or by the step itself.
+    their weights, and the new weights come up: a ``streamed`` stage's with its next fetch,
+    a resident stage's right after the step. States on disk are read into host RAM for the
+    step and written back after it: read while the step before runs (``read_ahead``), or by
+    the step itself. Weights streamed from ``weights_disk`` (None: from host RAM) are read
+    and written by the host thread around its step, which takes that much longer.
 
     Stage i's host step runs beside the backward of stage i - 1; the compute tier waits at
     stage i's update for what stage i + 1's step outlasted of that backward, and at the end
@@ -166,6 +167,8 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
         down = params / link.bandwidth  # the gradients, as large as the weights
         work = host_seconds_per_byte * params + (0.0 if i in streamed else down)  # + up
         work = _with_state_io(work, state_of[i], home, read_ahead)
+        if weights_disk is not None and i in streamed:
+            work += 2 * params / weights_disk.bandwidth
         beside = sum(s.bwd_time for s in base.stages[:i]) if i == lowest else \
             base.stages[i - 1].bwd_time
         # a streamed stage's weights stay until the update (the gradients are counted)
@@ -228,7 +231,8 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
     A stage stepped in host RAM (``candidate.host_stages``) adds nothing to the pass's peak
     on the compute tier; the host steps it (priced one stage after the other, after the
     compute tier's updates) from its gradients, which wait in host RAM already when it is
-    streamed, or come down first, its new weights going up after."""
+    streamed from there (from disk: they and its weights are read for the step, the weights
+    written back after), or come down first, its new weights going up after."""
     states, weights = candidate.states, candidate.weights
     stages, persistent, seconds, in_flight = [], 0, 0.0, 0
     own: dict[int, int] = {}  # stage -> its bytes on the compute tier while it updates there
@@ -248,6 +252,8 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
             if i > 0:  # being written behind the next backward (the first stage's has none)
                 in_flight = max(in_flight, grads)
             if i in candidate.host_stages:
+                if weights is not candidate.host:  # on disk: weights in and out, grads in
+                    seconds += (2 * params + grads) / weights.bandwidth
                 continue
             io += (3 * params + grads) / weights.bandwidth  # weights in and out, grads in
             work[i] = params + grads + (state_of[i] if states else 0)
