@@ -212,6 +212,23 @@ def test_host_ram_holds_the_weights_a_host_step_reads_from_disk():
             assert extra == pytest.approx(4 * weights_io, rel=1e-9)
 
 
+def test_deferred_host_steps_count_the_gradients_that_come_down_to_host_ram():
+    """Updates deferred to a pass after the backward (accumulation): a resident stage's
+    gradients come down to host RAM for its step there, two stages' at a time (the one
+    stepping, the next one queued), beside the weights' host copies and the states; a
+    stage streamed from host RAM steps from the gradients stashed there, counted with the
+    weights (two bytes per weight byte)."""
+    config = FitConfig(planner="checkpoint-all", prefetch_depth=1, host_updates="all",
+                       optimizer_states="ram")
+    problem = replace(_problem(link=2e9, disk=2e9, ram_budget=2 << 30), deferred=True)
+    resident = place_on_tiers(problem, 1 << 30, replace(config, stream="never"), "gpu")
+    assert resident.host_stages == frozenset({0, 1, 2, 3}) and not resident.streamed
+    assert dict(resident.held)["ram"] == 4 * 128 * MiB + 4 * 64 * MiB + 2 * 64 * MiB
+    streamed = place_on_tiers(problem, 1 << 30, replace(config, stream="all"), "gpu")
+    assert streamed.host_stages == frozenset({0, 1, 2, 3}) and streamed.weights.name == "ram"
+    assert dict(streamed.held)["ram"] == 4 * 128 * MiB + 2 * 4 * 64 * MiB
+
+
 def test_the_planner_steps_states_from_disk_on_the_host_when_the_gpu_has_no_room_for_them():
     """States on disk come up either to the GPU for its update or to host RAM for a step
     there. Here the disk is as fast as the link, so the GPU's update is faster, and chosen

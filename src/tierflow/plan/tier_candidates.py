@@ -174,16 +174,18 @@ def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
                             candidate.streamed, home, ram, rates.host_seconds_per_byte,
                             read_ahead, candidate.weights if on_disk else None)
     size = [problem.costs.stages[i].param_bytes for i in range(problem.costs.length)]
-    largest = max(size[i] for i in host)
     copies = sum(size[i] for i in host - candidate.streamed)
+    # deferred, a stage streamed from host RAM steps from the gradients stashed there
+    # (counted with the weights); every other host stage's come down, or up from disk
+    stashed = host & candidate.streamed if candidate.weights is ram else frozenset()
+    come_down = host - stashed if problem.deferred else host
     # the resident stages' host copies, the step's temporaries, states read from disk, the
     # weights read from disk for the step (a buffer kept for the next one, and one for a
-    # larger stage), and the gradients of the stage stepping and of the next one: inside the
-    # backward, or deferred when they come from disk (a host-RAM stash counts them already)
+    # larger stage), and the gradients of the stage stepping and of the next one
     held = copies + max(stages[i].update_transient for i in host) + \
         host_states_in_flight(state_of, host, home, read_ahead) + \
         sum(sorted(size[i] for i in on_disk)[-2:]) + \
-        2 * (max((size[i] for i in on_disk), default=0) if problem.deferred else largest)
+        2 * max((size[i] for i in come_down), default=0)
     moved = "" if home is ram else (
         f" and come up to it for each step, going back after ({format_bytes(home.bandwidth)}/s)")
     why = (f"the optimizer steps {len(host)} stages in {ram.about}: their states "
