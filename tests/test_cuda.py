@@ -337,6 +337,48 @@ def test_states_on_disk_stepped_in_host_ram_below_the_gpu_resume(train_env, tmp_
                                train_losses(tmp_path / "gpu")[2:], rtol=0.0, atol=0.0)
 
 
+def test_a_model_larger_than_ram_streams_from_disk_below_the_gpu(train_env, tmp_path, capsys):
+    """More weights than ``--ram``: ``tierflow train --gpu --disk`` builds the model on disk,
+    fit moves it to the GPU empty (``OffloadedParameters.move_model``) and its stages stream
+    up from disk; the losses are the CPU run's."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    code, _, err = run_main(*fp32_train_args(train_env, tmp_path / "cpu", 4), capsys=capsys)
+    assert code == 0, err
+    code, out, err = run_main(*fp32_train_args(
+        train_env, tmp_path / "gpu", 4, "--gpu", "64MiB", "--ram", "48KiB", "--disk",
+        str(disk), "--stream", "all"), capsys=capsys)
+    assert code == 0, err
+    assert "live in the disk tier" in out, out
+    torch.testing.assert_close(train_losses(tmp_path / "gpu"), train_losses(tmp_path / "cpu"),
+                               rtol=1e-4, atol=0.0)
+
+
+@pytest.mark.parametrize("grad_accum", [1, 4])
+def test_weights_and_states_on_disk_stepped_in_host_ram_below_the_gpu(tmp_path, grad_accum):
+    """A model loaded onto disk, every stage streamed from there to the GPU and stepped in
+    host RAM (its weights read from disk for the step and written back after it, its AdamW
+    states on disk too): 3 steps with dropout as plain PyTorch on the GPU, inside the
+    backward or after 4 clipped micro-batches."""
+    from tierflow.exec.disk import DiskStore
+    from tierflow.exec.offload import OffloadedParameters
+    from tierflow.models.load import load_model
+
+    tiny_hf("llama", layers=3, dropout=0.1).save_pretrained(tmp_path / "model")
+    model = load_model(tmp_path / "model",
+                       offload=OffloadedParameters(DiskStore(tmp_path))).train()
+    reference = load_model(tmp_path / "model").train().to(CUDA)
+    samples = [{k: v.to(CUDA) for k, v in hf_sample(seed=seed).items()}
+               for seed in range(grad_accum)]
+    module = tierflow.fit(model, samples[0], optimizer=_adamw, gpu="1GiB", ram="1GiB",
+                          disk=tmp_path, grad_accum=grad_accum,
+                          max_grad_norm=0.5 if grad_accum > 1 else None,
+                          config=FitConfig(stream="all", planner="checkpoint-all",
+                                           host_updates="all", optimizer_states="disk"))
+    assert module.optimizer.host is not None and module.optimizer.host._from_disk
+    train_and_match(module, reference, samples, _adamw)
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "not fixed: on an H100 a step that ran out of memory in its backward left ~200 MiB of "
     "the stages' saved tensors allocated (held by autograd, not by tierflow's objects: the "

@@ -2,18 +2,21 @@
 AdamW states live there too (ZeRO-Infinity with parameters and states on NVMe), here below
 a simulated GPU: the host thread reads a stage's weights into host RAM for its step and
 writes them back after it, and the stage's next fetch reads the new file. The training is
-plain PyTorch's."""
+plain PyTorch's. ``tierflow train`` builds a model whose weights pass ``--ram`` on disk
+below a GPU, so that its weights stream from there."""
+import re
 import threading
 
 import pytest
 import torch
+from cli_support import fp32_train_args, run_main, train_losses
 from models import hf_sample, tiny_hf
 from side_by_side import train_and_match
 
 import tierflow
 from tierflow import FitConfig
 from tierflow.exec.disk import DiskStore
-from tierflow.exec.offload import OffloadedParameters
+from tierflow.exec.offload import OffloadedParameters, offloaded_parameters
 from tierflow.models.load import load_model
 
 
@@ -93,3 +96,47 @@ def test_the_host_thread_reads_and_writes_the_weights_around_its_step(tmp_path):
     assert [(name, i) for name, i, _ in moves] == \
         [(name, i) for _ in range(2) for i in stages for name in ("_weights_in", "_weights_out")]
     assert {thread for _, _, thread in moves} == {"tierflow-host-update_0"}
+
+
+def test_train_builds_a_model_larger_than_ram_on_disk_below_a_simulated_gpu(train_env, tmp_path,
+                                                                         capsys):
+    """``tierflow train --simulate-gpu --gpu G --ram R --disk D`` with more weights than R:
+    the model is built on the disk tier, not in host RAM (which could not hold it), and its
+    stages stream from there; the losses are the CPU run's, and a run resumed from the
+    step-2 checkpoint goes on with the uninterrupted run's losses."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    gpu = ("--gpu", "64MiB", "--simulate-gpu", "--ram", "48KiB", "--disk", str(disk),
+           "--stream", "all")
+    code, _, err = run_main(*fp32_train_args(train_env, tmp_path / "cpu", 4), capsys=capsys)
+    assert code == 0, err
+    code, out, err = run_main(*fp32_train_args(train_env, tmp_path / "gpu", 4, "--save-every",
+                                               "2", *gpu), capsys=capsys)
+    assert code == 0, err
+    weights = re.search(r"weights +: ([\d.]+) KiB", out)
+    assert weights and float(weights[1]) > 48, out
+    assert re.search(r"the weights of \d+ of \d+ stages \(.*\) live in the disk tier", out), out
+    torch.testing.assert_close(train_losses(tmp_path / "gpu"), train_losses(tmp_path / "cpu"),
+                               rtol=1e-5, atol=0.0)
+    code, _, err = run_main("train", "--resume", str(tmp_path / "gpu" / "step_2"), "--out",
+                            str(tmp_path / "resumed"), *gpu, capsys=capsys)
+    assert code == 0, err
+    torch.testing.assert_close(train_losses(tmp_path / "resumed"),
+                               train_losses(tmp_path / "gpu")[2:], rtol=0.0, atol=0.0)
+
+
+def test_moving_a_model_built_on_disk_keeps_its_weights_on_disk(tmp_path):
+    """``move_model`` (what fit does with a model built on disk and a sample on a GPU; here
+    onto the CPU): each weight that lives on disk is an empty tensor on the device, still
+    known to the disk tier and read back from its file with its values."""
+    model, reference = _models_on_disk("gpt2", tmp_path)
+    offloaded = offloaded_parameters(model)
+    on_disk = [p for p in model.parameters() if p in offloaded]
+    keys = [offloaded.file_of(p) for p in on_disk]
+    offloaded.move_model(model, torch.device("cpu"))
+    assert [offloaded.file_of(p) for p in on_disk] == keys
+    expected = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert (p in offloaded) == (p.untyped_storage().nbytes() == 0)
+        with offloaded.resident([p]):
+            torch.testing.assert_close(p, expected[name], rtol=0, atol=0)

@@ -69,7 +69,9 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     them free on the compute tier. ``disk`` is a directory for
     the disk tier: when the optimizer's states do not fit the budget beside the rest, they
     live there between updates, and so do the weights of the stages that do not fit
-    (streamed in ahead of their use).
+    (streamed in ahead of their use). Under ``gpu=``, a model on the CPU with a sample on
+    the GPU is never whole on the GPU: its weights wait in host RAM, or on disk when it was
+    loaded there (``models.load_model(..., offload=...)``), and come up as the plan says.
     With ``optimizer=``, ``grad_accum`` (micro-batches per update: call ``backward()`` that
     many times, on losses divided by it as in plain PyTorch) and ``max_grad_norm`` (clip
     by the global norm, as ``torch.nn.utils.clip_grad_norm_``) move the updates to one pass
@@ -81,10 +83,15 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     if planner != "auto" and config.planner != planner:
         raise TierflowError(f"planner={planner!r} disagrees with config.planner="
                             f"{config.planner!r}: give one or the other")
-    if gpu is not None and not config.simulated_gpu and offloaded_parameters(model) is None:
+    if gpu is not None and not config.simulated_gpu:
         target = _sample_device(sample)
         if _device_of(model).type == "cpu" and target.type != "cpu":
-            start_in_host_ram(model, target)  # computes on the GPU, never whole there
+            # computes on the GPU, never whole there: streamed from host RAM, or from disk
+            built_on_disk = offloaded_parameters(model)
+            if built_on_disk is None:
+                start_in_host_ram(model, target)
+            else:
+                built_on_disk.move_model(model, target)
     device = _device_of(model)
     tier, budget, ram_below = _compute_budget(device, ram=ram, gpu=gpu,
                                               simulated=config.simulated_gpu)

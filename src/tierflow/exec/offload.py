@@ -66,6 +66,30 @@ class OffloadedParameters:
         self.store.write(self._files[key], [values])
         p.untyped_storage().resize_(0)  # built outside: never counted as resident
 
+    def move_model(self, model: nn.Module, device: torch.device) -> None:
+        """Put ``model`` on ``device``, the accelerator it computes on: a parameter that lives
+        here becomes an empty tensor there, filled from its file when used (a model built
+        on disk that trains on a GPU); every other parameter and buffer moves whole."""
+        with torch.no_grad():
+            for p in model.parameters():
+                if p not in self:
+                    p.data = p.data.to(device)
+                    continue
+                old = storage_key(p)
+                if p.untyped_storage().nbytes():  # resident now: its values move
+                    p.data = p.data.to(device)
+                else:
+                    empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+                    empty.untyped_storage().resize_(0)
+                    p.data = empty  # the same Parameter, as ``offload`` with a device
+                new = storage_key(p)
+                for table in (self._files, self._sizes, self._uses):
+                    table[new] = table.pop(old)
+            for module in model.modules():
+                for key, buffer in module._buffers.items():
+                    if buffer is not None:
+                        module._buffers[key] = buffer.to(device)
+
     def file_of(self, p: torch.Tensor) -> str:
         """The disk store key of ``p``'s file."""
         return self._files[storage_key(p)]

@@ -123,15 +123,18 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
             from ..exec.disk import DiskStore, scratch_directory
             from ..exec.offload import OffloadedParameters
             disk = scratch.enter_context(scratch_directory(opts.disk))
-            if tier.gpu is None:  # the model is built onto it
+            weights = count_model_parameters(opts, ckpt, data) * \
+                precision.parameter_dtype.itemsize
+            if tier.gpu is None or (tier.ram is not None and weights > tier.ram):
+                # the model is built onto it (under a GPU: host RAM could not hold it)
                 offload = OffloadedParameters(DiskStore(disk), dtype=precision.parameter_dtype)
         model = build_model(opts, ckpt, data, precision, offload)
         if not opts.disk:
             model = tier.place_model(model)
-        elif tier.simulated:  # as below a real GPU, whose fit does this itself (exec/host_model)
-            from ..exec.host_model import start_in_host_ram
+        elif tier.simulated and offload is None:  # as below a real GPU, whose fit does this
+            from ..exec.host_model import start_in_host_ram  # itself (exec/host_model)
             start_in_host_ram(model, tier.device)
-        # else in host RAM (or on disk) until fit places it: under a GPU it streams from there
+        # else in host RAM or on disk until fit places it: under a GPU it streams from there
         return _train_model(opts, ckpt, data, out, log_path, tier, world, baseline,
                             precision, model, disk if offload is None else None)
 
