@@ -51,6 +51,27 @@ def train_losses(out: Path) -> list[float]:
     return [r["loss"] for r in records(out / "log.jsonl", "train")]
 
 
+def train_like_the_cpu_and_resume(env: dict, root: Path, flags: tuple[str, ...], capsys,
+                                  rtol: float) -> str:
+    """4 steps of the tiny model on the CPU (``root``/cpu) and with ``flags`` (``root``/run,
+    a checkpoint at step 2): the losses equal within ``rtol``; then a run resumed from that
+    checkpoint with ``flags`` continues with the uninterrupted run's losses, bit for bit.
+    Returns what the run with ``flags`` printed."""
+    code, _, err = run_main(*fp32_train_args(env, root / "cpu", 4), capsys=capsys)
+    assert code == 0, err
+    code, out, err = run_main(*fp32_train_args(env, root / "run", 4, "--save-every", "2",
+                                               *flags), capsys=capsys)
+    assert code == 0, err
+    torch.testing.assert_close(train_losses(root / "run"), train_losses(root / "cpu"),
+                               rtol=rtol, atol=0.0)
+    code, _, err = run_main("train", "--resume", str(root / "run" / "step_2"), "--out",
+                            str(root / "resumed"), *flags, capsys=capsys)
+    assert code == 0, err
+    torch.testing.assert_close(train_losses(root / "resumed"), train_losses(root / "run")[2:],
+                               rtol=0.0, atol=0.0)
+    return out
+
+
 def spy_saved_models(monkeypatch) -> list:
     """The models the trainer passes to ``save_checkpoint``, in order (the saving goes on)."""
     from tierflow.train import checkpoint as ckpt_module

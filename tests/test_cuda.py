@@ -10,7 +10,13 @@ import os
 
 import pytest
 import torch
-from cli_support import fp32_train_args, records, run_main, train_losses
+from cli_support import (
+    fp32_train_args,
+    records,
+    run_main,
+    train_like_the_cpu_and_resume,
+    train_losses,
+)
 from models import hf_sample, tiny_hf
 from side_by_side import train_and_match, train_side_by_side
 
@@ -322,19 +328,8 @@ def test_states_on_disk_stepped_in_host_ram_below_the_gpu_resume(train_env, tmp_
     disk.mkdir()
     gpu = ("--gpu", "64MiB", "--ram", "1GiB", "--disk", str(disk), "--stream", "all",
            "--host-updates", "all", "--optimizer-states", "disk")
-    code, _, err = run_main(*fp32_train_args(train_env, tmp_path / "cpu", 4), capsys=capsys)
-    assert code == 0, err
-    code, out, err = run_main(*fp32_train_args(train_env, tmp_path / "gpu", 4, "--save-every",
-                                               "2", *gpu), capsys=capsys)
-    assert code == 0, err
+    out = train_like_the_cpu_and_resume(train_env, tmp_path, gpu, capsys, rtol=1e-4)
     assert "come up to it for each step" in out, out
-    torch.testing.assert_close(train_losses(tmp_path / "gpu"), train_losses(tmp_path / "cpu"),
-                               rtol=1e-4, atol=0.0)
-    code, _, err = run_main("train", "--resume", str(tmp_path / "gpu" / "step_2"), "--out",
-                            str(tmp_path / "resumed"), *gpu, capsys=capsys)
-    assert code == 0, err
-    torch.testing.assert_close(train_losses(tmp_path / "resumed"),
-                               train_losses(tmp_path / "gpu")[2:], rtol=0.0, atol=0.0)
 
 
 def test_a_model_larger_than_ram_streams_from_disk_below_the_gpu(train_env, tmp_path, capsys):

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from cli_support import fp32_train_args, run_main, train_losses
+from cli_support import train_like_the_cpu_and_resume
 from models import hf_sample, tiny_hf
 from side_by_side import train_and_match
 
@@ -108,21 +108,10 @@ def test_train_builds_a_model_larger_than_ram_on_disk_below_a_simulated_gpu(trai
     disk.mkdir()
     gpu = ("--gpu", "64MiB", "--simulate-gpu", "--ram", "48KiB", "--disk", str(disk),
            "--stream", "all")
-    code, _, err = run_main(*fp32_train_args(train_env, tmp_path / "cpu", 4), capsys=capsys)
-    assert code == 0, err
-    code, out, err = run_main(*fp32_train_args(train_env, tmp_path / "gpu", 4, "--save-every",
-                                               "2", *gpu), capsys=capsys)
-    assert code == 0, err
+    out = train_like_the_cpu_and_resume(train_env, tmp_path, gpu, capsys, rtol=1e-5)
     weights = re.search(r"weights +: ([\d.]+) KiB", out)
     assert weights and float(weights[1]) > 48, out
     assert re.search(r"the weights of \d+ of \d+ stages \(.*\) live in the disk tier", out), out
-    torch.testing.assert_close(train_losses(tmp_path / "gpu"), train_losses(tmp_path / "cpu"),
-                               rtol=1e-5, atol=0.0)
-    code, _, err = run_main("train", "--resume", str(tmp_path / "gpu" / "step_2"), "--out",
-                            str(tmp_path / "resumed"), *gpu, capsys=capsys)
-    assert code == 0, err
-    torch.testing.assert_close(train_losses(tmp_path / "resumed"),
-                               train_losses(tmp_path / "gpu")[2:], rtol=0.0, atol=0.0)
 
 
 def test_moving_a_model_built_on_disk_keeps_its_weights_on_disk(tmp_path):
