@@ -131,8 +131,9 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
         model = build_model(opts, ckpt, data, precision, offload)
         if not opts.disk:
             model = tier.place_model(model)
-        elif tier.simulated and offload is None:  # as below a real GPU, whose fit does this
-            from ..exec.host_model import start_in_host_ram  # itself (exec/host_model)
+        elif tier.simulated and offload is None:
+            # into host RAM, as below a real GPU, where fit does this itself (exec/host_model)
+            from ..exec.host_model import start_in_host_ram
             start_in_host_ram(model, tier.device)
         # else in host RAM or on disk until fit places it: under a GPU it streams from there
         return _train_model(opts, ckpt, data, out, log_path, tier, world, baseline,
