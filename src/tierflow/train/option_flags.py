@@ -49,9 +49,9 @@ _HELP = {
     "disk": ("DIR", "an existing directory for the disk tier: the weights and AdamW states "
                     "that do not fit --ram live there between uses (a scratch subdirectory, "
                     "removed at the end; checkpoints still go to --out); with --gpu, "
-                    "tierflow owns AdamW and the model starts in host RAM, streamed to the "
-                    "GPU from RAM or disk; --resume keeps the run's --disk unless given, "
-                    "'none' for no disk tier"),
+                    "tierflow owns AdamW and the model starts in host RAM (on disk when its "
+                    "weights pass --ram), streamed to the GPU from RAM or disk; --resume "
+                    "keeps the run's --disk unless given, 'none' for no disk tier"),
     "seq_len": ("N", "tokens per sequence (default 256)"),
     "batch_size": ("N", "sequences per micro-batch over all ranks (the global batch): under "
                         "torchrun each rank takes batch-size / ranks of them (default 4)"),
@@ -100,9 +100,9 @@ _HELP = {
                            "reading ahead saves (the [Plan] prediction still assumes it)"),
     "host_updates": (None, "with --disk under --gpu: auto lets the planner step AdamW in host "
                            "RAM, on the CPU, for the stages whose optimizer states live there "
-                           "(their gradients go down and their new weights up instead of the "
-                           "states coming up and back), never keeps every update on the GPU, "
-                           "all steps every such stage there"),
+                           "or on disk (their gradients go down and their new weights up, or "
+                           "back to disk, instead of the states coming up and back), never "
+                           "keeps every update on the GPU, all steps every such stage there"),
     "optimizer_states": (None, "with --disk: the tier where AdamW's states live between "
                                "updates: auto lets the planner choose, compute keeps them on "
                                "the GPU (or, without --gpu, in RAM), ram in the host RAM below "
