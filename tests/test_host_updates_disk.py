@@ -229,6 +229,25 @@ def test_deferred_host_steps_count_the_gradients_that_come_down_to_host_ram():
     assert dict(streamed.held)["ram"] == 4 * 128 * MiB + 2 * 4 * 64 * MiB
 
 
+def test_a_deferred_host_step_reads_the_gradients_and_weights_of_a_stage_on_disk():
+    """Updates deferred (accumulation) with every stage's weights and states on disk: the
+    update pass's host steps each read the stage's gradients (stashed on disk between
+    micro-batches) and weights and write the weights back, 3 x 64 MiB more per stage than
+    when they stream from host RAM at the same bandwidth; host RAM then holds two stages'
+    gradients and the weights' buffers beside three stages' states."""
+    config = FitConfig(stream="all", planner="checkpoint-all", host_updates="all",
+                       optimizer_states="disk", prefetch_depth=1)
+    placed = {on_disk: place_on_tiers(
+        replace(_problem(link=2e9, disk=2e9, ram_budget=2 << 30, weights_on_disk=on_disk),
+                deferred=True), 400 * MiB, config, "gpu") for on_disk in (False, True)}
+    from_disk = placed[True]
+    assert from_disk.weights.name == "disk" and placed[False].weights.name == "ram"
+    assert from_disk.host_stages == placed[False].host_stages == frozenset({0, 1, 2, 3})
+    extra = from_disk.update_pass.seconds - placed[False].update_pass.seconds
+    assert extra == pytest.approx(4 * 3 * (64 * MiB) / 2e9, rel=1e-9)
+    assert dict(from_disk.held)["ram"] == 3 * 128 * MiB + 2 * 64 * MiB + 2 * 64 * MiB
+
+
 def test_the_planner_steps_states_from_disk_on_the_host_when_the_gpu_has_no_room_for_them():
     """States on disk come up either to the GPU for its update or to host RAM for a step
     there. Here the disk is as fast as the link, so the GPU's update is faster, and chosen
