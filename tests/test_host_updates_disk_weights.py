@@ -67,17 +67,20 @@ def test_weights_and_states_on_disk_stepped_in_host_ram_train_as_plain_pytorch(
     train_and_match(module, reference, samples, _adamw)
 
 
-def test_the_host_thread_reads_and_writes_the_weights_around_its_step(tmp_path):
-    """Only the host thread moves a host stage's weights between disk and host RAM, one
-    read before and one write after each step. Between steps the host copies are empty and
-    the files hold the new weights, which the compute tier reads from there."""
+@pytest.mark.parametrize("depth,reader", [(1, "tierflow-host-weights-read_0"),
+                                          (0, "tierflow-host-update_0")])
+def test_each_host_step_reads_and_writes_its_weights_once(tmp_path, depth, reader):
+    """Each step of a host stage reads its weights from disk once (as the stage is handed
+    over, on a reader thread, when reading ahead; else on the host thread) and the host
+    thread writes them back once after it. Between steps the host copies are empty and the
+    files hold the new weights, which the compute tier reads from there."""
     model, _ = _models_on_disk("llama", tmp_path)
     sample = hf_sample()
-    module = _fit(model, sample, tmp_path)
+    module = _fit(model, sample, tmp_path, depth=depth)
     host, offloaded = module.optimizer.host, module.streamer.offloaded
     stages = sorted(host._from_disk, reverse=True)
     moves = []
-    for name in ("_weights_in", "_weights_out"):
+    for name in ("_read_weights", "_weights_out"):
         original = getattr(host, name)
 
         def spy(*args, original=original, name=name):
@@ -93,9 +96,9 @@ def test_the_host_thread_reads_and_writes_the_weights_around_its_step(tmp_path):
             assert all(twin.untyped_storage().nbytes() == 0 for twin, _, _ in host._from_disk[i])
             new = [offloaded.current_copy(p) for p in module.streamer.stage_params[i]]
             assert all(not torch.equal(a, b) for a, b in zip(old[i], new))
-    assert [(name, i) for name, i, _ in moves] == \
-        [(name, i) for _ in range(2) for i in stages for name in ("_weights_in", "_weights_out")]
-    assert {thread for _, _, thread in moves} == {"tierflow-host-update_0"}
+    for name, thread in (("_read_weights", reader), ("_weights_out", "tierflow-host-update_0")):
+        assert sorted(i for n, i, _ in moves if n == name) == sorted(2 * stages)
+        assert {t for n, _, t in moves if n == name} == {thread}
 
 
 def test_train_builds_a_model_larger_than_ram_on_disk_below_a_simulated_gpu(train_env, tmp_path,

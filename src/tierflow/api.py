@@ -166,7 +166,8 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         streamed = frozenset(id(p) for ps in streamer.stage_params.values() for p in ps) \
             if streamer is not None else frozenset()
         owned.step_on_host(HostUpdates(set(placed.host_stages), device,
-                                       streamer.offloaded if streamer else None, streamed),
+                                       streamer.offloaded if streamer else None, streamed,
+                                       read_ahead=depth > 0),
                            optimizer)
     host_room = None
     if exact_host:  # profiled with exact thresholds; steps cache, and trim where they must

@@ -12,9 +12,11 @@ stages' states at most: the one stepping, the next one read, the last one being 
 The stage's optimizer is built over host parameters, its twins: for a weight streamed from
 host RAM, the weight's own copy in the host store (``HostStore.entries``), which the step
 updates in place and the stage's next fetch reads; for a weight streamed from disk, a host
-parameter that is empty between steps: the host thread reads the weight's file into it
-before the step and writes it back after (ZeRO-Infinity's parameters on NVMe, stepped by the
-CPU), and the stage's next fetch reads the new file; for a weight that stays on the compute
+parameter that is empty between steps: the weight's file is read into a host buffer as the
+stage is handed over (on a reader thread, while the host steps the stage before it; without
+read-ahead by the host thread before the step), and the host thread writes it back after the
+step (ZeRO-Infinity's parameters on NVMe, stepped by the CPU), so that the stage's next
+fetch reads the new file; for a weight that stays on the compute
 tier, a host copy of its own, whose new values the host thread copies up after the step.
 One host thread steps the stages in update order (the last stage first), each one beside
 the backward of the stages before it; at most one step waits behind the running one, so
@@ -26,6 +28,7 @@ steps them there.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -44,7 +47,7 @@ class HostUpdates:
 
     def __init__(self, stages: set[int], device: torch.device,
                  offloaded: OffloadedParameters | None = None,
-                 streamed: frozenset[int] = frozenset()) -> None:
+                 streamed: frozenset[int] = frozenset(), read_ahead: bool = False) -> None:
         if streamed and offloaded is None:
             raise TypeError("streamed weights stepped in host RAM need their OffloadedParameters")
         self.stages = frozenset(stages)
@@ -57,6 +60,9 @@ class HostUpdates:
         # stage -> (twin, its weight's file, the twin's empty tensor) for weights on disk
         self._from_disk: dict[int, list[tuple[nn.Parameter, str, torch.Tensor]]] = {}
         self._weights_pool = BufferPool()  # host RAM for the weights of the stage stepping
+        self._weight_reads: dict[int, Future] = {}  # stage -> its weights' read, ahead
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-host-weights-read") \
+            if read_ahead else None
 
     def twins(self, i: int, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """Stage i's host parameters, one per parameter of ``params``: what its optimizer
@@ -100,6 +106,8 @@ class HostUpdates:
         for p, twin in zip(params, twins):
             if id(p) in stashed:
                 twin.grad = stashed[id(p)]
+        if self._reader is not None and i in self._from_disk:  # read while the step before runs
+            self._weight_reads[i] = self._reader.submit(self._read_weights, i)
         self._steps.submit(i, self._step, i, optimizer, twins, scale, fetch, release)
 
     def wait(self) -> None:
@@ -131,18 +139,26 @@ class HostUpdates:
                                   [twin.detach() for twin, _ in uploads])
 
     def _weights_in(self, i: int) -> torch.Tensor | None:
-        """Read stage i's weights that live on disk into its twins (a buffer of the pool);
-        returns that buffer (None when none of its weights is on disk)."""
+        """Stage i's weights that live on disk in its twins: read ahead, or read now;
+        returns the pool buffer they are in (None when none of its weights is on disk)."""
         entries = self._from_disk.get(i)
         if not entries:
             return None
+        pending = self._weight_reads.pop(i, None)
+        flat, views = pending.result() if pending is not None else self._read_weights(i)
+        for (twin, _, _), view in zip(entries, views):
+            twin.data = view
+        return flat
+
+    def _read_weights(self, i: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(pool buffer, one view of it per twin of stage i), read from the weights' files."""
+        entries = self._from_disk[i]
         with span(f"read weights {i} for its host step", "disk read"):
             flat, views = self._weights_pool.views([(twin.shape, twin.dtype)
                                                     for twin, _, _ in entries])
-            for (twin, key, _), view in zip(entries, views):
+            for (_, key, _), view in zip(entries, views):
                 self.offloaded.store.read(key, [view])
-                twin.data = view
-        return flat
+        return flat, views
 
     def _weights_out(self, i: int, flat: torch.Tensor) -> None:
         """Write stage i's stepped weights back to their files (which its next fetch reads),

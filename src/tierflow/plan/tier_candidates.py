@@ -180,11 +180,12 @@ def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
     stashed = host & candidate.streamed if candidate.weights is ram else frozenset()
     come_down = host - stashed if problem.deferred else host
     # the resident stages' host copies, the step's temporaries, states read from disk, the
-    # weights read from disk for the step (a buffer kept for the next one, and one for a
-    # larger stage), and the gradients of the stage stepping and of the next one
+    # weights read from disk (the stage stepping's, the next one's when reading ahead, and
+    # a buffer kept for a larger stage), and the gradients of the stage stepping and of the
+    # next one
     held = copies + max(stages[i].update_transient for i in host) + \
         host_states_in_flight(state_of, host, home, read_ahead) + \
-        sum(sorted(size[i] for i in on_disk)[-2:]) + \
+        sum(sorted(size[i] for i in on_disk)[-(3 if read_ahead else 2):]) + \
         2 * max((size[i] for i in come_down), default=0)
     moved = "" if home is ram else (
         f" and come up to it for each step, going back after ({format_bytes(home.bandwidth)}/s)")

@@ -154,7 +154,7 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
     a resident stage's right after the step. States on disk are read into host RAM for the
     step and written back after it: read while the step before runs (``read_ahead``), or by
     the step itself. Weights streamed from ``weights_disk`` (None: from host RAM) are read
-    and written by the host thread around its step, which takes that much longer.
+    for the step the same way, and written back by the host thread after it.
 
     Stage i's host step runs beside the backward of stage i - 1; the compute tier waits at
     stage i's update for what stage i + 1's step outlasted of that backward, and at the end
@@ -166,9 +166,9 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
         params = base.stages[i].param_bytes
         down = params / link.bandwidth  # the gradients, as large as the weights
         work = host_seconds_per_byte * params + (0.0 if i in streamed else down)  # + up
-        work = _with_state_io(work, state_of[i], home, read_ahead)
-        if weights_disk is not None and i in streamed:
-            work += 2 * params / weights_disk.bandwidth
+        weights = params if weights_disk is not None and i in streamed else 0
+        work = _with_disk_io(work, state_of[i] if home.name == "disk" else 0, weights,
+                             home if home.name == "disk" else weights_disk, read_ahead)
         beside = sum(s.bwd_time for s in base.stages[:i]) if i == lowest else \
             base.stages[i - 1].bwd_time
         # a streamed stage's weights stay until the update (the gradients are counted)
@@ -191,14 +191,19 @@ def host_states_in_flight(state_of: list[int], host: frozenset[int], home: Lower
     return (3 if read_ahead else 2) * max(state_of[i] for i in host)
 
 
-def _with_state_io(work: float, states: int, home: LowerTier, read_ahead: bool) -> float:
-    """Seconds of a host step of ``work`` seconds whose ``states`` bytes live on ``home``:
-    on disk, they are read before the step and written after it (both behind the steps of
-    neighbouring stages when reading ahead: the slower of the two paces the steps)."""
-    if home.name != "disk":
+def _with_disk_io(work: float, states: int, weights: int, disk: LowerTier | None,
+                  read_ahead: bool) -> float:
+    """Seconds of a host step of ``work`` seconds whose ``states`` and ``weights`` bytes (0:
+    not on disk) live on ``disk``: read before the step, written back after it. Reading
+    ahead, I/O threads read both and write the states beside the steps of neighbouring
+    stages, and the host thread writes the weights after its step: the slower of the host
+    thread and the disk paces the steps. Without, the host thread waits for the reads."""
+    if disk is None or not (states or weights):
         return work
-    io = states / home.bandwidth
-    return max(work, 2 * io) if read_ahead else work + io
+    states_io, weights_io = states / disk.bandwidth, weights / disk.bandwidth
+    if read_ahead:
+        return max(work + weights_io, 2 * (states_io + weights_io))
+    return work + states_io + 2 * weights_io
 
 
 def lower_bytes(candidate: Candidate, base: ChainCosts, state_of: list[int],
@@ -244,16 +249,20 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
         grads = params + (base.shared_grad_bytes if i == 0 else 0)
         io = 2 * state_of[i] / states.bandwidth if states else 0.0  # states in and out
         if i in candidate.host_stages:  # stepped in host RAM, after the others
-            seconds += _with_state_io(host_seconds_per_byte * params, state_of[i], states,
-                                      candidate.depth > 0)
+            on_disk = [t for t in (states, weights) if t is not None and t.name == "disk"]
+            weights_there = params if i in candidate.streamed and weights in on_disk else 0
+            seconds += _with_disk_io(
+                host_seconds_per_byte * params,
+                state_of[i] if states in on_disk else 0, weights_there,
+                on_disk[0] if on_disk else None, candidate.depth > 0)
+            if weights_there:  # its gradients wait on disk too
+                seconds += grads / weights.bandwidth
         if i in candidate.streamed:
             stages.append(replace(s, update_time=max(0.0, grads / weights.bandwidth - s.bwd_time),
                                   update_transient=0))
             if i > 0:  # being written behind the next backward (the first stage's has none)
                 in_flight = max(in_flight, grads)
             if i in candidate.host_stages:
-                if weights is not candidate.host:  # on disk: weights in and out, grads in
-                    seconds += (2 * params + grads) / weights.bandwidth
                 continue
             io += (3 * params + grads) / weights.bandwidth  # weights in and out, grads in
             work[i] = params + grads + (state_of[i] if states else 0)
