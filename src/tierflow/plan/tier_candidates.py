@@ -202,7 +202,7 @@ def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
                 "update and go back after")
     costs = replace(costs, extra={**costs.extra, "host step bytes": held})
     return replace(candidate, costs=costs, notes=weights_notes + (why,), host_stages=host,
-                   host=ram, host_bytes=held)
+                   host=ram)
 
 
 def _stream_sets(costs: ChainCosts, streamable: tuple[int, ...], budget: int | None,

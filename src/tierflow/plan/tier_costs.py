@@ -58,8 +58,8 @@ class Candidate:
     tape_stages: frozenset[int] = frozenset()
     boundaries: LowerTier | None = None  # where stashed checkpoints wait
     host_stages: frozenset[int] = frozenset()  # stages the optimizer steps in host RAM
-    host: LowerTier | None = None  # that host RAM (the states' tier, or the RAM above it)
-    host_bytes: int = 0  # what those updates hold in host RAM: gradients, temporaries
+    host: LowerTier | None = None  # that host RAM (the states' tier, or the RAM above it);
+    # what those updates hold there is costs.extra["host step bytes"]
 
     @property
     def tiers(self) -> tuple[LowerTier, ...]:
@@ -212,7 +212,7 @@ def lower_bytes(candidate: Candidate, base: ChainCosts, state_of: list[int],
     weights, stashed gradients."""
     held = sum(state_of) if candidate.states is lower else 0
     if candidate.host is lower:
-        held += candidate.host_bytes
+        held += candidate.costs.extra["host step bytes"]
     if candidate.weights is lower:
         weights = sum(base.stages[i].param_bytes for i in candidate.streamed)
         held += weights * (2 if deferred else 1)  # deferred: the gradients wait there too
