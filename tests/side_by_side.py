@@ -71,3 +71,19 @@ def train_and_match(module, reference, samples, make, tolerance=1e-4):
     for name, q in reference.named_parameters():
         torch.testing.assert_close(gathered[name].to(q.device), q, atol=tolerance,
                                    rtol=tolerance, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def load_states_and_match(first, second, states, sample, steps=2):
+    """Load ``states`` (stage -> its optimizer's ``state_dict()``, from ``first``) into
+    ``second``'s owned optimizer, then train both ``steps`` steps from the same seeds: the
+    losses must be equal, bit for bit (a resumed run goes on as the uninterrupted one)."""
+    for i, state in states.items():
+        second.optimizer.load_stage_state(i, state)
+    for _ in range(steps):
+        torch.manual_seed(1)
+        expected = first(**sample).loss
+        expected.backward()
+        torch.manual_seed(1)
+        loss = second(**sample).loss
+        loss.backward()
+        torch.testing.assert_close(loss, expected, rtol=0.0, atol=0.0)
