@@ -120,6 +120,10 @@ _TYPES = {"seq_len": _int, "batch_size": _int, "grad_accum": _int, "steps": _int
           "eval_steps": _int, "save_every": _int, "dist_timeout": _float, "prefetch": _int}
 
 
+_CHOICES = {**PRECISION, "dtype": DTYPES, "recompute": tuple(RECOMPUTE), "stream": STREAM,
+            "host_updates": HOST_UPDATES, "optimizer_states": OPTIMIZER_STATES}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Every option as a flag; defaults are None so that the merge knows what was given."""
     for f in fields(TrainOptions):
@@ -129,22 +133,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name in ("compile", "simulate_gpu", "serial_reads"):
             parser.add_argument(flag_of(f.name), action="store_true", default=None,
                                 help=help_text)
-        elif f.name == "dtype":
-            parser.add_argument("--dtype", choices=DTYPES, default=None, help=help_text)
-        elif f.name in PRECISION:
-            parser.add_argument(flag_of(f.name), dest=f.name, choices=PRECISION[f.name],
+        elif f.name in _CHOICES:
+            parser.add_argument(flag_of(f.name), dest=f.name, choices=_CHOICES[f.name],
                                 default=None, help=help_text)
-        elif f.name == "recompute":
-            parser.add_argument("--recompute", choices=tuple(RECOMPUTE), default=None,
-                                help=help_text)
-        elif f.name == "stream":
-            parser.add_argument("--stream", choices=STREAM, default=None, help=help_text)
-        elif f.name == "host_updates":
-            parser.add_argument("--host-updates", choices=HOST_UPDATES, default=None,
-                                help=help_text)
-        elif f.name == "optimizer_states":
-            parser.add_argument("--optimizer-states", choices=OPTIMIZER_STATES, default=None,
-                                help=help_text)
         else:
             parser.add_argument(flag_of(f.name), dest=f.name, type=_TYPES.get(f.name, str),
                                 default=None, metavar=metavar, help=help_text)
