@@ -197,6 +197,8 @@ def test_host_ram_holds_the_weights_a_host_step_reads_from_disk():
         held = dict(from_disk.held)
         assert held["disk"] == 4 * 128 * MiB + 4 * 64 * MiB
         assert held["ram"] == in_flight * (128 + 64) * MiB + 2 * 64 * MiB
+        assert from_disk.plan.costs.extra["host steps read weights"]  # the [Plan] says so
+        assert not placed[False].plan.costs.extra["host steps read weights"]
         weights_io = 2 * (64 * MiB) / 2e9  # read before each of the 4 steps, written after
         extra = from_disk.predicted_time - placed[False].predicted_time
         assert 0 < extra <= 4 * weights_io * (1 + 1e-9)

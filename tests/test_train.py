@@ -346,6 +346,35 @@ def test_the_plan_table_lists_every_kind_on_the_disk_tier():
     assert "60 B tapes of 2 stages + 10 B 1 checkpoint;" in text, text
 
 
+def test_the_plan_table_says_what_host_steps_hold_in_ram():
+    """Below a GPU, the [Plan]'s ram-tier line names what AdamW's steps there hold: the
+    states' and the weights' reads from disk only when the plan makes them."""
+    from tierflow.config import FitConfig
+    from tierflow.plan.choose import make_plan
+    from tierflow.plan.costs import ChainCosts, StageCost
+    from tierflow.precision.config import PrecisionConfig
+    from tierflow.train.logger import PlanPrecision, plan_section
+
+    stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
+                      tape=30)
+    config = PrecisionConfig()
+    precision = PlanPrecision(config.bytes_per_parameter(), 50, 0, config.to_dict())
+
+    def ram_line(**extra) -> str:
+        costs = ChainCosts(stages=(stage, stage), input_bytes=10,
+                           extra={"host step bytes": 300, **extra})
+        text, _ = plan_section(make_plan(costs, None, FitConfig(planner="keep-all")),
+                               grads=200, budget=None, grad_accum=1, dist=None,
+                               precision=precision)
+        return next(line for line in text.splitlines() if "ram tier" in line)
+
+    assert "300 B for AdamW's steps there (gradients, temporaries);" in ram_line()
+    assert "(gradients, temporaries, states read from disk);" in ram_line(
+        **{"optimizer states on disk": 800})
+    assert "(gradients, temporaries, states read from disk, weights read from disk);" in \
+        ram_line(**{"optimizer states on disk": 800, "host steps read weights": True})
+
+
 def test_the_plan_table_counts_the_update_pass():
     """With updates after the backward (clipping, accumulation) the [Plan] table's step time
     includes the pass and its peak is the larger of the plan's and the pass's."""

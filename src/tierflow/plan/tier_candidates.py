@@ -200,7 +200,8 @@ def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
     if others:
         why += (f"; the other stages' states ({format_bytes(others)}) come up for their "
                 "update and go back after")
-    costs = replace(costs, extra={**costs.extra, "host step bytes": held})
+    costs = replace(costs, extra={**costs.extra, "host step bytes": held,
+                                  "host steps read weights": bool(on_disk)})
     return replace(candidate, costs=costs, notes=weights_notes + (why,), host_stages=host,
                    host=ram)
 

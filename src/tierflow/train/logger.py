@@ -136,9 +136,7 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                  if extra.get("boundaries tier") == tier else 0,
                  f"{len(stashed)} checkpoint{'s' if len(stashed) != 1 else ''}"),
                 (extra.get("host step bytes", 0) if tier == "ram" else 0,
-                 "for AdamW's steps there (gradients, temporaries"
-                 + (", states read from disk)" if extra.get("optimizer states on disk")
-                    else ")"))]
+                 f"for AdamW's steps there ({_host_step_buffers(extra)})")]
         below[tier] = {what: int(n) for n, what in held if n}
         if below[tier]:
             depth = extra.get("prefetch depth", 0)
@@ -184,6 +182,16 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
         rows += [("data parallel", parallel), ("communication", comm)]
         fields.update({k: v for k, v in dist.items() if k != "comm_bytes"})
     return section("Plan", rows), fields
+
+
+def _host_step_buffers(extra: dict[str, Any]) -> str:
+    """What the host RAM holds for AdamW steps run there, for the [Plan]'s ram-tier line."""
+    held = ["gradients", "temporaries"]
+    if extra.get("optimizer states on disk"):
+        held.append("states read from disk")
+    if extra.get("host steps read weights"):
+        held.append("weights read from disk")
+    return ", ".join(held)
 
 
 class Logger:

@@ -185,6 +185,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     import torch
 
     from ..dist import ShardedOptimizer
+    from ..exec.memory import configure_host_allocator
     from ..precision import autocast_context
     from .codec import restore_rng
     from .data import Batches, eval_batches
@@ -208,6 +209,11 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     autocast = functools.partial(autocast_context, precision, tier.device.type)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
+    if tier.ram is not None and not opts.disk:
+        # as fit will under a RAM budget: freed memory leaves the RSS at once, so the
+        # optimizer step's temporaries are measured below as fresh memory (malloc's dynamic
+        # threshold would otherwise count heap growth: 25 MB for a 4 MB parameter's step)
+        configure_host_allocator()
     # on the GPU: a model still in host RAM (--disk) is placed there by fit, never whole
     sample_batch = torch.zeros(opts.batch_size // ranks, opts.seq_len + 1, dtype=torch.long,
                                device=tier.device)  # (rows, seq_len + 1)
