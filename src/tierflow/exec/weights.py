@@ -5,9 +5,12 @@ only its storage comes and goes (``untyped_storage().resize_``), so the model co
 optimizer never notice. One I/O thread reads the next ``depth`` streamed stages of the plan
 while the current one computes (their reads start as the current operation starts, so that
 they overlap it); another writes updated weights back after each update and frees them once
-they are on disk. A stage is read again only after its write-back is done. The weights of
-a stage the optimizer steps in host RAM (``host_updated``) are not written back: the update
-changed their copy there, so the one on the compute tier is dropped.
+they are on disk. A stage is read again only after its write-back is done. The stage updated
+last in a step is the first streamed one of the next step's forward: its weights are written
+back but stay resident (``kept_across_steps``), since reading them again would be the one
+read with no compute beside it. The weights of a stage the optimizer steps in host RAM
+(``host_updated``) are not written back: the update changed their copy there, so the one on
+the compute tier is dropped.
 """
 from __future__ import annotations
 
@@ -55,6 +58,8 @@ class WeightStreamer:
         i = _stage_of(ops[position])
         if i in self.stage_params:
             self.hold(i)
+            if isinstance(ops[position], Update):  # a kept stage's last write reads them
+                self._wait_write(i)
         self.prefetch(ops[position + 1:], running=i)
 
     def after(self, ops: Sequence[Op], position: int, taped: set[int]) -> None:
@@ -66,7 +71,7 @@ class WeightStreamer:
             if isinstance(op, Update) and i in self.host_updated:
                 self._release(i)  # stale: the update ran on the copy in host RAM
             elif isinstance(op, Update) and self.updates_in_backward:
-                self.write_back(i)
+                self.write_back(i, keep=kept_across_steps(ops, position, self.stage_params))
             elif i not in taped and _next_use(ops, position, i) != _next_streamed(
                     ops, position, self.stage_params):
                 self._release(i)
@@ -78,6 +83,9 @@ class WeightStreamer:
         upcoming: list[int] = []
         if self.depth == 0:  # read on demand, in ``before``
             return
+        if running is None:  # between steps: a stage kept resident is the first to run
+            first = next((j for op in ops if (j := _stage_of(op)) in self.stage_params), None)
+            running = first if first in self._resident else None
         for op in ops:
             j = _stage_of(op)
             if j in self.stage_params and j != running and j not in upcoming:
@@ -136,22 +144,46 @@ class WeightStreamer:
             for p in self.stage_params[i]:
                 self.offloaded.read(p)
 
-    def write_back(self, i: int) -> None:
-        """Write stage i's (updated) weights to disk, then drop them, on the writer thread."""
+    def write_back(self, i: int, keep: bool = False) -> None:
+        """Write stage i's (updated) weights to disk on the writer thread, then drop them
+        unless ``keep``: they stay resident for their next use (read, not changed, while the
+        write runs; dropping them later waits for it)."""
         params = self.stage_params[i]
-        self._writer.submit(i, self._write_and_empty, i, params)
-        self._resident.discard(i)
+        self._writer.submit(i, self._write, i, params, not keep)
+        if not keep:
+            self._resident.discard(i)
 
-    def _write_and_empty(self, i: int, params: list[nn.Parameter]) -> None:
+    def _write(self, i: int, params: list[nn.Parameter], empty: bool) -> None:
         with span(f"write weights {i}", "disk write"):
             for p in params:
                 self.offloaded.write(p)
-                self.offloaded.empty(p)
+                if empty:
+                    self.offloaded.empty(p)
+
+    def _wait_write(self, i: int) -> None:
+        """Until stage i's last write is done: a kept stage's may still read its storage."""
+        pending = self._writer.writes.get(i)
+        if pending is not None:
+            pending.result()
 
     def _release(self, i: int) -> None:
+        self._wait_write(i)
         for p in self.stage_params[i]:
             self.offloaded.empty(p)
         self._resident.discard(i)
+
+
+def kept_across_steps(ops: Sequence[Op], position: int, streamed: dict) -> bool:
+    """Whether the stage of ``ops[position]`` (an update) is the next streamed stage the plan
+    uses, counting on into the next step (the same plan runs again): it then keeps its
+    weights resident rather than reading them back. Only the last streamed stage updated in
+    a step qualifies: the first streamed stage of the forward."""
+    i = _stage_of(ops[position])
+    for op in (*ops[position + 1:], *ops[:position]):
+        j = _stage_of(op)
+        if j in streamed:
+            return j == i
+    return True
 
 
 def _stage_of(op: Op) -> int | None:

@@ -154,7 +154,8 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
     a resident stage's right after the step. States on disk are read into host RAM for the
     step and written back after it: read while the step before runs (``read_ahead``), or by
     the step itself. Weights streamed from ``weights_disk`` (None: from host RAM) are read
-    for the step the same way, and written back by the host thread after it.
+    for the step the same way, and written back by the host thread after it. A streamed
+    stage stepped there is read for its next forward, the one kept across steps too.
 
     Stage i's host step runs beside the backward of stage i - 1; the compute tier waits at
     stage i's update for what stage i + 1's step outlasted of that backward, and at the end
@@ -174,6 +175,9 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
         # a streamed stage's weights stay until the update (the gradients are counted)
         stages[i] = replace(stages[i], update_time=down + max(0.0, work - beside),
                             update_transient=params if i in streamed else 0)
+    kept = costs.extra.get("weights kept across steps")
+    if kept is not None and kept[0] in host:  # its copy is stale after the host step: read
+        stages[kept[0]] = replace(stages[kept[0]], fwd_time=kept[1])
     up_there = [n for j, n in enumerate(state_of) if j not in host]
     static = costs.static_bytes - states_in_flight(state_of, read_ahead) + \
         states_in_flight(up_there, read_ahead)
