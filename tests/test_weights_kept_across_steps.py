@@ -35,14 +35,14 @@ def _stage_of_parameters(streamer) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("depth", [0, 1])
-def test_the_stage_updated_last_is_read_once_in_three_steps(tmp_path, depth):
+def test_the_stages_updated_last_are_read_once_in_three_steps(tmp_path, depth):
     """Keep-all (every stage's weights stay from its forward to its update): the first
-    streamed stage is read for the first step's forward only (or before it, by fit's read
-    ahead), where the next stage is read every step; each update writes it back, and its
-    file holds the new weights. The training is plain PyTorch's."""
+    ``depth`` + 1 streamed stages are read for the first step's forward only (or before it,
+    by fit's read-ahead), where the next stage is read every step; each update writes them
+    back, and their files hold the new weights. The training is plain PyTorch's."""
     module, reference = _fit(tmp_path, "keep-all", depth)
     streamer = module.streamer
-    first = min(streamer.streamed)
+    order = sorted(streamer.streamed)
     stage_of = _stage_of_parameters(streamer)
     offloaded = streamer.offloaded
     reads, writes = [], []
@@ -51,14 +51,15 @@ def test_the_stage_updated_last_is_read_once_in_three_steps(tmp_path, depth):
     offloaded.write = lambda p: (writes.append(stage_of[id(p)]), write(p))[1]
     train_side_by_side(module, reference, hf_sample(), _adamw)
     streamer.wait_writes()
-    params = len(streamer.stage_params[first])
-    assert reads.count(first) <= params  # at most for the first forward (fit may have)
-    assert writes.count(first) == 3 * params  # after each of the 3 updates
-    assert reads.count(first + 1) >= 3 * len(streamer.stage_params[first + 1])  # each step
+    params = {i: len(ps) for i, ps in streamer.stage_params.items()}
+    for i in order[:depth + 1]:
+        assert reads.count(i) <= params[i], (i, reads)  # at most for the first forward
+        assert writes.count(i) == 3 * params[i]  # after each of the 3 updates
+    after = order[depth + 1]
+    assert reads.count(after) >= 3 * params[after]  # every step
     gathered = gathered_parameters(module)
-    named = dict(module.model.named_parameters())
-    for name, p in named.items():
-        if stage_of.get(id(p)) == first:
+    for name, p in module.model.named_parameters():
+        if stage_of.get(id(p)) in order[:depth + 1]:
             on_disk = torch.empty_like(gathered[name])
             offloaded.store.read(offloaded.file_of(p), [on_disk])
             torch.testing.assert_close(on_disk, gathered[name], rtol=0, atol=0)
@@ -91,23 +92,32 @@ def test_a_kept_stage_is_dropped_only_after_its_write(tmp_path):
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_the_planner_prices_the_kept_stages_forward_without_its_read():
-    """The first streamed stage's forward costs its compute alone when it is kept; the
-    others still wait on their reads. Stepped in host RAM, its copy on the compute tier is
-    stale after the step, so it is read again, and priced so."""
+def test_the_planner_prices_the_kept_stages_forwards_without_their_reads():
+    """The first ``depth`` + 1 streamed stages' forwards cost their compute alone when they
+    are kept (those that own parameters the optimizer updates); the others still wait on
+    their reads. Stepped in host RAM, a kept stage's copy on the compute tier is stale
+    after the step, so it is read again, and priced so."""
     stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
                       tape=30)
-    costs = ChainCosts(stages=(stage, stage, stage), input_bytes=10, static_bytes=1000)
-    read = {"read_bytes_per_s": 50.0, "write_bytes_per_s": 50.0, "depth": 1}
-    plain = streamed_costs(costs, {1, 2}, **read)
-    kept = streamed_costs(costs, {1, 2}, kept_across_steps=True, **read)
-    assert [s.fwd_time for s in plain.stages] == [1.0, 2.0, 2.0]  # 100 B at 50 B/s: 2 s
-    assert [s.fwd_time for s in kept.stages] == [1.0, 1.0, 2.0]
-    assert kept.static_bytes == plain.static_bytes  # one of the buffers holds it
-    assert kept.extra["weights kept across steps"] == (1, 2.0)
+    costs = ChainCosts(stages=(stage,) * 4, input_bytes=10, static_bytes=1000)
+    read = {"read_bytes_per_s": 50.0, "write_bytes_per_s": 50.0}
+    plain = streamed_costs(costs, {1, 2, 3}, depth=1, **read)
+    assert [s.fwd_time for s in plain.stages] == [1.0, 2.0, 2.0, 2.0]  # 100 B at 50 B/s
+    for depth, updated, forwards in ((1, {0, 1, 2, 3}, [1.0, 1.0, 1.0, 2.0]),
+                                     (0, {0, 1, 2, 3}, [1.0, 1.0, 3.0, 3.0]),
+                                     (1, {2, 3}, [1.0, 2.0, 1.0, 2.0])):
+        kept = streamed_costs(costs, {1, 2, 3}, depth=depth,
+                              kept_across_steps=frozenset(updated), **read)
+        assert [s.fwd_time for s in kept.stages] == pytest.approx(forwards)
+        assert kept.static_bytes == streamed_costs(costs, {1, 2, 3}, depth=depth,
+                                                   **read).static_bytes  # in its buffers
+    kept = streamed_costs(costs, {1, 2, 3}, depth=1, kept_across_steps=frozenset({1, 2, 3}),
+                          **read)
+    assert kept.extra["weights kept across steps"] == {1: 2.0, 2: 2.0}
     ram = LowerTier("ram", 1e3, None, "host RAM")
-    state_of = [0, 800, 800]
-    for host, forward in ((frozenset({1, 2}), 2.0), (frozenset({2}), 1.0)):
-        hosted = updated_on_host(kept, costs, state_of, host, frozenset({1, 2}), ram, ram,
+    state_of = [0, 800, 800, 800]
+    for host, forwards in ((frozenset({1, 2, 3}), [2.0, 2.0]), (frozenset({2, 3}), [1.0, 2.0]),
+                           (frozenset({3}), [1.0, 1.0])):
+        hosted = updated_on_host(kept, costs, state_of, host, frozenset({1, 2, 3}), ram, ram,
                                  1e-3, True)
-        assert hosted.stages[1].fwd_time == forward
+        assert [hosted.stages[i].fwd_time for i in (1, 2)] == forwards

@@ -6,11 +6,11 @@ optimizer never notice. One I/O thread reads the next ``depth`` streamed stages 
 while the current one computes (their reads start as the current operation starts, so that
 they overlap it); another writes updated weights back after each update and frees them once
 they are on disk. A stage is read again only after its write-back is done. The stage updated
-last in a step is the first streamed one of the next step's forward: its weights are written
-back but stay resident (``kept_across_steps``), since reading them again would be the one
-read with no compute beside it. The weights of a stage the optimizer steps in host RAM
-(``host_updated``) are not written back: the update changed their copy there, so the one on
-the compute tier is dropped.
+last in a step is the first streamed one of the next step's forward: its weights, and those
+of the ``depth`` stages updated before it, are written back but stay resident
+(``kept_across_steps``), since their reads would have no compute beside them. The weights
+of a stage the optimizer steps in host RAM (``host_updated``) are not written back: the
+update changed their copy there, so the one on the compute tier is dropped.
 """
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ class WeightStreamer:
             if isinstance(op, Update) and i in self.host_updated:
                 self._release(i)  # stale: the update ran on the copy in host RAM
             elif isinstance(op, Update) and self.updates_in_backward:
-                self.write_back(i, keep=kept_across_steps(ops, position, self.stage_params))
+                self.write_back(i, keep=kept_across_steps(ops, position, self.stage_params,
+                                                          self.depth))
             elif i not in taped and _next_use(ops, position, i) != _next_streamed(
                     ops, position, self.stage_params):
                 self._release(i)
@@ -173,17 +174,23 @@ class WeightStreamer:
         self._resident.discard(i)
 
 
-def kept_across_steps(ops: Sequence[Op], position: int, streamed: dict) -> bool:
-    """Whether the stage of ``ops[position]`` (an update) is the next streamed stage the plan
-    uses, counting on into the next step (the same plan runs again): it then keeps its
-    weights resident rather than reading them back. Only the last streamed stage updated in
-    a step qualifies: the first streamed stage of the forward."""
+def kept_across_steps(ops: Sequence[Op], position: int, streamed: dict, depth: int) -> bool:
+    """Whether the stage of ``ops[position]`` (an update) is among the next ``depth`` + 1
+    streamed stages the plan uses, counting on into the next step (the same plan runs
+    again): it then keeps its weights resident rather than reading them back, in one of the
+    buffers reading ahead uses. These are the last stages updated in a step, the first
+    streamed ones of the next forward, whose reads would have no compute to hide behind."""
     i = _stage_of(ops[position])
-    for op in (*ops[position + 1:], *ops[:position]):
+    upcoming: list[int] = []
+    for op in (*ops[position + 1:], *ops[:position + 1]):
         j = _stage_of(op)
-        if j in streamed:
-            return j == i
-    return True
+        if j in streamed and j not in upcoming:
+            if j == i:
+                return True
+            upcoming.append(j)
+            if len(upcoming) > depth:
+                return False
+    return False
 
 
 def _stage_of(op: Op) -> int | None:

@@ -13,9 +13,9 @@ its read. A deeper prefetch costs a buffer of the largest streamed stage per sta
 The write-back of updated weights runs beside the next backward, so only the part of it
 that outlasts the stage's own backward time is added. A stage whose tape waits on a lower
 tier has its weights read again for its backward (``read_again_for_backward``): the tape
-does not hold them. With updates inside the backward, the first streamed stage is updated
-last and runs first in the next step: its weights stay resident in between (one of the
-buffers above), so its forward reads nothing (``kept_across_steps``).
+does not hold them. With updates inside the backward, the first ``depth`` + 1 streamed
+stages are updated last and run first in the next step: their weights stay resident in
+between (in the buffers above), so their forwards read nothing (``kept_across_steps``).
 """
 from __future__ import annotations
 
@@ -26,12 +26,13 @@ from .costs import ChainCosts, StageCost
 
 def streamed_costs(costs: ChainCosts, streamed: set[int], *, read_bytes_per_s: float,
                    write_bytes_per_s: float, depth: int,
-                   kept_across_steps: bool = False) -> ChainCosts:
+                   kept_across_steps: frozenset[int] = frozenset()) -> ChainCosts:
     """``costs`` with the weights of the ``streamed`` stages living on the lower tier;
-    ``kept_across_steps`` (updates inside the backward): the first streamed stage's weights
-    stay resident from its update to the next step's forward. Its forward had it been read
-    is kept in ``extra["weights kept across steps"]`` as (stage, seconds), for a plan that
-    steps that stage elsewhere (tier_costs.updated_on_host)."""
+    ``kept_across_steps``: the stages among the first ``depth`` + 1 streamed ones whose
+    weights stay resident from their update to the next step's forward (updates inside the
+    backward). Their forwards had they been read are in ``extra["weights kept across
+    steps"]`` as {stage: seconds}, for a plan that steps them elsewhere
+    (tier_costs.updated_on_host)."""
     if not streamed:
         return costs
     if depth < 0:
@@ -45,10 +46,11 @@ def streamed_costs(costs: ChainCosts, streamed: set[int], *, read_bytes_per_s: f
     buffers = min(depth + 1, len(streamed)) * largest
     extra = {**costs.extra, "streamed stages": sorted(streamed), "streamed bytes": moved,
              "prefetch depth": depth, "stream buffers": buffers}
-    if kept_across_steps:
-        first = min(streamed)
-        extra["weights kept across steps"] = (first, stages[first].fwd_time)
-        stages[first] = replace(stages[first], fwd_time=costs.stages[first].fwd_time)
+    kept = kept_across_steps & set(sorted(streamed)[:depth + 1])
+    if kept:
+        extra["weights kept across steps"] = {i: stages[i].fwd_time for i in sorted(kept)}
+        for i in kept:
+            stages[i] = replace(stages[i], fwd_time=costs.stages[i].fwd_time)
     return replace(costs, stages=tuple(stages),
                    static_bytes=costs.static_bytes - moved + buffers, extra=extra)
 

@@ -130,8 +130,8 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
                 moved = streamed_costs(with_states, set(streamed),
                                        read_bytes_per_s=source.bandwidth,
                                        write_bytes_per_s=source.bandwidth, depth=depth,
-                                       kept_across_steps=not problem.deferred and min(
-                                           streamed) in problem.host_updatable)
+                                       kept_across_steps=frozenset() if problem.deferred
+                                       else frozenset(problem.host_updatable))
                 moved = replace(moved, extra={**moved.extra, "weights tier": source.name})
                 why = (f"the weights of {len(streamed)} of {base.length} stages "
                        f"({format_bytes(moved.extra['streamed bytes'])}) live in "

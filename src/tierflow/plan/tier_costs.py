@@ -175,9 +175,9 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
         # a streamed stage's weights stay until the update (the gradients are counted)
         stages[i] = replace(stages[i], update_time=down + max(0.0, work - beside),
                             update_transient=params if i in streamed else 0)
-    kept = costs.extra.get("weights kept across steps")
-    if kept is not None and kept[0] in host:  # its copy is stale after the host step: read
-        stages[kept[0]] = replace(stages[kept[0]], fwd_time=kept[1])
+    for i, forward in costs.extra.get("weights kept across steps", {}).items():
+        if i in host:  # its copy is stale after the host step: read for the forward
+            stages[i] = replace(stages[i], fwd_time=forward)
     up_there = [n for j, n in enumerate(state_of) if j not in host]
     static = costs.static_bytes - states_in_flight(state_of, read_ahead) + \
         states_in_flight(up_there, read_ahead)
