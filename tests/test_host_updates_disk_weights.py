@@ -117,6 +117,24 @@ def test_train_builds_a_model_larger_than_ram_on_disk_below_a_simulated_gpu(trai
     assert re.search(r"the weights of \d+ of \d+ stages \(.*\) live in the disk tier", out), out
 
 
+def test_train_builds_the_model_on_disk_when_ram_cannot_hold_the_step_beside_it(
+        train_env, tmp_path, capsys):
+    """Weights that fit ``--ram`` but leave too little of it for the step: the model built
+    in host RAM gets no plan there, so it is built again on the disk tier, with a note that
+    says why; it trains as on the CPU and resumes bit for bit (the resumed run takes the
+    same way)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    gpu = ("--gpu", "64MiB", "--simulate-gpu", "--ram", "300KiB", "--disk", str(disk),
+           "--stream", "all")
+    out = train_like_the_cpu_and_resume(train_env, tmp_path, gpu, capsys, rtol=1e-5)
+    note = re.search(r"note: the model's weights \(([\d.]+) KiB\) fit --ram 300.00 KiB, "
+                     r"but a step with them there needs ([\d.]+) KiB of it: building the "
+                     r"model on the disk tier", out)
+    assert note and float(note[1]) < 300 < float(note[2]), out
+    assert re.search(r"the weights of \d+ of \d+ stages \(.*\) live in the disk tier", out), out
+
+
 def test_moving_a_model_built_on_disk_keeps_its_weights_on_disk(tmp_path):
     """``move_model`` (what fit does with a model built on disk and a sample on a GPU; here
     onto the CPU): each weight that lives on disk is an empty tensor on the device, still

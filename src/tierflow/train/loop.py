@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import math
 from pathlib import Path
 from typing import Any
 
 from ..errors import TierflowError
 from ..seeding import derived_seed
+from ..units import format_bytes
 from .data_dir import DataDir
 from .device import ComputeTier
 from .header import print_header
@@ -106,9 +108,12 @@ def _train(opts: TrainOptions) -> int:
 def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
                     tier: ComputeTier, world, baseline: int) -> int:
     """Build or load the model (onto the disk tier with ``--disk``), then train it (every
-    rank)."""
+    rank). Under a GPU with ``--disk``, a model whose weights fit ``--ram`` is built in host
+    RAM; if the plan then finds too little host RAM beside it, it is built again on the disk
+    tier (one process only: ranks could decide apart)."""
     from .. import measure
-    from .model import build_model, count_model_parameters
+    from ..errors import BudgetError
+    from .model import count_model_parameters
 
     # --- the model, with its precision, and the run it belongs to
     precision = opts.precision(measure.fast_bf16())
@@ -118,26 +123,52 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
                                       precision.bytes_per_parameter(),
                                       world.size if world is not None else 1)
     with contextlib.ExitStack() as scratch:
-        offload, disk = None, None
+        disk = None
         if opts.disk:  # the disk tier: a scratch directory of this run, removed at the end
-            from ..exec.disk import DiskStore, scratch_directory
-            from ..exec.offload import OffloadedParameters
+            from ..exec.disk import scratch_directory
             disk = scratch.enter_context(scratch_directory(opts.disk))
             weights = count_model_parameters(opts, ckpt, data) * \
                 precision.parameter_dtype.itemsize
-            if tier.gpu is None or (tier.ram is not None and weights > tier.ram):
-                # the model is built onto it (under a GPU: host RAM could not hold it)
-                offload = OffloadedParameters(DiskStore(disk), dtype=precision.parameter_dtype)
-        model = build_model(opts, ckpt, data, precision, offload)
-        if not opts.disk:
-            model = tier.place_model(model)
-        elif tier.simulated and offload is None:
-            # into host RAM, as below a real GPU, where fit does this itself (exec/host_model)
-            from ..exec.host_model import start_in_host_ram
-            start_in_host_ram(model, tier.device)
-        # else in host RAM or on disk until fit places it: under a GPU it streams from there
-        return _train_model(opts, ckpt, data, out, log_path, tier, world, baseline,
-                            precision, model, disk if offload is None else None)
+        # on disk without a GPU, and under one when host RAM could not hold the weights
+        on_disk = disk is not None and (
+            tier.gpu is None or (tier.ram is not None and weights > tier.ram))
+        try:
+            return _build_and_train(opts, ckpt, data, out, log_path, tier, world, baseline,
+                                    precision, disk, on_disk)
+        except BudgetError as error:
+            if on_disk or disk is None or error.tier != "ram" or world is not None:
+                raise
+            needed = error.smallest
+        gc.collect()  # the model built in host RAM goes before the next one is built
+        print(f"note: the model's weights ({format_bytes(weights)}) fit --ram "
+              f"{format_bytes(tier.ram)}, but a step with them there needs "
+              f"{format_bytes(needed)} of it: building the model on the disk tier "
+              f"({opts.disk}) instead", flush=True)
+        return _build_and_train(opts, ckpt, data, out, log_path, tier, world, baseline,
+                                precision, disk, True)
+
+
+def _build_and_train(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
+                     tier: ComputeTier, world, baseline: int, precision, disk: Path | None,
+                     on_disk: bool) -> int:
+    """Build the model (``on_disk``: onto the disk tier in ``disk``) and train it."""
+    from .model import build_model
+
+    offload = None
+    if on_disk:
+        from ..exec.disk import DiskStore
+        from ..exec.offload import OffloadedParameters
+        offload = OffloadedParameters(DiskStore(disk), dtype=precision.parameter_dtype)
+    model = build_model(opts, ckpt, data, precision, offload)
+    if not opts.disk:
+        model = tier.place_model(model)
+    elif tier.simulated and offload is None:
+        # into host RAM, as below a real GPU, where fit does this itself (exec/host_model)
+        from ..exec.host_model import start_in_host_ram
+        start_in_host_ram(model, tier.device)
+    # else in host RAM or on disk until fit places it: under a GPU it streams from there
+    return _train_model(opts, ckpt, data, out, log_path, tier, world, baseline, precision,
+                        model, disk if offload is None else None)
 
 
 def _train_model(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
