@@ -156,8 +156,11 @@ def test_optimizer_states_on_disk_match_plain_adamw(tmp_path):
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
     module.optimizer.wait()  # state writes run on an I/O thread
-    on_disk = sum(f.stat().st_size for f in tmp_path.glob("optimizer-*.bin"))
-    assert module.optimizer.disk.bytes == on_disk
+    if module.streamer is not None:  # the plan may stream weights from the same tier too
+        module.streamer.wait_writes()
+    files = {f.name: f.stat().st_size for f in tmp_path.glob("*.bin")}
+    assert module.optimizer.disk.bytes == sum(files.values())
+    on_disk = sum(n for name, n in files.items() if name.startswith("optimizer-"))
     moments = 2 * len(list(model.parameters()))  # direct files pad each to a block
     assert states <= on_disk < states + ALIGN * moments
 
