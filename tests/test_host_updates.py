@@ -53,22 +53,23 @@ def test_host_updates_train_as_plain_pytorch(family, grad_accum, depth):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_resident_weights_stepped_in_host_ram_train_as_plain_pytorch(family, grad_accum):
     """ZeRO-Offload's division: the weights stay on the (simulated) GPU, the AdamW states
-    do not fit beside them and live in host RAM, where the optimizer steps host copies of
-    the weights and sends them up after each step (inside the backward, or in the pass
-    after 4 clipped micro-batches): 3 steps as plain PyTorch's."""
+    live in host RAM (``optimizer_states="ram"``; where they fit on this GPU the planner
+    keeps them there), where the optimizer steps host copies of the weights and sends them
+    up after each step (inside the backward, or in the pass after 4 clipped
+    micro-batches): 3 steps as plain PyTorch's."""
     model = tiny_hf(family, layers=3, dropout=0.1)
     reference = copy.deepcopy(model)
     samples = [hf_sample(seed=k) for k in range(grad_accum)]
-    weights = sum(p.nbytes for p in model.parameters())
     config = dict(simulated_gpu=True, stream="never", planner="checkpoint-all")
+    clip = 0.5 if grad_accum > 1 else None
     roomy = tierflow.fit(copy.deepcopy(model), samples[0], optimizer=_adamw, gpu="1GiB",
-                         grad_accum=grad_accum, max_grad_norm=0.5 if grad_accum > 1 else None,
-                         config=FitConfig(**config, host_updates="never"))
-    assert roomy.optimizer.disk is None  # the states fit on the GPU when it has room
-    module = tierflow.fit(model, samples[0], optimizer=_adamw, ram="1GiB",
-                          gpu=roomy.plan.predicted_peak - weights, grad_accum=grad_accum,
-                          max_grad_norm=0.5 if grad_accum > 1 else None,
-                          config=FitConfig(**config, host_updates="all"))
+                         ram="1GiB", grad_accum=grad_accum, max_grad_norm=clip,
+                         config=FitConfig(**config))
+    assert roomy.optimizer.disk is None  # the states stay on the GPU when it has room
+    module = tierflow.fit(model, samples[0], optimizer=_adamw, ram="1GiB", gpu="1GiB",
+                          grad_accum=grad_accum, max_grad_norm=clip,
+                          config=FitConfig(**config, host_updates="all",
+                                           optimizer_states="ram"))
     assert module.streamer is None and isinstance(module.optimizer.disk, HostStore)
     assert module.optimizer.host.stages == frozenset(range(len(module.optimizer.stage_params)))
     train_and_match(module, reference, samples, _adamw)
@@ -162,6 +163,38 @@ def test_the_planner_steps_on_the_host_when_the_link_is_slow():
     fast_link = place_on_tiers(_problem(link=1e12, host_seconds_per_byte=1e-8), 1 << 30,
                                config, "gpu")
     assert not fast_link.host_stages
+
+
+def test_a_simulated_gpus_host_steps_hide_behind_no_backward():
+    """Below a simulated GPU the host thread steps on the cores that compute, so its steps
+    add to the step whole; below a GPU each hides behind the backward beside it (here
+    entirely: 13 ms of step against 100 ms of backward), all but the lowest stage's, which
+    the end of the backward waits for either way."""
+    from dataclasses import replace
+
+    config = FitConfig(stream="all", planner="checkpoint-all", host_updates="all")
+    problem = _problem(link=2e9, host_seconds_per_byte=2e-10)
+    shared = replace(problem, rates=replace(problem.rates, host_shares_compute=True))
+    beside = place_on_tiers(problem, 1 << 30, config, "gpu")
+    alone = place_on_tiers(shared, 1 << 30, config, "gpu")
+    assert beside.host_stages == alone.host_stages == frozenset({0, 1, 2, 3})
+    step = 2e-10 * (64 << 20)
+    assert alone.predicted_time - beside.predicted_time == pytest.approx(3 * step, rel=1e-9)
+
+
+def test_the_host_rate_below_a_simulated_gpu_is_the_compute_tiers():
+    """On the CPU, host RAM below the (simulated) GPU steps at the rate measured on the
+    compute tier, on its cores; without a host tier there is no host rate."""
+    from tierflow.exec.memory import meter_for
+    from tierflow.tiers import update_rates
+
+    cpu = torch.device("cpu")
+    params = [torch.nn.Parameter(torch.zeros(1 << 16))]
+    ram = LowerTier("ram", 1e9, None, "host RAM")
+    rates = update_rates(params, _adamw, cpu, meter_for(cpu), None, [ram])
+    assert rates.host_shares_compute and rates.host_seconds_per_byte == rates.seconds_per_byte
+    alone = update_rates(params, _adamw, cpu, meter_for(cpu), None, [])
+    assert alone.host_seconds_per_byte is None and not alone.host_shares_compute
 
 
 def test_a_deferred_update_pass_steps_host_stages_without_the_link():

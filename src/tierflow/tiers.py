@@ -43,7 +43,8 @@ def update_rates(params: Iterable[nn.Parameter], optimizer: OptimizerFactory,
                  lower: list[LowerTier]) -> UpdateRates:
     """What the optimizer's updates cost, from probes of it on scratch parameters of the
     trainable ``params``' dtype: on the compute tier and, where host RAM is a tier below a
-    GPU, in that RAM (simulated: the same CPU, so the same rate). ``fit`` measures them once,
+    GPU, in that RAM (simulated: the same CPU, so the same rate, and on the cores that
+    compute, so hidden behind nothing). ``fit`` measures them once,
     whatever number of plans it makes (a probe of a large model takes seconds: 4M and 16M
     elements stepped)."""
     trainable = [p for p in params if p.requires_grad]
@@ -56,7 +57,8 @@ def update_rates(params: Iterable[nn.Parameter], optimizer: OptimizerFactory,
             optimizer, torch.device("cpu"), meter_for(torch.device("cpu")),
             probe_numel(None, model_numel), dtype).seconds_per_byte
     return UpdateRates(probe.state_per_byte, probe.seconds_per_byte, probe.transient_per_byte,
-                       probe.transient_bytes, host_rate)
+                       probe.transient_bytes, host_rate,
+                       host_shares_compute=host_rate is not None and device.type == "cpu")
 
 
 def place(costs: ChainCosts, chain: Chain, rates: UpdateRates, budget: int | None,

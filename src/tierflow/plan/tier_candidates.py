@@ -42,6 +42,8 @@ class UpdateRates:
     transient_bytes: int = 0  # temporaries during a step, whatever the parameter's size
     # the optimizer's step in host RAM below a GPU (None: no such tier, or not measured)
     host_seconds_per_byte: float | None = None
+    # that step runs on the cores that compute (a simulated GPU): it hides behind nothing
+    host_shares_compute: bool = False
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,8 @@ def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
     on_disk = host & candidate.streamed if candidate.weights is not ram else frozenset()
     costs = updated_on_host(candidate.costs, problem.costs, state_of, host,
                             candidate.streamed, home, ram, rates.host_seconds_per_byte,
-                            read_ahead, candidate.weights if on_disk else None)
+                            read_ahead, candidate.weights if on_disk else None,
+                            beside_backward=not rates.host_shares_compute)
     size = [problem.costs.stages[i].param_bytes for i in range(problem.costs.length)]
     copies = sum(size[i] for i in host - candidate.streamed)
     # deferred, a stage streamed from host RAM steps from the gradients stashed there

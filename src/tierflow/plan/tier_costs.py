@@ -146,7 +146,8 @@ def states_in_flight(state_of: list[int], read_ahead: bool) -> int:
 def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
                     host: frozenset[int], streamed: frozenset[int], home: LowerTier,
                     link: LowerTier, host_seconds_per_byte: float,
-                    read_ahead: bool, weights_disk: LowerTier | None = None) -> ChainCosts:
+                    read_ahead: bool, weights_disk: LowerTier | None = None,
+                    beside_backward: bool = True) -> ChainCosts:
     """``costs`` (states on ``home``, the host RAM below a GPU or the disk below that RAM)
     with the ``host`` stages' updates run in host RAM instead: their gradients go down the
     ``link`` (the host RAM tier), the host optimizer steps their states and host copies of
@@ -159,8 +160,10 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
 
     Stage i's host step runs beside the backward of stage i - 1; the compute tier waits at
     stage i's update for what stage i + 1's step outlasted of that backward, and at the end
-    of the backward for the lowest one's (priced here at the stage whose step it is). With
-    updates deferred, ``deferred_costs`` prices the steps in its pass instead."""
+    of the backward for the lowest one's (priced here at the stage whose step it is). Not
+    ``beside_backward`` (a simulated GPU: the host thread steps on the cores that compute),
+    the compute tier waits for all of it. With updates deferred, ``deferred_costs`` prices
+    the steps in its pass instead."""
     stages = list(costs.stages)
     lowest = min(host)
     for i in host:
@@ -170,7 +173,8 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
         weights = params if weights_disk is not None and i in streamed else 0
         work = _with_disk_io(work, state_of[i] if home.name == "disk" else 0, weights,
                              home if home.name == "disk" else weights_disk, read_ahead)
-        beside = sum(s.bwd_time for s in base.stages[:i]) if i == lowest else \
+        beside = 0.0 if not beside_backward else \
+            sum(s.bwd_time for s in base.stages[:i]) if i == lowest else \
             base.stages[i - 1].bwd_time
         # a streamed stage's weights stay until the update (the gradients are counted)
         stages[i] = replace(stages[i], update_time=down + max(0.0, work - beside),
