@@ -113,6 +113,7 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
     tier (one process only: ranks could decide apart)."""
     from .. import measure
     from ..errors import BudgetError
+    from ..exec.memory import return_free_memory
     from .model import count_model_parameters
 
     # --- the model, with its precision, and the run it belongs to
@@ -139,7 +140,8 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
             if on_disk or disk is None or error.tier != "ram" or world is not None:
                 raise
             needed = error.smallest
-        gc.collect()  # the model built in host RAM goes before the next one is built
+        gc.collect()  # the model built in host RAM goes before the next one is built,
+        return_free_memory()  # and its memory back to the OS (the budget counts the RSS)
         print(f"note: the model's weights ({format_bytes(weights)}) fit --ram "
               f"{format_bytes(tier.ram)}, but a step with them there needs "
               f"{format_bytes(needed)} of it: building the model on the disk tier "
