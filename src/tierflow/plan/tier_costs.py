@@ -173,9 +173,12 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
         weights = params if weights_disk is not None and i in streamed else 0
         work = _with_disk_io(work, state_of[i] if home.name == "disk" else 0, weights,
                              home if home.name == "disk" else weights_disk, read_ahead)
-        beside = 0.0 if not beside_backward else \
-            sum(s.bwd_time for s in base.stages[:i]) if i == lowest else \
-            base.stages[i - 1].bwd_time
+        if not beside_backward:
+            beside = 0.0
+        elif i == lowest:
+            beside = sum(s.bwd_time for s in base.stages[:i])
+        else:
+            beside = base.stages[i - 1].bwd_time
         # a streamed stage's weights stay until the update (the gradients are counted)
         stages[i] = replace(stages[i], update_time=down + max(0.0, work - beside),
                             update_transient=params if i in streamed else 0)
