@@ -88,7 +88,7 @@ class StreamPlan:
             f"runtime {format_bytes(self.runtime)} + page cache {format_bytes(self.page_cache)} "
             f"= {format_bytes(self.ram)} of {format_bytes(self.budget)}",
             f"{format_bytes(self.bytes_per_token)} read per token at {bandwidth / 1e9:.2f} GB/s "
-            f"(measured on the first layer read) -> predicted {tok_s:.2f} tok/s at most "
+            f"(measured on a layer read ahead) -> predicted {tok_s:.2f} tok/s at most "
             "(disk-bound)",
         ]
 
@@ -250,9 +250,9 @@ def load_streamed(directory: Path, dtype: torch.dtype, need: MemoryNeed, budget:
     streamer = LayerStreamer([(layers[i], [(model.get_parameter(n), found[n])
                                            for n in per_layer[i]]) for i in plan.streamed],
                              plan.slots)
-    streamer.start()  # reads the first streamed layer: the disk's bandwidth
+    streamer.start()  # reads the first streamed layers: the disk's bandwidth
     for line in [f"--ram {ram_text} is below the {format_bytes(need.total + RUNTIME_BYTES)} "
                  "that generation needs with every weight in RAM",
-                 *plan.describe(streamer.bandwidth)]:
+                 *plan.describe(streamer.disk_bandwidth)]:
         print(f"[stream] {line}", file=log, flush=True)
     return model, Streaming(streamer, embedding)
