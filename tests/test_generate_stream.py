@@ -163,7 +163,7 @@ def test_prefill_reads_each_streamed_layer_once(model_dir, tok):
 
 def test_the_predicted_bandwidth_skips_the_files_first_read(model_dir, tok, monkeypatch):
     """A file's first read is slow (half speed for tinyllama-1.1b's layers): the bandwidth the
-    printed prediction uses is the next layer's read, made before generation starts."""
+    printed prediction uses is that of the reads after it, made before generation starts."""
     import time
 
     from tierflow import layer_stream

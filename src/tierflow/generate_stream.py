@@ -88,7 +88,7 @@ class StreamPlan:
             f"runtime {format_bytes(self.runtime)} + page cache {format_bytes(self.page_cache)} "
             f"= {format_bytes(self.ram)} of {format_bytes(self.budget)}",
             f"{format_bytes(self.bytes_per_token)} read per token at {bandwidth / 1e9:.2f} GB/s "
-            f"(measured on a layer read ahead) -> predicted {tok_s:.2f} tok/s at most "
+            f"(measured reading layers before the first token) -> predicted {tok_s:.2f} tok/s "
             "(disk-bound)",
         ]
 

@@ -37,6 +37,7 @@ from .safetensors_io import StoredTensor, pread_exact
 from .units import format_bytes
 
 ALIGN = 64  # every tensor starts on a cache line in its slot, as torch's allocator places them
+SAMPLE_BYTES = 256 << 20  # read before generating to measure the disk (about 0.1 s)
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,8 @@ class LayerStreamer:
     """Streams the weights of ``layers`` (modules in forward order, each with its CPU
     parameters and their stored tensors) through ``slots`` reusable buffers; see the module
     docstring. ``reads``/``read_s`` count the layers read and the seconds it took,
-    ``wait_s`` the seconds the compute waited for a read, ``disk_bandwidth`` what a layer's read
-    ran at before generation started (a prediction's input)."""
+    ``wait_s`` the seconds the compute waited for a read, ``disk_bandwidth`` what reads ran at
+    before generation started (a prediction's input)."""
 
     def __init__(self, layers: list[tuple[nn.Module, list[tuple[nn.Parameter, StoredTensor]]]],
                  slots: int):
@@ -118,7 +119,7 @@ class LayerStreamer:
         for fd in self.fds.values():  # what the page cache holds of the file is not ours
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self.reads, self.bytes_read, self.read_s, self.wait_s = 0, 0, 0.0, 0.0
-        self.disk_bandwidth = 0.0  # bytes/s of the last read ``start`` made
+        self.disk_bandwidth = 0.0  # bytes/s of the reads ``start`` measured
         self.free: queue.Queue[int | None] = queue.Queue()
         self.ready: queue.Queue[tuple[int, int, BaseException | None]] = queue.Queue()
         self.stop = threading.Event()
@@ -144,10 +145,21 @@ class LayerStreamer:
             e.param.data = views[i] if views is not None else self.placeholders[e.dtype]
 
     def read_layer(self, slot: int, layer: int) -> None:
-        """Fill ``slot`` with the weights of streamed layer ``layer`` (blocking). First the
-        page cache is emptied of the file outside this layer's bytes: what the kernel read
-        ahead past the previous layer (done by now) goes, and the stray folios with it."""
+        """Fill ``slot`` with the weights of streamed layer ``layer`` (blocking), counted in
+        ``reads``, ``bytes_read`` and ``read_s``."""
         start = time.perf_counter()
+        self._fill(slot, layer)
+        self.read_s += time.perf_counter() - start
+        self.reads += 1
+        self.bytes_read += self._layer_bytes(layer)
+
+    def _layer_bytes(self, layer: int) -> int:
+        return sum(e.stored.nbytes for e in self.entries[layer])
+
+    def _fill(self, slot: int, layer: int) -> None:
+        """Read layer ``layer`` into ``slot``. First the page cache is emptied of the file
+        outside this layer's bytes: what the kernel read ahead past the previous layer (done
+        by now) goes, and the stray folios with it."""
         ranges = self.ranges[layer]
         for file, fd in self.fds.items():
             first, end = ranges.get(file, (0, 0))
@@ -159,29 +171,40 @@ class LayerStreamer:
             pread_exact(self.fds[e.stored.file], e.stored, stored, ranges[e.stored.file][0])
             if e.typed_offset is not None:
                 view.copy_(stored.view(e.stored.dtype).view(e.stored.shape))
-        self.read_s += time.perf_counter() - start
-        self.reads += 1
-        self.bytes_read += sum(e.stored.nbytes for e in self.entries[layer])
 
     def start(self) -> None:
-        """Take a compute thread for the reads, read the first layers now, one per slot (the
-        last of them measures the disk: ``disk_bandwidth``), and let the I/O thread run on."""
+        """Take a compute thread for the reads, read the first layer, measure the disk
+        (``disk_bandwidth``), read the next layers, one per slot, and let the I/O thread run
+        on."""
         self.compute_threads = torch.get_num_threads()
         torch.set_num_threads(max(1, self.compute_threads - 1))
+        # a file's first read ran at half the speed of the next ones here (1.25 against
+        # 2.2-3.5 GB/s for tinyllama-1.1b's layers): the disk is measured after it
+        self.read_layer(0, 0)
+        self.disk_bandwidth = self._measure_disk(len(self.raw) - 1)
+        self.ready.put((0, 0, None))
         preread = min(len(self.raw), len(self.modules))
-        for slot in range(preread):
-            start, before = time.perf_counter(), self.bytes_read
+        for slot in range(1, preread):
             self.read_layer(slot, slot)
-            # a file's first read ran at half the speed of the next ones here (1.25 against
-            # 2.2-3.5 GB/s for tinyllama-1.1b's layers): the last one is the steady rate
-            self.disk_bandwidth = (self.bytes_read - before) / max(time.perf_counter() - start,
-                                                                  1e-9)
             self.ready.put((slot, slot, None))
         for slot in range(preread, len(self.raw)):
             self.free.put(slot)
         self.thread = threading.Thread(target=self._io, args=(preread - 1,),
                                        name="tierflow-layer-stream", daemon=True)
         self.thread.start()
+
+    def _measure_disk(self, slot: int) -> float:
+        """Bytes/s of reading the layers after the first into ``slot``, ``SAMPLE_BYTES`` of
+        them or each once (a single read's rate varies by a quarter from layer to layer).
+        Not counted as reads: the slot is filled again with the layer it is for."""
+        done, start = 0, time.perf_counter()
+        n = len(self.modules)
+        for layer in [(1 + k) % n for k in range(n)]:
+            self._fill(slot, layer)
+            done += self._layer_bytes(layer)
+            if done >= SAMPLE_BYTES:
+                break
+        return done / max(time.perf_counter() - start, 1e-9)
 
     def _io(self, layer: int) -> None:
         """Read the layers after ``layer``, round and round, each into the next free slot."""
