@@ -132,6 +132,8 @@ def test_train_builds_the_model_on_disk_when_ram_cannot_hold_the_step_beside_it(
                      r"but a step with them there needs ([\d.]+) KiB of it: building the "
                      r"model on the disk tier", out)
     assert note and float(note[1]) < 300 < float(note[2]), out
+    header = out.index("[Options]")
+    assert out.count("[Options]") == 1 and header < note.start(), out  # printed once, first
     assert re.search(r"the weights of \d+ of \d+ stages \(.*\) live in the disk tier", out), out
 
 

@@ -2,13 +2,14 @@
 a progress bar on a terminal (only), and every record as one JSON line in the log file."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Iterator, TextIO
 
 from ..errors import TierflowError
 from ..plan.tier_costs import UpdatePass, with_update_pass
@@ -230,6 +231,15 @@ class Logger:
         fields = {"kind": kind, "time": round(time.time(), 3), **fields}
         self.file.write(json.dumps(fields, default=str) + "\n")
         self.file.flush()
+
+    @contextlib.contextmanager
+    def silenced(self) -> Iterator[None]:
+        """Within: nothing printed, records still written (a header printed once already)."""
+        active, self.active = self.active, False
+        try:
+            yield
+        finally:
+            self.active = active
 
     def print(self, text: str = "") -> None:
         if not self.active:

@@ -147,13 +147,14 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
               f"{format_bytes(needed)} of it: building the model on the disk tier "
               f"({opts.disk}) instead", flush=True)
         return _build_and_train(opts, ckpt, data, out, log_path, tier, world, baseline,
-                                precision, disk, True)
+                                precision, disk, True, header_shown=True)
 
 
 def _build_and_train(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
                      tier: ComputeTier, world, baseline: int, precision, disk: Path | None,
-                     on_disk: bool) -> int:
-    """Build the model (``on_disk``: onto the disk tier in ``disk``) and train it."""
+                     on_disk: bool, header_shown: bool = False) -> int:
+    """Build the model (``on_disk``: onto the disk tier in ``disk``) and train it.
+    ``header_shown``: a first attempt printed the header already (it still goes to the log)."""
     from .model import build_model
 
     offload = None
@@ -170,12 +171,12 @@ def _build_and_train(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_pat
         start_in_host_ram(model, tier.device)
     # else in host RAM or on disk until fit places it: under a GPU it streams from there
     return _train_model(opts, ckpt, data, out, log_path, tier, world, baseline, precision,
-                        model, disk if offload is None else None)
+                        model, disk if offload is None else None, header_shown)
 
 
 def _train_model(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
                  tier: ComputeTier, world, baseline: int, precision, model,
-                 disk: Path | None) -> int:
+                 disk: Path | None, header_shown: bool = False) -> int:
     """Check the run's identity, open the logs, then ``_run``. ``disk``: the disk tier's
     directory when the model was not built onto it (under a GPU)."""
     from .logger import Logger
@@ -203,7 +204,8 @@ def _train_model(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: P
         return _run(opts=opts, data=data, out=out, logger=logger, tier=tier, board=board,
                     precision=precision, model=model, identity=identity, run_hash=run_hash,
                     ckpt=ckpt, total=total, warmup=warmup, min_lr=min_lr,
-                    tokens_per_step=tokens_per_step, baseline=baseline, world=world, disk=disk)
+                    tokens_per_step=tokens_per_step, baseline=baseline, world=world, disk=disk,
+                    header_shown=header_shown)
     finally:
         if board is not None:
             board.close()
@@ -212,9 +214,10 @@ def _train_model(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: P
 
 def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeTier, board,
          precision, model, identity: dict, run_hash: str, ckpt, total: int, warmup: int,
-         min_lr: float, tokens_per_step: int, baseline: int, world, disk: Path | None) -> int:
-    """Print the header, plan the step, build the optimizer, restore a checkpoint's state,
-    then run the steps (``steps.StepLoop``)."""
+         min_lr: float, tokens_per_step: int, baseline: int, world, disk: Path | None,
+         header_shown: bool = False) -> int:
+    """Print the header (to the log only when ``header_shown``), plan the step, build the
+    optimizer, restore a checkpoint's state, then run the steps (``steps.StepLoop``)."""
     import torch
 
     from ..dist import ShardedOptimizer
@@ -233,9 +236,11 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     from .planning import StepPlanner, fit_config, report_plan
     from .steps import StepLoop
 
-    peak = print_header(logger, opts=opts, precision=precision, tier=tier, world=world,
-                        data=data, model=model, total=total, warmup=warmup, min_lr=min_lr,
-                        out=out, tokens_per_step=tokens_per_step, baseline=baseline)
+    with logger.silenced() if header_shown else contextlib.nullcontext():
+        peak = print_header(logger, opts=opts, precision=precision, tier=tier, world=world,
+                            data=data, model=model, total=total, warmup=warmup,
+                            min_lr=min_lr, out=out, tokens_per_step=tokens_per_step,
+                            baseline=baseline)
 
     # [Plan]: per rank (budgets are per rank; each rank runs batch-size / ranks rows)
     ranks = world.size if world is not None else 1
