@@ -3,6 +3,7 @@
 
     .venv/bin/python benchmarks/generate_stream.py [--arch tinyllama-1.1b] [--ram 1GiB]
                                                    [--tokens 32] [--peers PATH]
+                                                   [--cgroup 1.5GiB|none]
 
 In one run, each in a fresh process: the peer (`peers.py generate`: Hugging Face generate with
 accelerate's big-model offload under `max_memory={"cpu": RAM}`, greedy, a 16-token prompt),
@@ -14,7 +15,11 @@ runs, called in the child so that it reports exact tok/s and RSS), and the same 
 `--ram` (for orientation: every weight in RAM, what the compute allows). All measure peak
 RSS above the RSS after importing torch and transformers' Llama classes. A third tierflow run
 under `--ram` samples, with mincore(2) in a thread, how much of the checkpoint the page cache
-holds (apart, as the sampling slows the compute). Reports tok/s
+holds (apart, as the sampling slows the compute). Then, with `--cgroup LIMIT` (1.5 GiB by
+default; root and cgroup v1 needed, else skipped with the reason), the peer and tierflow
+once more, each inside a memory cgroup of that limit, which counts RSS and page cache
+together (`memory_cgroup.py`): the peer then holds to the terms tierflow's `--ram` sets
+itself. Reports tok/s
 (prefill included), the ratio, the load average, what streaming printed and the disk bound.
 Writes benchmarks/results/generate-stream-<date>.{md,json}.
 """
@@ -29,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from memory_cgroup import MemoryCgroup, drop_from_page_cache, memory_cgroup, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -84,6 +91,31 @@ print(json.dumps({"tok_s": round(stats.tok_s, 3), "new_tokens": stats.new_tokens
       flush=True)
 """
 
+# The peer, in a fresh process, on the checkpoint saved already (hard links, not its own
+# ``save`` child, which builds the model whole and would not fit a cgroup's limit): what
+# ``peers.py generate`` measures, with nothing changed but where the checkpoint comes from.
+PEER_CHILD = r"""
+import argparse, importlib.util, json, os, sys
+peers_path, saved, arch, ram, tokens = sys.argv[1:6]
+spec = importlib.util.spec_from_file_location("peers", peers_path)
+peers = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(peers)
+
+class Saved:
+    returncode = 0
+
+def link_saved(cmd, **kwargs):
+    out = cmd[cmd.index("--out") + 1]
+    os.makedirs(out)
+    for name in os.listdir(saved):
+        os.link(os.path.join(saved, name), os.path.join(out, name))
+    return Saved()
+
+peers.subprocess.run = link_saved
+args = argparse.Namespace(arch=arch, ram=ram, tokens=int(tokens))
+print(json.dumps(peers.generate(args)), flush=True)
+"""
+
 
 def checkpoint(peers: Path, arch: str, directory: Path) -> str:
     """``peers.py save`` (bf16, random weights) plus a tokenizer.json, synced to disk; returns
@@ -101,16 +133,18 @@ def checkpoint(peers: Path, arch: str, directory: Path) -> str:
 
 
 def run_tierflow(model: Path, prompt: str, tokens: int, ram: str | None, *,
-                 sample_page_cache: bool = False) -> tuple[dict, list[str]]:
+                 sample_page_cache: bool = False,
+                 cgroup: MemoryCgroup | None = None) -> tuple[dict, list[str]]:
     """``tierflow generate`` in a fresh process (``ram=None``: no budget, every weight in RAM):
     its JSON line and what it printed about streaming and speed. ``sample_page_cache``: a
     thread samples the checkpoint's pages in the page cache every 50 ms; its mincore calls
     over the whole file slow the compute (every weight in RAM: 4.7 and 5.4 tok/s with it, 9.6
-    without), so the speed comes from a run without it."""
+    without), so the speed comes from a run without it. ``cgroup``: run inside it."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(model), prompt, str(tokens),
-                           ram or "none", "sample" if sample_page_cache else "time"],
-                          capture_output=True, text=True, env=env)
+    cmd = [sys.executable, "-c", CHILD, str(model), prompt, str(tokens), ram or "none",
+           "sample" if sample_page_cache else "time"]
+    proc = subprocess.run(cgroup.command(cmd) if cgroup else cmd, capture_output=True,
+                          text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"tierflow generate failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -135,6 +169,60 @@ def disk_bound(printed: list[str]) -> dict:
     return {"bytes_per_token": per_token_bytes, "read_gb_s": gb_s,
             "read_s": float(read.group(3)), "compute_waited_s": float(read.group(5)),
             "disk_bound_tok_s": round(gb_s * 1e9 / per_token_bytes, 3)}
+
+
+def under_cgroup(args: argparse.Namespace, model: Path, prompt: str) -> dict:
+    """The peer and tierflow again, each under a memory cgroup of ``args.cgroup``: the same
+    limit on RSS and page cache together for both (``memory_cgroup``). Returns each run with
+    the cgroup's peak and how often the limit was reached, or why it was skipped."""
+    why = "--cgroup none" if args.cgroup == "none" else unavailable()
+    if why is not None:
+        return {"skipped": why}
+    from tierflow.units import parse_bytes
+    runs: dict = {"limit": args.cgroup}
+    with memory_cgroup(parse_bytes(args.cgroup)) as cgroup:
+        for name in ("peer", "tierflow"):
+            drop_from_page_cache(model / "model.safetensors")
+            cgroup.reset()
+            try:
+                if name == "peer":
+                    run = measure.run_json(cgroup.command(
+                        [sys.executable, "-c", PEER_CHILD, str(args.peers), str(model),
+                         args.arch, args.ram, str(args.tokens)]))
+                else:
+                    run, _ = run_tierflow(model, prompt, args.tokens, args.ram, cgroup=cgroup)
+            except (measure.ChildError, SystemExit) as e:  # killed at the limit, say
+                run = {"failed": str(e).strip().splitlines()[0]}
+            runs[name] = {**run, "cgroup_peak_gib": round(cgroup.peak_bytes() / 2**30, 3),
+                          "limit_hits": cgroup.limit_hits()}
+    return runs
+
+
+def cgroup_report(contained: dict) -> list[str]:
+    """The section on the runs under a memory cgroup."""
+    if "skipped" in contained:
+        return [f"Not run under a memory cgroup: {contained['skipped']}.", ""]
+    rows = []
+    for name, label in (("peer", "peer"), ("tierflow", "tierflow generate")):
+        run = contained[name]
+        speed = (f"{run['tok_s']:.3f} | {above(run):.3f}" if "tok_s" in run
+                 else f"failed: {run['failed']} | -")
+        rows.append(f"| {label} | {speed} | {run['cgroup_peak_gib']:.3f} | "
+                    f"{run['limit_hits']} |")
+    peer, ours = contained["peer"], contained["tierflow"]
+    ratio = (f"tierflow / peer under the cgroup: **{ours['tok_s'] / peer['tok_s']:.2f}x**."
+             if "tok_s" in peer and "tok_s" in ours else "No ratio: a run failed.")
+    return [
+        f"## Under a memory cgroup of {contained['limit']} (the page cache counted for both)",
+        "",
+        "Each side again in a fresh process inside a cgroup v1 memory limit of "
+        f"{contained['limit']}, which counts RSS and page cache together, as a container's "
+        "limit does: the RSS after imports (0.36 GiB), the 1 GiB budget and some slack. The "
+        "peer's checkpoint is the one saved above, hard-linked (its own `save` child builds "
+        "the model whole and does not fit the limit); the checkpoint is out of the page "
+        "cache before each run.", "",
+        "| run | tok/s | peak RSS above baseline (GiB) | cgroup peak: RSS + page cache (GiB) "
+        "| times the limit was reached |", "|---|---|---|---|---|", *rows, "", ratio, ""]
 
 
 def report(result: dict) -> str:
@@ -183,7 +271,8 @@ def report(result: dict) -> str:
         f"on this CPU ({in_ram['tok_s'] / peer['tok_s']:.2f}x the peer): what the compute "
         f"allows with no reads at all. The 2x asked is {2 * peer['tok_s']:.3f} tok/s: under "
         f"--ram {result['ram']}, with the page cache counted, the disk allows "
-        f"{bound['disk_bound_tok_s'] / peer['tok_s']:.2f}x.", ""]
+        f"{bound['disk_bound_tok_s'] / peer['tok_s']:.2f}x.", "",
+        *cgroup_report(result["cgroup"])]
     return "\n".join(lines)
 
 
@@ -194,6 +283,9 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--peers", type=Path, default=ROOT.parent / "shared" / "peers" / "peers.py")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--cgroup", default="1.5GiB",
+                   help="also run both sides under a memory cgroup of this limit (RSS and page "
+                        "cache together; needs root and cgroup v1), or none")
     args = p.parse_args()
     load_before = os.getloadavg()
     peer_cmd = [sys.executable, str(args.peers), "generate", "--arch", args.arch, "--ram",
@@ -208,10 +300,11 @@ def main() -> int:
         ours["page_cache_peak_mib"] = cache["page_cache_peak_mib"]
         ours["tok_s_while_sampling"] = cache["tok_s"]
         in_ram, _ = run_tierflow(model, prompt, args.tokens, None)
+        contained = under_cgroup(args, model, prompt)
     date = dt.date.today().isoformat()
     result = {"date": date, "arch": args.arch, "ram": args.ram, "tokens": args.tokens,
               "peer": peer, "peer_1_thread": peer1, "tierflow": ours,
-              "tierflow_in_ram": in_ram,
+              "tierflow_in_ram": in_ram, "cgroup": contained,
               "ratio": round(ours["tok_s"] / peer["tok_s"], 3),
               "ratio_1_thread": round(ours["tok_s"] / peer1["tok_s"], 3),
               "bound": disk_bound(printed), "printed": printed, "load_before": load_before,
