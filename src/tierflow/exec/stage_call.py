@@ -27,7 +27,13 @@ class Taped:
 
 
 class _SavedRecorder:
-    """saved_tensors_hooks that note the storages autograd keeps (tensors are kept as is)."""
+    """saved_tensors_hooks that note the storages autograd keeps.
+
+    A tensor is kept as a detached alias (the same storage and version counter, no
+    ``grad_fn``), not as itself: an op's output saved as itself holds its own node, and that
+    cycle runs through C++, where only the backward breaks it. A step abandoned in its
+    backward (a GPU out-of-memory error, then a retry) would keep every tape not yet
+    backpropagated for as long as the process lives."""
 
     def __init__(self) -> None:
         self.saved: dict[int, int] = {}
@@ -35,7 +41,7 @@ class _SavedRecorder:
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if t.device.type != "meta":
             self.saved[storage_key(t)] = storage_bytes(t)
-        return t
+        return t.detach()
 
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
