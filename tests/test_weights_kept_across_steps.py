@@ -92,6 +92,40 @@ def test_a_kept_stage_is_dropped_only_after_its_write(tmp_path):
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_a_lone_kept_stage_updates_only_after_its_last_write(tmp_path):
+    """One streamed stage, updated inside the backward: it is kept resident from step to
+    step, and its write-back may outlast a whole step (with other streamed stages, their
+    writes queue behind it and wait for it). Its next update waits for that write, so each
+    write holds the weights of its own update, not those of the next (or a mix of both)."""
+    from tierflow.exec.disk import DiskStore
+    from tierflow.exec.offload import OffloadedParameters
+    from tierflow.exec.weights import WeightStreamer
+    from tierflow.plan.ops import Backward, Forward, Update
+
+    weight = torch.nn.Parameter(torch.zeros(64))
+    offloaded = OffloadedParameters(DiskStore(tmp_path))
+    streamer = WeightStreamer({0: [weight]}, offloaded, depth=0, names={id(weight): "w"})
+    written: list[float] = []
+    write = offloaded.write
+
+    def slow_write(p):
+        time.sleep(0.3)  # the next step, the stage's update included, runs meanwhile
+        written.append(float(p.detach()[0]))
+        write(p)
+    offloaded.write = slow_write
+    ops = [Forward(0, tape=True), Backward(0), Update(0)]
+    for _ in range(3):
+        for position, op in enumerate(ops):
+            streamer.before(ops, position)
+            if isinstance(op, Update):
+                with torch.no_grad():
+                    weight.add_(1.0)  # the stage's optimizer step
+            streamer.after(ops, position, taped={0})
+    streamer.wait_writes()
+    assert written == [1.0, 2.0, 3.0]
+    assert weight.untyped_storage().nbytes() > 0  # kept resident after its last write
+
+
 def test_the_planner_prices_the_kept_stages_forwards_without_their_reads():
     """The first ``depth`` + 1 streamed stages' forwards cost their compute alone when they
     are kept (those that own parameters the optimizer updates); the others still wait on
