@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Whether ``tierflow train``'s measured RAM stays within ``--ram`` when its plan fills it.
 
-    .venv/bin/python benchmarks/ram_budget.py [--runs 4] [--ram 385MiB] [--src DIR]
+    .venv/bin/python benchmarks/ram_budget.py [--runs 4] [--ram 425MiB] [--src DIR]
 
 Trains ``--model`` (default llama-20m, seq 128, batch 2) on random token ids for ``--steps``
 steps under ``--ram``, without evaluation, each run a fresh process (with ``--src``, the
@@ -11,7 +11,8 @@ before planning, which the plan's budget leaves out) and the measured one (the l
 ``ram_bytes`` of the step records: the RSS peak above the post-import baseline), and prints
 both per run with the plan's strategy and the median step time, their medians and how many
 runs passed the budget. At the default sizes the plan keeps every activation and predicts a
-peak within 16 MiB of the 385 MiB budget.
+peak within 13 MiB of the 425 MiB budget (385 MiB before the budget counted AdamW's step
+temporaries, 16 MiB here: it is refused now).
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ def run_once(args: argparse.Namespace, data: Path,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--runs", type=int, default=4)
-    parser.add_argument("--ram", default="385MiB")
+    parser.add_argument("--ram", default="425MiB")
     parser.add_argument("--model", default="llama-20m")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=2)
