@@ -35,11 +35,12 @@ import tempfile
 from pathlib import Path
 
 from generate_stream_report import disk_bound, report
-from memory_cgroup import MemoryCgroup, drop_from_page_cache, memory_cgroup, unavailable
+from memory_cgroup import MemoryCgroup, memory_cgroup, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from tierflow import measure  # noqa: E402
+from tierflow.page_cache import drop_from_page_cache  # noqa: E402
 
 TEXT = ("The quick brown fox jumps over the lazy dog near the river bank, and then it runs "
         "back home to sleep until the sun comes up again over the hills.")
@@ -117,6 +118,17 @@ print(json.dumps(peers.generate(args)), flush=True)
 """
 
 
+def out_of_page_cache(path: Path) -> None:
+    """Written back, then out of the page cache: a read of it then comes from the disk (and
+    a cgroup's child cannot read pages charged to another cgroup without its limit)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        drop_from_page_cache(fd)
+    finally:
+        os.close(fd)
+
+
 def checkpoint(peers: Path, arch: str, directory: Path) -> str:
     """``peers.py save`` (bf16, random weights) plus a tokenizer.json, synced to disk; returns
     a prompt of PROMPT_TOKENS tokens."""
@@ -125,10 +137,7 @@ def checkpoint(peers: Path, arch: str, directory: Path) -> str:
                    check=True, capture_output=True)
     tok = train_tokenizer([TEXT * 4, "def add(a, b):\n    return a + b\n" * 4], 300)
     tok.save(str(directory / "tokenizer.json"))
-    os.sync()  # written back, then out of the page cache: the sampler sees only tierflow's reads
-    fd = os.open(directory / "model.safetensors", os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
+    out_of_page_cache(directory / "model.safetensors")  # the sampler sees tierflow's reads
     return tok.decode(tok.encode(TEXT).ids[:PROMPT_TOKENS])
 
 
@@ -164,7 +173,7 @@ def under_cgroup(args: argparse.Namespace, model: Path, prompt: str) -> dict:
     runs: dict = {"limit": args.cgroup}
     with memory_cgroup(parse_bytes(args.cgroup)) as cgroup:
         for name in ("peer", "tierflow"):
-            drop_from_page_cache(model / "model.safetensors")
+            out_of_page_cache(model / "model.safetensors")
             cgroup.reset()
             try:
                 if name == "peer":

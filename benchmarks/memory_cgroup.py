@@ -57,14 +57,3 @@ def memory_cgroup(limit_bytes: int) -> Iterator[MemoryCgroup]:
         yield MemoryCgroup(path)
     finally:
         path.rmdir()
-
-
-def drop_from_page_cache(path: Path) -> None:
-    """Written back, then out of the page cache: pages cached earlier are charged to another
-    cgroup, and a child could read them without its limit counting them."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
