@@ -1,5 +1,5 @@
-"""The ``tierflow`` command line: demo, compare, tokenize, train, generate, plot, plan, sweep,
-calibrate.
+"""The ``tierflow`` command line: demo, compare, tokenize, train, generate, quantize, plot, plan,
+sweep, calibrate.
 
 Every user error (a bad flag, a bad size, a budget no plan fits) is printed as one line
 ``tierflow: error: ...`` on stderr with exit code 2, never as a traceback. Set
@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tokenize(sub)
     _add_train(sub)
     _add_generate(sub)
+    _add_quantize(sub)
     _add_plot(sub)
     _add_plan(sub)
     _add_sweep(sub)
@@ -243,6 +244,33 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_request(args.model, args.prompt, **request)  # bad input fails before torch loads
     from .generate import run
     run(args.model, args.prompt, seed=args.seed, dtype=args.dtype, **request)
+    return 0
+
+
+def _add_quantize(sub: Any) -> None:
+    """Register ``tierflow quantize`` (the work is in tierflow.quantize)."""
+    q = sub.add_parser(
+        "quantize", help="copy a checkpoint with int8 linear weights, for generate",
+        description="Write a copy of a checkpoint whose linear layers hold int8 weights with "
+                    "one scale per output channel (half of bf16's bytes), read one tensor at a "
+                    "time. tierflow generate reads it (faster, and fewer bytes per token when "
+                    "it streams under --ram); the text differs slightly from the original's. "
+                    "Training refuses it.")
+    q.add_argument("--model", required=True, type=Path, metavar="DIR",
+                   help="checkpoint directory with config.json and model.safetensors, or a "
+                        "tierflow train --out directory (its latest step_N)")
+    q.add_argument("--out", required=True, type=Path, metavar="DIR",
+                   help="the new directory to write (never overwritten)")
+    q.set_defaults(func=cmd_quantize)
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    """Write the int8 copy; bad input fails before torch loads."""
+    from .generate_options import check_new_directory, checkpoint_directory
+    directory = checkpoint_directory(args.model)
+    check_new_directory(args.out)
+    from .quantize import quantize_checkpoint
+    quantize_checkpoint(directory, args.out)
     return 0
 
 

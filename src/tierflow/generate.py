@@ -289,7 +289,7 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
                                          max_new_tokens=max_new_tokens, vocab_size=vocab,
                                          log=sys.stderr)
     else:
-        model = load_model(directory, vocab_size=vocab, dtype=torch_dtype)
+        model = load_model(directory, vocab_size=vocab, dtype=torch_dtype, for_generation=True)
     stats = GenerateStats()
     try:
         check_length(model, prompt_tokens, max_new_tokens)

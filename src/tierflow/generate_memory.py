@@ -43,7 +43,8 @@ def memory_needed(directory: str | Path, dtype: torch.dtype, prompt_tokens: int,
     """The bytes generating ``max_new_tokens`` after ``prompt_tokens`` needs, read from the
     directory's config.json and safetensors headers without loading a weight:
 
-    - weights: every stored tensor's elements x ``dtype`` bytes (a tied head is stored once);
+    - weights: every stored float tensor's elements x ``dtype`` bytes (a tied head is stored
+      once), an integer one (int8 weights of ``tierflow quantize``) at its own size;
     - KV cache: 2 x layers x kv heads x head dim x (prompt + new tokens) x ``dtype`` bytes;
     - activations (the stated margin): the prefill's fp32 logits (prompt x vocab x 4), one
       layer's working set (prompt x (4 x hidden + 2 x intermediate) x ``dtype`` bytes) and
@@ -52,7 +53,8 @@ def memory_needed(directory: str | Path, dtype: torch.dtype, prompt_tokens: int,
     directory = Path(directory)
     config = read_config(directory)
     size = torch.empty(0, dtype=dtype).element_size()
-    weights = sum(math.prod(t.shape) * size for t in stored_tensors(directory).values())
+    weights = sum(math.prod(t.shape) * (size if t.dtype.is_floating_point else t.dtype.itemsize)
+                  for t in stored_tensors(directory).values())
     layers = _config_int(config, "num_hidden_layers", "n_layer") or 0
     heads = _config_int(config, "num_attention_heads", "n_head") or 1
     kv_heads = _config_int(config, "num_key_value_heads") or heads

@@ -1,9 +1,11 @@
-"""The sampling defaults of ``tierflow generate`` and the checks of what it is asked, apart
-from ``generate.py`` and free of torch: the command line shows the defaults in its help and
-turns bad input into one error line before it imports torch (seconds on a small machine)."""
+"""The sampling defaults of ``tierflow generate`` and the checks of what it (and ``tierflow
+quantize``) is asked, apart from ``generate.py`` and free of torch: the command line shows the
+defaults in its help and turns bad input into one error line before it imports torch (seconds
+on a small machine)."""
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 from .errors import TierflowError
@@ -30,15 +32,9 @@ def check_options(max_new_tokens: int, temperature: float, top_k: int | None) ->
                             "out to sample from the whole vocabulary)")
 
 
-def check_request(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None,
-                  max_new_tokens: int, temperature: float, top_k: int | None,
-                  ram: str | int | None) -> tuple[Path, Path, int | None]:
-    """Check a ``tierflow generate`` request before anything is loaded; returns the model
-    directory (``model_dir`` itself, or the latest checkpoint of a run's ``--out`` directory),
-    the tokenizer file and the RAM budget in bytes (None: no budget)."""
-    check_options(max_new_tokens, temperature, top_k)
-    if not prompt:
-        raise TierflowError("the prompt is empty: give some text with --prompt")
+def checkpoint_directory(model_dir: str | Path) -> Path:
+    """The model directory ``--model`` names: ``model_dir`` itself, or the latest checkpoint
+    of a ``tierflow train --out`` directory; one line unless it has a config and weights."""
     directory = Path(model_dir)
     if not directory.is_dir():
         what = "does not exist" if not directory.exists() else "is not a directory"
@@ -49,6 +45,30 @@ def check_request(model_dir: str | Path, prompt: str, *, tokenizer: str | Path |
         directory = latest_checkpoint(directory) or directory
     read_config_json(directory)
     require_weight_files(directory)
+    return directory
+
+
+def check_new_directory(out: Path) -> None:
+    """``--out`` of ``tierflow quantize``: a new directory in an existing, writable one."""
+    if out.exists():
+        raise TierflowError(f"--out {out} already exists: give a new directory (tierflow "
+                            "quantize never overwrites)")
+    parent = out.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise TierflowError(f"--out {out}: {parent} is not a writable directory: create it or "
+                            "give another --out")
+
+
+def check_request(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None,
+                  max_new_tokens: int, temperature: float, top_k: int | None,
+                  ram: str | int | None) -> tuple[Path, Path, int | None]:
+    """Check a ``tierflow generate`` request before anything is loaded; returns the model
+    directory (``model_dir`` itself, or the latest checkpoint of a run's ``--out`` directory),
+    the tokenizer file and the RAM budget in bytes (None: no budget)."""
+    check_options(max_new_tokens, temperature, top_k)
+    if not prompt:
+        raise TierflowError("the prompt is empty: give some text with --prompt")
+    directory = checkpoint_directory(model_dir)
     if tokenizer is not None:
         from .data.tokenize import tokenizer_file
         tok_path = tokenizer_file(Path(tokenizer))

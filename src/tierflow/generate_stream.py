@@ -196,17 +196,14 @@ def load_streamed(directory: Path, dtype: torch.dtype, need: MemoryNeed, budget:
     RAM streamed from the checkpoint, and the input embedding's rows read as looked up when
     the head does not share it (the streaming is running: ``close`` it when done). Refuses,
     naming the smallest budget, when even streaming every decoder layer does not fit."""
-    from transformers import AutoModelForCausalLM
-
     from .chain.hf import _decoder_layers
-    from .models.load import params_on_meta, read_config
+    from .models.load import build_on_meta, read_config
     config = read_config(directory)
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise TierflowError(f"the tokenizer's vocabulary ({vocab_size}) is larger than the "
                             f"model's ({config.vocab_size} in {directory / 'config.json'}): "
                             "tokenize with the model's own tokenizer")
-    with params_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model = build_on_meta(directory, dtype, config=config, for_generation=True).eval()
     found = _model_names(model, stored_tensors(directory), directory)
     state = model.state_dict(keep_vars=True)
     name_of = {id(p): n for n, p in model.named_parameters()}

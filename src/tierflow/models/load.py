@@ -15,7 +15,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -25,6 +25,7 @@ from ..exec.offload import OffloadedParameters, attach
 from ..safetensors_io import read_header, read_tensor
 from .files import INDEX_NAME, SINGLE_NAME, read_config_json, require_weight_files
 from .init import initialize
+from .int8 import align_int8, is_quantized, quantize_int8
 from .presets import model_directory, preset_config
 
 
@@ -137,15 +138,14 @@ def _short(names: list[str], n: int = 3) -> str:
     return shown + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
-def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float32,
-                    offload: OffloadedParameters | None = None):
-    """Load the causal LM saved in ``directory``. ``dtype=None`` keeps the checkpoint's.
-    With ``offload`` each tensor goes to the disk tier as soon as it is read: the model never
-    exists whole in memory."""
+def build_on_meta(directory: Path, dtype: torch.dtype | None, *, config: Any = None,
+                  for_generation: bool = False) -> nn.Module:
+    """The causal LM that ``directory``'s config.json (or ``config``, read from it already)
+    describes, its parameters on the meta device; with the int8 layers of ``tierflow
+    quantize`` when the config says so, which only generation accepts."""
     from transformers import AutoModelForCausalLM
 
-    config = read_config(directory)
-    files = read_safetensors_index(directory)  # checks shard files before building anything
+    config = config if config is not None else read_config(directory)
     with params_on_meta():
         try:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype or getattr(
@@ -154,6 +154,23 @@ def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float3
             raise TierflowError(f"{directory / 'config.json'} does not describe a causal LM "
                                 f"transformers can build ({str(e).splitlines()[0]}): use a "
                                 "causal LM checkpoint") from None
+    if is_quantized(config):
+        if not for_generation:
+            raise TierflowError(f"{directory} holds int8 weights written by tierflow quantize, "
+                                "which only tierflow generate reads: train or evaluate from the "
+                                "checkpoint it was quantized from")
+        quantize_int8(model)
+    return model
+
+
+def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float32,
+                    offload: OffloadedParameters | None = None, for_generation: bool = False):
+    """Load the causal LM saved in ``directory``. ``dtype=None`` keeps the checkpoint's.
+    With ``offload`` each tensor goes to the disk tier as soon as it is read: the model never
+    exists whole in memory. ``for_generation`` accepts a ``tierflow quantize`` checkpoint."""
+    config = read_config(directory)
+    files = read_safetensors_index(directory)  # checks shard files before building anything
+    model = build_on_meta(directory, dtype, config=config, for_generation=for_generation)
     targets = model.state_dict(keep_vars=True)
     tied = _tied_pairs(model)
     rename = _match_names(model, set(files))
@@ -215,6 +232,7 @@ def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float3
     model.load_state_dict(state, strict=True, assign=True)
     if tied:
         model.tie_weights()
+    align_int8(model)
     leftover = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
                 if t.device.type == "meta"]
     if leftover:
@@ -283,7 +301,7 @@ def _check_tied_copies(directory: Path, tied: dict[str, str],
 
 def load_model(spec: str | Path, *, vocab_size: int | None = None,
                dtype: torch.dtype | None = torch.float32, seed: int = 0,
-               offload: OffloadedParameters | None = None):
+               offload: OffloadedParameters | None = None, for_generation: bool = False):
     """A causal LM from ``spec``: a preset name (random init from ``seed``, the vocabulary
     ``vocab_size`` when given) or a local directory with ``config.json`` and
     ``model.safetensors`` (or shards and ``model.safetensors.index.json``); for a directory
@@ -292,11 +310,13 @@ def load_model(spec: str | Path, *, vocab_size: int | None = None,
 
     ``offload`` builds or loads the model straight onto the disk tier, one module (preset) or
     tensor (directory) at a time: its weights live there and visit RAM only when used (see
-    ``models/init.py``), so ``tierflow.fit`` can train a model larger than the RAM budget."""
+    ``models/init.py``), so ``tierflow.fit`` can train a model larger than the RAM budget.
+    ``for_generation`` accepts a directory of int8 weights (``tierflow quantize``)."""
     directory = model_directory(spec)
     if directory is None:
         return _random_init(str(spec), vocab_size, dtype or torch.float32, seed, offload)
-    model = load_pretrained(directory, dtype=dtype, offload=offload)
+    model = load_pretrained(directory, dtype=dtype, offload=offload,
+                            for_generation=for_generation)
     if vocab_size is not None and vocab_size > model.config.vocab_size:
         raise TierflowError(f"the tokenizer's vocabulary ({vocab_size}) is larger than the "
                             f"model's ({model.config.vocab_size} in {directory / 'config.json'}): "

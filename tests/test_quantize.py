@@ -1,0 +1,161 @@
+"""Int8 weights for generation: the rounding, the fused and unfused products, ``tierflow
+quantize`` on Llama (``nn.Linear``) and GPT-2 (``Conv1D``, tied head), streaming a quantized
+checkpoint under ``--ram``, and the errors."""
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from cli_support import assert_error_line, run_main
+from test_generate_stream import LAYERS, PROMPT, save_tiny, smallest_budget
+
+from tierflow.data.tokenize import train_tokenizer
+from tierflow.errors import TierflowError
+from tierflow.generate import run
+from tierflow.generate_memory import memory_needed
+from tierflow.models.int8 import Int8Linear, quantize_int8, quantize_weight
+from tierflow.models.load import load_model
+
+TEXTS = ["def add(a, b):\n    return a + b\n", "the quick brown fox jumps over the lazy dog. " * 4,
+         "import os\nprint(os.getcwd())\n"] * 3
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer(TEXTS, 300)
+
+
+@pytest.fixture(autouse=True)
+def no_page_cache_allowance(monkeypatch):
+    """As in test_generate_stream: a tiny checkpoint is smaller than the read-ahead."""
+    monkeypatch.setattr("tierflow.generate_stream.PAGE_CACHE_BYTES", 0)
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def dirs(request, tmp_path_factory, tok):
+    """(the fp32 checkpoint, its int8 copy written by ``tierflow quantize``)."""
+    root = tmp_path_factory.mktemp(request.param)
+    save_tiny(root / "model", request.param, tok)
+    from tierflow.quantize import quantize_checkpoint
+    quantize_checkpoint(root / "model", root / "int8", log=io.StringIO())
+    return root / "model", root / "int8"
+
+
+def test_each_weight_is_within_half_its_rows_scale():
+    weight = torch.randn(48, 64) * torch.linspace(0.01, 3, 48)[:, None]
+    weight[5] = 0  # an all-zero row
+    q, scales = quantize_weight(weight)
+    assert q.dtype == torch.int8 and scales.shape == (48,) and scales[5] == 0
+    assert q.abs().max() == 127  # each nonzero row uses the whole range
+    error = (q.float() * scales[:, None] - weight).abs()
+    assert (error <= scales[:, None] / 2 + 1e-7).all()
+    assert (q[5] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [64, 48])  # 48: not a whole block, the unfused product
+def test_the_int8_product_is_the_dequantized_product(dtype, in_features):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, 40).to(dtype)
+    reference = torch.nn.Linear(in_features, 40).to(dtype)
+    reference.load_state_dict(linear.state_dict())
+    model = torch.nn.Sequential(linear)
+    assert quantize_int8(model) == ["0"]
+    layer = model[0]
+    assert isinstance(layer, Int8Linear) and layer.weight.dtype == torch.int8
+    reference.weight.data = layer.weight.float().mul(layer.scales.float()[:, None]).to(dtype)
+    x = torch.randn(3, 7, in_features, dtype=dtype)  # (batch, seq, in)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(layer(x), reference(x), **tol)
+    last = x[:, -1:]  # a view off the 64-byte boundary, as a model's last position
+    torch.testing.assert_close(layer(last), reference(last), **tol)
+    storage = torch.empty(layer.weight.numel() + 8, dtype=torch.int8)  # a misaligned weight
+    layer.weight.data = storage[8:].view_as(layer.weight).copy_(layer.weight)
+    torch.testing.assert_close(layer(x), reference(x), **tol)
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float()
+
+
+def test_a_quantized_checkpoint_is_the_quantized_model(dirs):
+    """What generate loads from the written copy is exactly the original model quantized in
+    memory, and close to the original (a relative error of about 1% per product)."""
+    original, int8 = dirs
+    loaded = load_model(int8, dtype=torch.float32, for_generation=True)
+    in_memory = load_model(original, dtype=torch.float32)
+    reference = logits(in_memory, ids := torch.tensor([[5, 17, 42, 7, 99, 3]]))
+    replaced = quantize_int8(in_memory)
+    assert len(replaced) == (7 * LAYERS + 1 if "llama" in str(original) else 4 * LAYERS)
+    tied = in_memory.get_output_embeddings().weight is in_memory.get_input_embeddings().weight
+    assert tied == ("gpt2" in str(original))  # a tied head is left as it is
+    torch.testing.assert_close(logits(loaded, ids), logits(in_memory, ids), rtol=0, atol=0)
+    relative = (logits(loaded, ids) - reference).norm() / reference.norm()
+    assert 0 < relative < 0.03, relative
+    config = json.loads((int8 / "config.json").read_text())
+    assert config["tierflow_quantization"]["weights"] == "int8"
+    assert (int8 / "tokenizer.json").is_file()
+    assert not list(int8.parent.glob(".*partial"))
+
+
+def test_streaming_a_quantized_checkpoint_gives_the_in_ram_text(dirs, tok, capsys):
+    original, int8 = dirs
+    prompt_tokens = len(tok.encode(PROMPT).ids)
+    need, need_fp32 = (memory_needed(d, torch.float32, prompt_tokens, 24) for d in dirs[::-1])
+    assert need.weights < 0.5 * need_fp32.weights  # int8 counted at one byte
+    out = io.StringIO()
+    run(int8, PROMPT, max_new_tokens=24, temperature=0.9, seed=3, dtype="fp32", out=out)
+    reference = out.getvalue().rsplit("\n[generate] ", 1)[0]
+    capsys.readouterr()
+    smallest = smallest_budget(int8, "fp32")
+    assert smallest < smallest_budget(original, "fp32")
+    out = io.StringIO()
+    run(int8, PROMPT, max_new_tokens=24, temperature=0.9, seed=3, dtype="fp32", ram=smallest,
+        out=out)
+    assert out.getvalue().rsplit("\n[generate] ", 1)[0] == reference
+    assert f"0 of {LAYERS} decoder layers stay in RAM" in capsys.readouterr().err
+
+
+def test_quantize_refuses_what_it_cannot_do(dirs, tmp_path, capsys):
+    original, int8 = dirs
+    code, _, err = run_main("quantize", "--model", str(original), "--out", str(int8),
+                            capsys=capsys)
+    assert code == 2
+    assert_error_line(err, [f"--out {int8} already exists", "give a new directory"])
+    code, _, err = run_main("quantize", "--model", str(int8), "--out", str(tmp_path / "again"),
+                            capsys=capsys)
+    assert code == 2
+    assert_error_line(err, ["already quantized", "the checkpoint it was made from"])
+    code, _, err = run_main("quantize", "--model", str(original), "--out",
+                            str(tmp_path / "no" / "such"), capsys=capsys)
+    assert code == 2
+    assert_error_line(err, ["is not a writable directory"])
+    with pytest.raises(TierflowError, match="only tierflow generate reads"):
+        load_model(int8)  # what training and evaluation load
+
+
+def test_an_unknown_quantization_is_one_line(dirs, tmp_path):
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(dirs[1], copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["tierflow_quantization"] = {"weights": "int3"}
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(TierflowError, match="does not know"):
+        load_model(copy, for_generation=True)
+
+
+def test_a_failed_write_leaves_nothing_behind(dirs, tmp_path, monkeypatch, capsys):
+    from tierflow.train import checkpoint
+
+    def full(f, data):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(checkpoint, "_write", full)
+    out = tmp_path / "int8"
+    with pytest.raises(TierflowError, match="No space left on device.*nothing was left"):
+        from tierflow.quantize import quantize_checkpoint
+        quantize_checkpoint(dirs[0], out, log=io.StringIO())
+    assert list(tmp_path.iterdir()) == []
