@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/generate_stream.py [--arch tinyllama-1.1b] [--ram 1GiB]
                                                    [--tokens 32] [--peers PATH]
-                                                   [--cgroup 1.5GiB|none]
+                                                   [--cgroup 1.5GiB|none] [--tag TAG]
 
 In one run, each in a fresh process: the peer (`peers.py generate`: Hugging Face generate with
 accelerate's big-model offload under `max_memory={"cpu": RAM}`, greedy, a 16-token prompt),
@@ -12,16 +12,18 @@ thread fewer than the cores, leaving one to the reads), and `tierflow generate -
 --temperature 0` on a checkpoint of the same kind (`peers.py save`: bf16, random weights), a
 16-token prompt and the same number of new tokens (`tierflow.generate.run`, what the command
 runs, called in the child so that it reports exact tok/s and RSS), and the same without
-`--ram` (for orientation: every weight in RAM, what the compute allows). All measure peak
+`--ram` (for orientation: every weight in RAM, what the compute allows), then on an int8 copy
+of the checkpoint that `tierflow quantize` writes (lossy: how far its logits are from the bf16
+model's is measured in a fresh process with both in RAM). All measure peak
 RSS above the RSS after importing torch and transformers' Llama classes. A third tierflow run
 under `--ram` samples, with mincore(2) in a thread, how much of the checkpoint the page cache
 holds (apart, as the sampling slows the compute). Then, with `--cgroup LIMIT` (1.5 GiB by
 default; root and cgroup v1 needed, else skipped with the reason), the peer and tierflow
-once more, each inside a memory cgroup of that limit, which counts RSS and page cache
-together (`memory_cgroup.py`): the peer then holds to the terms tierflow's `--ram` sets
-itself. Reports tok/s
-(prefill included), the ratio, the load average, what streaming printed and the disk bound.
-Writes benchmarks/results/generate-stream-<date>.{md,json}.
+(both checkpoints) once more, each inside a memory cgroup of that limit, which counts RSS
+and page cache together (`memory_cgroup.py`): the peer then holds to the terms tierflow's
+`--ram` sets itself. Reports tok/s (prefill included), the ratios, the load average, what
+streaming printed and the disk bound.
+Writes benchmarks/results/generate-stream-<date>[-TAG].{md,json}.
 """
 from __future__ import annotations
 
@@ -118,6 +120,49 @@ print(json.dumps(peers.generate(args)), flush=True)
 """
 
 
+# How far the int8 copy's logits are from the bf16 model's, teacher-forced on the prompt and
+# the bf16 model's greedy continuation; both in RAM, in a fresh process.
+FIDELITY_CHILD = r"""
+import json, sys
+import torch
+from tierflow.data.tokenize import load_tokenizer
+from tierflow.generate import sample_ids
+from tierflow.models.load import load_model
+original, int8, prompt, tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+tok = load_tokenizer(original + "/tokenizer.json")
+prompt_ids = tok.encode(prompt).ids
+bf16 = load_model(original, dtype=torch.bfloat16)
+ids = prompt_ids + list(sample_ids(bf16, prompt_ids, max_new_tokens=tokens, temperature=0))
+with torch.inference_mode():
+    reference = bf16(input_ids=torch.tensor([ids])).logits[0].float()  # (positions, vocab)
+    del bf16
+    quantized = load_model(int8, dtype=torch.bfloat16, for_generation=True)
+    logits = quantized(input_ids=torch.tensor([ids])).logits[0].float()
+error = ((logits - reference).norm(dim=-1) / reference.norm(dim=-1)).median()
+same = (logits.argmax(-1) == reference.argmax(-1)).float().mean()
+print(json.dumps({"positions": len(ids), "logits_relative_error_median": round(float(error), 4),
+                  "top1_agreement": round(float(same), 3)}), flush=True)
+"""
+
+
+def quantized_copy(model: Path, out: Path) -> str:
+    """``tierflow quantize`` in a fresh process; what it printed, then the copy is synced and
+    out of the page cache (as the checkpoint is)."""
+    proc = subprocess.run([sys.executable, "-m", "tierflow", "quantize", "--model", str(model),
+                           "--out", str(out)], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    if proc.returncode != 0:
+        raise SystemExit(f"tierflow quantize failed:\n{proc.stderr[-3000:]}")
+    out_of_page_cache(out / "model.safetensors")
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def fidelity(model: Path, int8: Path, prompt: str, tokens: int) -> dict:
+    return measure.run_json([sys.executable, "-c", FIDELITY_CHILD, str(model), str(int8),
+                             prompt, str(tokens)],
+                            env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+
+
 def out_of_page_cache(path: Path) -> None:
     """Written back, then out of the page cache: a read of it then comes from the disk (and
     a cgroup's child cannot read pages charged to another cgroup without its limit)."""
@@ -162,18 +207,20 @@ def run_tierflow(model: Path, prompt: str, tokens: int, ram: str | None, *,
     return result, printed
 
 
-def under_cgroup(args: argparse.Namespace, model: Path, prompt: str) -> dict:
-    """The peer and tierflow again, each under a memory cgroup of ``args.cgroup``: the same
-    limit on RSS and page cache together for both (``memory_cgroup``). Returns each run with
-    the cgroup's peak and how often the limit was reached, or why it was skipped."""
+def under_cgroup(args: argparse.Namespace, model: Path, int8: Path, prompt: str) -> dict:
+    """The peer and tierflow (on the checkpoint and on its int8 copy) again, each under a
+    memory cgroup of ``args.cgroup``: the same limit on RSS and page cache together for all
+    (``memory_cgroup``). Returns each run with the cgroup's peak and how often the limit was
+    reached, or why it was skipped."""
     why = "--cgroup none" if args.cgroup == "none" else unavailable()
     if why is not None:
         return {"skipped": why}
     from tierflow.units import parse_bytes
     runs: dict = {"limit": args.cgroup}
     with memory_cgroup(parse_bytes(args.cgroup)) as cgroup:
-        for name in ("peer", "tierflow"):
+        for name in ("peer", "tierflow", "tierflow_int8"):
             out_of_page_cache(model / "model.safetensors")
+            out_of_page_cache(int8 / "model.safetensors")
             cgroup.reset()
             try:
                 if name == "peer":
@@ -181,7 +228,8 @@ def under_cgroup(args: argparse.Namespace, model: Path, prompt: str) -> dict:
                         [sys.executable, "-c", PEER_CHILD, str(args.peers), str(model),
                          args.arch, args.ram, str(args.tokens)]))
                 else:
-                    run, _ = run_tierflow(model, prompt, args.tokens, args.ram, cgroup=cgroup)
+                    run, _ = run_tierflow(int8 if name == "tierflow_int8" else model, prompt,
+                                          args.tokens, args.ram, cgroup=cgroup)
             except (measure.ChildError, SystemExit) as e:  # killed at the limit, say
                 run = {"failed": str(e).strip().splitlines()[0]}
             runs[name] = {**run, "cgroup_peak_gib": round(cgroup.peak_bytes() / 2**30, 3),
@@ -196,6 +244,8 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--peers", type=Path, default=ROOT.parent / "shared" / "peers" / "peers.py")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--tag", default="", help="added to the result files' names, to keep "
+                   "another run of the same day")
     p.add_argument("--cgroup", default="1.5GiB",
                    help="also run both sides under a memory cgroup of this limit (RSS and page "
                         "cache together; needs root and cgroup v1), or none")
@@ -213,19 +263,26 @@ def main() -> int:
         ours["page_cache_peak_mib"] = cache["page_cache_peak_mib"]
         ours["tok_s_while_sampling"] = cache["tok_s"]
         in_ram, _ = run_tierflow(model, prompt, args.tokens, None)
-        contained = under_cgroup(args, model, prompt)
+        int8 = Path(tmp) / "int8"
+        quantized = quantized_copy(model, int8)
+        ours8, printed8 = run_tierflow(int8, prompt, args.tokens, args.ram)
+        close = fidelity(model, int8, prompt, args.tokens)
+        contained = under_cgroup(args, model, int8, prompt)
     date = dt.date.today().isoformat()
+    stamp = date + (f"-{args.tag}" if args.tag else "")
     result = {"date": date, "arch": args.arch, "ram": args.ram, "tokens": args.tokens,
               "peer": peer, "peer_1_thread": peer1, "tierflow": ours,
-              "tierflow_in_ram": in_ram, "cgroup": contained,
-              "ratio": round(ours["tok_s"] / peer["tok_s"], 3),
+              "tierflow_in_ram": in_ram, "tierflow_int8": ours8, "quantized": quantized,
+              "fidelity": close, "printed_int8": printed8, "bound_int8": disk_bound(printed8),
+              "cgroup": contained, "ratio": round(ours["tok_s"] / peer["tok_s"], 3),
+              "ratio_int8": round(ours8["tok_s"] / peer["tok_s"], 3),
               "ratio_1_thread": round(ours["tok_s"] / peer1["tok_s"], 3),
               "bound": disk_bound(printed), "printed": printed, "load_before": load_before,
               "load_after": os.getloadavg()}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"generate-stream-{date}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"generate-stream-{stamp}.json").write_text(json.dumps(result, indent=1) + "\n")
     text = report(result)
-    (args.out / f"generate-stream-{date}.md").write_text(text)
+    (args.out / f"generate-stream-{stamp}.md").write_text(text)
     print(text)
     return 0
 

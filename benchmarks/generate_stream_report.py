@@ -30,15 +30,18 @@ def cgroup_report(contained: dict) -> list[str]:
     if "skipped" in contained:
         return [f"Not run under a memory cgroup: {contained['skipped']}.", ""]
     rows = []
-    for name, label in (("peer", "peer"), ("tierflow", "tierflow generate")):
+    for name, label in (("peer", "peer"), ("tierflow", "tierflow generate"),
+                        ("tierflow_int8", "tierflow generate, int8 copy")):
         run = contained[name]
         speed = (f"{run['tok_s']:.3f} | {above(run):.3f}" if "tok_s" in run
                  else f"failed: {run['failed']} | -")
         rows.append(f"| {label} | {speed} | {run['cgroup_peak_gib']:.3f} | "
                     f"{run['limit_hits']} |")
     peer, ours = contained["peer"], contained["tierflow"]
-    ratio = (f"tierflow / peer under the cgroup: **{ours['tok_s'] / peer['tok_s']:.2f}x**."
-             if "tok_s" in peer and "tok_s" in ours else "No ratio: a run failed.")
+    ratios = [f"{label} / peer under the cgroup: **{run['tok_s'] / peer['tok_s']:.2f}x**."
+              for label, run in (("tierflow", ours), ("tierflow int8", contained["tierflow_int8"]))
+              if "tok_s" in peer and "tok_s" in run]
+    ratio = " ".join(ratios) or "No ratio: a run failed."
     return [
         f"## Under a memory cgroup of {contained['limit']} (the page cache counted for both)",
         "",
@@ -55,7 +58,7 @@ def cgroup_report(contained: dict) -> list[str]:
 def report(result: dict) -> str:
     peer, peer1, ours, bound = (result["peer"], result["peer_1_thread"], result["tierflow"],
                                 result["bound"])
-    in_ram = result["tierflow_in_ram"]
+    in_ram, ours8, close = result["tierflow_in_ram"], result["tierflow_int8"], result["fidelity"]
     lines = [
         f"# tierflow generate with streamed weights ({result['date']})", "",
         f"{result['arch']}, `--ram {result['ram']}`, {result['tokens']} new tokens, greedy, bf16, "
@@ -73,12 +76,29 @@ def report(result: dict) -> str:
         f"{ours['page_cache_peak_mib']:.0f} MiB (a second run, {ours['tok_s_while_sampling']:.3f} "
         "tok/s while sampled) |",
         f"| tierflow generate, no `--ram` (every weight in RAM; orientation) | "
-        f"{in_ram['tok_s']:.3f} | {above(in_ram):.3f} | - |", "",
+        f"{in_ram['tok_s']:.3f} | {above(in_ram):.3f} | - |",
+        f"| tierflow generate on the int8 copy (`tierflow quantize`) | {ours8['tok_s']:.3f} | "
+        f"{above(ours8):.3f} | not measured |", "",
         f"tierflow / peer: **{result['ratio']:.2f}x** (target 2x). tierflow: prompt "
         f"{ours['prompt_tokens']} tokens, prefill {ours['prefill_s']} s, decode "
         f"{ours['decode_s']} s for {ours['new_tokens']} tokens. Against the one-thread peer: "
         f"{result['ratio_1_thread']:.2f}x.", "",
         "What tierflow printed:", "", "```", *result["printed"], "```", "",
+        "## The int8 copy", "",
+        f"`tierflow quantize` wrote the copy: `{result['quantized']}`. On it, under the same "
+        f"`--ram {result['ram']}`, tierflow makes {ours8['tok_s']:.3f} tok/s: "
+        f"**{result['ratio_int8']:.2f}x** the peer (target 2x), reading "
+        f"{result['bound_int8']['bytes_per_token'] / 2**20:.0f} MiB per token. This is not the "
+        "same model: int8 weights with one scale per output channel round each weight to "
+        "within half a step of 1/127 of its row's largest. Teacher-forced on the prompt and "
+        f"the bf16 model's greedy continuation ({close['positions']} positions), the int8 "
+        "copy's logits differ from the bf16 model's by a median relative L2 error of "
+        f"{close['logits_relative_error_median']:.4f}, and its most likely next token is the "
+        f"bf16 model's at {close['top1_agreement'] * 100:.1f}% of the positions. These are "
+        "random weights, whose nearly flat distributions make the top-1 agreement a severe "
+        "test; `benchmarks/int8_quality.py` measures the eval loss of a trained model.", "",
+        "What tierflow printed on the int8 copy:", "", "```", *result["printed_int8"], "```",
+        "",
         "## What bounds it", "",
         f"Streaming reads {bound['bytes_per_token'] / 2**30:.2f} GiB per token. The reads ran at "
         f"{bound['read_gb_s']:.2f} GB/s here (busy {bound['read_s']:.1f} s; the compute waited "
