@@ -41,12 +41,8 @@ _COPIED_FILES = ("tokenizer.json", "generation_config.json")
 
 def _layout(directory: Path) -> tuple[dict[str, str], dict[str, bool]]:
     """({checkpoint name: model name}, {quantized module name: stored transposed})."""
-    from transformers import AutoModelForCausalLM
-
-    from .models.load import _match_names, params_on_meta, read_config
-    config = read_config(directory)
-    with params_on_meta():
-        model = AutoModelForCausalLM.from_config(config)
+    from .models.load import _match_names, build_on_meta
+    model = build_on_meta(directory, None)
     return _match_names(model, set(stored_tensors(directory))), quantizable(model)
 
 
@@ -83,7 +79,7 @@ def quantize_checkpoint(model_dir: Path, out: Path, *, log: TextIO | None = None
         source = plan[name][0]
         if name.endswith(".scales") and name in last:
             return last.pop(name)
-        if meta.dtype != torch.int8 or source.dtype == torch.int8:
+        if meta.dtype != torch.int8:  # not a linear layer's weight: copied as stored
             return read_tensor(fds[source.file], source, source.dtype)
         weight = read_tensor(fds[source.file], source, torch.float32)
         module = name.rpartition(".")[0]

@@ -9,9 +9,11 @@ quantized checkpoint (``tierflow quantize``) can be loaded into it with ``assign
 
 Half the bytes of bf16 weights (a quarter of fp32) to hold in RAM or to read per token when
 streaming, and decoding reads its weights once per token, so fewer bytes are faster too. The
-price is rounding: about 0.4% of each weight's row maximum on average, a relative error near
-1% in each product. Training never sees these layers (``load_model`` refuses a quantized
-checkpoint unless it is for generation).
+price is rounding: each weight moves by at most half a step, 1/254 of its row's largest
+magnitude, which left a relative error near 1% in the products of random Gaussian weights
+(``tests/test_quantize.py``; ``benchmarks/int8_quality.py`` measures a trained model).
+Training never sees these layers (``load_model`` refuses a quantized checkpoint unless it is
+for generation).
 """
 from __future__ import annotations
 
