@@ -115,8 +115,13 @@ def test_streaming_a_quantized_checkpoint_gives_the_in_ram_text(dirs, tok, capsy
     out = io.StringIO()
     run(int8, PROMPT, max_new_tokens=24, temperature=0.9, seed=3, dtype="fp32", ram=smallest,
         out=out)
-    assert out.getvalue().rsplit("\n[generate] ", 1)[0] == reference
+    text, summary = out.getvalue().rsplit("\n[generate] ", 1)
+    assert text == reference and summary.endswith(", fp32, int8 weights\n")
     assert f"0 of {LAYERS} decoder layers stay in RAM" in capsys.readouterr().err
+    for directory, hint in ((original, True), (int8, False)):  # below even streaming
+        with pytest.raises(TierflowError, match="give --ram") as refused:
+            run(directory, PROMPT, max_new_tokens=24, dtype="fp32", ram=1000, out=io.StringIO())
+        assert ("an int8 copy (tierflow quantize" in str(refused.value)) == hint
 
 
 def test_quantize_refuses_what_it_cannot_do(dirs, tmp_path, capsys):

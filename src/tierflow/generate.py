@@ -266,6 +266,7 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
     """What ``tierflow generate`` does: check everything, load, stream the prompt and the
     continuation to ``out`` (stdout), then a line with tokens/s."""
     from .data.tokenize import load_tokenizer
+    from .models.int8 import is_quantized
     from .models.load import load_model
 
     out = out if out is not None else sys.stdout
@@ -300,7 +301,8 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
     finally:
         if streaming is not None:
             streaming.close()
-    out.write("\n" + stats.summary() + f", {dtype_name(torch_dtype)}\n")
+    weights = ", int8 weights" if is_quantized(model.config) else ""
+    out.write("\n" + stats.summary() + f", {dtype_name(torch_dtype)}{weights}\n")
     out.flush()
     if streaming is not None:
         print(f"[stream] {streaming.summary()}", file=sys.stderr, flush=True)

@@ -197,6 +197,7 @@ def load_streamed(directory: Path, dtype: torch.dtype, need: MemoryNeed, budget:
     the head does not share it (the streaming is running: ``close`` it when done). Refuses,
     naming the smallest budget, when even streaming every decoder layer does not fit."""
     from .chain.hf import _decoder_layers
+    from .models.int8 import is_quantized
     from .models.load import build_on_meta, read_config
     config = read_config(directory)
     if vocab_size is not None and vocab_size > config.vocab_size:
@@ -231,7 +232,8 @@ def load_streamed(directory: Path, dtype: torch.dtype, need: MemoryNeed, budget:
             f"{format_bytes(plan.page_cache, round_up=True)}, every weight in RAM "
             f"{format_bytes(in_ram, round_up=True)}; give --ram "
             f"{format_bytes(min(plan.ram, in_ram), round_up=True)} or more, or lower "
-            "--max-new-tokens")
+            "--max-new-tokens" + ("" if is_quantized(config) else ", or generate from an int8 "
+                                  "copy (tierflow quantize: half the weight bytes)"))
     streamed = {n for i in plan.streamed for n in per_layer[i]}
     fds = {file: os.open(file, os.O_RDONLY) for file in {t.file for t in found.values()}}
     try:
