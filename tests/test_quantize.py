@@ -101,26 +101,28 @@ def test_a_quantized_checkpoint_is_the_quantized_model(dirs):
     assert not list(int8.parent.glob(".*partial"))
 
 
-def test_streaming_a_quantized_checkpoint_gives_the_in_ram_text(dirs, tok, capsys):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: the scales converted as read
+def test_streaming_a_quantized_checkpoint_gives_the_in_ram_text(dirs, tok, dtype, capsys):
     original, int8 = dirs
+    torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     prompt_tokens = len(tok.encode(PROMPT).ids)
-    need, need_fp32 = (memory_needed(d, torch.float32, prompt_tokens, 24) for d in dirs[::-1])
-    assert need.weights < 0.5 * need_fp32.weights  # int8 counted at one byte
+    need, need_float = (memory_needed(d, torch_dtype, prompt_tokens, 24) for d in dirs[::-1])
+    assert need.weights < (0.5 if dtype == "fp32" else 0.8) * need_float.weights  # int8: 1 B
     out = io.StringIO()
-    run(int8, PROMPT, max_new_tokens=24, temperature=0.9, seed=3, dtype="fp32", out=out)
+    run(int8, PROMPT, max_new_tokens=24, temperature=0.9, seed=3, dtype=dtype, out=out)
     reference = out.getvalue().rsplit("\n[generate] ", 1)[0]
     capsys.readouterr()
-    smallest = smallest_budget(int8, "fp32")
-    assert smallest < smallest_budget(original, "fp32")
+    smallest = smallest_budget(int8, dtype)
+    assert smallest < smallest_budget(original, dtype)
     out = io.StringIO()
-    run(int8, PROMPT, max_new_tokens=24, temperature=0.9, seed=3, dtype="fp32", ram=smallest,
+    run(int8, PROMPT, max_new_tokens=24, temperature=0.9, seed=3, dtype=dtype, ram=smallest,
         out=out)
     text, summary = out.getvalue().rsplit("\n[generate] ", 1)
-    assert text == reference and summary.endswith(", fp32, int8 weights\n")
+    assert text == reference and summary.endswith(f", {dtype}, int8 weights\n")
     assert f"0 of {LAYERS} decoder layers stay in RAM" in capsys.readouterr().err
     for directory, hint in ((original, True), (int8, False)):  # below even streaming
         with pytest.raises(TierflowError, match="give --ram") as refused:
-            run(directory, PROMPT, max_new_tokens=24, dtype="fp32", ram=1000, out=io.StringIO())
+            run(directory, PROMPT, max_new_tokens=24, dtype=dtype, ram=1000, out=io.StringIO())
         assert ("an int8 copy (tierflow quantize" in str(refused.value)) == hint
 
 

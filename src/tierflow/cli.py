@@ -200,6 +200,13 @@ def _bounded_number(kind: type, what: str, minimum: float, *, above: bool = Fals
     return parse
 
 
+def _add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+    """``--model DIR``: the checkpoint that generate and quantize read."""
+    parser.add_argument("--model", required=True, type=Path, metavar="DIR",
+                        help="checkpoint directory with config.json and model.safetensors, or "
+                             "a tierflow train --out directory (its latest step_N)")
+
+
 def _add_generate(sub: Any) -> None:
     """Register ``tierflow generate`` (the work is in tierflow.generate)."""
     from .generate_options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
@@ -209,9 +216,7 @@ def _add_generate(sub: Any) -> None:
                     "e.g. OUT/step_N from tierflow train), print the prompt and stream the "
                     "continuation, sampled token by token with a KV cache, then a line with "
                     "tokens/s.")
-    gen.add_argument("--model", required=True, type=Path, metavar="DIR",
-                     help="checkpoint directory with config.json and model.safetensors, or a "
-                          "tierflow train --out directory (its latest step_N)")
+    _add_checkpoint_argument(gen)
     gen.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     gen.add_argument("--max-new-tokens", type=_bounded_number(int, "tokens to generate", 1),
                      default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
@@ -256,9 +261,7 @@ def _add_quantize(sub: Any) -> None:
                     "time. tierflow generate reads it (faster, and fewer bytes per token when "
                     "it streams under --ram); the text differs slightly from the original's. "
                     "Training refuses it.")
-    q.add_argument("--model", required=True, type=Path, metavar="DIR",
-                   help="checkpoint directory with config.json and model.safetensors, or a "
-                        "tierflow train --out directory (its latest step_N)")
+    _add_checkpoint_argument(q)
     q.add_argument("--out", required=True, type=Path, metavar="DIR",
                    help="the new directory to write (never overwritten)")
     q.set_defaults(func=cmd_quantize)
