@@ -7,7 +7,9 @@ imports no torch, so this package imports torch only when a torch-facing name is
 Low-precision training (``tierflow.precision``): ``PrecisionConfig`` says how weights, master
 copy, AdamW moments and matmuls are stored and run; ``apply_precision(model, config)`` applies
 it to a built model, ``autocast_context(config, "cpu")`` is the mode to run it under and
-``make_optimizer(groups, config, lr=...)`` the AdamW that matches.
+``make_optimizer(groups, config, lr=...)`` the AdamW that matches. For inference,
+``quantize_int8(model)`` swaps a built model's linear layers for int8 ones (what ``tierflow
+quantize`` writes to disk).
 
 Importing tierflow before torch sets ``THP_MEM_ALLOC_ENABLE=1`` (unless it is set): torch then
 aligns CPU tensors of 2 MiB and more to pages and backs them with huge pages where it can,
@@ -29,7 +31,8 @@ __version__ = "0.1.0"
 
 _LAZY = {"fit": "api", "TierflowModule": "api", "FitConfig": "config",
          "PrecisionConfig": "precision", "apply_precision": "precision",
-         "autocast_context": "precision", "make_optimizer": "precision"}
+         "autocast_context": "precision", "make_optimizer": "precision",
+         "quantize_int8": "models.int8"}
 
 
 def __getattr__(name: str) -> Any:
@@ -42,5 +45,5 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["fit", "TierflowModule", "FitConfig", "PrecisionConfig", "apply_precision",
-           "autocast_context", "make_optimizer", "BudgetError", "TierflowError", "parse_bytes",
+           "autocast_context", "make_optimizer", "quantize_int8", "BudgetError", "TierflowError", "parse_bytes",
            "format_bytes", "__version__"]
