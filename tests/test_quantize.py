@@ -166,3 +166,11 @@ def test_a_failed_write_leaves_nothing_behind(dirs, tmp_path, monkeypatch, capsy
         from tierflow.quantize import quantize_checkpoint
         quantize_checkpoint(dirs[0], out, log=io.StringIO())
     assert list(tmp_path.iterdir()) == []
+
+
+def test_fit_refuses_an_int8_model():
+    import tierflow
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    tierflow.quantize_int8(model)
+    with pytest.raises(TierflowError, match="model's 0 is an int8 layer.*before quantizing"):
+        tierflow.fit(model, torch.randn(8, 32), ram="1GiB")

@@ -98,6 +98,11 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     reserved = parse_bytes(reserve, what="reserve") if reserve else 0
     if grad_accum < 1:
         raise TierflowError(f"grad_accum={grad_accum} must be at least 1")
+    from .models.int8 import Int8Linear
+    int8 = next((name for name, m in model.named_modules() if isinstance(m, Int8Linear)), None)
+    if int8 is not None:
+        raise TierflowError(f"the model's {int8} is an int8 layer (tierflow.quantize_int8), "
+                            "which is for generation: fit the model as it was before quantizing")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise TierflowError(f"max_grad_norm={max_grad_norm} must be > 0 (None: no clipping)")
     if optimizer is None and max_grad_norm is not None:
