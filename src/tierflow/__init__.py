@@ -45,5 +45,5 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["fit", "TierflowModule", "FitConfig", "PrecisionConfig", "apply_precision",
-           "autocast_context", "make_optimizer", "quantize_int8", "BudgetError", "TierflowError", "parse_bytes",
-           "format_bytes", "__version__"]
+           "autocast_context", "make_optimizer", "quantize_int8", "BudgetError", "TierflowError",
+           "parse_bytes", "format_bytes", "__version__"]
