@@ -55,7 +55,7 @@ def test_each_weight_is_within_half_its_rows_scale():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("in_features", [64, 48])  # 48: not a whole block, the unfused product
+@pytest.mark.parametrize("in_features", [64, 48])  # 48: not a whole block, never fused
 def test_the_int8_product_is_the_dequantized_product(dtype, in_features):
     torch.manual_seed(0)
     linear = torch.nn.Linear(in_features, 40).to(dtype)
@@ -66,14 +66,18 @@ def test_the_int8_product_is_the_dequantized_product(dtype, in_features):
     layer = model[0]
     assert isinstance(layer, Int8Linear) and layer.weight.dtype == torch.int8
     reference.weight.data = layer.weight.float().mul(layer.scales.float()[:, None]).to(dtype)
-    x = torch.randn(3, 7, in_features, dtype=dtype)  # (batch, seq, in)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(layer(x), reference(x), **tol)
-    last = x[:, -1:]  # a view off the 64-byte boundary, as a model's last position
-    torch.testing.assert_close(layer(last), reference(last), **tol)
+    prefill = torch.randn(2, 40, in_features, dtype=dtype)  # (batch, seq, in): the matmul
+    decode = prefill[:, -1:]  # a view off the 64-byte boundary, as the last position
+    one = prefill[0, -1:]  # (1, in): one token
+    paths = [layer.fused(x) for x in (prefill, decode, one)]
+    assert paths == ([False, True, True] if in_features == 64 else [False] * 3)
+    for x in (prefill, decode, one):
+        torch.testing.assert_close(layer(x), reference(x), **tol)
     storage = torch.empty(layer.weight.numel() + 8, dtype=torch.int8)  # a misaligned weight
     layer.weight.data = storage[8:].view_as(layer.weight).copy_(layer.weight)
-    torch.testing.assert_close(layer(x), reference(x), **tol)
+    assert not layer.fused(one)
+    torch.testing.assert_close(layer(one), reference(one), **tol)
 
 
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
