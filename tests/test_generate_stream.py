@@ -216,7 +216,8 @@ def test_cli_streams_and_says_so(tok, tmp_path, capsys):
     assert code == 0, err
     assert out.startswith(PROMPT) and "[generate] 8 tokens" in out
     lines = [line for line in err.splitlines() if line.startswith("[stream] ")]
-    assert len(lines) == 5 and "read per token" in lines[3] and "waited" in lines[4], lines
+    assert len(lines) == 6 and "read per token" in lines[3] and "waited" in lines[5], lines
+    assert "an int8 copy of this checkpoint (tierflow quantize" in lines[4]
     code, out, err = run_main("generate", "--model", str(model_dir), "--prompt", PROMPT,
                               "--ram", "1000", capsys=capsys)
     assert code == 2 and out == "" and err.startswith("tierflow: error: --ram 1000 is too small")

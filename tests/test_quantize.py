@@ -117,13 +117,18 @@ def test_streaming_a_quantized_checkpoint_gives_the_in_ram_text(dirs, tok, dtype
     reference = out.getvalue().rsplit("\n[generate] ", 1)[0]
     capsys.readouterr()
     smallest = smallest_budget(int8, dtype)
-    assert smallest < smallest_budget(original, dtype)
+    smallest_original = smallest_budget(original, dtype)
+    assert smallest < smallest_original
     out = io.StringIO()
     run(int8, PROMPT, max_new_tokens=24, temperature=0.9, seed=3, dtype=dtype, ram=smallest,
         out=out)
     text, summary = out.getvalue().rsplit("\n[generate] ", 1)
     assert text == reference and summary.endswith(f", {dtype}, int8 weights\n")
-    assert f"0 of {LAYERS} decoder layers stay in RAM" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"0 of {LAYERS} decoder layers stay in RAM" in err and "tierflow quantize" not in err
+    run(original, PROMPT, max_new_tokens=2, dtype=dtype, ram=smallest_original,
+        out=io.StringIO())  # streams: with a tip on an int8 copy
+    assert "[stream] an int8 copy of this checkpoint (tierflow quantize" in capsys.readouterr().err
     for directory, hint in ((original, True), (int8, False)):  # below even streaming
         with pytest.raises(TierflowError, match="give --ram") as refused:
             run(directory, PROMPT, max_new_tokens=24, dtype=dtype, ram=1000, out=io.StringIO())

@@ -252,6 +252,10 @@ def load_streamed(directory: Path, dtype: torch.dtype, need: MemoryNeed, budget:
     streamer.start()  # reads the first streamed layers: the disk's bandwidth
     for line in [f"--ram {ram_text} is below the {format_bytes(need.total + RUNTIME_BYTES)} "
                  "that generation needs with every weight in RAM",
-                 *plan.describe(streamer.disk_bandwidth)]:
+                 *plan.describe(streamer.disk_bandwidth),
+                 *([] if is_quantized(config) else [
+                     "an int8 copy of this checkpoint (tierflow quantize; the text differs "
+                     "slightly) holds twice the layers in the same RAM and reads half the bytes "
+                     "per streamed layer"])]:
         print(f"[stream] {line}", file=log, flush=True)
     return model, Streaming(streamer, embedding)
