@@ -183,3 +183,23 @@ def test_fit_refuses_an_int8_model():
     tierflow.quantize_int8(model)
     with pytest.raises(TierflowError, match="model's 0 is an int8 layer.*before quantizing"):
         tierflow.fit(model, torch.randn(8, 32), ram="1GiB")
+
+
+def test_a_sharded_checkpoint_is_quantized_into_one_file(tok, tmp_path):
+    import transformers
+
+    from tierflow.quantize import quantize_checkpoint
+    config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32,
+                                      intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model",
+                                                          max_shard_size="40KB")
+    assert len(list((tmp_path / "model").glob("model-*.safetensors"))) > 1
+    quantize_checkpoint(tmp_path / "model", tmp_path / "int8", log=io.StringIO())
+    assert [p.name for p in (tmp_path / "int8").glob("*.safetensors")] == ["model.safetensors"]
+    loaded = load_model(tmp_path / "int8", for_generation=True)
+    in_memory = load_model(tmp_path / "model")
+    quantize_int8(in_memory)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    torch.testing.assert_close(logits(loaded, ids), logits(in_memory, ids), rtol=0, atol=0)
