@@ -4,26 +4,29 @@
     .venv/bin/python benchmarks/generate_stream.py [--arch tinyllama-1.1b] [--ram 1GiB]
                                                    [--tokens 32] [--peers PATH]
                                                    [--cgroup 1.5GiB|none] [--tag TAG]
+                                                   [--repeats 3]
 
-In one run, each in a fresh process: the peer (`peers.py generate`: Hugging Face generate with
-accelerate's big-model offload under `max_memory={"cpu": RAM}`, greedy, a 16-token prompt),
-the same peer with OMP_NUM_THREADS=1 (for orientation: streaming tierflow computes with one
-thread fewer than the cores, leaving one to the reads), and `tierflow generate --ram RAM
---temperature 0` on a checkpoint of the same kind (`peers.py save`: bf16, random weights), a
-16-token prompt and the same number of new tokens (`tierflow.generate.run`, what the command
-runs, called in the child so that it reports exact tok/s and RSS), and the same without
-`--ram` (for orientation: every weight in RAM, what the compute allows), then on an int8 copy
-of the checkpoint that `tierflow quantize` writes (lossy: how far its logits are from the bf16
-model's is measured in a fresh process with both in RAM). All measure peak
-RSS above the RSS after importing torch and transformers' Llama classes. A third tierflow run
-under `--ram` samples, with mincore(2) in a thread, how much of the checkpoint the page cache
-holds (apart, as the sampling slows the compute). Then, with `--cgroup LIMIT` (1.5 GiB by
-default; root and cgroup v1 needed, else skipped with the reason), the peer and tierflow
-(both checkpoints) once more, each inside a memory cgroup of that limit, which counts RSS
-and page cache together (`memory_cgroup.py`): the peer then holds to the terms tierflow's
-`--ram` sets itself. Reports tok/s (prefill included), the ratios, the load average, what
-streaming printed and the disk bound.
-Writes benchmarks/results/generate-stream-<date>[-TAG].{md,json}.
+In one run, each in a fresh process, on checkpoints of the same kind (`peers.py save`: bf16,
+random weights) with a 16-token prompt, greedy:
+- `--repeats` times (3), interleaved so that a change in the machine's load reaches all
+  three, each reported as the median: the peer (`peers.py generate`: Hugging Face generate
+  with accelerate's big-model offload under `max_memory={"cpu": RAM}`); `tierflow generate
+  --ram RAM --temperature 0` (`tierflow.generate.run`, what the command runs, called in the
+  child so that it reports exact tok/s and RSS); the same on an int8 copy of the checkpoint
+  that `tierflow quantize` writes first (lossy: how far its logits are from the bf16
+  model's is measured in a fresh process with both in RAM);
+- once each, for orientation: the peer with OMP_NUM_THREADS=1 (streaming tierflow computes
+  with one thread fewer than the cores, leaving one to the reads); tierflow without `--ram`
+  (every weight in RAM: what the compute allows); tierflow under `--ram` with a thread
+  sampling, with mincore(2), how much of the checkpoint the page cache holds (apart, as the
+  sampling slows the compute);
+- with `--cgroup LIMIT` (1.5 GiB by default; root and cgroup v1 needed, else skipped with
+  the reason), the peer and tierflow on both checkpoints once more, each inside a memory
+  cgroup of that limit, which counts RSS and page cache together (`memory_cgroup.py`): the
+  peer then holds to the terms tierflow's `--ram` sets itself.
+All measure peak RSS above the RSS after importing torch and transformers' Llama classes.
+Reports tok/s (prefill included), the ratios, the load average, what streaming printed and
+the disk bound. Writes benchmarks/results/generate-stream-<date>[-TAG].{md,json}.
 """
 from __future__ import annotations
 
@@ -237,6 +240,14 @@ def under_cgroup(args: argparse.Namespace, model: Path, int8: Path, prompt: str)
     return runs
 
 
+def median_run(runs: list[tuple[dict, list[str]]]) -> tuple[dict, list[str]]:
+    """The (result, printed) of the run with the median tok/s (the lower middle of an even
+    count), the result with every run's tok/s in the order they ran."""
+    ordered = sorted(runs, key=lambda run: run[0]["tok_s"])
+    result, printed = ordered[(len(ordered) - 1) // 2]
+    return {**result, "tok_s_runs": [run[0]["tok_s"] for run in runs]}, printed
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="tinyllama-1.1b")
@@ -249,23 +260,28 @@ def main() -> int:
     p.add_argument("--cgroup", default="1.5GiB",
                    help="also run both sides under a memory cgroup of this limit (RSS and page "
                         "cache together; needs root and cgroup v1), or none")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of the peer and of tierflow on each checkpoint, interleaved; "
+                        "the report gives their medians")
     args = p.parse_args()
     load_before = os.getloadavg()
     peer_cmd = [sys.executable, str(args.peers), "generate", "--arch", args.arch, "--ram",
                 args.ram, "--tokens", str(args.tokens)]
-    peer = measure.run_json(peer_cmd)
     peer1 = measure.run_json(peer_cmd, env=dict(os.environ, OMP_NUM_THREADS="1"))
     with tempfile.TemporaryDirectory() as tmp:
-        model = Path(tmp) / "model"
+        model, int8 = Path(tmp) / "model", Path(tmp) / "int8"
         prompt = checkpoint(args.peers, args.arch, model)
-        ours, printed = run_tierflow(model, prompt, args.tokens, args.ram)
+        quantized = quantized_copy(model, int8)
+        peers, bf16, int8_runs = [], [], []
+        for _ in range(args.repeats):  # interleaved: a change in the machine's load hits all
+            peers.append((measure.run_json(peer_cmd), []))
+            bf16.append(run_tierflow(model, prompt, args.tokens, args.ram))
+            int8_runs.append(run_tierflow(int8, prompt, args.tokens, args.ram))
+        (peer, _), (ours, printed), (ours8, printed8) = map(median_run, (peers, bf16, int8_runs))
         cache, _ = run_tierflow(model, prompt, args.tokens, args.ram, sample_page_cache=True)
         ours["page_cache_peak_mib"] = cache["page_cache_peak_mib"]
         ours["tok_s_while_sampling"] = cache["tok_s"]
         in_ram, _ = run_tierflow(model, prompt, args.tokens, None)
-        int8 = Path(tmp) / "int8"
-        quantized = quantized_copy(model, int8)
-        ours8, printed8 = run_tierflow(int8, prompt, args.tokens, args.ram)
         close = fidelity(model, int8, prompt, args.tokens)
         contained = under_cgroup(args, model, int8, prompt)
     date = dt.date.today().isoformat()

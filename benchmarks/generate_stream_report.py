@@ -11,6 +11,14 @@ def above(r: dict) -> float:
     return round(r["peak_rss_gib"] - r["baseline_rss_gib"], 3)
 
 
+def speed(r: dict) -> str:
+    """tok/s, as the median of the runs when there were several."""
+    runs = r.get("tok_s_runs", [])
+    if len(runs) < 2:
+        return f"{r['tok_s']:.3f}"
+    return f"{r['tok_s']:.3f} (median of {', '.join(f'{t:.3f}' for t in runs)})"
+
+
 def disk_bound(printed: list[str]) -> dict:
     """Bytes read per token and the read bandwidth streaming measured, from what it printed."""
     from tierflow.units import parse_bytes
@@ -68,18 +76,18 @@ def report(result: dict) -> str:
         f"{result['load_before'][0]:.1f} before, {result['load_after'][0]:.1f} after.", "",
         "| run | tok/s | peak RSS above baseline (GiB) | checkpoint in page cache, peak |",
         "|---|---|---|---|",
-        f"| peer: HF generate + accelerate disk offload | {peer['tok_s']:.3f} | {above(peer):.3f} "
+        f"| peer: HF generate + accelerate disk offload | {speed(peer)} | {above(peer):.3f} "
         "| not measured (reads its offload files through the page cache) |",
         f"| peer, OMP_NUM_THREADS=1 (orientation) | {peer1['tok_s']:.3f} | {above(peer1):.3f} "
         "| not measured |",
-        f"| tierflow generate | {ours['tok_s']:.3f} | {above(ours):.3f} | "
+        f"| tierflow generate | {speed(ours)} | {above(ours):.3f} | "
         f"{ours['page_cache_peak_mib']:.0f} MiB (a second run, {ours['tok_s_while_sampling']:.3f} "
         "tok/s while sampled) |",
         f"| tierflow generate, no `--ram` (every weight in RAM; orientation) | "
         f"{in_ram['tok_s']:.3f} | {above(in_ram):.3f} | - |",
-        f"| tierflow generate on the int8 copy (`tierflow quantize`) | {ours8['tok_s']:.3f} | "
+        f"| tierflow generate on the int8 copy (`tierflow quantize`) | {speed(ours8)} | "
         f"{above(ours8):.3f} | not measured |", "",
-        f"tierflow / peer: **{result['ratio']:.2f}x** (target 2x). tierflow: prompt "
+        f"tierflow / peer (medians): **{result['ratio']:.2f}x** (target 2x). tierflow: prompt "
         f"{ours['prompt_tokens']} tokens, prefill {ours['prefill_s']} s, decode "
         f"{ours['decode_s']} s for {ours['new_tokens']} tokens. Against the one-thread peer: "
         f"{result['ratio_1_thread']:.2f}x.", "",
