@@ -175,8 +175,9 @@ def sequential_mlp(*, seed: int = 0, dropout: float = 0.1, d_in: int = 16, d: in
 
 def tiny_configs() -> dict:
     """name -> a builder of a tiny config, one per family shape a checkpoint must handle:
-    separate head (Llama), tied head (Qwen2), GPT-2's own layout."""
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+    separate head (Llama), tied head (Qwen2), GPT-2's own layout, and GPT-NeoX, whose
+    checkpoints name its head ``embed_out`` (the module is ``lm_head`` in transformers 5)."""
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
 
     return {
         "llama": lambda: LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
@@ -187,4 +188,7 @@ def tiny_configs() -> dict:
                                           num_key_value_heads=2, tie_word_embeddings=True),
         "gpt2": lambda: GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4,
                                    n_positions=64, bos_token_id=0, eos_token_id=0),
+        "gpt-neox": lambda: GPTNeoXConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          max_position_embeddings=64),
     }

@@ -119,17 +119,36 @@ def _tied_pairs(model: nn.Module) -> dict[str, str]:
     return dict(getter(all_submodels=True)) if getter is not None else {}
 
 
+def _renamings(model: nn.Module) -> list[Any]:
+    """The key renamings transformers (5.x) applies when it loads ``model``'s checkpoints
+    (GPT-NeoX's ``embed_out.`` is the module ``lm_head.``); none with a transformers that
+    has no such table (4.x names the modules as the checkpoints do). Conversions that merge
+    or split tensors are not renamings and are left out."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+        return [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    except (ImportError, AttributeError, TypeError):
+        return []
+
+
 def _match_names(model: nn.Module, names: set[str]) -> dict[str, str]:
     """{checkpoint name: model name}: names saved from the base model (GPT-2's ``h.0...``
-    without ``transformer.``) get the base model's prefix."""
+    without ``transformer.``) get the base model's prefix; legacy names get transformers'
+    renaming (``_renamings``)."""
     expected = set(model.state_dict().keys())
     prefix = getattr(model, "base_model_prefix", "")
+    renamings = None
     mapping = {}
     for name in names:
-        if name not in expected and prefix and f"{prefix}.{name}" in expected:
+        if name in expected:
+            mapping[name] = name
+        elif prefix and f"{prefix}.{name}" in expected:
             mapping[name] = f"{prefix}.{name}"
         else:
-            mapping[name] = name
+            renamings = _renamings(model) if renamings is None else renamings
+            renamed = (r.rename_source_key(name)[0] for r in renamings)
+            mapping[name] = next((n for n in renamed if n in expected), name)
     return mapping
 
 
