@@ -224,3 +224,33 @@ def test_every_core_family_quantizes_and_decodes(family, tmp_path):
     assert 0 < relative < 0.03, relative
     decoded = list(sample_ids(loaded, ids[0].tolist(), max_new_tokens=6, temperature=0))
     assert len(decoded) == 6
+
+
+def test_the_written_int8_weights_map_aligned(tmp_path, monkeypatch):
+    """The copy's data starts on a 64-byte boundary, so where every tensor's size is a
+    multiple of 64 bytes (as in the usual LLM shapes) its int8 weights are memory-mapped
+    aligned for the fused kernel, and loading copies none of them."""
+    import transformers
+    from safetensors import safe_open
+
+    from tierflow.quantize import quantize_checkpoint
+    from tierflow.safetensors_io import read_header
+    config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    quantize_checkpoint(tmp_path / "model", tmp_path / "int8", log=io.StringIO())
+    stored = read_header(tmp_path / "int8" / "model.safetensors")
+    assert all(t.nbytes % 64 == 0 for t in stored.values())
+    int8 = [name for name, t in stored.items() if t.dtype == torch.int8]
+    with safe_open(str(tmp_path / "int8" / "model.safetensors"), framework="pt") as f:
+        assert all(f.get_tensor(name).data_ptr() % 64 == 0 for name in int8)
+    clone, copied = torch.Tensor.clone, []
+
+    def counted(t, *args, **kwargs):
+        copied.append(t.dtype)
+        return clone(t, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, "clone", counted)
+    loaded = load_model(tmp_path / "int8", for_generation=True)
+    assert torch.int8 not in copied and len(int8) == 15
+    assert all(loaded.get_parameter(name).data_ptr() % 64 == 0 for name in int8)

@@ -106,7 +106,10 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor],
     if metadata:
         header["__metadata__"] = metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    # The data starts on a 64-byte boundary (the format allows padding the header with
+    # spaces), so that a memory-mapped tensor whose offset is a multiple of 64 is aligned
+    # for vector loads: int8 weights (``models/int8.py``) need that to skip a copy.
+    raw += b" " * (-(8 + len(raw)) % 64)
     with open(path, "wb") as f:
         _write(f, struct.pack("<Q", len(raw)))
         _write(f, raw)
