@@ -189,6 +189,14 @@ def _rows_on_demand(model: nn.Module, name_of: dict[int, str],
     return name if len(uses) == 1 and name in found else None
 
 
+def _int8_tip(dtype: torch.dtype, found: dict[str, StoredTensor], layer: list[str]) -> str:
+    """What an int8 copy would change: bytes per linear weight in RAM and read."""
+    stored = max((found[n] for n in layer), key=lambda t: t.nbytes).dtype.itemsize
+    return (f"an int8 copy of this checkpoint (tierflow quantize; the text differs slightly) "
+            f"holds and reads 1 byte per linear weight, where this run holds "
+            f"{dtype.itemsize} and reads {stored}")
+
+
 def load_streamed(directory: Path, dtype: torch.dtype, need: MemoryNeed, budget: int, *,
                   ram_text: str, prompt_tokens: int, max_new_tokens: int,
                   vocab_size: int | None, log: TextIO) -> tuple[nn.Module, Streaming]:
@@ -233,7 +241,7 @@ def load_streamed(directory: Path, dtype: torch.dtype, need: MemoryNeed, budget:
             f"{format_bytes(in_ram, round_up=True)}; give --ram "
             f"{format_bytes(min(plan.ram, in_ram), round_up=True)} or more, or lower "
             "--max-new-tokens" + ("" if is_quantized(config) else ", or generate from an int8 "
-                                  "copy (tierflow quantize: half the weight bytes)"))
+                                  "copy (tierflow quantize: 1 byte per linear weight)"))
     streamed = {n for i in plan.streamed for n in per_layer[i]}
     fds = {file: os.open(file, os.O_RDONLY) for file in {t.file for t in found.values()}}
     try:
@@ -253,9 +261,6 @@ def load_streamed(directory: Path, dtype: torch.dtype, need: MemoryNeed, budget:
     for line in [f"--ram {ram_text} is below the {format_bytes(need.total + RUNTIME_BYTES)} "
                  "that generation needs with every weight in RAM",
                  *plan.describe(streamer.disk_bandwidth),
-                 *([] if is_quantized(config) else [
-                     "an int8 copy of this checkpoint (tierflow quantize; the text differs "
-                     "slightly) holds twice the layers in the same RAM and reads half the bytes "
-                     "per streamed layer"])]:
+                 *([] if is_quantized(config) else [_int8_tip(dtype, found, per_layer[0])])]:
         print(f"[stream] {line}", file=log, flush=True)
     return model, Streaming(streamer, embedding)
