@@ -35,6 +35,7 @@ _ALIGN = 64
 # at 16 rows, 2.0 against 1.9 at 32; in fp32, where the kernel is scalar, 7.5 against 14.5
 # at 2 rows, 15.2 against 14.7 at 4). A long prompt's prefill takes the matmul.
 _FUSED_MAX_ROWS = {torch.bfloat16: 24, torch.float16: 24, torch.float32: 3}
+_HAS_FUSED = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # torch 2.3 and later
 
 
 class Int8Linear(nn.Module):
@@ -65,7 +66,7 @@ class Int8Linear(nn.Module):
 
     def fused(self, x: torch.Tensor) -> bool:
         """Whether ``x`` goes through torch's fused CPU kernel (see ``_FUSED_MAX_ROWS``)."""
-        return (x.device.type == "cpu" and x.dtype == self.scales.dtype
+        return (_HAS_FUSED and x.device.type == "cpu" and x.dtype == self.scales.dtype
                 and x.numel() // self.in_features <= _FUSED_MAX_ROWS.get(x.dtype, 0)
                 and self.in_features % _FUSED_BLOCK == 0
                 and self.weight.data_ptr() % _ALIGN == 0)
