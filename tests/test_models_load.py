@@ -145,6 +145,23 @@ def test_base_model_names_without_prefix(tmp_path):
     assert torch.equal(logits(load_model(directory)), logits(theirs))
 
 
+def test_checkpoint_names_the_model_already_uses_need_no_renaming_table(tmp_path,
+                                                                         monkeypatch):
+    """Without transformers' renaming table (transformers 4 names its modules as the
+    checkpoints do), a checkpoint that uses the model's own names loads as before, and one
+    that needs a renaming is refused in one line, naming the tensors."""
+    import sys
+    directory = saved(tmp_path, "gpt-neox")
+    expected = logits(load_model(directory))
+    monkeypatch.setitem(sys.modules, "transformers.conversion_mapping", None)  # ImportError
+    with pytest.raises(TierflowError, match=r"lm_head.weight.*unexpected \(embed_out.weight\)"):
+        load_model(directory)
+    state = load_file(directory / "model.safetensors")
+    state["lm_head.weight"] = state.pop("embed_out.weight")
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    assert torch.equal(logits(load_model(directory)), expected)
+
+
 def test_vocab_larger_than_the_model_is_refused(tmp_path):
     with pytest.raises(TierflowError, match="larger than the model's"):
         load_model(saved(tmp_path, "llama"), vocab_size=1000)
