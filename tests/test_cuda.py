@@ -420,3 +420,20 @@ def test_a_real_out_of_memory_error_replans_and_retries(train_env, tmp_path, cap
     assert len(records(tmp_path / "capped" / "log.jsonl", "replan")) == 1
     torch.testing.assert_close(train_losses(tmp_path / "capped"), train_losses(tmp_path / "free"),
                                rtol=1e-5, atol=0.0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_an_int8_model_decodes_on_cuda_as_on_the_cpu(family):
+    """Int8 layers (``tierflow.quantize_int8``) on a GPU take the dequantized matmul; the
+    logits match the same model's on the CPU (fp32, no fused kernel there either)."""
+    from tierflow.generate import sample_ids
+    model = tiny_hf(family).float()
+    tierflow.quantize_int8(model)
+    ids = hf_sample()["input_ids"][:1]
+    with torch.no_grad():
+        on_cpu = model(input_ids=ids).logits
+        gpu_model = copy.deepcopy(model).to(CUDA)
+        on_gpu = gpu_model(input_ids=ids.to(CUDA)).logits.cpu()
+    torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-4, atol=1e-4)
+    assert len(list(sample_ids(gpu_model, ids[0].tolist(), max_new_tokens=4,
+                               temperature=0))) == 4
