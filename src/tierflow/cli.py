@@ -215,7 +215,7 @@ def _add_generate(sub: Any) -> None:
         description="Load a causal LM directory (config.json, model.safetensors, tokenizer.json; "
                     "e.g. OUT/step_N from tierflow train), print the prompt and stream the "
                     "continuation, sampled token by token with a KV cache, then a line with "
-                    "tokens/s.")
+                    "tokens/s. An int8 copy written by tierflow quantize loads the same way.")
     _add_checkpoint_argument(gen)
     gen.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     gen.add_argument("--max-new-tokens", type=_bounded_number(int, "tokens to generate", 1),
