@@ -31,9 +31,10 @@ INT8 = {"weights": "int8", "scales": "one per output channel, symmetric"}
 _FUSED_BLOCK = 32
 _ALIGN = 64
 # Above these many rows (tokens) the kernel, made for decoding, is slower than converting the
-# weight and running the dtype's matmul (measured on 2048 x 5632: in bf16 1.0 ms against 2.3
-# at 16 rows, 2.0 against 1.9 at 32; in fp32, where the kernel is scalar, 7.5 against 14.5
-# at 2 rows, 15.2 against 14.7 at 4). A long prompt's prefill takes the matmul.
+# weight and running the dtype's matmul (``benchmarks/int8_kernel.py`` on 5632 x 2048: in
+# bf16 1.57 ms against 1.78 at 24 rows, 2.13 against 2.09 at 32; in fp32, where the kernel is
+# scalar, 7.00 against 15.81 at 2 rows, 14.95 against 15.48 at 4, 29.20 against 15.75 at 8).
+# A long prompt's prefill takes the matmul.
 _FUSED_MAX_ROWS = {torch.bfloat16: 24, torch.float16: 24, torch.float32: 3}
 _HAS_FUSED = hasattr(torch.ops.aten, "_weight_int8pack_mm")  # torch 2.3 and later
 
