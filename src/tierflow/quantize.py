@@ -39,11 +39,12 @@ PROGRESS_EVERY_S = 5.0
 _COPIED_FILES = ("tokenizer.json", "generation_config.json")
 
 
-def _layout(directory: Path) -> tuple[dict[str, str], dict[str, bool]]:
-    """({checkpoint name: model name}, {quantized module name: stored transposed})."""
+def _layout(directory: Path, names: set[str]) -> tuple[dict[str, str], dict[str, bool]]:
+    """({checkpoint name: model name} of ``names``, {quantized module name: stored
+    transposed})."""
     from .models.load import _match_names, build_on_meta
     model = build_on_meta(directory, None)
-    return _match_names(model, set(stored_tensors(directory))), quantizable(model)
+    return _match_names(model, names), quantizable(model)
 
 
 def quantize_checkpoint(model_dir: Path, out: Path, *, log: TextIO | None = None) -> Path:
@@ -55,8 +56,8 @@ def quantize_checkpoint(model_dir: Path, out: Path, *, log: TextIO | None = None
         raise TierflowError(f"{model_dir} is already quantized ({QUANTIZATION_KEY} in its "
                             "config.json): quantize the checkpoint it was made from")
     check_new_directory(out)
-    rename, layers = _layout(model_dir)
     stored = stored_tensors(model_dir)
+    rename, layers = _layout(model_dir, set(stored))
     plan: dict[str, tuple[StoredTensor, torch.Tensor]] = {}  # out name: (source, meta tensor)
     for name in sorted(stored, key=lambda n: (str(stored[n].file), stored[n].offset)):
         source, target = stored[name], rename[name]
