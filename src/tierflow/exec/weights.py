@@ -10,7 +10,8 @@ last in a step is the first streamed one of the next step's forward: its weights
 of the ``depth`` stages updated before it, are written back but stay resident
 (``kept_across_steps``), since their reads would have no compute beside them. The weights
 of a stage the optimizer steps in host RAM (``host_updated``) are not written back: the
-update changed their copy there, so the one on the compute tier is dropped.
+update changed their copy there, so the one on the compute tier is dropped. Nor are frozen
+weights (no gradient, no update): they are only dropped.
 """
 from __future__ import annotations
 
@@ -157,7 +158,8 @@ class WeightStreamer:
     def _write(self, i: int, params: list[nn.Parameter], empty: bool) -> None:
         with span(f"write weights {i}", "disk write"):
             for p in params:
-                self.offloaded.write(p)
+                if p.requires_grad:  # a frozen weight's copy on its tier is current
+                    self.offloaded.write(p)
                 if empty:
                     self.offloaded.empty(p)
 

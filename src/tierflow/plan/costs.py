@@ -14,13 +14,16 @@ class StageCost:
 
     `tape` is what a forward with autograd keeps for backward, not counting the stage's
     parameters, its input or its output (those are accounted as values of their own).
-    Transients are the extra bytes an operation needs only while it runs.
+    Transients are the extra bytes an operation needs only while it runs. `param_bytes` are
+    the trainable parameters (each gets a gradient and optimizer states); `frozen_bytes`
+    the stage's own parameters that take no gradient (a fine-tune's frozen layers): weights
+    only, which streaming moves as it moves the others but never writes back.
     """
 
     name: str
     fwd_time: float  # forward, seconds
     bwd_time: float  # backward (without the forward), seconds
-    param_bytes: int  # parameters this stage owns
+    param_bytes: int  # trainable parameters this stage owns
     output_bytes: int  # x[i+1]
     tape: int  # bytes saved for backward beyond params, input and output
     output_in_tape: bool = False  # the backward needs the output tensor itself (e.g. ReLU)
@@ -33,6 +36,12 @@ class StageCost:
     # the largest single tensor its forward or backward allocates (measured on the host
     # under a RAM budget, else 0): a block that malloc's scattered free pieces cannot serve
     largest_block: int = 0
+    frozen_bytes: int = 0  # parameters this stage alone uses that take no gradient
+
+    @property
+    def weight_bytes(self) -> int:
+        """Every weight the stage alone holds, trainable or frozen: what streaming moves."""
+        return self.param_bytes + self.frozen_bytes
 
     def __post_init__(self) -> None:
         for f in fields(self):

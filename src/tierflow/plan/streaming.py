@@ -5,17 +5,19 @@ Pure data. A streamed stage's weights are not static any more: they are resident
 stage runs (a forward, a backward, the update after it) and while its tape lives, so they
 join the stage's tape and its transients; ``depth`` stages fetched ahead, plus one stage
 being written back after its update, are the buffers the streaming adds to the static bytes.
-With ``depth`` 0 a stage is read when it is needed, and its forward costs both the read
-and the compute. With ``depth`` d a stage's read starts d stages before its forward, so it
-has about d stages of compute to hide behind: on a chain of like stages (the decoder layers
-that dominate), d times its own; its forward costs the longer of its compute and a d-th of
-its read. A deeper prefetch costs a buffer of the largest streamed stage per stage of depth.
-The write-back of updated weights runs beside the next backward, so only the part of it
-that outlasts the stage's own backward time is added. A stage whose tape waits on a lower
-tier has its weights read again for its backward (``read_again_for_backward``): the tape
-does not hold them. With updates inside the backward, the first ``depth`` + 1 streamed
-stages are updated last and run first in the next step: their weights stay resident in
-between (in the buffers above), so their forwards read nothing (``kept_across_steps``).
+With ``depth`` 0 a stage is read when it is needed, and its forward costs both the read and
+the compute. With ``depth`` d a stage's read starts d stages before its forward, so it has
+about d stages of compute to hide behind: on a chain of like stages (the decoder layers that
+dominate), d times its own; its forward costs the longer of its compute and a d-th of its
+read. A stage's frozen weights (``frozen_bytes``) are read and held like the others but
+never written back: they do not change. A deeper prefetch costs a buffer of the largest
+streamed stage per stage of depth. The write-back of updated weights runs beside the next
+backward, so only the part of it that outlasts the stage's own backward time is added. A
+stage whose tape waits on a lower tier has its weights read again for its backward
+(``read_again_for_backward``): the tape does not hold them. With updates inside the
+backward, the first ``depth`` + 1 streamed stages are updated last and run first in the next
+step: their weights stay resident in between (in the buffers above), so their forwards read
+nothing (``kept_across_steps``).
 """
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ def streamed_costs(costs: ChainCosts, streamed: set[int], *, read_bytes_per_s: f
     moved = 0
     for i in sorted(streamed):
         stages[i] = _streamed_stage(stages[i], read_bytes_per_s, write_bytes_per_s, depth)
-        moved += stages[i].param_bytes
-    largest = max(costs.stages[i].param_bytes for i in streamed)
+        moved += stages[i].weight_bytes
+    largest = max(costs.stages[i].weight_bytes for i in streamed)
     buffers = min(depth + 1, len(streamed)) * largest
     extra = {**costs.extra, "streamed stages": sorted(streamed), "streamed bytes": moved,
              "prefetch depth": depth, "stream buffers": buffers}
@@ -64,7 +66,7 @@ def read_again_for_backward(costs: ChainCosts, stages: set[int], *, read_bytes_p
     moved = list(costs.stages)
     for i in stages:
         s = moved[i]
-        read = s.param_bytes / read_bytes_per_s
+        read = s.weight_bytes / read_bytes_per_s
         moved[i] = replace(s, bwd_time=_with_read(s.bwd_time, read, depth))
     return replace(costs, stages=tuple(moved))
 
@@ -76,11 +78,11 @@ def _with_read(compute: float, read: float, depth: int) -> float:
 
 
 def _streamed_stage(s: StageCost, read_bps: float, write_bps: float, depth: int) -> StageCost:
-    read = s.param_bytes / read_bps
-    write = s.param_bytes / write_bps
+    read = s.weight_bytes / read_bps
+    write = s.param_bytes / write_bps  # the trainable weights, after their update
     return replace(s,
                    fwd_time=_with_read(s.fwd_time, read, depth),
-                   tape=s.tape + s.param_bytes,
-                   fwd_transient_nograd=s.fwd_transient_nograd + s.param_bytes,
-                   update_transient=s.update_transient + s.param_bytes,
+                   tape=s.tape + s.weight_bytes,
+                   fwd_transient_nograd=s.fwd_transient_nograd + s.weight_bytes,
+                   update_transient=s.update_transient + s.weight_bytes,
                    update_time=s.update_time + max(0.0, write - s.bwd_time))

@@ -25,7 +25,7 @@ def activation_tape(costs: ChainCosts, i: int, streamed: Set[int]) -> int:
     """Bytes of stage i's tape that are its activations (a streamed stage's tape holds its
     weights too)."""
     s = costs.stages[i]
-    return s.tape - (s.param_bytes if i in streamed else 0)
+    return s.tape - (s.weight_bytes if i in streamed else 0)
 
 
 def offloaded_tape_costs(costs: ChainCosts, stages: set[int], *, read_bytes_per_s: float,

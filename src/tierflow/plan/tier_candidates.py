@@ -216,7 +216,7 @@ def _stream_sets(costs: ChainCosts, streamable: tuple[int, ...], budget: int | N
                  depth: int) -> list[tuple[int, ...]]:
     """The stage sets worth streaming: every streamable stage, and (under a budget) the
     fewest of the largest stages that make a plan fit, found by bisection."""
-    order = sorted(streamable, key=lambda i: -costs.stages[i].param_bytes)
+    order = sorted(streamable, key=lambda i: -costs.stages[i].weight_bytes)
     if not order:
         return []
     every = tuple(sorted(order))

@@ -225,8 +225,9 @@ def lower_bytes(candidate: Candidate, base: ChainCosts, state_of: list[int],
     if candidate.host is lower:
         held += candidate.costs.extra["host step bytes"]
     if candidate.weights is lower:
-        weights = sum(base.stages[i].param_bytes for i in candidate.streamed)
-        held += weights * (2 if deferred else 1)  # deferred: the gradients wait there too
+        held += sum(base.stages[i].weight_bytes for i in candidate.streamed)
+        if deferred:  # the gradients wait there too
+            held += sum(base.stages[i].param_bytes for i in candidate.streamed)
     if candidate.tapes is lower:
         held += sum(base.stages[i].tape for i in candidate.tape_stages)
     if candidate.boundaries is lower:

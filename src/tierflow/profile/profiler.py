@@ -21,6 +21,7 @@ from ..exec.compile import is_compiled
 from ..exec.context import AutocastMode
 from ..exec.memory import DeviceMeter, HostMeter
 from ..exec.stage_call import context_tensors, forward_plain, forward_taped, storage_key, tape_bytes
+from ..exec.weights import stage_parameters_to_stream
 from ..plan.costs import StageCost
 from .tensor_ledger import TensorLedger
 
@@ -59,6 +60,10 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
     resident = resident or (lambda params: contextlib.nullcontext())
     owners = _parameter_users(chain)
     shared = {key for key, users in owners.items() if len(users) > 1}
+    # the frozen weights each stage alone holds, which streaming moves with its others
+    movable = stage_parameters_to_stream(chain.stages)
+    frozen = [sum(p.nbytes for p in movable.get(i, []) if not p.requires_grad)
+              for i in range(len(chain.stages))]
     # parameters and the step's context (masks, rotary tables) are held anyway: not tape
     held = {storage_key(p) for stage in chain.stages for p in stage.parameters()}
     held |= {storage_key(t) for t in context_tensors(ctx)}
@@ -93,7 +98,7 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
                                output_in_tape=m.output_in_tape, fwd_transient=m.fwd_transient,
                                fwd_transient_nograd=m.fwd_transient_nograd,
                                bwd_transient=m.bwd_transient, input_grad=input_grad,
-                               largest_block=m.largest_block))
+                               largest_block=m.largest_block, frozen_bytes=frozen[i]))
         if i + 1 < len(chain.stages):
             with resident(stage_parameters(stage)):
                 x = forward_plain(stage, x, ctx, autocast)

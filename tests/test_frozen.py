@@ -1,0 +1,130 @@
+"""Fine-tuning with frozen parameters (``requires_grad=False``): every placement trains as
+plain PyTorch does, and the planner streams frozen weights as it streams the others, so that
+freezing layers lowers the smallest budget that works instead of raising it."""
+import copy
+
+import pytest
+import torch
+from models import hf_sample, tiny_hf
+from side_by_side import train_and_match
+
+import tierflow
+from tierflow import FitConfig
+from tierflow.plan.costs import ChainCosts, StageCost
+from tierflow.plan.streaming import streamed_costs
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _frozen_copy(family: str):
+    """A tiny model with dropout whose embeddings and first decoder layer are frozen (GPT-2's
+    head is tied to its embedding: frozen too), and its plain-PyTorch twin."""
+    model = tiny_hf(family, layers=3, dropout=0.1)
+    for name, p in model.named_parameters():
+        if "embed" in name or "wte" in name or "wpe" in name or ".0." in name:
+            p.requires_grad_(False)
+    return model, copy.deepcopy(model)
+
+
+def _frozen_unchanged(model, reference) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if not p.requires_grad:
+            assert torch.equal(p.detach(), q.detach()), name
+
+
+@pytest.mark.parametrize("planner", ["keep-all", "rotor", "checkpoint-all"])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_caller_optimizer_over_trainable_parameters(family, planner):
+    """The caller's AdamW over the trainable parameters only, 3 steps with dropout: the
+    losses and every parameter as plain PyTorch's (fp32: 1e-4)."""
+    model, reference = _frozen_copy(family)
+    sample = hf_sample()
+    module = tierflow.fit(model, sample, config=FitConfig(planner=planner))
+    ours = _adamw([p for p in model.parameters() if p.requires_grad])
+    theirs = _adamw([p for p in reference.parameters() if p.requires_grad])
+    for step in range(3):
+        torch.manual_seed(step)
+        loss = module(**sample).loss
+        loss.backward()
+        torch.manual_seed(step)
+        expected = reference(**sample).loss
+        expected.backward()
+        torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-6)
+        for optimizer in (ours, theirs):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+        assert p.grad is None or p.requires_grad, name
+
+
+@pytest.mark.parametrize("grad_accum", [1, 3])
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_streamed_from_disk_with_owned_optimizer(tmp_path, family, grad_accum, monkeypatch):
+    """Every stage streamed from disk, frozen ones included, updates inside the backward or
+    (3 micro-batches, clipped) after it: as plain PyTorch, and no frozen weight is ever
+    written back (their files stay as first written)."""
+    model, reference = _frozen_copy(family)
+    samples = [hf_sample(seed=k) for k in range(grad_accum)]
+    module = tierflow.fit(model, samples[0], optimizer=_adamw, disk=tmp_path,
+                          grad_accum=grad_accum, max_grad_norm=0.5 if grad_accum > 1 else None,
+                          config=FitConfig(planner="checkpoint-all", stream="all",
+                                           prefetch_depth=1))
+    names = {id(p): name for name, p in module.model.named_parameters()}
+    frozen_streamed = {names[id(p)] for ps in module.streamer.stage_params.values() for p in ps
+                       if not p.requires_grad}
+    assert frozen_streamed  # the first decoder layer's weights at least
+    offloaded = module.streamer.offloaded
+    written = set()  # names only: an emptied parameter must not be printed
+    write = offloaded.write
+    monkeypatch.setattr(offloaded, "write", lambda p: (written.add(names[id(p)]), write(p))[1])
+    train_and_match(module, reference, samples, _adamw)
+    assert written and not written & frozen_streamed
+    _frozen_unchanged(module.model, reference)
+
+
+def test_host_steps_below_a_simulated_gpu():
+    """The optimizer stepped in host RAM below a simulated GPU, every stage streamed from
+    there: frozen weights move like the others and take no step."""
+    model, reference = _frozen_copy("llama")
+    sample = hf_sample()
+    module = tierflow.fit(model, sample, optimizer=_adamw, gpu="1GiB", ram="1GiB",
+                          config=FitConfig(simulated_gpu=True, stream="all",
+                                           planner="checkpoint-all", host_updates="all"))
+    train_and_match(module, reference, [sample], _adamw)
+
+
+def test_plan_counts_the_frozen_weights_it_streams(tmp_path):
+    """All but the last decoder layer frozen: the plan's streamed bytes are every weight the
+    streamer moves, frozen ones included, and so are the bytes it frees. While streaming
+    was priced by trainable bytes only, frozen weights counted as fixed, and freezing layers
+    raised the smallest budget that works (124.5 MiB against 117.6 for the same Llama fully
+    trainable, seq 64, batch 2) instead of lowering it."""
+    model = tiny_hf("llama", layers=3)
+    for name, p in model.named_parameters():
+        if ".2." not in name:
+            p.requires_grad_(False)
+    module = tierflow.fit(model, hf_sample(), optimizer=_adamw, disk=tmp_path,
+                          config=FitConfig(planner="checkpoint-all", stream="all",
+                                           prefetch_depth=1))
+    moved = [p for ps in module.streamer.stage_params.values() for p in ps]
+    assert any(not p.requires_grad for p in moved)
+    assert module.plan.costs.extra["streamed bytes"] == sum(p.nbytes for p in moved)
+
+
+def test_streamed_costs_move_frozen_weights_and_write_trainable_ones():
+    """Pure data: a streamed stage's read, residency and freed static bytes count its frozen
+    weights; its write-back after the update only its trainable ones."""
+    stage = StageCost(name="layer", fwd_time=1.0, bwd_time=0.0, param_bytes=100,
+                      frozen_bytes=300, output_bytes=8, tape=10)
+    costs = ChainCosts(stages=(stage,), input_bytes=8, static_bytes=1000)
+    moved = streamed_costs(costs, {0}, read_bytes_per_s=100.0, write_bytes_per_s=100.0,
+                           depth=0)
+    s = moved.stages[0]
+    assert s.fwd_time == pytest.approx(1.0 + 4.0)  # 400 bytes read at 100 B/s
+    assert s.update_time == pytest.approx(1.0)  # 100 trainable bytes written
+    assert s.tape == 10 + 400
+    assert moved.static_bytes == 1000 - 400 + 400  # moved out, one stage's buffer back
+    assert moved.extra["streamed bytes"] == 400
