@@ -10,6 +10,7 @@ from side_by_side import train_and_match
 
 import tierflow
 from tierflow import FitConfig
+from tierflow.exec.offload import offloaded_parameters
 from tierflow.plan.costs import ChainCosts, StageCost
 from tierflow.plan.streaming import streamed_costs
 
@@ -83,6 +84,17 @@ def test_streamed_from_disk_with_owned_optimizer(tmp_path, family, grad_accum, m
     train_and_match(module, reference, samples, _adamw)
     assert written and not written & frozen_streamed
     _frozen_unchanged(module.model, reference)
+
+
+def test_frozen_layers_profiled_from_disk_under_a_ram_budget(tmp_path):
+    """With ram= and disk=, fit moves the model's weights to disk first and profiles each
+    stage with its own weights alone, frozen ones included (they were left out: the profile
+    read an empty weight), and trains as plain PyTorch."""
+    model, reference = _frozen_copy("llama")
+    sample = hf_sample()
+    module = tierflow.fit(model, sample, optimizer=_adamw, ram="1GiB", disk=tmp_path)
+    assert offloaded_parameters(model) is not None
+    train_and_match(module, reference, [sample], _adamw)
 
 
 def test_host_steps_below_a_simulated_gpu():

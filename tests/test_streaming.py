@@ -582,3 +582,28 @@ def test_a_checkpoint_loaded_onto_disk_equals_from_pretrained(tmp_path, family):
     for name, p in model.named_parameters():
         with offloaded.resident([p]):
             torch.testing.assert_close(p, expected[name], rtol=0, atol=0)
+
+
+def test_a_model_in_ram_is_profiled_from_disk_under_a_ram_budget(tmp_path, monkeypatch):
+    """fit(ram=, disk=) on a model in RAM moves its weights to the disk tier before the
+    profile, as `tierflow train --disk` builds a model there: each stage is profiled with its
+    own weights alone (a stage's profile beside the whole model could pass the budget before
+    any step ran), and it trains as plain PyTorch."""
+    import tierflow.api
+
+    model = tiny_hf("llama", layers=3, dropout=0.1)
+    reference = copy.deepcopy(model)
+    sample = hf_sample()
+    in_memory = []  # the weights' bytes in memory as each profile starts
+    profile = tierflow.api.profile_chain
+
+    def spy(*args, **kwargs):
+        in_memory.append(sum(p.untyped_storage().nbytes() for p in model.parameters()))
+        return profile(*args, **kwargs)
+
+    monkeypatch.setattr(tierflow.api, "profile_chain", spy)
+    module = tierflow.fit(model, sample, optimizer=_adamw, ram="1GiB", disk=tmp_path,
+                          config=FitConfig(planner="checkpoint-all", stream="all",
+                                           prefetch_depth=1))
+    assert in_memory and max(in_memory) == 0
+    train_and_match(module, reference, [sample], _adamw)

@@ -21,7 +21,7 @@ from .exec.compile import compile_chain
 from .exec.context import AutocastMode, untouched
 from .exec.deferred import DeferredUpdates
 from .exec.gradients import GradientStash
-from .exec.host_model import start_in_host_ram
+from .exec.host_model import start_in_host_ram, start_on_disk
 from .exec.host_update import HostUpdates
 from .exec.memory import (
     CACHING_THRESHOLD,
@@ -69,9 +69,14 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     them free on the compute tier. ``disk`` is a directory for
     the disk tier: when the optimizer's states do not fit the budget beside the rest, they
     live there between updates, and so do the weights of the stages that do not fit
-    (streamed in ahead of their use). Under ``gpu=``, a model on the CPU with a sample on
-    the GPU is never whole on the GPU: its weights wait in host RAM, or on disk when it was
-    loaded there (``models.load_model(..., offload=...)``), and come up as the plan says.
+    (streamed in ahead of their use); with ``ram=`` too, a model in RAM moves to the disk
+    tier before it is profiled, one stage's weights in memory at a time (as ``tierflow
+    train --disk`` builds one there), and the stages that do not stream come back for good.
+    Parameters with ``requires_grad`` False take no gradient and no optimizer state; the
+    stages that hold them stream them like the others. Under ``gpu=``, a model on the CPU
+    with a sample on the GPU is never whole on the GPU: its weights wait in host RAM, or on
+    disk when it was loaded there (``models.load_model(..., offload=...)``), and come up as
+    the plan says.
     With ``optimizer=``, ``grad_accum`` (micro-batches per update: call ``backward()`` that
     many times, on losses divided by it as in plain PyTorch) and ``max_grad_norm`` (clip
     by the global norm, as ``torch.nn.utils.clip_grad_norm_``) move the updates to one pass
@@ -124,6 +129,10 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     if config.stream == "all" and disk is None and not host_tier:
         raise TierflowError("config.stream='all' streams weights from the disk tier: give "
                             "disk=DIR too, or use stream='auto'")
+    if disk is not None and offloaded is None and budget is not None and tier == "ram":
+        # as `tierflow train --disk` builds a model: its weights wait on disk and each stage
+        # is profiled with its own alone, never the whole model beside a stage's profile
+        offloaded = start_on_disk(model, disk)
     lower = lower_tiers(device, disk, ram_below, host_tier, offloaded) if optimizer else []
     exact_host = budget is not None and tier == "ram"
     if exact_host:

@@ -77,7 +77,7 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
         fresh = key not in _CACHE
         if fresh:
             started = time.perf_counter()
-            with resident(stage_parameters(stage)):
+            with resident(list(stage.parameters())):
                 _CACHE[key] = _measure(stage, x, ctx, autocast, meter, held, input_grad,
                                        repeats, timing)
             if log is not None:
@@ -100,7 +100,7 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
                                bwd_transient=m.bwd_transient, input_grad=input_grad,
                                largest_block=m.largest_block, frozen_bytes=frozen[i]))
         if i + 1 < len(chain.stages):
-            with resident(stage_parameters(stage)):
+            with resident(list(stage.parameters())):
                 x = forward_plain(stage, x, ctx, autocast)
     return costs, shared_bytes
 
