@@ -1,7 +1,8 @@
 """Fine-tuning with frozen parameters (``requires_grad=False``): every placement trains as
-plain PyTorch does, and the planner streams frozen weights as it streams the others, so that
-freezing layers lowers the smallest budget that works instead of raising it."""
+plain PyTorch does; the planner streams frozen weights as it streams the others, and runs the
+stages before the first trainable one forward only, once, as plain autograd does."""
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,6 +13,10 @@ import tierflow
 from tierflow import FitConfig
 from tierflow.exec.offload import offloaded_parameters
 from tierflow.plan.costs import ChainCosts, StageCost
+from tierflow.plan.ops import Backward, Forward, Free, Update
+from tierflow.plan.rotor import Infeasible, rotor, smallest_budget
+from tierflow.plan.simulate import check_complete, simulate
+from tierflow.plan.strategies import checkpoint_all, keep_all
 from tierflow.plan.streaming import streamed_costs
 
 
@@ -27,12 +32,6 @@ def _frozen_copy(family: str):
         if "embed" in name or "wte" in name or "wpe" in name or ".0." in name:
             p.requires_grad_(False)
     return model, copy.deepcopy(model)
-
-
-def _frozen_unchanged(model, reference) -> None:
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        if not p.requires_grad:
-            assert torch.equal(p.detach(), q.detach()), name
 
 
 @pytest.mark.parametrize("planner", ["keep-all", "rotor", "checkpoint-all"])
@@ -83,7 +82,6 @@ def test_streamed_from_disk_with_owned_optimizer(tmp_path, family, grad_accum, m
     monkeypatch.setattr(offloaded, "write", lambda p: (written.add(names[id(p)]), write(p))[1])
     train_and_match(module, reference, samples, _adamw)
     assert written and not written & frozen_streamed
-    _frozen_unchanged(module.model, reference)
 
 
 def test_frozen_layers_profiled_from_disk_under_a_ram_budget(tmp_path):
@@ -140,3 +138,93 @@ def test_streamed_costs_move_frozen_weights_and_write_trainable_ones():
     assert s.tape == 10 + 400
     assert moved.static_bytes == 1000 - 400 + 400  # moved out, one stage's buffer back
     assert moved.extra["streamed bytes"] == 400
+
+
+def _prefixed_costs(owned: bool = True) -> ChainCosts:
+    """Six stages of which the first three train nothing and need no input gradient (a
+    frozen embedding and two frozen layers), the rest like plain trainable stages."""
+    stages = tuple(StageCost(f"s{i}", fwd_time=1.0, bwd_time=2.0,
+                             param_bytes=0 if i < 3 else 10, frozen_bytes=10 if i < 3 else 0,
+                             output_bytes=100, tape=300, fwd_transient=5, bwd_transient=7,
+                             input_grad=i > 3, needs_backward=i >= 3)
+                   for i in range(6))
+    return ChainCosts(stages, input_bytes=8, static_bytes=1000, optimizer_owned=owned)
+
+
+@pytest.mark.parametrize("planner", ["keep-all", "checkpoint-all", "rotor"])
+def test_a_forward_only_prefix_runs_once_without_tapes(planner):
+    """Pure data: every planner runs the stages that need no backward once, without a tape,
+    each input freed as the next exists, and backpropagates and updates only the others."""
+    costs = _prefixed_costs()
+    if planner == "rotor":
+        ops = rotor(costs, smallest_budget(costs))
+    else:
+        ops = keep_all(costs) if planner == "keep-all" else checkpoint_all(costs)
+    assert ops[:5] == [Forward(0, tape=False), Forward(1, tape=False), Free(1),
+                       Forward(2, tape=False), Free(2)]
+    assert not any(isinstance(op, Forward) and op.stage < 3 for op in ops[5:])
+    assert [op.stage for op in ops if isinstance(op, Backward)] == [5, 4, 3]
+    assert sorted(op.stage for op in ops if isinstance(op, Update)) == [3, 4, 5]
+    check_complete(costs, ops)
+    simulate(costs, ops)
+
+
+def test_rotor_budget_counts_the_prefix_peak():
+    """When a prefix stage's forward needs more than any schedule of the rest, the smallest
+    budget is the prefix's peak, and a budget below it is infeasible."""
+    costs = _prefixed_costs()
+    big = replace(costs.stages[1], fwd_transient_nograd=10_000)
+    costs = replace(costs, stages=(costs.stages[0], big, *costs.stages[2:]))
+    least = smallest_budget(costs)
+    assert least == simulate(costs, keep_all(costs)[:2]).peak > 10_000
+    rotor(costs, least)
+    with pytest.raises(Infeasible):
+        rotor(costs, least - 1)
+
+
+def test_frozen_prefix_in_a_fitted_model_runs_forward_once():
+    """The embeddings and first decoder layer frozen: their stages run once a step, forward
+    only (no backward, no recomputation, even under checkpoint-all), and training is still
+    plain PyTorch's."""
+    model, reference = _frozen_copy("llama")
+    sample = hf_sample()
+    module = tierflow.fit(model, sample, config=FitConfig(planner="checkpoint-all"))
+    ops = module.plan.ops
+    assert [op.stage for op in ops if isinstance(op, Backward)] == [4, 3, 2]  # head, layers
+    assert [op for op in ops if isinstance(op, Forward) and op.stage < 2] == [
+        Forward(0, tape=False), Forward(1, tape=False)]
+    calls = []  # the first layer's MLP (splitting the inputs passes the layer itself by)
+    model.model.layers[0].mlp.register_forward_hook(lambda *args: calls.append(1))
+    torch.manual_seed(0)
+    loss = module(**sample).loss
+    loss.backward()
+    assert len(calls) == 1
+    assert "forward only, once (nothing in or before them trains): embed, layers.0" in \
+        module.plan.explain()
+    torch.manual_seed(0)
+    expected = reference(**sample).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_an_input_that_requires_grad_needs_a_sample_that_did():
+    """A plan made from a sample whose input needed no gradient runs its frozen first stage
+    forward only; an input that requires grad is then refused with one line."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model[0].requires_grad_(False)
+    module = tierflow.fit(model, torch.randn(4, 8))
+    assert module.plan.ops[0] == Forward(0, tape=False)
+    with pytest.raises(tierflow.TierflowError, match="give fit a sample whose input requires"):
+        module(torch.randn(4, 8, requires_grad=True))
+
+
+def test_a_model_with_nothing_to_train_is_refused():
+    """Every parameter frozen and an input that needs no gradient: one line, as plain
+    autograd's backward would fail."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model.requires_grad_(False)
+    with pytest.raises(tierflow.TierflowError, match="nothing to train"):
+        tierflow.fit(model, torch.randn(4, 8))

@@ -108,6 +108,12 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     if int8 is not None:
         raise TierflowError(f"the model's {int8} is an int8 layer (tierflow.quantize_int8), "
                             "which is for generation: fit the model as it was before quantizing")
+    args, kwargs = _as_call(sample)
+    if not any(p.requires_grad for p in model.parameters()) and not any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values())):
+        raise TierflowError("no parameter of the model requires grad, nor does the sample: "
+                            "there is nothing to train; unfreeze what should train "
+                            "(p.requires_grad_(True))")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise TierflowError(f"max_grad_norm={max_grad_norm} must be > 0 (None: no clipping)")
     if optimizer is None and max_grad_norm is not None:

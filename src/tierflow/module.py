@@ -154,6 +154,16 @@ class TierflowModule(nn.Module):
         """The stage weights living on a lower tier (None when every weight is resident)."""
         return self._streamer
 
+    def settle(self) -> None:
+        """Wait until no transfer is in flight: the weights read ahead for the next step and
+        written back after their update, the optimizer states written back. A step returns
+        with some of them still running; call this before removing or copying the disk
+        directory."""
+        if self._streamer is not None:
+            self._streamer.settle()
+        if self._optimizer is not None:
+            self._optimizer.wait()
+
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """``nn.Module.state_dict`` (the model's entries under ``model.``), with the current
         values of streamed weights: between uses their parameters are empty, so each is read

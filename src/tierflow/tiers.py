@@ -73,7 +73,7 @@ def place(costs: ChainCosts, chain: Chain, rates: UpdateRates, budget: int | Non
     trainable = [p for p in chain_parameters(chain) if p.requires_grad]
     problem = TierProblem(
         costs=costs, rates=rates,
-        largest=tuple(max((p.nbytes for p in st.parameters()), default=0)
+        largest=tuple(max((p.nbytes for p in st.parameters() if p.requires_grad), default=0)
                       for st in chain.stages),
         trainable=sum(p.nbytes for p in trainable),
         streamable=tuple(stage_parameters_to_stream(chain.stages)),

@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..chain.base import Chain, stateful_modules
+from ..errors import TierflowError
 from ..plan.ops import Backward, Fetch, Forward, Free, Op, Stash, Update
 from .boundaries import BoundaryStash
 from .context import AutocastMode, BufferState, RngState, replay_buffers, replay_rng
@@ -74,9 +75,17 @@ class StepRun:
         self.rng: dict[int, RngState] = {}
         self.buffers: dict[int, BufferState] = {}
         self.input_requires_grad = False
+        backwards = {op.stage for op in ops if isinstance(op, Backward)}
+        self.input_grads = {i + 1 for i in backwards}  # x[i] whose gradient the plan uses
+        self.forward_only = min(backwards, default=0)  # stages before it: no backward
 
     def forward_phase(self, x0: torch.Tensor) -> torch.Tensor:
         """Run the ops up to the chain output; returns x[L]."""
+        if x0.requires_grad and self.forward_only:
+            raise TierflowError(
+                f"the input requires grad, but the plan runs stages 0 to {self.forward_only - 1}"
+                " forward only (they train nothing, and fit's sample did not require grad): "
+                "give fit a sample whose input requires grad")
         self.x[0] = x0
         self.input_requires_grad = x0.requires_grad
         if self.boundaries is not None:
@@ -181,8 +190,8 @@ class StepRun:
                 self.buffers[i] = BufferState(mutated)
         replay = contextlib.nullcontext() if first else replay_rng(self.rng[i])
         with replay, replay_buffers(None if first else self.buffers.get(i)):
-            if tape:
-                input_grad = i > 0 or self.input_requires_grad
+            if tape:  # x[i] needs a gradient when the plan backpropagates stage i - 1
+                input_grad = i in self.input_grads if i > 0 else self.input_requires_grad
                 hooks = self.tape_offload.hooks(i) if offload else None
                 taped = forward_taped(stage, x, self.ctx, self.autocast, input_grad=input_grad,
                                       offload=hooks)

@@ -37,6 +37,9 @@ class StageCost:
     # under a RAM budget, else 0): a block that malloc's scattered free pieces cannot serve
     largest_block: int = 0
     frozen_bytes: int = 0  # parameters this stage alone uses that take no gradient
+    # False when nothing in this stage or before it trains (nor needs the input's gradient):
+    # its forward keeps no tape and it has no backward (plan/forward_only.py)
+    needs_backward: bool = True
 
     @property
     def weight_bytes(self) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from ..units import format_bytes
 from .costs import ChainCosts
+from .forward_only import forward_only_length
 from .ops import (
     Backward,
     Fetch,
@@ -119,6 +120,10 @@ class Plan:
                             "their uses")
             if held:
                 lines.append(f"  {lower} tier: {' and '.join(held)}")
+        prefix = forward_only_length(c)
+        if prefix:
+            lines.append(f"  forward only, once (nothing in or before them trains): "
+                         f"{_names(names[:prefix])}")
         lines.append(f"  kept for backward on the first forward: {_names(kept)}")
         if recomputed:
             lines.append(f"  recomputed during backward: {_names(recomputed)}; "

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..units import format_bytes
 from .costs import ChainCosts
+from .forward_only import after_prefix, forward_only_length, planned_with_prefix, prefix_ops
 from .ops import Backward, Fetch, Forward, Free, Op, Stash, Update
 from .rotor_model import HELD, PLAN, SegmentNeeds
 from .simulate import simulate
@@ -219,9 +220,13 @@ def _all_tape(costs: ChainCosts) -> list[Op]:
 
 def smallest_budget(costs: ChainCosts) -> int:
     """The least activation budget (bytes, static excluded) any rotor schedule fits in;
-    ``rotor(costs, smallest_budget(costs))`` succeeds whatever ``slots``."""
-    _check_chain(costs)
-    return _min_memory(costs)[0] + costs.context_bytes
+    ``rotor(costs, smallest_budget(costs))`` succeeds whatever ``slots``. A forward-only
+    prefix (plan/forward_only.py) runs once before the schedule of the rest."""
+    k = forward_only_length(costs)
+    rest = after_prefix(costs, k) if k else costs
+    _check_chain(rest)
+    least = _min_memory(rest)[0] + rest.context_bytes
+    return max(least, simulate(costs, prefix_ops(k)).peak) if k else least
 
 
 def rotor(costs: ChainCosts, budget: int, *, slots: int | None = 500) -> list[Op]:
@@ -235,8 +240,17 @@ def rotor(costs: ChainCosts, budget: int, *, slots: int | None = 500) -> list[Op
 
     The shared (tied) gradients are modelled exactly: they occupy memory from the last
     stage's backward to the end of the step, which the segments ending before the last
-    stage see as part of their context.
+    stage see as part of their context. A forward-only prefix (plan/forward_only.py) runs
+    once before the schedule of the rest.
     """
+    k = forward_only_length(costs)
+    if k and simulate(costs, prefix_ops(k)).peak > budget:
+        raise Infeasible(budget, smallest_budget(costs))
+    return planned_with_prefix(costs, lambda rest: _rotor(rest, budget, slots))
+
+
+def _rotor(costs: ChainCosts, budget: int, slots: int | None) -> list[Op]:
+    """``rotor`` on a chain whose every stage has a backward."""
     _check_chain(costs)
     if slots is not None and slots < 1:
         raise ValueError(f"slots={slots} must be a positive number of memory units, or None")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .costs import ChainCosts
+from .forward_only import forward_only_length
 from .ops import Backward, Fetch, Forward, Free, Op, Stash, Update
 
 
@@ -54,6 +55,7 @@ class _State:
         self.param_grads: set[int] = set()  # stages whose parameter gradients exist
         self.updated: set[int] = set()
         self.shared_grads = False
+        self.first_backward = forward_only_length(costs)  # stages before it have none
 
     def x_resident(self, i: int) -> bool:
         # tape[i] holds its input; tape[i-1] holds its output tensor (the executor keeps it
@@ -159,7 +161,7 @@ def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
             during = before + s.update_transient
             state.param_grads.discard(i)
             state.updated.add(i)
-            if i == 0:
+            if i == state.first_backward:  # the owner of the shared parameters
                 state.shared_grads = False
             clock += s.update_time
         else:
@@ -170,16 +172,17 @@ def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
 
 
 def check_complete(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> None:
-    """Raise InvalidPlan unless ``ops`` is a whole training step: every stage backpropagated
-    exactly once, in reverse order, no tape left over, every stage updated if we own the
-    optimizer."""
+    """Raise InvalidPlan unless ``ops`` is a whole training step: every stage after the
+    forward-only prefix backpropagated exactly once, in reverse order, no tape left over,
+    each of them updated if we own the optimizer."""
+    first = forward_only_length(costs)
     backwards = [op.stage for op in ops if isinstance(op, Backward)]
-    expected = list(range(costs.length - 1, -1, -1))
+    expected = list(range(costs.length - 1, first - 1, -1))
     if backwards != expected:
         raise InvalidPlan(f"backward order {backwards} must be {expected}")
     updates = sorted(op.stage for op in ops if isinstance(op, Update))
-    if costs.optimizer_owned and updates != list(range(costs.length)):
-        raise InvalidPlan(f"updates {updates} must cover every stage once")
+    if costs.optimizer_owned and updates != list(range(first, costs.length)):
+        raise InvalidPlan(f"updates {updates} must cover every stage from {first} once")
     if not costs.optimizer_owned and updates:
         raise InvalidPlan("the plan updates parameters but tierflow does not own the optimizer")
 

@@ -1,19 +1,15 @@
-"""The two fixed strategies: keep every activation, or checkpoint every stage's input."""
+"""The two fixed strategies: keep every activation, or checkpoint every stage's input. Both
+run a forward-only prefix (plan/forward_only.py) once, without tapes."""
 from __future__ import annotations
 
 from .costs import ChainCosts
+from .forward_only import planned_with_prefix
 from .ops import Backward, Fetch, Forward, Op, Stash, Update
 
 
 def keep_all(costs: ChainCosts) -> list[Op]:
     """Plain autograd: every forward keeps its tape; nothing is recomputed."""
-    length = costs.length
-    ops: list[Op] = [Forward(i, tape=True) for i in range(length)]
-    for i in reversed(range(length)):
-        ops.append(Backward(i))
-        if costs.optimizer_owned:
-            ops.append(Update(i))
-    return ops
+    return planned_with_prefix(costs, _keep_all)
 
 
 def checkpoint_all(costs: ChainCosts) -> list[Op]:
@@ -23,6 +19,20 @@ def checkpoint_all(costs: ChainCosts) -> list[Op]:
     The stashable inputs (``costs.stashable``) wait on the tier below between their first
     forward and the recomputation: offload beside recomputation.
     """
+    return planned_with_prefix(costs, _checkpoint_all)
+
+
+def _keep_all(costs: ChainCosts) -> list[Op]:
+    length = costs.length
+    ops: list[Op] = [Forward(i, tape=True) for i in range(length)]
+    for i in reversed(range(length)):
+        ops.append(Backward(i))
+        if costs.optimizer_owned:
+            ops.append(Update(i))
+    return ops
+
+
+def _checkpoint_all(costs: ChainCosts) -> list[Op]:
     length = costs.length
     ops: list[Op] = []
     for i in range(length):

@@ -50,14 +50,14 @@ class UpdateRates:
 class TierProblem:
     """Everything the placement depends on besides the budgets and the config.
 
-    ``largest``: per stage, the bytes of its largest parameter; ``trainable``: bytes of the
-    trainable parameters; ``streamable``: the stages whose weights may live on a lower tier
-    (those no other stage shares); ``lower``: the tiers below the compute tier, nearest
-    first; ``weights_tiers``: where weights may stream from (None: any lower tier);
+    ``largest``: per stage, the bytes of its largest trainable parameter; ``trainable``:
+    bytes of the trainable parameters; ``streamable``: the stages whose weights may live on
+    a lower tier (those no other stage shares); ``lower``: the tiers below the compute tier,
+    nearest first; ``weights_tiers``: where weights may stream from (None: any lower tier);
     ``deferred``: updates run in one pass after the backward (accumulation, clipping);
     ``accumulates``: over several micro-batches (each backward adds to gradients it reads
-    back); ``host_updatable``: the stages whose parameters the optimizer may step in host RAM (those
-    that own trainable parameters)."""
+    back); ``host_updatable``: the stages whose parameters the optimizer may step in host
+    RAM (those that own trainable parameters)."""
 
     costs: ChainCosts
     rates: UpdateRates

@@ -71,8 +71,12 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
     counted: set[int] = set()
     costs: list[StageCost] = []
     x = x0
+    # whether anything so far trains: a stage's input needs a gradient only after that, and
+    # a stage before it needs no backward at all (plan/forward_only.py)
+    trains = x0.is_floating_point() and x0.requires_grad
     for i, stage in enumerate(chain.stages):
-        input_grad = x.is_floating_point() and (i > 0 or x.requires_grad)
+        input_grad = x.is_floating_point() and trains
+        trains = trains or any(p.requires_grad for p in stage.parameters())
         key = (chain.signatures[i], tuple(x.shape), x.dtype, str(x.device), autocast, input_grad)
         fresh = key not in _CACHE
         if fresh:
@@ -98,7 +102,8 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
                                output_in_tape=m.output_in_tape, fwd_transient=m.fwd_transient,
                                fwd_transient_nograd=m.fwd_transient_nograd,
                                bwd_transient=m.bwd_transient, input_grad=input_grad,
-                               largest_block=m.largest_block, frozen_bytes=frozen[i]))
+                               largest_block=m.largest_block, frozen_bytes=frozen[i],
+                               needs_backward=trains))
         if i + 1 < len(chain.stages):
             with resident(list(stage.parameters())):
                 x = forward_plain(stage, x, ctx, autocast)

@@ -113,9 +113,7 @@ class FitOwnedOptimizer:
 
     def settle(self) -> None:
         """Wait until every weight and state transfer is done (before reading them)."""
-        if self.module.streamer is not None:
-            self.module.streamer.settle()
-        self.owned.wait()
+        self.module.settle()
 
     def skeleton(self) -> dict:
         """The single-process ``state_dict()`` with meta tensors for the states (their shapes
