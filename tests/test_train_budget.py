@@ -138,6 +138,33 @@ def test_the_optimizer_probe_is_no_larger_than_the_model():
     assert probe_numel(64 * MIB, 10**9) == probe_numel(64 * MIB) < high  # the budget's share
 
 
+@pytest.mark.parametrize("mib, small, large, per_byte, fixed", [
+    (1, (7.9, 7.9), (9.9, 11.3), 9.9 / 4, 0),  # torch's AdamW, its 1 MiB step's heap swinging
+    (1, (2.3, 5.0), (9.0, 9.0), 9.0 / 4, 0),  # the ratio alone sees it
+    (16, (48.5, 50.0), (64.5, 70.0), 0.0, 64.5),  # tierflow's AdamW, beyond its slice
+])
+def test_the_optimizer_probe_sees_temporaries_that_grow(monkeypatch, mib, small, large,
+                                                        per_byte, fixed):
+    """Each size is stepped twice and its lower peak kept (a step's peak swings up with the
+    state of malloc's heap); temporaries are priced per byte when the larger step's exceed
+    the smaller's by 1.4x or by half a byte per byte of the larger parameter, else as fixed
+    bytes. By the ratio alone, some processes priced torch's AdamW as fixed bytes, far under
+    its 2 bytes per byte of a large head (benchmarks/smallest_budget_spread.py)."""
+    from tierflow.exec import optimizer_probe
+
+    sizes = {mib: list(small), 4 * mib: list(large)}  # parameter MiB -> its steps' peaks
+
+    def step(factory, device, meter, numel, dtype):
+        nbytes = 4 * numel
+        transient = int(sizes[nbytes // MIB].pop(0) * MIB)
+        return optimizer_probe._Step(2 * nbytes, 1e-3, transient, nbytes)
+
+    monkeypatch.setattr(optimizer_probe, "_probe_step", step)
+    probe = optimizer_probe.probe_optimizer(None, torch.device("cpu"), None, mib * MIB // 4)
+    assert probe.transient_per_byte == pytest.approx(per_byte, rel=1e-3)
+    assert probe.transient_bytes == pytest.approx(fixed * MIB, rel=1e-3)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_optimizer_probe_takes_a_quarter_of_the_budget_at_most(dtype):
     """With a disk tier, fit probes the optimizer before it plans; the probe's scratch

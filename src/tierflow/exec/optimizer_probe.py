@@ -19,6 +19,12 @@ PROBE_SECONDS = 0.05  # the least time the probe's measured steps take
 # At 2x, the rule before, torch's AdamW was priced as 8 MiB fixed in some fits and 2 bytes
 # per byte in others: 8 MiB apart for an 8 MiB parameter.
 GROWING = 1.4
+# ... or when they grow by more than this many bytes per byte of parameter between the two
+# steps: a 1 MiB step's temporaries swing with the state of malloc's heap (torch's AdamW in
+# fit's probe: benchmarks/smallest_budget_spread.py), which can hide a growth of 2 bytes
+# per byte from the ratio; tierflow's AdamW grows by a third of a byte per byte beyond its
+# slice (48.5 to 64.5 MiB from 16 to 64 MiB)
+GROWTH_PER_BYTE = 0.5
 
 
 @dataclass(frozen=True)
@@ -46,11 +52,14 @@ def probe_optimizer(factory: OptimizerFactory, device: torch.device, meter: Host
     optimizer that works through a parameter a slice at a time, as tierflow's AdamW does)
     as fixed bytes, the larger of the two measured. Only the larger step prices growing
     temporaries: the smaller one's vary with the state of malloc's heap (torch's AdamW: 2 to
-    5.5 MiB for 1 MiB, against a steady 8 MiB for 4 MiB)."""
-    small = _probe_step(factory, device, meter, numel, dtype)
-    large = _probe_step(factory, device, meter, 4 * numel, dtype)
+    5.5 MiB for 1 MiB, against a steady 8 MiB for 4 MiB). Each size is stepped twice, on
+    fresh parameters, and the lower peak kept: the heap's swings only ever add."""
+    small, large = (min((_probe_step(factory, device, meter, n, dtype) for _ in range(2)),
+                        key=lambda step: step.transient) for n in (numel, 4 * numel))
     state_per_byte, seconds_per_byte = large.state / large.nbytes, large.seconds / large.nbytes
-    if large.transient > GROWING * small.transient:
+    grown = large.transient - small.transient
+    if large.transient > GROWING * small.transient or \
+            grown > GROWTH_PER_BYTE * (large.nbytes - small.nbytes):
         return OptimizerProbe(state_per_byte, seconds_per_byte, large.transient / large.nbytes)
     return OptimizerProbe(state_per_byte, seconds_per_byte, 0.0,
                           max(small.transient, large.transient))
