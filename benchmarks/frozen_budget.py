@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Fine-tuning the last decoder layers of a Llama with the rest frozen: the RAM it needs.
+
+    .venv/bin/python benchmarks/frozen_budget.py [--arch llama-134m] [--seq 512] [--batch 2]
+        [--trainable-layers 2] [--steps 3]
+
+Three models, each in fresh processes: the whole model trainable; everything frozen
+(`requires_grad` False) but the last `--trainable-layers` decoder layers, the final norm and
+the head, as a partial fine-tune is set up; and the same with the head frozen too. For each,
+the smallest `ram` that `tierflow.fit` finds with a disk tier (from its one-line refusal of
+1 MiB), then `--steps` steps (after one warm-up step) at the budget that refusal says to
+give a new process; and the same steps in plain PyTorch with the same parameters frozen (no
+budget). Peaks are counted as `ram` counts them: the RSS above the process's RSS before
+training less the weights (the model built, malloc's free memory returned, the peak reset
+there), so the building of the model, which both do the same way, is outside. tierflow's
+peak is given for its steps (the peak reset after `fit`) and for `fit`, which starts with
+the model as the caller built it, whole in RAM, and moves it to the disk tier. Weights fp32
+under bf16 autocast, AdamW (lr 1e-4) over the trainable parameters, random tokens. Writes
+benchmarks/results/frozen-budget-<date>.{md,json}.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+from tierflow import measure  # noqa: E402
+from tierflow.units import format_bytes  # noqa: E402
+
+# One configuration in this fresh process: one JSON line.
+CHILD = r"""
+import json, statistics, sys, tempfile, time
+import torch
+import tierflow, tierflow.api
+from tierflow import measure
+from tierflow.exec.memory import return_free_memory
+mode, arch, seq, batch, trainable, head, steps, ram = sys.argv[1:3] + [int(a) for a in sys.argv[3:]]
+model = measure.build(arch, seq)
+layers = model.config.num_hidden_layers
+if trainable >= 0:  # freeze all but the last `trainable` decoder layers, the norm (and head)
+    keep = tuple(f"model.layers.{i}." for i in range(layers - trainable, layers))
+    keep += ("model.norm.",) + (("lm_head.",) if head else ())
+    for name, p in model.named_parameters():
+        if not name.startswith(keep):
+            p.requires_grad_(False)
+params = [p for p in model.parameters() if p.requires_grad]
+tokens = torch.randint(0, model.config.vocab_size, (batch, seq))
+sample = {"input_ids": tokens, "labels": tokens}
+adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-4)
+record = {"mode": mode, "trainable_bytes": sum(p.nbytes for p in params),
+          "weight_bytes": sum(p.nbytes for p in model.parameters())}
+autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+return_free_memory()
+measure.reset_peak_rss()
+base = measure.maxrss_bytes() - record["weight_bytes"]  # as `ram` counts: weights inside
+with tempfile.TemporaryDirectory() as disk:
+    if mode == "smallest":
+        try:
+            with autocast():
+                tierflow.fit(model, sample, optimizer=adamw, ram=1 << 20, disk=disk)
+        except tierflow.BudgetError as err:
+            record.update(smallest=err.smallest, to_give=err.to_give)
+        print(json.dumps(record), flush=True)
+        sys.exit(0)
+    if mode == "plain":
+        optimizer = adamw(params)
+        run = model
+    else:
+        with autocast():
+            run = tierflow.fit(model, sample, optimizer=adamw, ram=ram, disk=disk)
+        record.update(fit_peak=measure.maxrss_bytes() - base,
+                      predicted_peak=int(run.plan.predicted_peak), strategy=run.plan.strategy,
+                      streamed=run.plan.costs.extra.get("streamed stages", []),
+                      streamed_bytes=run.plan.costs.extra.get("streamed bytes", 0))
+    measure.reset_peak_rss()
+    times, losses = [], []
+    for _ in range(steps + 1):  # the first step is warm-up
+        start = time.perf_counter()
+        with autocast():
+            loss = run(**sample).loss
+        loss.backward()  # tierflow: updates inside the backward
+        if mode == "plain":
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        losses.append(round(loss.item(), 4))
+        times.append(time.perf_counter() - start)
+    steps_peak = measure.maxrss_bytes() - base
+    if mode != "plain":
+        run.settle()  # no write in flight as the disk directory goes
+record.update(step_s=statistics.median(times[1:]), losses=losses, steps_peak=steps_peak)
+print(json.dumps(record), flush=True)
+"""
+
+
+def child(*args: object) -> dict:
+    return measure.run_json([sys.executable, "-c", CHILD, *map(str, args)],
+                            env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+
+
+def commit() -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True).stdout.strip() or "unknown"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", choices=sorted(measure.ARCHS), default="llama-134m")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--trainable-layers", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args()
+    shape = (args.arch, args.seq, args.batch)
+    rows = []
+    n = args.trainable_layers
+    for name, trainable, head in (("whole model", -1, 1), (f"last {n} layers + head", n, 1),
+                                  (f"last {n} layers (head frozen)", n, 0)):
+        found = child("smallest", *shape, trainable, head, 0, 0)
+        print(f"{name}: smallest ram {format_bytes(found['smallest'])}", flush=True)
+        ours = child("tierflow", *shape, trainable, head, args.steps, found["to_give"])
+        plain = child("plain", *shape, trainable, head, args.steps, 0)
+        print(f"  tierflow at {format_bytes(found['to_give'])}: "
+              f"{format_bytes(ours['steps_peak'])} peak in steps "
+              f"({format_bytes(ours['fit_peak'])} in fit), {ours['step_s']:.2f} s; "
+              f"plain PyTorch {format_bytes(plain['steps_peak'])}, "
+              f"{plain['step_s']:.2f} s", flush=True)
+        rows.append({"model": name, "trainable_layers": trainable, "head": bool(head), **found,
+                     "tierflow": ours, "plain": plain})
+    date = dt.date.today().isoformat()
+    result = {"date": date, "commit": commit(), "arch": args.arch, "seq": args.seq,
+              "batch": args.batch, "steps": args.steps, "rows": rows}
+    lines = [f"# Partial fine-tuning: the RAM it needs ({date}, commit {result['commit']})", "",
+             f"{args.arch}, seq {args.seq}, batch {args.batch}, fp32 weights under bf16 "
+             f"autocast, AdamW over the trainable parameters; each cell a fresh process; "
+             f"step times are medians of {args.steps} steps after a warm-up step.", "",
+             "| trainable | trainable bytes | smallest `ram` (fit) | tierflow at the given "
+             "`ram`: steps' peak (fit's), step | streamed stages | plain PyTorch: peak, step |",
+             "|---|---|---|---|---|---|"]
+    for row in rows:
+        ours, plain = row["tierflow"], row["plain"]
+        lines.append(
+            f"| {row['model']} | {format_bytes(ours['trainable_bytes'])} of "
+            f"{format_bytes(ours['weight_bytes'])} | {format_bytes(row['smallest'])} | "
+            f"{format_bytes(ours['steps_peak'])} at {format_bytes(row['to_give'])} "
+            f"({format_bytes(ours['fit_peak'])} in fit), "
+            f"{ours['step_s']:.2f} s | {len(ours['streamed'])} "
+            f"({format_bytes(ours['streamed_bytes'])}) | "
+            f"{format_bytes(plain['steps_peak'])}, {plain['step_s']:.2f} s |")
+    text = "\n".join(lines) + "\n"
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"frozen-budget-{date}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"frozen-budget-{date}.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
