@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from random_tokens import random_token_files  # noqa: E402
 
+from tierflow.measure import source_commit  # noqa: E402
+
 VOCAB = 32000
 GIB = 2 ** 30
 
@@ -150,15 +152,6 @@ def run(configs: list[Config], steps: int) -> list[dict]:
     return rows
 
 
-def _commit() -> str:
-    """The checked-out commit the run measured (with ``+changes`` when the tree is dirty)."""
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True, check=False).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "src"],
-                           capture_output=True, text=True, check=False).stdout.strip()
-    return head + ("+changes" if dirty else "")
-
-
 def _error_line(stderr: str) -> str:
     """The one-line ``tierflow: error:`` of a failed command (else the end of its stderr)."""
     lines = [line for line in stderr.splitlines() if line.startswith("tierflow: error:")]
@@ -212,7 +205,7 @@ def main() -> int:
         (f"-{args.tag}" if args.tag else "")
     (args.out / f"calibration-{date}{suffix}.md").write_text(table + "\n")
     (args.out / f"calibration-{date}{suffix}.json").write_text(
-        json.dumps({"date": date, "commit": _commit(), "load_average": os.getloadavg(),
+        json.dumps({"date": date, "commit": source_commit(ROOT), "load_average": os.getloadavg(),
                     "profile": profile.stdout.splitlines(), "rows": rows}, indent=1)
         + "\n")
     return 0

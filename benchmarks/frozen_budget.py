@@ -24,7 +24,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -103,11 +102,6 @@ def child(*args: object) -> dict:
                             env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
 
 
-def commit() -> str:
-    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip() or "unknown"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", choices=sorted(measure.ARCHS), default="llama-134m")
@@ -134,8 +128,8 @@ def main() -> int:
         rows.append({"model": name, "trainable_layers": trainable, "head": bool(head), **found,
                      "tierflow": ours, "plain": plain})
     date = dt.date.today().isoformat()
-    result = {"date": date, "commit": commit(), "arch": args.arch, "seq": args.seq,
-              "batch": args.batch, "steps": args.steps, "rows": rows}
+    result = {"date": date, "commit": measure.source_commit(ROOT), "arch": args.arch,
+              "seq": args.seq, "batch": args.batch, "steps": args.steps, "rows": rows}
     lines = [f"# Partial fine-tuning: the RAM it needs ({date}, commit {result['commit']})", "",
              f"{args.arch}, seq {args.seq}, batch {args.batch}, fp32 weights under bf16 "
              f"autocast, AdamW over the trainable parameters; each cell a fresh process; "

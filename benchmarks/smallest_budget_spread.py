@@ -20,7 +20,6 @@ import datetime as dt
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
@@ -64,11 +63,6 @@ print(json.dumps(record), flush=True)
 """
 
 
-def commit() -> str:
-    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True).stdout.strip() or "unknown"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", choices=sorted(measure.ARCHS), default="llama-20m")
@@ -93,8 +87,8 @@ def main() -> int:
     smallest = [run["smallest"] / mib for run in runs]
     date = dt.date.today().isoformat()
     name = f"smallest-budget-spread-{date}" + (f"-{args.tag}" if args.tag else "")
-    result = {"date": date, "commit": commit(), "arch": args.arch, "seq": args.seq,
-              "batch": args.batch, "runs": runs}
+    result = {"date": date, "commit": measure.source_commit(ROOT), "arch": args.arch,
+              "seq": args.seq, "batch": args.batch, "runs": runs}
     lines = [f"# The smallest budget fit names, over fresh processes ({date}, commit "
              f"{result['commit']})", "",
              f"{args.arch}, seq {args.seq}, batch {args.batch}, torch's AdamW, a disk tier, "

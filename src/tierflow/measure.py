@@ -131,6 +131,16 @@ def run_json(cmd: list[str], *, timeout: float | None = None, env: dict[str, str
     return result
 
 
+def source_commit(root: str | Path) -> str:
+    """The commit checked out in ``root`` that a benchmark measured, with ``+changes`` when
+    its ``src`` differs from it ("unknown" outside a git checkout)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                              check=False).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + ("+changes" if git("status", "--porcelain", "--", "src") else "")
+
+
 def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
