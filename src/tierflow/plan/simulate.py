@@ -161,7 +161,7 @@ def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
             during = before + s.update_transient
             state.param_grads.discard(i)
             state.updated.add(i)
-            if i == state.first_backward:  # the owner of the shared parameters
+            if i == state.first_backward:  # the lowest stage, updated last, owns tied params
                 state.shared_grads = False
             clock += s.update_time
         else:
