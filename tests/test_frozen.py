@@ -61,7 +61,7 @@ def test_caller_optimizer_over_trainable_parameters(family, planner):
 
 
 @pytest.mark.parametrize("grad_accum", [1, 3])
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])  # qwen2: a tied, frozen head
 def test_streamed_from_disk_with_owned_optimizer(tmp_path, family, grad_accum, monkeypatch):
     """Every stage streamed from disk, frozen ones included, updates inside the backward or
     (3 micro-batches, clipped) after it: as plain PyTorch, and no frozen weight is ever
@@ -228,3 +228,27 @@ def test_a_model_with_nothing_to_train_is_refused():
     model.requires_grad_(False)
     with pytest.raises(tierflow.TierflowError, match="nothing to train"):
         tierflow.fit(model, torch.randn(4, 8))
+
+
+@pytest.mark.parametrize("planner", ["keep-all", "rotor", "checkpoint-all"])
+def test_a_sequential_model_with_frozen_first_layers(planner):
+    """An nn.Sequential chain whose first two stages are frozen: they run forward only, and
+    the loss and every gradient are plain PyTorch's (fp32, default tolerances)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                                torch.nn.Dropout(0.1), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 1))
+    for layer in (model[0], model[2]):
+        layer.requires_grad_(False)
+    reference = copy.deepcopy(model)
+    x = torch.randn(8, 16)
+    module = tierflow.fit(model, x, config=FitConfig(planner=planner))
+    assert isinstance(module.plan.ops[0], Forward) and not module.plan.ops[0].tape
+    torch.manual_seed(1)
+    module(x).sum().backward()
+    torch.manual_seed(1)
+    reference(x).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
