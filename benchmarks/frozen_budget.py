@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import sys
 from pathlib import Path
@@ -148,9 +147,7 @@ def main() -> int:
             f"({format_bytes(ours['streamed_bytes'])}) | "
             f"{format_bytes(plain['steps_peak'])}, {plain['step_s']:.2f} s |")
     text = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"frozen-budget-{date}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / f"frozen-budget-{date}.md").write_text(text)
+    measure.write_results(args.out, f"frozen-budget-{date}", text, result)
     print(text)
     return 0
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import subprocess
 import sys
@@ -100,9 +99,7 @@ def main() -> int:
         f"{result['logits_relative_error_median']:.4f}; the same top token at "
         f"{result['top1_agreement'] * 100:.1f}% of the positions.", "",
         f"`tierflow quantize` printed: `{quantized}`", ""])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"int8-quality-{date}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / f"int8-quality-{date}.md").write_text(text)
+    measure.write_results(args.out, f"int8-quality-{date}", text, result)
     print(text)
     return 0
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import statistics
 import sys
@@ -104,9 +103,7 @@ def main() -> int:
                f"{run['fixed'] / mib:.1f} MiB fixed")
         lines.append(f"| {k + 1} | {run['smallest'] / mib:.1f} | {peaks} | {how} |")
     text = "\n".join(lines) + "\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
-    (args.out / f"{name}.md").write_text(text)
+    measure.write_results(args.out, name, text, result)
     print(text)
     return 0
 

@@ -141,6 +141,18 @@ def source_commit(root: str | Path) -> str:
     return head + ("+changes" if git("status", "--porcelain", "--", "src") else "")
 
 
+def write_results(directory: str | Path, name: str, text: str,
+                  data: dict[str, Any]) -> tuple[Path, Path]:
+    """A benchmark's results: ``directory/name.md`` (``text``) and ``directory/name.json``
+    (``data``); returns both paths."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    md, js = directory / f"{name}.md", directory / f"{name}.json"
+    md.write_text(text.rstrip() + "\n")
+    js.write_text(json.dumps(data, indent=1) + "\n")
+    return md, js
+
+
 def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
