@@ -105,10 +105,10 @@ def smallest_budget(directory, dtype: str) -> int:
 
 def layer_bytes(directory, dtype: torch.dtype) -> int:
     """One decoder layer's parameter bytes in ``dtype``."""
-    from tierflow.chain.hf import _decoder_layers
+    from tierflow.chain.hf import decoder_layers
     from tierflow.models.load import load_model
     model = load_model(directory, dtype=dtype)
-    return sum(p.nbytes for p in _decoder_layers(model.base_model)[1][0].parameters())
+    return sum(p.nbytes for p in decoder_layers(model.base_model)[1][0].parameters())
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: converted from the fp32 checkpoint

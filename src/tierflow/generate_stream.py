@@ -204,7 +204,7 @@ def load_streamed(directory: Path, dtype: torch.dtype, need: MemoryNeed, budget:
     RAM streamed from the checkpoint, and the input embedding's rows read as looked up when
     the head does not share it (the streaming is running: ``close`` it when done). Refuses,
     naming the smallest budget, when even streaming every decoder layer does not fit."""
-    from .chain.hf import _decoder_layers
+    from .chain.hf import decoder_layers
     from .models.int8 import is_quantized
     from .models.load import build_on_meta, read_config
     config = read_config(directory)
@@ -216,7 +216,7 @@ def load_streamed(directory: Path, dtype: torch.dtype, need: MemoryNeed, budget:
     found = _model_names(model, stored_tensors(directory), directory)
     state = model.state_dict(keep_vars=True)
     name_of = {id(p): n for n, p in model.named_parameters()}
-    layers = _decoder_layers(model.base_model)[1]
+    layers = decoder_layers(model.base_model)[1]
     per_layer = [[name_of[id(p)] for p in layer.parameters()] for layer in layers]
     in_layers = {n for names in per_layer for n in names}
     rows = _rows_on_demand(model, name_of, found)

@@ -139,7 +139,9 @@ class HeadStage(nn.Module):
 # ---------------------------------------------------------------------------- discovery
 
 
-def _decoder_layers(base: nn.Module) -> tuple[str, nn.ModuleList]:
+def decoder_layers(base: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The name and the list of ``base``'s decoder layers: its longest ``nn.ModuleList`` not
+    nested in another one."""
     best: tuple[str, nn.ModuleList] | None = None
     inside: list[str] = []  # ModuleLists already seen: lists nested in them do not count
     for name, module in base.named_modules():
@@ -275,7 +277,7 @@ def hf_chain(model: nn.Module, sample: Any, *, head_chunk_tokens: int = 1024) ->
     if base is model:
         raise ChainError(f"{cls} has no base model (base_model_prefix "
                          f"{getattr(model, 'base_model_prefix', None)!r}): cannot find its layers")
-    layers_name, layers = _decoder_layers(base)
+    layers_name, layers = decoder_layers(base)
     owner = base.get_submodule(layers_name.rpartition(".")[0]) if "." in layers_name else base
 
     signature = inspect.signature(model.forward)

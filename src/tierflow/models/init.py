@@ -61,10 +61,10 @@ def initialize(model: nn.Module, seed: int, dtype: torch.dtype,
 def _offload_units(model: nn.Module) -> set[int]:
     """Modules whose parameters may leave for disk once built: the decoder layers and the
     top-level modules that hold no decoder layer (embeddings, final norm, LM head)."""
-    from ..chain.hf import _decoder_layers
+    from ..chain.hf import decoder_layers
 
     base = getattr(model, "base_model", model)
-    _, layers = _decoder_layers(base)
+    _, layers = decoder_layers(base)
     holders = [m for m in model.modules() if any(x is layers for x in m.modules())]
     held = {id(m) for m in holders}
     return {id(child) for holder in holders for child in holder.children() if id(child) not in held}

@@ -80,9 +80,9 @@ def _fp8_scopes(model: nn.Module) -> list[nn.Module]:
 
     if not _is_hf_causal_lm(model):
         return [model]
-    from ..chain.hf import _decoder_layers
+    from ..chain.hf import decoder_layers
 
-    return [_decoder_layers(model.base_model)[1]]
+    return [decoder_layers(model.base_model)[1]]
 
 
 def _swap_linears(root: nn.Module, grad_dtype: str) -> None:
