@@ -140,6 +140,24 @@ def test_checkpoint_has_the_single_process_format(runs):
     assert names["one"] == names["two"] and any(k.endswith("exp_avg") for k in names["one"])
 
 
+def test_two_ranks_train_the_same_frozen_selection(env, tmp_path):
+    """--train-only on 2 ranks: the one-process run's losses, and the frozen layers' weights
+    as they were (only trainable parameters are sharded, reduced and gathered)."""
+    from safetensors.torch import load_file
+    extra = ("--steps", "3", "--eval-every", "0", "--train-only",
+             "model.layers.1.*,lm_head.*")
+    finish(launch(_args(env, tmp_path / "one", *extra), 1)
+           + launch(_args(env, tmp_path / "two", *extra), 2))
+    one, two = (records(tmp_path / name / "log.jsonl", "train") for name in ("one", "two"))
+    for a, b in zip(two, one, strict=True):
+        assert_close(a["loss"], b["loss"], f"loss at step {a['step']}")
+    initial = load_file(f"{env['model']}/model.safetensors")
+    final = load_file(str(tmp_path / "two" / "step_3" / "model.safetensors"))
+    for name, value in final.items():
+        assert torch.equal(value, initial[name]) != name.startswith(("model.layers.1.",
+                                                                      "lm_head.")), name
+
+
 def test_a_killed_rank_stops_the_other_with_one_line(env, tmp_path):
     timeout = 20
     procs = launch(_args(env, tmp_path / "run", "--steps", "1000", "--eval-every", "0",

@@ -155,7 +155,7 @@ def _cases(root: Path) -> dict[str, tuple[list[str], list[str]]]:
                             "choose a directory"]),
         "resume a different run": (b("--resume", str(root / "run" / "step_2"), "--seq-len", "8"),
                                    ["different run", "seq_len: checkpoint 16, now 8",
-                                    "start a new run without --resume"]),
+                                    "start a new run from it without --resume"]),
         "resume a corrupt header": (b("--resume", str(root / "corrupt" / "step_2")),
                                     [f"{root / 'corrupt' / 'step_2' / 'model.safetensors'} is "
                                      "not a readable safetensors file"]),

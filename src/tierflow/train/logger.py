@@ -58,11 +58,13 @@ class PlanPrecision:
     """What the ``[Plan]`` table says about precision: ``per`` is the run's
     ``PrecisionConfig.bytes_per_parameter()``, ``trainable`` the trainable parameter count,
     ``master`` this rank's bytes of fp32 master copy (part of the reserved optimizer states),
-    ``dtypes`` the ``PrecisionConfig`` as a dict."""
+    ``dtypes`` the ``PrecisionConfig`` as a dict, ``frozen`` the frozen parameter count
+    (``--freeze``, ``--train-only``)."""
     per: Any
     trainable: int
     master: int
     dtypes: dict[str, str]
+    frozen: int = 0
 
 
 def _per(value: float) -> str:
@@ -110,6 +112,9 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
         ("parameters", f"{precision.trainable:,} trainable x {total:g} bytes (weights "
                        f"{per.weights:g} + gradients {per.gradients:g} + master {per.master:g} + "
                        f"moments {per.moments:g})")]
+    if precision.frozen:
+        rows.append(("frozen", f"{precision.frozen:,} parameters x {per.weights:g} bytes "
+                               "(weights only: no gradient, no optimizer state)"))
     for name, value in kinds:
         if name == "optimizer step" and not value:
             continue

@@ -2,12 +2,13 @@
 
 ``build_model`` loads the preset, directory or checkpoint (always through fp32, which holds a
 bf16 checkpoint's values exactly), applies the precision (``tierflow.precision``: bf16 weights,
-fp8 Linears) before any optimizer state exists, and checks what would make every step fail:
-non-finite weights, token ids beyond the vocab, a sequence longer than the model's positions.
+fp8 Linears) before any optimizer state exists, freezes what ``--freeze`` and ``--train-only``
+name (``freeze.py``), and checks what would make every step fail: non-finite weights, token
+ids beyond the vocab, a sequence longer than the model's positions.
 
 ``run_identity`` hashes what decides the sequence of losses: the architecture, the data, the
-batch shape, the seed and the precision. A checkpoint of another identity is refused with a
-line that names the differences.
+batch shape, the seed, the precision and the frozen parameters' patterns. A checkpoint of
+another identity is refused with a line that names the differences.
 """
 from __future__ import annotations
 
@@ -24,15 +25,17 @@ from ..models.files import max_positions
 from ..precision import PrecisionConfig, apply_precision
 from .codec import config_hash, differences, model_arch, spec_arch
 from .data_dir import DataDir
+from .freeze import freeze_parameters
 from .model_limits import check_model_limits
 from .options import TrainOptions
 
 
 def build_model(opts: TrainOptions, ckpt, data: DataDir, precision: PrecisionConfig,
                 offload: OffloadedParameters | None = None):
-    """The model to train, in training mode, with ``precision`` applied. With ``offload``
-    (``--disk``) it is built or loaded straight onto the disk tier, a module or a tensor at
-    a time, and never exists whole in memory."""
+    """The model to train, in training mode, with ``precision`` applied and the parameters
+    ``--freeze`` and ``--train-only`` name frozen. With ``offload`` (``--disk``) it is built or
+    loaded straight onto the disk tier, a module or a tensor at a time, and never exists whole
+    in memory."""
     from ..models.load import load_model
     from ..models.presets import PRESETS
 
@@ -49,6 +52,7 @@ def build_model(opts: TrainOptions, ckpt, data: DataDir, precision: PrecisionCon
     check_model_limits(str(spec), opts.seq_len, data, int(model.config.vocab_size),
                        max_positions(model.config))
     apply_precision(model, precision)
+    freeze_parameters(model, opts.freeze, opts.train_only)
     model.train()
     return model
 
@@ -95,6 +99,9 @@ def run_identity(opts: TrainOptions, ckpt, data: DataDir, model,
     identity = {"model": arch, "data": data.identity(), "seq_len": opts.seq_len,
                 "batch_size": opts.batch_size, "grad_accum": opts.grad_accum, "seed": opts.seed,
                 "precision": precision.to_dict()}
+    for name in ("freeze", "train_only"):  # absent unless given: earlier runs' hashes hold
+        if getattr(opts, name) is not None:
+            identity[name] = getattr(opts, name)
     run_hash = config_hash(identity)
     if ckpt is not None and ckpt.trainer_state.get("config_hash") != run_hash:
         saved = ckpt.trainer_state.get("identity")
@@ -103,5 +110,6 @@ def run_identity(opts: TrainOptions, ckpt, data: DataDir, model,
                             f"{'; '.join(diffs[:4])}): resume with the model, data, "
                             "--seq-len/--batch-size/--grad-accum/--seed and precision flags "
                             "(--model-dtype/--master/--optim-dtype/--matmul-dtype/--fp8-grad) "
-                            "it was trained with, or start a new run without --resume")
+                            "and --freeze/--train-only it was trained with, or start a new run "
+                            "from it without --resume (--model with its step directory)")
     return identity, run_hash

@@ -87,6 +87,13 @@ _HELP = {
     "fp8_grad": (None, "gradient matmuls of fp8 Linears: bf16 (default) or e5m2"),
     "compile": (None, "torch.compile the decoder layers"),
     "recompute": (None, "activation recomputation: auto (the planner), none or all"),
+    "freeze": ("GLOBS", "freeze the parameters whose names match one of these comma-separated "
+                        "globs, e.g. 'model.embed_tokens.*,model.layers.[0-9].*' (names as "
+                        "model.named_parameters() gives them): no gradient, no optimizer "
+                        "state, and the layers before the first that trains run forward only"),
+    "train_only": ("GLOBS", "train only the parameters whose names match one of these "
+                            "comma-separated globs, e.g. 'model.layers.21.*,lm_head.*'; every "
+                            "other one is frozen (--freeze may then freeze some of them too)"),
     "tensorboard": ("DIR", "also write TensorBoard event files (loss, grad norm, lr, tok/s, "
                            "RAM, eval loss) to DIR"),
     "stream": (None, "with --disk: auto streams the weights of the fewest stages that make the "
@@ -175,6 +182,9 @@ def read_toml(path: Path) -> dict[str, Any]:
                     "trace") \
                 and value is not None:
             value = str(value)
+        if name in ("freeze", "train_only") and isinstance(value, list) \
+                and all(isinstance(v, str) for v in value):
+            value = ",".join(value)  # a TOML list of globs
         if name in ("epochs", "lr", "min_lr", "weight_decay", "clip", "dist_timeout") \
                 and isinstance(value, int) \
                 and not isinstance(value, bool):

@@ -75,6 +75,8 @@ class TrainOptions:
     fp8_grad: str = "bf16"  # the gradient matmuls of fp8 Linears: bf16 or e5m2
     compile: bool = False
     recompute: str = "auto"
+    freeze: str | None = None  # comma-separated parameter-name globs to freeze (freeze.py)
+    train_only: str | None = None  # comma-separated globs: every other parameter is frozen
     tensorboard: str | None = None  # a directory for TensorBoard event files
     trace: str | None = None  # a Chrome-trace JSON file of the executed steps
     dist_timeout: float = 300.0  # seconds a rank waits for the others (torchrun runs)
@@ -158,6 +160,8 @@ class TrainOptions:
                                 "below a GPU: give --gpu too (without it RAM is the compute "
                                 "tier: compute)")
         self._require_bool("compile")
+        for name in ("freeze", "train_only"):
+            split_patterns(flag_of(name), getattr(self, name))
         return self
 
     def _require_bool(self, name: str) -> None:
@@ -253,6 +257,21 @@ class TrainOptions:
         for f in fields(self):
             if f.name in saved and f.name not in self.given and f.name not in never:
                 setattr(self, f.name, saved[f.name])
+
+
+def split_patterns(flag: str, value: str | None) -> list[str]:
+    """The parameter-name globs of ``--freeze`` or ``--train-only`` (comma-separated); one
+    line naming ``flag`` if one is empty."""
+    if value is None:
+        return []
+    if not isinstance(value, str):
+        raise TierflowError(f"{flag} {value!r} is not text: give comma-separated "
+                            "parameter-name globs, e.g. 'model.embed_tokens.*,model.layers.0.*'")
+    patterns = [p.strip() for p in value.split(",")]
+    if not all(patterns):
+        raise TierflowError(f"{flag} {value!r} has an empty pattern: give comma-separated "
+                            "parameter-name globs, e.g. 'model.embed_tokens.*,model.layers.0.*'")
+    return patterns
 
 
 def flag_of(name: str) -> str:

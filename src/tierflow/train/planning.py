@@ -168,11 +168,14 @@ def report_plan(module: Any, *, opts: TrainOptions, precision: PrecisionConfig,
                         "predicted_comm_s": step_seconds(ranks, grads, grads, bus)}
     per = precision.bytes_per_parameter()
     count = sum(p.numel() for p in trainable)
+    frozen = sum(p.numel() for p in {id(p): p for stage in module.chain.stages
+                                     for p in stage.parameters()}.values()
+                 if not p.requires_grad)
     table, fields = plan_section(
         module.plan, grads=grads, budget=tier.plan_budget, grad_accum=opts.grad_accum,
         dist=dist_figures,
         precision=PlanPrecision(per, trainable=count, master=int(per.master * count) // ranks,
-                                dtypes=precision.to_dict()),
+                                dtypes=precision.to_dict(), frozen=frozen),
         update_pass=module.update_pass, step_temporaries=step_temporaries)
     logger.print()
     logger.print(table)
