@@ -139,9 +139,18 @@ def test_the_optimizer_probe_is_no_larger_than_the_model():
 
 
 @pytest.mark.parametrize("mib, small, large, per_byte, fixed", [
-    (1, (7.9, 7.9), (9.9, 11.3), 9.9 / 4, 0),  # torch's AdamW, its 1 MiB step's heap swinging
-    (1, (2.3, 5.0), (9.0, 9.0), 9.0 / 4, 0),  # the ratio alone sees it
-    (16, (48.5, 50.0), (64.5, 70.0), 0.0, 64.5),  # tierflow's AdamW, beyond its slice
+    # (RSS peak, peak of the step's tensors) per step, in MiB; a tensor peak of None: as a
+    # device's allocator counts, the RSS's
+    (1, ((7.9, None), (7.9, None)), ((9.9, None), (11.3, None)), 9.9 / 4, 0),  # torch's
+    # AdamW, its 1 MiB step's heap swinging
+    (1, ((2.3, None), (5.0, None)), ((9.0, None), (9.0, None)), 9.0 / 4, 0),  # the ratio
+    # alone sees it
+    (16, ((48.5, None), (50.0, None)), ((64.5, None), (70.0, None)), 0.0, 64.5),  # tierflow's
+    # AdamW, beyond its slice
+    (1, ((5.9, 2.0), (7.0, 2.0)), ((9.5, 8.0), (11.3, 8.0)), 2.0, 1.5),  # torch's AdamW on the
+    # host: its tensors per byte, the rest of the RSS fixed
+    (1, ((3.0, 0.0), (3.0, 0.0)), ((9.0, 0.5), (9.0, 0.5)), 9.0 / 4, 0),  # growing, mostly
+    # outside torch's tensors: the RSS's rate
 ])
 def test_the_optimizer_probe_sees_temporaries_that_grow(monkeypatch, mib, small, large,
                                                         per_byte, fixed):
@@ -149,15 +158,19 @@ def test_the_optimizer_probe_sees_temporaries_that_grow(monkeypatch, mib, small,
     state of malloc's heap); temporaries are priced per byte when the larger step's exceed
     the smaller's by 1.4x or by half a byte per byte of the larger parameter, else as fixed
     bytes. By the ratio alone, some processes priced torch's AdamW as fixed bytes, far under
-    its 2 bytes per byte of a large head (benchmarks/smallest_budget_spread.py)."""
+    its 2 bytes per byte of a large head (benchmarks/smallest_budget_spread.py). On the host,
+    growing temporaries are priced per byte at the rate of the step's own tensors and the
+    RSS's excess over them as fixed bytes: priced per byte, that excess made the smallest
+    budget move by 14 MiB between processes."""
     from tierflow.exec import optimizer_probe
 
     sizes = {mib: list(small), 4 * mib: list(large)}  # parameter MiB -> its steps' peaks
 
     def step(factory, device, meter, numel, dtype):
         nbytes = 4 * numel
-        transient = int(sizes[nbytes // MIB].pop(0) * MIB)
-        return optimizer_probe._Step(2 * nbytes, 1e-3, transient, nbytes)
+        rss, tensors = sizes[nbytes // MIB].pop(0)
+        return optimizer_probe._Step(2 * nbytes, 1e-3, int(rss * MIB), nbytes,
+                                     int((rss if tensors is None else tensors) * MIB))
 
     monkeypatch.setattr(optimizer_probe, "_probe_step", step)
     probe = optimizer_probe.probe_optimizer(None, torch.device("cpu"), None, mib * MIB // 4)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..profile.tensor_ledger import TensorLedger
 from .memory import DeviceMeter, HostMeter, return_free_memory
 from .optimizer import OptimizerFactory
 
@@ -39,8 +40,9 @@ class OptimizerProbe:
 class _Step:
     state: int  # bytes
     seconds: float
-    transient: int  # bytes
+    transient: int  # bytes: the meter's peak (on the host the RSS's, with the process's noise)
     nbytes: int  # of the parameter
+    tensors: int  # bytes: the peak of the step's own tensors (on a device: ``transient``)
 
 
 def probe_optimizer(factory: OptimizerFactory, device: torch.device, meter: HostMeter | DeviceMeter,
@@ -53,16 +55,31 @@ def probe_optimizer(factory: OptimizerFactory, device: torch.device, meter: Host
     as fixed bytes, the larger of the two measured. Only the larger step prices growing
     temporaries: the smaller one's vary with the state of malloc's heap (torch's AdamW: 2 to
     5.5 MiB for 1 MiB, against a steady 8 MiB for 4 MiB). Each size is stepped twice, on
-    fresh parameters, and the lower peak kept: the heap's swings only ever add."""
+    fresh parameters, and the lower peak kept: the heap's swings only ever add.
+
+    On the host the per-byte price is that of the step's own tensors (``_Step.tensors``),
+    and what the RSS added beyond them is priced as fixed bytes: that excess is the rest of
+    the process (a few MiB whatever the parameter's size), and priced per byte it grew with
+    the largest parameter: a 31 MiB head's update moved by 14 MiB between fresh processes
+    (``benchmarks/smallest_budget_spread.py``)."""
     small, large = (min((_probe_step(factory, device, meter, n, dtype) for _ in range(2)),
                         key=lambda step: step.transient) for n in (numel, 4 * numel))
     state_per_byte, seconds_per_byte = large.state / large.nbytes, large.seconds / large.nbytes
-    grown = large.transient - small.transient
-    if large.transient > GROWING * small.transient or \
-            grown > GROWTH_PER_BYTE * (large.nbytes - small.nbytes):
+    more = large.nbytes - small.nbytes
+    if not (_grows(small.transient, large.transient, more)
+            or _grows(small.tensors, large.tensors, more)):
+        return OptimizerProbe(state_per_byte, seconds_per_byte, 0.0,
+                              max(small.transient, large.transient))
+    if 2 * large.tensors < large.transient:  # mostly outside torch's tensors: the RSS's rate
         return OptimizerProbe(state_per_byte, seconds_per_byte, large.transient / large.nbytes)
-    return OptimizerProbe(state_per_byte, seconds_per_byte, 0.0,
-                          max(small.transient, large.transient))
+    return OptimizerProbe(state_per_byte, seconds_per_byte, large.tensors / large.nbytes,
+                          max(0, large.transient - large.tensors))
+
+
+def _grows(small: int, large: int, more_bytes: int) -> bool:
+    """Whether temporaries of ``small`` and ``large`` bytes, measured on parameters
+    ``more_bytes`` apart, grow with the parameter (``GROWING``, ``GROWTH_PER_BYTE``)."""
+    return large > GROWING * small or large - small > GROWTH_PER_BYTE * more_bytes
 
 
 def step_transient(factory: OptimizerFactory, device: torch.device,
@@ -96,4 +113,10 @@ def _probe_step(factory: OptimizerFactory, device: torch.device,
         meter.finish()
         rounds += 1
     seconds = (time.perf_counter() - start) / rounds
-    return _Step(state, seconds, max(0, meter.peak() - base), probe.nbytes)
+    transient = max(0, meter.peak() - base)
+    tensors = transient  # a device's allocator counts tensors alone
+    if isinstance(meter, HostMeter):  # one more step, its tensors counted (and not timed)
+        with TensorLedger(device.type) as ledger:
+            opt.step()
+        tensors = ledger.peak
+    return _Step(state, seconds, transient, probe.nbytes, tensors)
