@@ -9,9 +9,10 @@ Each process builds the model (random weights, fp32 under bf16 autocast), calls 
 torch's AdamW, a disk tier and `ram="1MiB"`, and records the smallest budget of its one-line
 refusal, the peak temporaries of each step of the optimizer probe that ran before the plan
 (`exec/optimizer_probe.py`; it steps each of its two parameter sizes twice, where it stepped
-them once before 2026-11-25) and what the probe made of them. The refusal tells a user what
-to give the next run, so its spread over processes is what the `to_give` margin has to
-cover. Writes benchmarks/results/smallest-budget-spread-<date>[-TAG].{md,json}.
+them once before 2026-11-25; since 092413f it prices growing temporaries at the rate of the
+step's own tensors and the RSS's excess over them as fixed bytes) and what the probe made
+of them. The refusal tells a user what to give the next run, so its spread over processes
+is what the `to_give` margin has to cover. Writes benchmarks/results/smallest-budget-spread-<date>[-TAG].{md,json}.
 """
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ with tempfile.TemporaryDirectory() as disk:
                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
     except tierflow.BudgetError as err:
         record["smallest"] = err.smallest
-record["steps"] = [{"param_bytes": s.nbytes, "transient": s.transient} for s in steps]
+record["steps"] = [{"param_bytes": s.nbytes, "transient": s.transient, "tensors": s.tensors}
+                   for s in steps]
 record["per_byte"] = priced[0].transient_per_byte if priced else None
 record["fixed"] = priced[0].transient_bytes if priced else None
 print(json.dumps(record), flush=True)
@@ -79,10 +81,8 @@ def main() -> int:
                                env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
         runs.append(run)
         peaks = ", ".join(f"{s['transient'] / mib:.1f}" for s in run["steps"])
-        how = (f"{run['per_byte']:.2f} B/B" if run["per_byte"] else
-               f"{run['fixed'] / mib:.1f} MiB fixed")
         print(f"process {k + 1}: smallest {run['smallest'] / mib:.1f} MiB; probe steps' peaks "
-              f"{peaks} MiB; priced {how}", flush=True)
+              f"{peaks} MiB; priced {_priced(run)}", flush=True)
     smallest = [run["smallest"] / mib for run in runs]
     date = dt.date.today().isoformat()
     name = f"smallest-budget-spread-{date}" + (f"-{args.tag}" if args.tag else "")
@@ -99,13 +99,20 @@ def main() -> int:
     for k, run in enumerate(runs):
         peaks = ", ".join(f"{s['transient'] / mib:.1f} ({s['param_bytes'] / mib:.0f})"
                           for s in run["steps"])
-        how = (f"{run['per_byte']:.2f} bytes per byte" if run["per_byte"] else
-               f"{run['fixed'] / mib:.1f} MiB fixed")
-        lines.append(f"| {k + 1} | {run['smallest'] / mib:.1f} | {peaks} | {how} |")
+        lines.append(f"| {k + 1} | {run['smallest'] / mib:.1f} | {peaks} | {_priced(run)} |")
     text = "\n".join(lines) + "\n"
     measure.write_results(args.out, name, text, result)
     print(text)
     return 0
+
+
+def _priced(run: dict) -> str:
+    """How the probe priced the step's temporaries: per byte of the largest parameter, plus
+    fixed bytes."""
+    parts = [f"{run['per_byte']:.2f} bytes per byte"] if run["per_byte"] else []
+    if run["fixed"] or not parts:
+        parts.append(f"{run['fixed'] / 2 ** 20:.1f} MiB fixed")
+    return " + ".join(parts)
 
 
 if __name__ == "__main__":
