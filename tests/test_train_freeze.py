@@ -110,6 +110,23 @@ def test_frozen_run_on_disk_matches_memory_and_resumes_bit_for_bit(train_env, tm
         len(trainable)
 
 
+@pytest.mark.parametrize("flags", [("--matmul-dtype", "fp8"),
+                                   ("--model-dtype", "bf16", "--master", "none")])
+def test_low_precision_leaves_frozen_weights_as_they_were(train_env, tmp_path, capsys, flags):
+    """fp8 Linears (a frozen one passes its input's gradient only) and bf16 weights updated
+    by stochastic rounding: the frozen weights come back as loaded (bf16: rounded once)."""
+    args = fp32_train_args(train_env, tmp_path / "run", 2, "--freeze", FREEZE, *flags)
+    at = args.index("--dtype")
+    del args[at:at + 2]  # its fp32 matmuls would contradict both
+    train(capsys, *args)
+    initial = load_file(f"{train_env['model']}/model.safetensors")
+    final = load_file(str(tmp_path / "run" / "step_2" / "model.safetensors"))
+    for name, value in final.items():
+        before = initial[name].to(value.dtype)
+        assert torch.equal(value, before) == name.startswith(("model.embed_tokens.",
+                                                               "model.layers.0.")), name
+
+
 def test_a_checkpoint_resumes_only_with_its_frozen_parameters(train_env, tmp_path, capsys):
     train(capsys, *fp32_train_args(train_env, tmp_path / "run", 2, "--freeze", FREEZE))
     code, _, err = run_main("train", "--resume", str(tmp_path / "run" / "step_2"), "--freeze",
