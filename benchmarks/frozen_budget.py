@@ -2,7 +2,7 @@
 """Fine-tuning the last decoder layers of a Llama with the rest frozen: the RAM it needs.
 
     .venv/bin/python benchmarks/frozen_budget.py [--arch llama-134m] [--seq 512] [--batch 2]
-        [--trainable-layers 2] [--steps 3]
+        [--trainable-layers 2] [--steps 3] [--built-on-disk]
 
 Three models, each in fresh processes: the whole model trainable; everything frozen
 (`requires_grad` False) but the last `--trainable-layers` decoder layers, the final norm and
@@ -11,19 +11,23 @@ the smallest `ram` that `tierflow.fit` finds with a disk tier (from its one-line
 1 MiB), then `--steps` steps (after one warm-up step) at the budget that refusal says to
 give a new process; and the same steps in plain PyTorch with the same parameters frozen (no
 budget). Peaks are counted as `ram` counts them: the RSS above the process's RSS before
-training less the weights (the model built, malloc's free memory returned, the peak reset
-there), so the building of the model, which both do the same way, is outside. tierflow's
-peak is given for its steps (the peak reset after `fit`) and for `fit`, which starts with
-the model as the caller built it, whole in RAM, and moves it to the disk tier. Weights fp32
-under bf16 autocast, AdamW (lr 1e-4) over the trainable parameters, random tokens. Writes
-benchmarks/results/frozen-budget-<date>.{md,json}.
+training less the weights it holds (the model built, malloc's free memory returned, the peak
+reset there), so the building of the model is outside. tierflow's peak is given for its
+steps (the peak reset after `fit`) and for `fit`, which starts with the model as the caller
+built it: whole in RAM, which `fit` moves to the disk tier, or with `--built-on-disk` loaded
+onto the disk tier from a checkpoint of the same weights (`tierflow.load_model(dir,
+disk=...)`), never whole in RAM. Weights fp32 under bf16 autocast, AdamW (lr 1e-4) over the
+trainable parameters, random tokens. Writes
+benchmarks/results/frozen-budget-<date>[-on-disk].{md,json}.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +42,14 @@ import torch
 import tierflow, tierflow.api
 from tierflow import measure
 from tierflow.exec.memory import return_free_memory
-mode, arch, seq, batch, trainable, head, steps, ram = sys.argv[1:3] + [int(a) for a in sys.argv[3:]]
-model = measure.build(arch, seq)
+mode, arch, checkpoint = sys.argv[1:4]
+seq, batch, trainable, head, steps, ram = [int(a) for a in sys.argv[4:]]
+disk_tier = tempfile.TemporaryDirectory()
+disk = disk_tier.name
+if checkpoint and mode != "plain":  # the same weights, built onto the disk tier
+    model = tierflow.load_model(checkpoint, disk=disk)
+else:
+    model = measure.build(arch, seq)
 layers = model.config.num_hidden_layers
 if trainable >= 0:  # freeze all but the last `trainable` decoder layers, the norm (and head)
     keep = tuple(f"model.layers.{i}." for i in range(layers - trainable, layers))
@@ -54,10 +64,12 @@ adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-4)
 record = {"mode": mode, "trainable_bytes": sum(p.nbytes for p in params),
           "weight_bytes": sum(p.nbytes for p in model.parameters())}
 autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+resident = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in model.parameters()}.values())  # the weights this process holds
 return_free_memory()
 measure.reset_peak_rss()
-base = measure.maxrss_bytes() - record["weight_bytes"]  # as `ram` counts: weights inside
-with tempfile.TemporaryDirectory() as disk:
+base = measure.maxrss_bytes() - resident  # as `ram` counts: the weights held inside
+with disk_tier:
     if mode == "smallest":
         try:
             with autocast():
@@ -96,6 +108,14 @@ print(json.dumps(record), flush=True)
 """
 
 
+# --built-on-disk: the peers' model, saved once by a process of its own
+SAVE = r"""
+import sys
+from tierflow import measure
+measure.build(sys.argv[1], int(sys.argv[2])).save_pretrained(sys.argv[3])
+"""
+
+
 def child(*args: object) -> dict:
     return measure.run_json([sys.executable, "-c", CHILD, *map(str, args)],
                             env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
@@ -108,9 +128,25 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--trainable-layers", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--built-on-disk", action="store_true",
+                   help="tierflow's processes load the model onto the disk tier "
+                        "(tierflow.load_model(dir, disk=...)) instead of building it in RAM")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args()
-    shape = (args.arch, args.seq, args.batch)
+    with tempfile.TemporaryDirectory() as saved:
+        checkpoint = ""
+        if args.built_on_disk:
+            checkpoint = str(Path(saved) / "model")
+            subprocess.run([sys.executable, "-c", SAVE, args.arch, str(args.seq), checkpoint],
+                           check=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+        rows = _rows(args, checkpoint)
+    _write(args, rows)
+    return 0
+
+
+def _rows(args: argparse.Namespace, checkpoint: str) -> list[dict]:
+    """Each model's smallest budget, tierflow's steps at the budget to give, plain PyTorch's."""
+    shape = (args.arch, checkpoint, args.seq, args.batch)
     rows = []
     n = args.trainable_layers
     for name, trainable, head in (("whole model", -1, 1), (f"last {n} layers + head", n, 1),
@@ -126,13 +162,21 @@ def main() -> int:
               f"{plain['step_s']:.2f} s", flush=True)
         rows.append({"model": name, "trainable_layers": trainable, "head": bool(head), **found,
                      "tierflow": ours, "plain": plain})
+    return rows
+
+
+def _write(args: argparse.Namespace, rows: list[dict]) -> None:
+    """The .md table and the .json of the rows."""
     date = dt.date.today().isoformat()
     result = {"date": date, "commit": measure.source_commit(ROOT), "arch": args.arch,
-              "seq": args.seq, "batch": args.batch, "steps": args.steps, "rows": rows}
+              "seq": args.seq, "batch": args.batch, "steps": args.steps,
+              "built_on_disk": args.built_on_disk, "rows": rows}
+    where = ("tierflow's model loaded onto the disk tier (`tierflow.load_model(dir, disk=...)`)"
+             if args.built_on_disk else "every model built in RAM")
     lines = [f"# Partial fine-tuning: the RAM it needs ({date}, commit {result['commit']})", "",
              f"{args.arch}, seq {args.seq}, batch {args.batch}, fp32 weights under bf16 "
-             f"autocast, AdamW over the trainable parameters; each cell a fresh process; "
-             f"step times are medians of {args.steps} steps after a warm-up step.", "",
+             f"autocast, AdamW over the trainable parameters; {where}; each cell a fresh "
+             f"process; step times are medians of {args.steps} steps after a warm-up step.", "",
              "| trainable | trainable bytes | smallest `ram` (fit) | tierflow at the given "
              "`ram`: steps' peak (fit's), step | streamed stages | plain PyTorch: peak, step |",
              "|---|---|---|---|---|---|"]
@@ -147,9 +191,9 @@ def main() -> int:
             f"({format_bytes(ours['streamed_bytes'])}) | "
             f"{format_bytes(plain['steps_peak'])}, {plain['step_s']:.2f} s |")
     text = "\n".join(lines) + "\n"
-    measure.write_results(args.out, f"frozen-budget-{date}", text, result)
+    name = f"frozen-budget-{date}" + ("-on-disk" if args.built_on_disk else "")
+    measure.write_results(args.out, name, text, result)
     print(text)
-    return 0
 
 
 if __name__ == "__main__":

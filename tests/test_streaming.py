@@ -328,15 +328,14 @@ def test_a_streamed_stage_whose_tape_is_offloaded_reads_its_weights_again_for_ba
 
 
 def test_a_preset_built_on_disk_trains_like_the_same_preset_in_memory(tmp_path):
-    """The model never exists whole in memory: built onto the disk tier module by module,
-    planned with its weights fetched stage by stage, trained with every stage streamed."""
-    from tierflow.exec.disk import DiskStore
-    from tierflow.exec.offload import OffloadedParameters
-    from tierflow.models.load import load_model
+    """The model never exists whole in memory: built onto the disk tier module by module
+    (``tierflow.load_model(..., disk=)``), planned with its weights fetched stage by stage,
+    trained with every stage streamed."""
+    from tierflow.exec.offload import offloaded_parameters
 
-    offloaded = OffloadedParameters(DiskStore(tmp_path))
-    model = load_model("llama-20m", vocab_size=VOCAB, seed=1, offload=offloaded)
-    reference = load_model("llama-20m", vocab_size=VOCAB, seed=1)
+    model = tierflow.load_model("llama-20m", disk=tmp_path, vocab_size=VOCAB, seed=1)
+    offloaded = offloaded_parameters(model)
+    reference = tierflow.load_model("llama-20m", vocab_size=VOCAB, seed=1)
     total = sum(p.nbytes for p in reference.parameters())
     assert offloaded.bytes == total and offloaded.resident_bytes == 0
     sample = hf_sample(seq=8)
@@ -563,20 +562,24 @@ def test_streamed_weights_do_not_wait_in_memory_for_an_offloaded_tape(tmp_path, 
     assert peak <= 4 * largest < every, (peak, largest, every)
 
 
+def test_load_model_names_a_missing_disk_directory_before_building(tmp_path):
+    with pytest.raises(tierflow.TierflowError, match=f"{tmp_path / 'nope'} does not exist"):
+        tierflow.load_model("tinyllama-1.1b", disk=tmp_path / "nope")
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_a_checkpoint_loaded_onto_disk_equals_from_pretrained(tmp_path, family):
-    """load_model(DIR, offload=...) reads each tensor once and sends it to the disk tier:
-    nothing stays resident, and the weights are from_pretrained's (tied head included)."""
+    """tierflow.load_model(DIR, disk=...) reads each tensor once and sends it to the disk
+    tier: nothing stays resident, and the weights are from_pretrained's (tied head
+    included)."""
     from transformers import AutoModelForCausalLM
 
-    from tierflow.exec.disk import DiskStore
-    from tierflow.exec.offload import OffloadedParameters
-    from tierflow.models.load import load_model
+    from tierflow.exec.offload import offloaded_parameters
 
     tiny_hf(family, layers=2).save_pretrained(tmp_path / "model")
-    offloaded = OffloadedParameters(DiskStore(tmp_path))
-    model = load_model(tmp_path / "model", offload=offloaded)
-    assert offloaded.resident_bytes == 0 and offloaded.bytes > 0
+    model = tierflow.load_model(tmp_path / "model", disk=tmp_path)
+    offloaded = offloaded_parameters(model)
+    assert model.training and offloaded.resident_bytes == 0 and offloaded.bytes > 0
     reference = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
     expected = dict(reference.named_parameters())
     for name, p in model.named_parameters():

@@ -1,8 +1,10 @@
 """tierflow: train PyTorch models that do not fit in the memory you have.
 
 ``tierflow.fit(model, sample, ram="2GiB")`` returns a drop-in module that trains with the same
-gradients as ``model`` inside the budget. The planner (``tierflow.plan``) is pure data and
-imports no torch, so this package imports torch only when a torch-facing name is used.
+gradients as ``model`` inside the budget; ``tierflow.load_model(spec, disk=DIR)`` builds or
+loads a Hugging Face causal LM straight onto a disk tier, for a model larger than RAM. The
+planner (``tierflow.plan``) is pure data and imports no torch, so this package imports torch
+only when a torch-facing name is used.
 
 Low-precision training (``tierflow.precision``): ``PrecisionConfig`` says how weights, master
 copy, AdamW moments and matmuls are stored and run; ``apply_precision(model, config)`` applies
@@ -29,7 +31,7 @@ from .units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
 
-_LAZY = {"fit": "api", "TierflowModule": "api", "FitConfig": "config",
+_LAZY = {"fit": "api", "TierflowModule": "api", "FitConfig": "config", "load_model": "load",
          "PrecisionConfig": "precision", "apply_precision": "precision",
          "autocast_context": "precision", "make_optimizer": "precision",
          "quantize_int8": "models.int8"}
@@ -44,6 +46,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'tierflow' has no attribute {name!r}")
 
 
-__all__ = ["fit", "TierflowModule", "FitConfig", "PrecisionConfig", "apply_precision",
-           "autocast_context", "make_optimizer", "quantize_int8", "BudgetError", "TierflowError",
-           "parse_bytes", "format_bytes", "__version__"]
+__all__ = ["fit", "TierflowModule", "FitConfig", "load_model", "PrecisionConfig",
+           "apply_precision", "autocast_context", "make_optimizer", "quantize_int8",
+           "BudgetError", "TierflowError", "parse_bytes", "format_bytes", "__version__"]
