@@ -42,10 +42,11 @@ from .plan.choose import make_plan
 from .plan.costs import ChainCosts
 from .plan.tier_candidates import UpdateRates
 from .plan.tier_costs import LowerTier
-from .plan.tier_search import TierPlan, auto_head_chunk
+from .plan.tier_search import LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK, TierPlan, auto_head_chunk
+from .profile.head_chunk import head_profile_bytes
 from .profile.profiler import profile_chain
 from .tiers import lower_tiers, place, update_rates
-from .units import budget_to_give, parse_bytes
+from .units import budget_to_give, format_bytes, parse_bytes
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -164,7 +165,8 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         if config.head_chunk_tokens is not None:
             chain, placed = attempt(config.head_chunk_tokens)
         else:
-            chain, placed = auto_head_chunk(attempt, lambda result: result[1])
+            chain, placed = auto_head_chunk(attempt, lambda result: result[1],
+                                            _large_head_chunk_fits(model, sample, budget, say))
     except BudgetError as e:
         if e.tier == tier:  # its smallest holds what this process measured
             keyword = "ram" if tier == "ram" else "gpu"
@@ -310,6 +312,20 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
     weights_from = [t for t in lower if offloaded is not None and t.store is offloaded.store]
     return chain, place(costs, chain, rates(), budget, config, tier, lower, deferred,
                         weights_from if offloaded is not None else None, accumulates)
+
+
+def _large_head_chunk_fits(model: nn.Module, sample: Any, budget: int | None,
+                           say: Callable[[str], Any]) -> bool:
+    """Whether profiling the LM head in chunks of LARGE_HEAD_CHUNK tokens stays inside the
+    budget (``profile/head_chunk.py``); says so when it does not."""
+    if budget is None:
+        return True
+    needs = head_profile_bytes(model, sample, LARGE_HEAD_CHUNK)
+    if needs is None or needs <= budget:
+        return True
+    say(f"the LM head runs in chunks of {SMALL_HEAD_CHUNK} tokens: profiling chunks of "
+        f"{LARGE_HEAD_CHUNK} would take about {format_bytes(needs)}, above the budget")
+    return False
 
 
 def _as_call(sample: Any) -> tuple[tuple, dict]:

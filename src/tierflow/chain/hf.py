@@ -319,13 +319,6 @@ def hf_chain(model: nn.Module, sample: Any, *, head_chunk_tokens: int = 1024) ->
     if any(not torch.equal(rng_states[0], s) for s in rng_states[1:]):
         raise ChainError(f"{type(base).__name__} draws random numbers between decoder layers "
                          "(e.g. LayerDrop) in training mode: not supported by the chain adapter")
-    # Side inputs must not need gradients: split_inputs computes them without grad.
-    with torch.enable_grad(), _mode(model, False):
-        records = _layer_inputs(base, layers, tiny_kwargs, returns_tuple[0])
-    if any(t.requires_grad for t in _walk_tensors(records)):
-        raise ChainError(f"{type(base).__name__} passes its decoder layers inputs that depend on "
-                         "parameters (other than the hidden states): not supported")
-
     exclude = {id(layers)} | {id(m) for m in post}
     parts, loose = _embed_parts(base, exclude)
     embed = EmbedStage(base, layers[0], input_key, parts, loose)
@@ -352,6 +345,15 @@ def hf_chain(model: nn.Module, sample: Any, *, head_chunk_tokens: int = 1024) ->
                   signatures=[module_signature(s) for s in stages],
                   split_inputs=split_inputs, wrap_output=wrap_output)
     _verify(model, chain, input_key, tiny, reference.logits)
+    # Side inputs must not need gradients: split_inputs computes them without grad. Last:
+    # a model on a disk tier keeps the weights this run fetches with grad on (the embedding)
+    # until the caller's fetching ends, and the verification's head beside them would take
+    # both at once
+    with torch.enable_grad(), _mode(model, False):
+        records = _layer_inputs(base, layers, tiny_kwargs, returns_tuple[0])
+    if any(t.requires_grad for t in _walk_tensors(records)):
+        raise ChainError(f"{type(base).__name__} passes its decoder layers inputs that depend on "
+                         "parameters (other than the hidden states): not supported")
     return chain
 
 

@@ -209,10 +209,13 @@ def _check_lower(candidate: Candidate, placed: TierPlan) -> None:
 
 
 def auto_head_chunk(attempt: Callable[[int], Planned],
-                    plan_of: Callable[[Planned], TierPlan]) -> Planned:
+                    plan_of: Callable[[Planned], TierPlan], try_large: bool = True) -> Planned:
     """``attempt(tokens)`` plans with LM-head chunks of that many tokens. Large chunks are
     faster, small ones need less memory: take the large one when memory does not bind
-    (nothing recomputed or offloaded), else the faster of the two."""
+    (nothing recomputed or offloaded), else the faster of the two. ``try_large`` False:
+    the small chunks alone (the large one's profile would pass the budget by itself)."""
+    if not try_large:
+        return attempt(SMALL_HEAD_CHUNK)
     try:
         large = attempt(LARGE_HEAD_CHUNK)
     except BudgetError:

@@ -1,0 +1,86 @@
+"""What `fit` itself allocates while it plans stays inside the budget: the LM head is not
+profiled in chunks whose profile alone would pass it, and chaining a model on the disk tier
+holds one large weight at a time."""
+from __future__ import annotations
+
+import torch
+from models import VOCAB, hf_sample, tiny_hf
+from torch import nn
+
+import tierflow
+from tierflow.chain import to_chain
+from tierflow.exec.offload import offloaded_parameters
+from tierflow.plan.tier_search import LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK, auto_head_chunk
+from tierflow.profile.head_chunk import head_profile_bytes
+from tierflow.sim.stages import HEAD_TRANSIENT
+
+
+def test_the_head_profile_is_priced_from_the_shapes():
+    model = tiny_hf("llama")
+    sample = hf_sample(batch=2, seq=16)
+    head = model.get_output_embeddings().weight.nbytes
+    most = max(nograd for _, nograd in HEAD_TRANSIENT.values())
+    assert head_profile_bytes(model, sample, 1024) == head + int(most * 32 * VOCAB * 4)
+    assert head_profile_bytes(model, sample, 8) == head + int(most * 8 * VOCAB * 4)
+    assert head_profile_bytes(nn.Sequential(nn.Linear(4, 4)), sample, 1024) is None
+    assert head_profile_bytes(model, torch.zeros(2, 16, dtype=torch.long), 1024) is None
+
+
+def test_without_the_large_chunk_only_the_small_one_is_planned():
+    tried = []
+
+    def attempt(tokens):
+        tried.append(tokens)
+        return tokens
+
+    assert auto_head_chunk(attempt, lambda planned: planned, try_large=False) == \
+        SMALL_HEAD_CHUNK
+    assert tried == [SMALL_HEAD_CHUNK]
+
+
+def test_fit_skips_a_head_chunk_whose_profile_would_pass_the_budget(monkeypatch):
+    """Priced above the budget, the 1024-token chunk is neither chained nor profiled; the
+    plan runs 256-token chunks and fit says why."""
+    import tierflow.api as api
+
+    chunks = []
+    original = api.to_chain
+
+    def chained(model, sample, *, head_chunk_tokens):
+        chunks.append(head_chunk_tokens)
+        return original(model, sample, head_chunk_tokens=head_chunk_tokens)
+
+    budget = 1 << 30
+    monkeypatch.setattr(api, "to_chain", chained)
+    monkeypatch.setattr(api, "head_profile_bytes",
+                        lambda model, sample, tokens: budget + 1 if tokens == LARGE_HEAD_CHUNK
+                        else 0)
+    module = tierflow.fit(tiny_hf("llama"), hf_sample(), ram=budget)
+    assert chunks == [SMALL_HEAD_CHUNK]
+    assert module.chain.stages[-1].chunk_tokens == SMALL_HEAD_CHUNK
+    assert any(f"profiling chunks of {LARGE_HEAD_CHUNK} would take" in line
+               for line in module.fit_log)
+    monkeypatch.setattr(api, "head_profile_bytes", lambda model, sample, tokens: budget)
+    chunks.clear()
+    tierflow.fit(tiny_hf("llama"), hf_sample(), ram=budget)  # at the budget: tried first
+    assert chunks[0] == LARGE_HEAD_CHUNK
+
+
+def test_chaining_a_model_on_disk_holds_one_large_weight_at_a_time(tmp_path):
+    """The chain's verification fetches the head while nothing else is held: the embedding
+    that a run with gradients on keeps fetched comes after it (it took both at once, 257
+    MiB of a 360 MiB budget for llama-134m)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(  # embedding and head 512 KiB each, a layer 37 KiB
+        vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2)).save_pretrained(tmp_path / "model")
+    model = tierflow.load_model(tmp_path / "model", disk=tmp_path)
+    offloaded = offloaded_parameters(model)
+    embed = model.get_input_embeddings().weight.nbytes
+    head = model.get_output_embeddings().weight.nbytes
+    layer = sum(p.nbytes for p in model.model.layers[0].parameters())
+    with offloaded.on_demand(model):
+        to_chain(model, hf_sample(), head_chunk_tokens=SMALL_HEAD_CHUNK)
+    assert offloaded.peak_resident_bytes < embed + head
+    assert offloaded.peak_resident_bytes <= max(embed, head) + layer
