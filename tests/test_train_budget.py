@@ -95,22 +95,56 @@ def test_a_model_whose_states_pass_the_ram_is_refused_before_it_is_built(train_e
 def test_the_states_floor_counts_bf16_weights_and_shards_over_ranks():
     from tierflow.precision import PrecisionConfig
     from tierflow.train.device import BUILT_TO_MEASURE
+    from tierflow.train.model import ParameterCount
+
+    def count(n: int, trainable: int | None = None) -> ParameterCount:
+        return ParameterCount(n, n if trainable is None else trainable)
     budget = 2 * BUILT_TO_MEASURE
     tier = ComputeTier(torch.device("cpu"), False, None, budget)
     per = PrecisionConfig(model_dtype="bf16", master="fp32").bytes_per_parameter()
-    tier.refuse_states_beyond_ram("m", budget // 14, per, 1)  # 2 + 4 + 8 bytes: fits
+    tier.refuse_states_beyond_ram("m", count(budget // 14), per, 1)  # 2 + 4 + 8 bytes: fits
     with pytest.raises(BudgetError, match=r"x 14 bytes\)"):
-        tier.refuse_states_beyond_ram("m", budget // 14 + 1000, per, 1)
-    tier.refuse_states_beyond_ram("m", budget // 8, per, 2)  # 2 + 12 / 2 bytes a rank
+        tier.refuse_states_beyond_ram("m", count(budget // 14 + 1000), per, 1)
+    tier.refuse_states_beyond_ram("m", count(budget // 8), per, 2)  # 2 + 12 / 2 bytes a rank
     with pytest.raises(BudgetError, match="x 8 bytes, over 2 ranks"):
-        tier.refuse_states_beyond_ram("m", budget // 8 + 1000, per, 2)
+        tier.refuse_states_beyond_ram("m", count(budget // 8 + 1000), per, 2)
+    # frozen parameters (--freeze) bring their weights, no states: 2 bytes each
+    tier.refuse_states_beyond_ram("m", count(budget // 3, budget // 100), per, 1)
+    with pytest.raises(BudgetError, match=r"x 2 bytes \+ the 1,000 trainable ones' states x 12"):
+        tier.refuse_states_beyond_ram("m", count(budget // 2, 1000), per, 1)
     # a smaller model is built and planned, for the exact smallest budget
     small = ComputeTier(torch.device("cpu"), False, None, MIB)
-    small.refuse_states_beyond_ram("m", BUILT_TO_MEASURE // 14 - 1, per, 1)
+    small.refuse_states_beyond_ram("m", count(BUILT_TO_MEASURE // 14 - 1), per, 1)
     with pytest.raises(BudgetError):
-        small.refuse_states_beyond_ram("m", BUILT_TO_MEASURE // 14 + 1, per, 1)
+        small.refuse_states_beyond_ram("m", count(BUILT_TO_MEASURE // 14 + 1), per, 1)
     no_budget = ComputeTier(torch.device("cpu"), False, None, None)
-    no_budget.refuse_states_beyond_ram("m", 10 ** 12, per, 1)  # nothing to pass
+    no_budget.refuse_states_beyond_ram("m", count(10 ** 12), per, 1)  # nothing to pass
+
+
+def test_a_frozen_selection_is_counted_and_checked_before_the_model_is_built(
+        train_env, tmp_path, capsys, monkeypatch):
+    """--train-only on a preset larger than --ram: the floor counts every weight and the
+    states of the trainable parameters alone, from the meta device; a pattern that matches
+    nothing is refused there too, before 0.97B parameters are built."""
+    from cli_support import fp32_train_args, run_main
+
+    from tierflow.train import model as model_module
+
+    def unreachable(*args, **kwargs):
+        raise AssertionError("the model was built")
+    monkeypatch.setattr(model_module, "build_model", unreachable)
+    args = fp32_train_args(train_env, tmp_path / "run", 1, "--ram", "1GiB", "--train-only",
+                           "model.layers.21.*")
+    args[args.index("--model") + 1] = "tinyllama-1.1b"
+    code, _, err = run_main(*args, capsys=capsys)
+    assert code == 2, err
+    # 970,205,184 x 4 bytes of fp32 weights + 44,044,288 (a layer) x 8 bytes of moments
+    assert ("--ram 1.00 GiB is below the 3.95 GiB that the weights and AdamW states of "
+            "tinyllama-1.1b take in RAM (970,205,184 parameters x 4 bytes + the 44,044,288 "
+            "trainable ones' states x 8)") in err, err
+    args[args.index("--train-only") + 1] = "model.layer.21.*"
+    code, _, err = run_main(*args, capsys=capsys)
+    assert code == 2 and "--train-only pattern 'model.layer.21.*' matches no parameter" in err
 
 
 def test_a_budget_below_what_is_held_names_the_ram_that_would_work():

@@ -119,14 +119,20 @@ def model_directory(spec: str | Path) -> Path | None:
     return directory
 
 
-def count_parameters(config) -> int:
-    """The number of distinct parameters (tied ones once) of the causal LM ``config``
-    describes, counted on the meta device: nothing is allocated, even for 8B models."""
+def meta_model(config):
+    """The causal LM ``config`` describes, on the meta device: shapes and names, no memory."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        return AutoModelForCausalLM.from_config(config)
+
+
+def count_parameters(config, model=None) -> int:
+    """The number of distinct parameters (tied ones once) of the causal LM ``config``
+    describes, counted on the meta device: nothing is allocated, even for 8B models.
+    ``model``: that meta model, when the caller built it already (``meta_model``)."""
+    model = meta_model(config) if model is None else model
     seen: set[int] = set()
     total = 0
     for p in model.parameters():  # parameters() yields a shared parameter once

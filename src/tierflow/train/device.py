@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -20,6 +20,9 @@ from ..exec.stage_call import storage_key
 from ..precision.config import BytesPerParameter
 from ..units import budget_to_give, format_bytes, parse_bytes
 from .options import TrainOptions
+
+if TYPE_CHECKING:
+    from .model import ParameterCount
 
 ALLOCATOR_SETTINGS = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF under --gpu
 # a model whose weights and AdamW states take less than this is built to measure the exact
@@ -103,27 +106,33 @@ class ComputeTier:
             "or more (what is measured before planning varies by a few MiB between runs)",
             tier=error.tier, budget=budget, smallest=need)
 
-    def refuse_states_beyond_ram(self, model: str, parameters: int, per: BytesPerParameter,
-                                 ranks: int) -> None:
-        """Before a run without --disk builds its model in RAM: one line when the weights and
-        AdamW states of ``parameters`` (``per`` each; master and moments sharded over
-        ``ranks``) alone pass --ram and BUILT_TO_MEASURE. Building a model that large would
-        break the budget first (the out-of-memory killer may end the process before any plan
-        refuses it); gradients, activations and the runtime come on top, so this is a floor,
-        not the smallest budget that works, which a smaller model is built to measure."""
+    def refuse_states_beyond_ram(self, model: str, parameters: ParameterCount,
+                                 per: BytesPerParameter, ranks: int) -> None:
+        """Before a run without --disk builds its model in RAM: one line when the weights of
+        all ``parameters`` and the AdamW states of the trainable ones (``per`` each; master
+        and moments sharded over ``ranks``) alone pass --ram and BUILT_TO_MEASURE. Building
+        a model that large would break the budget first (the out-of-memory killer may end
+        the process before any plan refuses it); gradients, activations and the runtime
+        come on top, so this is a floor, not the smallest budget that works, which a smaller
+        model is built to measure."""
         if self.gpu is not None or self.ram is None:
             return
-        each = per.weights + per.optimizer_state / ranks
-        floor = int(parameters * each)
+        state = per.optimizer_state / ranks
+        floor = int(parameters.total * per.weights + parameters.trainable * state)
         if floor <= self.ram or floor < BUILT_TO_MEASURE:
             return
         sharded = f", over {ranks} ranks" if ranks > 1 else ""
+        if parameters.trainable == parameters.total:
+            what = f"{parameters.total:,} parameters x {per.weights + state:g} bytes{sharded}"
+        else:
+            what = (f"{parameters.total:,} parameters x {per.weights:g} bytes + the "
+                    f"{parameters.trainable:,} trainable ones' states x {state:g}{sharded}")
         raise BudgetError(
             f"--ram {format_bytes(self.ram)} is below the {format_bytes(floor, round_up=True)} "
-            f"that the weights and AdamW states of {model} take in RAM ({parameters:,} "
-            f"parameters x {each:g} bytes{sharded}), before gradients and activations: add "
-            f"--disk DIR to keep them on disk and stream them, or give --ram well above "
-            f"{format_bytes(floor, round_up=True)}", tier="ram", budget=self.ram, smallest=floor)
+            f"that the weights and AdamW states of {model} take in RAM ({what}), before "
+            f"gradients and activations: add --disk DIR to keep them on disk and stream them, "
+            f"or give --ram well above {format_bytes(floor, round_up=True)}", tier="ram",
+            budget=self.ram, smallest=floor)
 
     def place_model(self, model: nn.Module) -> nn.Module:
         """``model`` moved whole to this tier's device (a run without --disk); one line

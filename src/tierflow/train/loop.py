@@ -119,7 +119,7 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
     # --- the model, with its precision, and the run it belongs to
     precision = opts.precision(measure.fast_bf16())
     if not opts.disk and tier.ram is not None:  # built whole in RAM: refused first if its
-        # weights and AdamW states alone pass --ram
+        # weights and the trainable parameters' AdamW states alone pass --ram
         tier.refuse_states_beyond_ram(opts.model, count_model_parameters(opts, ckpt, data),
                                       precision.bytes_per_parameter(),
                                       world.size if world is not None else 1)
@@ -128,7 +128,7 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
         if opts.disk:  # the disk tier: a scratch directory of this run, removed at the end
             from ..exec.disk import scratch_directory
             disk = scratch.enter_context(scratch_directory(opts.disk))
-            weights = count_model_parameters(opts, ckpt, data) * \
+            weights = count_model_parameters(opts, ckpt, data).total * \
                 precision.parameter_dtype.itemsize
         # on disk without a GPU, and under one when host RAM could not hold the weights
         on_disk = disk is not None and (

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,17 +58,32 @@ def build_model(opts: TrainOptions, ckpt, data: DataDir, precision: PrecisionCon
     return model
 
 
-def count_model_parameters(opts: TrainOptions, ckpt, data: DataDir) -> int:
-    """The parameters of the model ``build_model`` would build (tied ones once), counted on
-    the meta device from its config: nothing allocated, whatever the model's size."""
+@dataclass(frozen=True)
+class ParameterCount:
+    """The parameters of the model a run trains (tied ones once), and how many of them train
+    after ``--freeze`` and ``--train-only``."""
+    total: int
+    trainable: int
+
+
+def count_model_parameters(opts: TrainOptions, ckpt, data: DataDir) -> ParameterCount:
+    """The parameters of the model ``build_model`` would build, counted on the meta device
+    from its config with the run's frozen selection applied: nothing allocated, whatever the
+    model's size, and a pattern that matches no parameter is refused before anything is
+    built."""
     from ..models.load import read_config
-    from ..models.presets import PRESETS, count_parameters, preset_config
+    from ..models.presets import PRESETS, count_parameters, meta_model, preset_config
 
     if ckpt is not None:
-        return count_parameters(read_config(ckpt.path))
-    if opts.model in PRESETS:
-        return count_parameters(preset_config(opts.model, vocab_size=data.vocab_size))
-    return count_parameters(read_config(Path(opts.model)))
+        config = read_config(ckpt.path)
+    elif opts.model in PRESETS:
+        config = preset_config(opts.model, vocab_size=data.vocab_size)
+    else:
+        config = read_config(Path(opts.model))
+    model = meta_model(config)
+    freeze_parameters(model, opts.freeze, opts.train_only)
+    trainable = sum({id(p): p.numel() for p in model.parameters() if p.requires_grad}.values())
+    return ParameterCount(count_parameters(config, model), trainable)
 
 
 def _check_finite(model, source, offload: OffloadedParameters | None) -> None:
