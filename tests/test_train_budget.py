@@ -108,10 +108,15 @@ def test_the_states_floor_counts_bf16_weights_and_shards_over_ranks():
     tier.refuse_states_beyond_ram("m", count(budget // 8), per, 2)  # 2 + 12 / 2 bytes a rank
     with pytest.raises(BudgetError, match="x 8 bytes, over 2 ranks"):
         tier.refuse_states_beyond_ram("m", count(budget // 8 + 1000), per, 2)
-    # frozen parameters (--freeze) bring their weights, no states: 2 bytes each
-    tier.refuse_states_beyond_ram("m", count(budget // 3, budget // 100), per, 1)
-    with pytest.raises(BudgetError, match=r"x 2 bytes \+ the 1,000 trainable ones' states x 12"):
-        tier.refuse_states_beyond_ram("m", count(budget // 2, 1000), per, 1)
+    # frozen parameters (--freeze) bring their weights, no states: 2 bytes each; but the
+    # model is built in float32 before its weights are cast, 4 bytes each
+    tier.refuse_states_beyond_ram("m", count(budget // 5, budget // 100), per, 1)
+    with pytest.raises(BudgetError, match=r"building m takes in RAM \(.* x 4 bytes: it is "
+                                          "loaded in float32"):
+        tier.refuse_states_beyond_ram("m", count(budget // 3, 1000), per, 1)
+    fp32 = PrecisionConfig().bytes_per_parameter()
+    with pytest.raises(BudgetError, match=r"x 4 bytes \+ the 1,000 trainable ones' states x 8"):
+        tier.refuse_states_beyond_ram("m", count(budget // 3, 1000), fp32, 1)
     # a smaller model is built and planned, for the exact smallest budget
     small = ComputeTier(torch.device("cpu"), False, None, MIB)
     small.refuse_states_beyond_ram("m", count(BUILT_TO_MEASURE // 14 - 1), per, 1)

@@ -28,6 +28,7 @@ ALLOCATOR_SETTINGS = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF under
 # a model whose weights and AdamW states take less than this is built to measure the exact
 # smallest --ram (cheap on any machine); a larger one is refused from its parameter count
 BUILT_TO_MEASURE = 1 << 30
+BUILD_BYTES = 4  # per parameter while a model is built: float32 (build_model), then cast
 
 
 @dataclass(frozen=True)
@@ -110,17 +111,28 @@ class ComputeTier:
                                  per: BytesPerParameter, ranks: int) -> None:
         """Before a run without --disk builds its model in RAM: one line when the weights of
         all ``parameters`` and the AdamW states of the trainable ones (``per`` each; master
-        and moments sharded over ``ranks``) alone pass --ram and BUILT_TO_MEASURE. Building
-        a model that large would break the budget first (the out-of-memory killer may end
-        the process before any plan refuses it); gradients, activations and the runtime
-        come on top, so this is a floor, not the smallest budget that works, which a smaller
-        model is built to measure."""
+        and moments sharded over ``ranks``), or the float32 model the build goes through
+        (``BUILD_BYTES`` each, before bf16 weights are cast), alone pass --ram and
+        BUILT_TO_MEASURE. Building a model that large would break the budget first (the
+        out-of-memory killer may end the process before any plan refuses it); gradients,
+        activations and the runtime come on top, so this is a floor, not the smallest
+        budget that works, which a smaller model is built to measure."""
         if self.gpu is not None or self.ram is None:
             return
         state = per.optimizer_state / ranks
         floor = int(parameters.total * per.weights + parameters.trainable * state)
-        if floor <= self.ram or floor < BUILT_TO_MEASURE:
+        built = parameters.total * BUILD_BYTES
+        if max(floor, built) <= self.ram or max(floor, built) < BUILT_TO_MEASURE:
             return
+        need = format_bytes(max(floor, built), round_up=True)
+        way_out = (f"add --disk DIR to keep them on disk and stream them, or give --ram well "
+                   f"above {need}")
+        if built > floor:
+            raise BudgetError(
+                f"--ram {format_bytes(self.ram)} is below the {need} that building {model} "
+                f"takes in RAM ({parameters.total:,} parameters x {BUILD_BYTES} bytes: it is "
+                f"loaded in float32, then cast): {way_out}", tier="ram", budget=self.ram,
+                smallest=built)
         sharded = f", over {ranks} ranks" if ranks > 1 else ""
         if parameters.trainable == parameters.total:
             what = f"{parameters.total:,} parameters x {per.weights + state:g} bytes{sharded}"
@@ -128,11 +140,9 @@ class ComputeTier:
             what = (f"{parameters.total:,} parameters x {per.weights:g} bytes + the "
                     f"{parameters.trainable:,} trainable ones' states x {state:g}{sharded}")
         raise BudgetError(
-            f"--ram {format_bytes(self.ram)} is below the {format_bytes(floor, round_up=True)} "
-            f"that the weights and AdamW states of {model} take in RAM ({what}), before "
-            f"gradients and activations: add --disk DIR to keep them on disk and stream them, "
-            f"or give --ram well above {format_bytes(floor, round_up=True)}", tier="ram",
-            budget=self.ram, smallest=floor)
+            f"--ram {format_bytes(self.ram)} is below the {need} that the weights and AdamW "
+            f"states of {model} take in RAM ({what}), before gradients and activations: "
+            f"{way_out}", tier="ram", budget=self.ram, smallest=floor)
 
     def place_model(self, model: nn.Module) -> nn.Module:
         """``model`` moved whole to this tier's device (a run without --disk); one line
