@@ -60,10 +60,26 @@ def test_fit_skips_a_head_chunk_whose_profile_would_pass_the_budget(monkeypatch)
     assert module.chain.stages[-1].chunk_tokens == SMALL_HEAD_CHUNK
     assert any(f"profiling chunks of {LARGE_HEAD_CHUNK} would take" in line
                for line in module.fit_log)
-    monkeypatch.setattr(api, "head_profile_bytes", lambda model, sample, tokens: budget)
+    monkeypatch.setattr(api, "head_profile_bytes", lambda model, sample, tokens: budget // 2)
     chunks.clear()
-    tierflow.fit(tiny_hf("llama"), hf_sample(), ram=budget)  # at the budget: tried first
+    tierflow.fit(tiny_hf("llama"), hf_sample(), ram=budget)  # inside the budget: tried first
     assert chunks[0] == LARGE_HEAD_CHUNK
+
+
+def test_the_head_profile_counts_what_is_in_use_beside_it(monkeypatch):
+    """Weights held in memory (a model in RAM) and what fit allocated so far come first."""
+    import tierflow.api as api
+
+    said = []
+    monkeypatch.setattr(api, "head_profile_bytes", lambda model, sample, tokens: 300)
+    fits = lambda in_use: api._large_head_chunk_fits(  # noqa: E731
+        None, None, 1000, in_use, said.append)
+    assert fits(700) and not said
+    assert not fits(701)
+    assert said == [f"the LM head runs in chunks of {SMALL_HEAD_CHUNK} tokens: profiling "
+                    f"chunks of {LARGE_HEAD_CHUNK} would take about 300 B beside the 701 B in "
+                    "use, above the budget"]
+    assert api._large_head_chunk_fits(None, None, None, 10 ** 12, said.append)  # no budget
 
 
 def test_chaining_a_model_on_disk_holds_one_large_weight_at_a_time(tmp_path):

@@ -166,7 +166,10 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
             chain, placed = attempt(config.head_chunk_tokens)
         else:
             chain, placed = auto_head_chunk(attempt, lambda result: result[1],
-                                            _large_head_chunk_fits(model, sample, budget, say))
+                                            _large_head_chunk_fits(
+                                                model, sample, budget,
+                                                meter_for(device).current() - outside_budget,
+                                                say))
     except BudgetError as e:
         if e.tier == tier:  # its smallest holds what this process measured
             keyword = "ram" if tier == "ram" else "gpu"
@@ -314,17 +317,19 @@ def _profile_and_plan(model: nn.Module, sample: Any, device: torch.device,
                         weights_from if offloaded is not None else None, accumulates)
 
 
-def _large_head_chunk_fits(model: nn.Module, sample: Any, budget: int | None,
+def _large_head_chunk_fits(model: nn.Module, sample: Any, budget: int | None, in_use: int,
                            say: Callable[[str], Any]) -> bool:
     """Whether profiling the LM head in chunks of LARGE_HEAD_CHUNK tokens stays inside the
-    budget (``profile/head_chunk.py``); says so when it does not."""
+    budget (``profile/head_chunk.py``) beside the ``in_use`` bytes it counts already (the
+    weights in memory and what the run has allocated since fit began); says so when not."""
     if budget is None:
         return True
     needs = head_profile_bytes(model, sample, LARGE_HEAD_CHUNK)
-    if needs is None or needs <= budget:
+    if needs is None or in_use + needs <= budget:
         return True
     say(f"the LM head runs in chunks of {SMALL_HEAD_CHUNK} tokens: profiling chunks of "
-        f"{LARGE_HEAD_CHUNK} would take about {format_bytes(needs)}, above the budget")
+        f"{LARGE_HEAD_CHUNK} would take about {format_bytes(needs)} beside the "
+        f"{format_bytes(in_use)} in use, above the budget")
     return False
 
 
