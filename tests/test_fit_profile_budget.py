@@ -84,8 +84,7 @@ def test_the_head_profile_counts_what_is_in_use_beside_it(monkeypatch):
 
 def test_chaining_a_model_on_disk_holds_one_large_weight_at_a_time(tmp_path):
     """The chain's verification fetches the head while nothing else is held: the embedding
-    that a run with gradients on keeps fetched comes after it (it took both at once, 257
-    MiB of a 360 MiB budget for llama-134m)."""
+    that a run with gradients on keeps fetched comes after it (it took both at once)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     LlamaForCausalLM(LlamaConfig(  # embedding and head 512 KiB each, a layer 37 KiB

@@ -3,11 +3,12 @@
 ``fit`` plans a Hugging Face causal LM twice when memory binds: with the head's logits in
 chunks of 1024 tokens (faster) and of 256 (``plan/tier_search.auto_head_chunk``). Each plan
 starts with a profile of the head, and the 1024-token profile holds its chunk's logits
-several times over beside the head's weight: llama-134m (vocab 32000, seq 512, batch 2)
-grew by 434 MiB there, and `fit` under ``ram="360MiB"`` peaked at 493 MiB before it chose
-256-token chunks. ``head_profile_bytes`` prices that profile from the shapes alone, with
-the analytic model's factors (``sim/stages.HEAD_TRANSIENT``), so that a chunk whose profile
-alone would pass the budget is never run.
+several times over beside the head's weight: with llama-134m (vocab 32000, seq 512, batch
+2) on the disk tier, `fit` under ``ram="360MiB"`` peaked at 478.9 MiB before it chose
+256-token chunks (``benchmarks/frozen_budget.py --built-on-disk`` at 56d0458).
+``head_profile_bytes`` prices that profile from the shapes alone, with the analytic model's
+factors (``sim/stages.HEAD_TRANSIENT``), so that a chunk whose profile would pass the budget
+is never run.
 """
 from __future__ import annotations
 
