@@ -1,6 +1,7 @@
 """What `fit` itself allocates while it plans stays inside the budget: the LM head is not
 profiled in chunks whose profile alone would pass it, and chaining a model on the disk tier
-holds one large weight at a time."""
+holds one large weight at a time. What the caller held before `fit` it cannot undo: a model
+in RAM above the budget is named in the plan's notes."""
 from __future__ import annotations
 
 import torch
@@ -99,3 +100,27 @@ def test_chaining_a_model_on_disk_holds_one_large_weight_at_a_time(tmp_path):
         to_chain(model, hf_sample(), head_chunk_tokens=SMALL_HEAD_CHUNK)
     assert offloaded.peak_resident_bytes < embed + head
     assert offloaded.peak_resident_bytes <= max(embed, head) + layer
+
+
+def test_a_model_that_came_in_ram_above_the_budget_is_named(tmp_path):
+    """136 MiB of weights in RAM, every one frozen but the final norm, under ram="120MiB"
+    with a disk tier: the plan streams them from there and its notes say that the process
+    held them all before fit moved them, and how to build the model on disk instead."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=704, num_hidden_layers=24,
+        num_attention_heads=4, num_key_value_heads=4))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith("model.norm."))
+    ids = torch.randint(0, 32000, (1, 32))
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
+    module = tierflow.fit(model, {"input_ids": ids, "labels": ids}, ram="120MiB",
+                          disk=tmp_path, optimizer=adamw)
+    assert any(note.startswith("the model came in RAM with 136.05 MiB of weights, above the "
+                               "budget of 120.00 MiB") and "tierflow.load_model" in note
+               for note in module.plan.notes), module.plan.notes
+    small = tierflow.fit(tiny_hf("llama"), hf_sample(), ram="1GiB", disk=tmp_path,
+                         optimizer=adamw)
+    assert not any("came in RAM" in note for note in small.plan.notes)

@@ -136,9 +136,13 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     if config.stream == "all" and disk is None and not host_tier:
         raise TierflowError("config.stream='all' streams weights from the disk tier: give "
                             "disk=DIR too, or use stream='auto'")
+    came_in_ram = 0  # bytes of weights above the budget that the caller held in RAM
     if disk is not None and offloaded is None and budget is not None and tier == "ram":
         # as `tierflow train --disk` builds a model: its weights wait on disk and each stage
         # is profiled with its own alone, never the whole model beside a stage's profile
+        held = sum({storage_key(p): p.untyped_storage().nbytes()
+                    for p in model.parameters()}.values())
+        came_in_ram = held if held > budget else 0
         offloaded = start_on_disk(model, disk)
     lower = lower_tiers(device, disk, ram_below, host_tier, offloaded) if optimizer else []
     exact_host = budget is not None and tier == "ram"
@@ -178,6 +182,13 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
                       "or more",)
         raise
     plan = placed.plan
+    if came_in_ram:
+        note = (f"the model came in RAM with {format_bytes(came_in_ram)} of weights, above the "
+                f"budget of {format_bytes(budget)}: the process held them before fit moved "
+                "them to the disk tier; build a model larger than the budget there "
+                "(tierflow.load_model(..., disk=DIR))")
+        say(note)
+        plan = replace(plan, notes=plan.notes + (note,))
     states = placed.states.store if placed.states else None
     depth = 0 if config.serial_reads else placed.depth  # stages read ahead as the step runs
     if depth != placed.depth:
