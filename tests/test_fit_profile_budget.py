@@ -4,7 +4,11 @@ holds one large weight at a time. What the caller held before `fit` it cannot un
 in RAM above the budget is named in the plan's notes."""
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
+from fresh_process import run_in_fresh_process
 from models import VOCAB, hf_sample, tiny_hf
 from torch import nn
 
@@ -124,3 +128,41 @@ def test_a_model_that_came_in_ram_above_the_budget_is_named(tmp_path):
     small = tierflow.fit(tiny_hf("llama"), hf_sample(), ram="1GiB", disk=tmp_path,
                          optimizer=adamw)
     assert not any("came in RAM" in note for note in small.plan.notes)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux only")
+def test_fit_itself_stays_inside_a_feasible_budget(tmp_path):
+    """A Llama with a 32000-token vocabulary loaded onto the disk tier, its last layer
+    trainable, seq 512 x 2: fit's whole peak (chaining, every profile, the optimizer probe)
+    stays under ram="160MiB", a budget its plan fits. Profiling 1024-token head chunks
+    first passed it (in a fresh process: profiles are cached per process)."""
+    run_in_fresh_process("test_fit_profile_budget", "_fit_peak_inside_the_budget",
+                         str(tmp_path))
+
+
+def _fit_peak_inside_the_budget(directory: str) -> None:
+    from pathlib import Path
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tierflow import measure
+    from tierflow.exec.memory import return_free_memory
+
+    root = Path(directory)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=32000, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4)).save_pretrained(root / "model")
+    model = tierflow.load_model(root / "model", disk=root)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.startswith(("model.layers.3.", "model.norm.")))
+    ids = torch.randint(0, 32000, (2, 512))
+    budget = 160 << 20
+    return_free_memory()
+    measure.reset_peak_rss()
+    base = measure.maxrss_bytes()  # no weight in memory: each waits on the disk tier
+    module = tierflow.fit(model, {"input_ids": ids, "labels": ids}, ram=budget, disk=root,
+                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    peak = measure.maxrss_bytes() - base
+    assert peak <= budget, (peak / 2 ** 20, module.plan.notes)
+    assert module.chain.stages[-1].chunk_tokens == SMALL_HEAD_CHUNK
