@@ -167,6 +167,24 @@ def _tied_qwen2() -> Qwen2ForCausalLM:
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
 
 
+def test_the_plan_names_a_tied_parameter_frozen_under_both_names(train_env, tmp_path,
+                                                                  capsys):
+    """Qwen2 with a tied head: freezing the embedding freezes the head, and [Plan] says so."""
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=304, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        max_position_embeddings=128)).save_pretrained(tmp_path / "qwen2")
+    env = dict(train_env, model=str(tmp_path / "qwen2"))
+    out = train(capsys, *fp32_train_args(env, tmp_path / "run", 1, "--freeze",
+                                         "model.embed_tokens.*"))
+    assert ("model.embed_tokens.weight and lm_head.weight are one tied parameter, frozen "
+            "under each name") in out
+    final = load_file(str(tmp_path / "run" / "step_1" / "model.safetensors"))
+    initial = load_file(str(tmp_path / "qwen2" / "model.safetensors"))
+    assert torch.equal(final["model.embed_tokens.weight"], initial["model.embed_tokens.weight"])
+
+
 def test_a_tied_parameter_answers_to_both_names():
     model = _tied_qwen2()
     frozen = freeze_parameters(model, "lm_head.weight", None)

@@ -81,3 +81,16 @@ def _examples(names: dict[int, list[str]], n: int = 4) -> list[str]:
     """A few parameter names: the first ones and the last (the head), as a hint."""
     flat = [aliases[0] for aliases in names.values()]
     return flat[:n - 1] + flat[-1:] if len(flat) > n else flat
+
+
+def tied_frozen(model: nn.Module) -> list[tuple[str, ...]]:
+    """The names of each frozen parameter that has several (a tied embedding and LM head):
+    freezing it under one name froze it under the others too."""
+    names: dict[int, list[str]] = {}
+    frozen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        if not p.requires_grad:
+            frozen.add(id(p))
+    return [tuple(aliases) for key, aliases in names.items()
+            if key in frozen and len(aliases) > 1]

@@ -59,12 +59,14 @@ class PlanPrecision:
     ``PrecisionConfig.bytes_per_parameter()``, ``trainable`` the trainable parameter count,
     ``master`` this rank's bytes of fp32 master copy (part of the reserved optimizer states),
     ``dtypes`` the ``PrecisionConfig`` as a dict, ``frozen`` the frozen parameter count
-    (``--freeze``, ``--train-only``)."""
+    (``--freeze``, ``--train-only``) and ``tied_frozen`` the names of each frozen parameter
+    that has several."""
     per: Any
     trainable: int
     master: int
     dtypes: dict[str, str]
     frozen: int = 0
+    tied_frozen: tuple[tuple[str, ...], ...] = ()
 
 
 def _per(value: float) -> str:
@@ -113,8 +115,10 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                        f"{per.weights:g} + gradients {per.gradients:g} + master {per.master:g} + "
                        f"moments {per.moments:g})")]
     if precision.frozen:
+        tied = "".join(f"; {' and '.join(names)} are one tied parameter, frozen under each "
+                       "name" for names in precision.tied_frozen)
         rows.append(("frozen", f"{precision.frozen:,} parameters x {per.weights:g} bytes "
-                               "(weights only: no gradient, no optimizer state)"))
+                               f"(weights only: no gradient, no optimizer state){tied}"))
     for name, value in kinds:
         if name == "optimizer step" and not value:
             continue

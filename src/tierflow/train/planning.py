@@ -24,6 +24,7 @@ from ..errors import BudgetError, TierflowError
 from ..precision import PrecisionConfig
 from ..units import format_bytes
 from .device import ComputeTier
+from .freeze import tied_frozen
 from .logger import Logger, PlanPrecision, plan_section
 from .optimizer import build_optimizer, param_groups
 from .options import RECOMPUTE, TrainOptions
@@ -175,7 +176,8 @@ def report_plan(module: Any, *, opts: TrainOptions, precision: PrecisionConfig,
         module.plan, grads=grads, budget=tier.plan_budget, grad_accum=opts.grad_accum,
         dist=dist_figures,
         precision=PlanPrecision(per, trainable=count, master=int(per.master * count) // ranks,
-                                dtypes=precision.to_dict(), frozen=frozen),
+                                dtypes=precision.to_dict(), frozen=frozen,
+                                tied_frozen=tuple(tied_frozen(module.model))),
         update_pass=module.update_pass, step_temporaries=step_temporaries)
     logger.print()
     logger.print(table)
