@@ -127,6 +127,25 @@ def test_low_precision_leaves_frozen_weights_as_they_were(train_env, tmp_path, c
                                                                "model.layers.0.")), name
 
 
+def test_frozen_checkpoints_resume_across_disk_and_memory(train_env, tmp_path, capsys):
+    """The optimizer states of a frozen run are in the single-process format either way: an
+    in-memory checkpoint resumes with --disk, and a --disk one in memory, with the
+    uninterrupted runs' losses (fp32, unclipped: the same arithmetic, rtol 1e-5)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    on_disk = ("--disk", str(disk), "--stream", "all")
+    for run, extra in (("ram", ()), ("disk-run", on_disk)):
+        train(capsys, *fp32_train_args(train_env, tmp_path / run, 4, "--save-every", "2",
+                                       "--clip", "0", "--freeze", FREEZE, *extra))
+    train(capsys, "train", "--resume", str(tmp_path / "ram" / "step_2"), "--out",
+          str(tmp_path / "to-disk"), *on_disk)
+    train(capsys, "train", "--resume", str(tmp_path / "disk-run" / "step_2"), "--out",
+          str(tmp_path / "to-ram"), "--disk", "none")
+    expected = train_losses(tmp_path / "ram")[2:]
+    for run in ("to-disk", "to-ram"):
+        torch.testing.assert_close(train_losses(tmp_path / run), expected, rtol=1e-5, atol=0.0)
+
+
 def test_a_checkpoint_resumes_only_with_its_frozen_parameters(train_env, tmp_path, capsys):
     train(capsys, *fp32_train_args(train_env, tmp_path / "run", 2, "--freeze", FREEZE))
     code, _, err = run_main("train", "--resume", str(tmp_path / "run" / "step_2"), "--freeze",
