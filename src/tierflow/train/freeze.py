@@ -31,21 +31,12 @@ class Frozen:
     frozen_numel: int
     total_numel: int
 
-    def describe(self) -> str:
-        """``4,096 of 21,504 elements frozen (12 of 21 parameters)``."""
-        return (f"{self.frozen_numel:,} of {self.total_numel:,} elements frozen "
-                f"({self.frozen} of {self.total} parameters)")
-
 
 def freeze_parameters(model: nn.Module, freeze: str | None, train_only: str | None) -> Frozen:
     """Freeze the parameters of ``model`` that ``--train-only`` leaves out or ``--freeze``
     names; returns the counts. Refuses a pattern that matches nothing, and a selection
     that leaves nothing to train."""
-    names: dict[int, list[str]] = {}  # id(param) -> every name it has (tied: several)
-    params: dict[int, nn.Parameter] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-        params[id(p)] = p
+    names, params = _named(model)
     keep = _matches("--train-only", split_patterns("--train-only", train_only), names)
     drop = _matches("--freeze", split_patterns("--freeze", freeze), names)
     frozen = set(drop)
@@ -86,11 +77,16 @@ def _examples(names: dict[int, list[str]], n: int = 4) -> list[str]:
 def tied_frozen(model: nn.Module) -> list[tuple[str, ...]]:
     """The names of each frozen parameter that has several (a tied embedding and LM head):
     freezing it under one name froze it under the others too."""
+    names, params = _named(model)
+    return [tuple(aliases) for key, aliases in names.items()
+            if not params[key].requires_grad and len(aliases) > 1]
+
+
+def _named(model: nn.Module) -> tuple[dict[int, list[str]], dict[int, nn.Parameter]]:
+    """id(parameter) -> every name it has (a tied one: several), and -> the parameter."""
     names: dict[int, list[str]] = {}
-    frozen: set[int] = set()
+    params: dict[int, nn.Parameter] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-        if not p.requires_grad:
-            frozen.add(id(p))
-    return [tuple(aliases) for key, aliases in names.items()
-            if key in frozen and len(aliases) > 1]
+        params[id(p)] = p
+    return names, params
