@@ -177,6 +177,11 @@ def test_a_toml_list_of_globs(train_env, tmp_path, capsys):
     train(capsys, *fp32_train_args(train_env, tmp_path / "run", 1, "--config", str(config)))
     options = records(tmp_path / "run" / "log.jsonl", "options")[-1]
     assert options["train_only"] == TRAIN_ONLY
+    config.write_text("freeze = 3\n")
+    code, _, err = run_main(*fp32_train_args(train_env, tmp_path / "o", 1, "--config",
+                                             str(config)), capsys=capsys)
+    assert code == 2
+    assert_error_line(err, ["--freeze 3 is not text", "parameter-name globs"])
 
 
 def _tied_qwen2() -> Qwen2ForCausalLM:

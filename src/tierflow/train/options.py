@@ -264,13 +264,12 @@ def split_patterns(flag: str, value: str | None) -> list[str]:
     line naming ``flag`` if one is empty."""
     if value is None:
         return []
+    give = "give comma-separated parameter-name globs, e.g. 'model.embed_tokens.*,model.layers.0.*'"
     if not isinstance(value, str):
-        raise TierflowError(f"{flag} {value!r} is not text: give comma-separated "
-                            "parameter-name globs, e.g. 'model.embed_tokens.*,model.layers.0.*'")
+        raise TierflowError(f"{flag} {value!r} is not text: {give}")
     patterns = [p.strip() for p in value.split(",")]
     if not all(patterns):
-        raise TierflowError(f"{flag} {value!r} has an empty pattern: give comma-separated "
-                            "parameter-name globs, e.g. 'model.embed_tokens.*,model.layers.0.*'")
+        raise TierflowError(f"{flag} {value!r} has an empty pattern: {give}")
     return patterns
 
 
