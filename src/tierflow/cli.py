@@ -348,6 +348,7 @@ def _add_plan(sub: Any) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print the predicted plan (or its JSON)."""
+    from .sim.freeze import selection_for
     from .sim.options import base_setup, hardware_from_args, memory_size, one_positive
     from .sim.predict import predict
     from .sim.report import plan_text
@@ -358,7 +359,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     setup = base_setup(args, hw, shape)
     gpu = memory_size(args.gpu, "--gpu") if args.gpu is not None else None
     ram = memory_size(args.ram, "--ram") if args.ram is not None else None
-    prediction = predict(replace(setup, seq=seq, gpu=gpu, ram=ram))
+    selection = selection_for(args.model, args.freeze, args.train_only)
+    prediction = predict(replace(setup, seq=seq, gpu=gpu, ram=ram, selection=selection))
     print(prediction.to_json() if args.json else plan_text(prediction, hw), flush=True)
     return 0
 
@@ -382,18 +384,22 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     import time
 
     from .paths import require_writable_dir
+    from .sim.freeze import selection_for
     from .sim.options import base_setup, hardware_from_args, memory_size, positive_list
     from .sim.shapes import load_shape
     from .sim.sweep import sweep, write_csv, write_heatmaps
     out = require_writable_dir(args.out, "--out")
-    shapes = [load_shape(m) for m in args.model.split(",")]
+    specs = args.model.split(",")
+    shapes = [load_shape(m) for m in specs]
     hw = hardware_from_args(args, lists=True)
+    models = [(shape, selection_for(spec, args.freeze, args.train_only))
+              for spec, shape in zip(specs, shapes)]
     seqs = positive_list(args.seq_len, "--seq-len")
     gpus = [None] if args.gpu is None else [memory_size(v, "--gpu") for v in args.gpu.split(",")]
     rams = [None] if args.ram is None else [memory_size(v, "--ram") for v in args.ram.split(",")]
     base = base_setup(args, hw, shapes[0])
     started = time.perf_counter()
-    cells = sweep(base, shapes, seqs, gpus, rams)
+    cells = sweep(base, models, seqs, gpus, rams)
     write_csv(cells, out / "sweep.csv", base)
     pngs = write_heatmaps(cells, out, base)
     fits = sum(c.prediction is not None for c in cells)

@@ -8,7 +8,9 @@ weights are fetched ahead of each forward and backward (``prefetch`` stages ahea
 ``prefetch + 1`` reusable buffers), gradients leave after each micro-batch, and the
 optimizer of a non-resident stage runs on the host (the CPU, in RAM) as soon as its last
 gradient is in. Activations are kept, recomputed (rotor, given as ``ActivationOption``s
-made by the caller) or offloaded to the tier below the compute tier.
+made by the caller) or offloaded to the tier below the compute tier. Under a partial
+fine-tune only the trainable parameters have gradients and optimizer states; frozen weights
+are fetched and never written back, and the forward-only stages at the front once.
 
 Time model, per step of ``grad_accum`` micro-batches: stages are grouped in windows of
 ``prefetch`` consecutive stages, and each window costs max(compute, each link's transfers);
@@ -93,7 +95,7 @@ class ActivationOption:
 
 @dataclass(frozen=True)
 class Problem:
-    params: tuple[int, ...]  # parameters per stage
+    params: tuple[int, ...]  # parameters per stage (its weights)
     compute: tuple[float, ...]  # forward + backward seconds per stage and micro-batch
     precision: Precision
     tiers: tuple[Tier, ...]  # compute tier first
@@ -103,6 +105,10 @@ class Problem:
     host_update_bw: float = 10e9  # bytes/s of memory traffic of the host (CPU) optimizer
     device_update_bw: float = 10e9  # same on the compute tier
     runtime_bytes: int = 0  # static on the compute tier
+    # per stage, the parameters that train (gradients, optimizer states, updates); empty:
+    # all of them. A partial fine-tune's frozen weights are only read.
+    trainable: tuple[int, ...] = ()
+    forward_only: int = 0  # stages at the front without a backward: weights fetched once
 
     @property
     def host(self) -> int:
@@ -183,6 +189,9 @@ class _Grid:
         step = max(1, -(-n // 16))
         self.counts = sorted(set(range(0, n + 1, step)) | {n})
         self.params = np.asarray(problem.params, dtype=np.float64)
+        self.trainable = np.asarray(problem.trainable or problem.params, dtype=np.float64)
+        # fetches of a stage's weights per micro-batch: for its forward and its backward
+        self.fetches = np.where(np.arange(n) < problem.forward_only, 1.0, 2.0)
 
     def blocks(self) -> list[dict]:
         p = self.p
@@ -198,7 +207,7 @@ class _Grid:
 
     def _block(self, w_home: int, o_home: int, act: ActivationOption, depth: int) -> dict:
         p, prec, acc, host = self.p, self.p.precision, self.p.grad_accum, self.p.host
-        params, n = self.params, len(self.p.params)
+        params, trainable, n = self.params, self.trainable, len(self.p.params)
         kw, kg, ko = (np.asarray(v) for v in zip(*[
             c for c in itertools.product(self.counts, repeat=3)
             if c[2] <= min(c[0], c[1]) and (not act.with_grads or c[1] == n)
@@ -217,10 +226,11 @@ class _Grid:
                 arr[link] += amount
 
         def total(mask: np.ndarray, width: float) -> np.ndarray:
-            return _bytes(params, mask, width).sum(axis=1)
+            """Bytes of the trainable parameters of the stages ``mask`` selects."""
+            return _bytes(trainable, mask, width).sum(axis=1)
 
-        move(up, 0, w_home, 2 * prec.weights * params * sw * acc)  # forward and backward
-        move(down, 0, g_home, prec.grads * params * sg * acc)  # after each micro-batch
+        move(up, 0, w_home, self.fetches * prec.weights * params * sw * acc)
+        move(down, 0, g_home, prec.grads * trainable * sg * acc)  # after each micro-batch
         if act.mode.startswith("offload"):
             move(up, 0, 1, np.full(sw.shape, act.offload_bytes / n * acc))
             move(down, 0, 1, np.full(sw.shape, act.offload_bytes / n * acc))
@@ -266,28 +276,30 @@ class _Grid:
                 "times": {k: np.broadcast_to(v, kw.shape) for k, v in times.items()}}
 
     def _peaks(self, kw, sw, sg, so, w_home, o_home, g_home, act, depth) -> dict:
-        p, prec, params = self.p, self.p.precision, self.params
+        p, prec = self.p, self.p.precision
         tiers = [t.name for t in p.tiers]
         peak = {t: np.zeros(len(kw)) for t in tiers}
 
-        def total(mask: np.ndarray, width: float) -> np.ndarray:
-            return _bytes(params, mask, width).sum(axis=1)
+        def total(mask: np.ndarray, width: float, of: np.ndarray = self.trainable) -> np.ndarray:
+            """Bytes of ``of`` (trainable parameters, or every weight) the mask selects."""
+            return _bytes(of, mask, width).sum(axis=1)
 
-        def biggest(mask: np.ndarray, width: float) -> np.ndarray:
-            return _bytes(params, mask, width).max(axis=1)
+        def biggest(mask: np.ndarray, width: float, of: np.ndarray = self.trainable
+                    ) -> np.ndarray:
+            return _bytes(of, mask, width).max(axis=1)
 
-        c = tiers[0]
-        peak[c] += total(~sw, prec.weights) + total(~so, prec.states) + act.peak
+        c, weights = tiers[0], self.params
+        peak[c] += total(~sw, prec.weights, weights) + total(~so, prec.states) + act.peak
         peak[c] += p.runtime_bytes + (0 if act.with_grads else total(~sg, prec.grads))
-        peak[c] += (depth + 1) * biggest(sw, prec.weights) + biggest(sg, prec.grads)
+        peak[c] += (depth + 1) * biggest(sw, prec.weights, weights) + biggest(sg, prec.grads)
         if len(tiers) > 1:
-            peak[tiers[w_home]] += total(sw, prec.weights)
+            peak[tiers[w_home]] += total(sw, prec.weights, weights)
             peak[tiers[g_home]] += total(sg, prec.grads)
             peak[tiers[o_home]] += total(so, prec.states)
             peak[tiers[1]] += act.offload_bytes if act.mode.startswith("offload") else 0
             host = tiers[p.host]
             if w_home > p.host:
-                peak[host] += depth * biggest(sw, prec.weights)
+                peak[host] += depth * biggest(sw, prec.weights, weights)
             if o_home > p.host:
                 peak[host] += 2 * biggest(so, prec.states + prec.grads)
         return {t: np.ceil(v) for t, v in peak.items()}

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 from ..errors import TierflowError
+from ..train.options import split_patterns
 from ..units import parse_bytes
 from .hardware import NAMES, Hardware, hardware
 from .precision import MASTERS, MATMUL_DTYPES, MODEL_DTYPES, OPTIM_DTYPES, RunPrecision
@@ -94,6 +95,15 @@ def add_setup_arguments(parser: argparse.ArgumentParser, *, lists: bool) -> None
     parser.add_argument("--matmul-dtype", choices=MATMUL_DTYPES, default=None,
                         help="matmul dtype (default bf16; on the cpu profile fp32 where its "
                              "bf16 matmuls are the slower, as the trainer does)")
+    parser.add_argument("--freeze", metavar="GLOBS", default=None,
+                        help="predict a partial fine-tune: freeze the parameters whose names "
+                             "match one of these comma-separated globs, as tierflow train "
+                             "--freeze does (no gradient, no optimizer state; the layers "
+                             "before the first that trains run forward only)")
+    parser.add_argument("--train-only", metavar="GLOBS", default=None,
+                        help="predict a fine-tune of only the parameters these comma-separated "
+                             "globs name, as tierflow train --train-only does"
+                             + (" (every --model must have them)" if lists else ""))
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -126,6 +136,8 @@ def _setup_flags(args: argparse.Namespace) -> tuple[int, int, int | None]:
     checked."""
     batch = one_positive(args.batch_size, "--batch-size")
     accum = one_positive(args.grad_accum, "--grad-accum")
+    split_patterns("--freeze", args.freeze)
+    split_patterns("--train-only", args.train_only)
     disk_budget = None
     if args.disk is not None:
         if not args.disk.is_dir():

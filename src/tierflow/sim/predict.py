@@ -13,6 +13,7 @@ from ..plan.placement import Link, Placement, Problem, Tier, place
 from .activations import activation_options, with_grad_bytes
 from .hardware import Hardware
 from .precision import RunPrecision
+from .selection import Selection
 from .shapes import ModelShape
 from .stages import StepShape, chain_costs, step_flops
 from .tiered import tiered_placement
@@ -35,10 +36,15 @@ class Setup:
     disk_budget: int | None = None
     disk_bw: float | None = None
     precision: RunPrecision | None = None
+    selection: Selection | None = None  # what trains (--freeze/--train-only); None: all
 
     @property
     def run_precision(self) -> RunPrecision:
         return self.precision or RunPrecision.default_for(self.hardware)
+
+    @property
+    def trains(self) -> Selection:
+        return self.selection or Selection.everything(self.shape)
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class Prediction:
     grad_accum: int
     precision: str
     params: int
+    trainable: int  # the parameters that train (all of them but under --freeze/--train-only)
+    selection: str  # the --freeze/--train-only flags that chose them ("" when all train)
     tokens_per_step: int
     flops_per_token: float  # model FLOPs (6 x matmul parameters + causal attention)
     placement: Placement
@@ -66,17 +74,16 @@ class Prediction:
 
 def problem_for(setup: Setup) -> Problem:
     """The placement problem of ``setup``: per-stage sizes and times, tiers, links."""
-    hw, shape, prec = setup.hardware, setup.shape, setup.run_precision
+    hw, shape, prec, sel = setup.hardware, setup.shape, setup.run_precision, setup.trains
     per_param = prec.bytes_per_param()
     step = StepShape(setup.seq, setup.batch)
-    costs = chain_costs(shape, step, prec, hw)
+    costs = chain_costs(shape, step, prec, hw, selection=setup.selection)
     params = (shape.embed_params(), *[shape.layer_params()] * shape.layers, shape.head_params())
-    tied = shape.vocab * shape.hidden if shape.tied else 0
-    grads = tuple(int(p * per_param.grads) for p in (params[0] - tied, *params[1:]))
+    grads = tuple(int(p * per_param.grads) for p in sel.trainable)
     options = activation_options(with_grad_bytes(costs, (0,) * len(params), 0), with_grads=False)
     if setup.grad_accum == 1:  # gradients appear during the backward, after the forward's peak
         options += activation_options(with_grad_bytes(costs, grads,
-                                                      int(tied * per_param.grads)),
+                                                      int(sel.tied * per_param.grads)),
                                       with_grads=True)
     disk_read = setup.disk_bw or hw.disk_read_bw
     disk_write = setup.disk_bw or hw.disk_write_bw
@@ -94,7 +101,8 @@ def problem_for(setup: Setup) -> Problem:
                    precision=per_param, tiers=tuple(tiers), links=tuple(links),
                    activations=options, grad_accum=setup.grad_accum,
                    host_update_bw=hw.update_bw(prec.optim), device_update_bw=device_bw,
-                   runtime_bytes=costs.extra["runtime"])
+                   runtime_bytes=costs.extra["runtime"], trainable=sel.states(),
+                   forward_only=sel.forward_only())
 
 
 def predict(setup: Setup) -> Prediction:
@@ -106,11 +114,12 @@ def predict(setup: Setup) -> Prediction:
         placement = place(problem_for(setup))
     step = StepShape(setup.seq, setup.batch)
     tokens = step.tokens * setup.grad_accum
-    flops_token = step_flops(setup.shape, step) / step.tokens
+    flops_token = step_flops(setup.shape, step, setup.selection) / step.tokens
     tok_s = tokens / placement.step_time
     return Prediction(model=setup.shape.name, hardware=hw.name, seq=setup.seq,
                       batch=setup.batch, grad_accum=setup.grad_accum,
                       precision=prec.describe(), params=setup.shape.total_params(),
+                      trainable=setup.trains.total, selection=setup.trains.given,
                       tokens_per_step=tokens, flops_per_token=flops_token,
                       placement=placement, step_time=placement.step_time,
                       tokens_per_second=tok_s, mfu=tok_s * flops_token / hw.flops(prec.matmul),

@@ -26,6 +26,10 @@ def plan_text(pred: Prediction, hw: Hardware) -> str:
                                  f"stage forwards recomputed per micro-batch"}
     rows: list[tuple[str, object]] = [
         ("model", f"{pred.model}: {pred.params / 1e9:.2f}B parameters, {pl.stages} stages"),
+        *([("trains", f"{pred.trainable:,} of {pred.params:,} parameters "
+                      f"({pred.trainable / pred.params:.1%}; {pred.selection}); the stages "
+                      f"before the first that trains run forward only")]
+          if pred.selection else []),
         ("hardware", f"{hw.name}: {hw.about}"),
         ("efficiency", "; ".join(hw.notes)),
         ("precision", pred.precision),

@@ -53,6 +53,14 @@ class ModelShape:
         h, q, kv, i = self.hidden, self.q_width, self.kv_width, self.mlp
         return h * q + 2 * h * kv + q * h + (3 if self.gated else 2) * h * i
 
+    def largest_layer_matrix(self) -> int:
+        """Elements of a decoder layer's largest weight: an MLP projection, or the fused
+        query-key-value projection of GPT-2 and GPT-NeoX."""
+        h = self.hidden
+        qkv = h * (self.q_width + 2 * self.kv_width) if self.family in ("gpt2", "gpt_neox") \
+            else h * self.q_width
+        return max(h * self.mlp, qkv)
+
     def layer_params(self) -> int:
         """Every parameter of one decoder layer."""
         h, q, kv, i = self.hidden, self.q_width, self.kv_width, self.mlp

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ..plan.costs import ChainCosts, StageCost
 from .hardware import Hardware, effective_attention_flops, effective_flops
 from .precision import RunPrecision
+from .selection import Selection
 from .shapes import ModelShape
 
 # Bytes per token a decoder layer keeps for backward beyond its input and output, as
@@ -68,9 +69,33 @@ def head_flops(shape: ModelShape, step: StepShape) -> float:
     return 2.0 * step.tokens * shape.hidden * shape.vocab
 
 
-def step_flops(shape: ModelShape, step: StepShape) -> float:
-    """Training matmul FLOPs of one micro-batch (forward + backward = 3 x forward)."""
-    return 3.0 * (shape.layers * layer_flops(shape, step) + head_flops(shape, step))
+def step_flops(shape: ModelShape, step: StepShape, selection: Selection | None = None) -> float:
+    """Training matmul FLOPs of one micro-batch: 3 x the forward's when everything trains;
+    under a partial fine-tune, what ``layer_factors`` and ``head_factor`` count."""
+    sel = selection or Selection.everything(shape)
+    layers = sum(dense * dense_flops(shape, step) + attention * attention_flops(shape, step)
+                 for dense, attention in (layer_factors(shape, sel, i)
+                                          for i in range(1, shape.layers + 1)))
+    return layers + head_factor(sel) * head_flops(shape, step)
+
+
+def layer_factors(shape: ModelShape, sel: Selection, i: int) -> tuple[float, float]:
+    """(dense, attention): the FLOPs of stage i's training, forward and backward, as
+    multiples of its forward's projections and MLP and of its forward's attention. A stage
+    with a backward computes its matmuls' input gradients (counted for every matmul, also in
+    the first layer that trains, where those below its lowest trainable weight are skipped)
+    and the weight gradients of the ones that train; attention's backward is twice its
+    forward. Full training: (3, 3)."""
+    if not sel.needs_backward(i):
+        return 1.0, 1.0
+    return 2.0 + sel.matmul[i] / shape.layer_matmul_params(), 3.0
+
+
+def head_factor(sel: Selection) -> float:
+    """The fused LM head's FLOPs as a multiple of its forward's: the logits, the input's
+    gradient when something before the head trains, the weight's when it trains."""
+    last = len(sel.trainable) - 1
+    return 1.0 + sel.input_grad(last) + sel.head_weight_trains
 
 
 def layer_activation_bytes(shape: ModelShape, step: StepShape, regime: str) -> int:
@@ -92,14 +117,14 @@ def layer_traffic(shape: ModelShape, step: StepShape, regime: str) -> tuple[floa
 
 
 def head_traffic(shape: ModelShape, step: StepShape, regime: str,
-                 head_chunk: int = HEAD_CHUNK) -> float:
+                 head_chunk: int = HEAD_CHUNK, weight_grad: bool = True) -> float:
     """Bytes the fused LM head's element-wise passes move (kernels/linear_cross_entropy.py).
 
     Per chunk of fp32 logits L: the max (L), subtracting it (2L), exp (2L), the sum (L) and
     the scaled softmax gradient (2L); with bf16 matmuls also the logits' copy to fp32 and the
     gradient's back (1.5L each) and the chunk's weight gradient added into the fp32
-    accumulator (10 bytes per weight); once per step the weight's cast to bf16 under autocast
-    (6 bytes per weight).
+    accumulator (10 bytes per weight, unless ``weight_grad`` is False: a frozen head); once
+    per step the weight's cast to bf16 under autocast (6 bytes per weight).
     """
     chunk = min(head_chunk, step.tokens)
     chunks = step.tokens / chunk
@@ -108,22 +133,27 @@ def head_traffic(shape: ModelShape, step: StepShape, regime: str,
     if regime == "fp32":
         return chunks * 8 * logits
     cast = 6 * weights if regime == "autocast" else 0
-    return chunks * (11 * logits + 10 * weights) + cast
+    return chunks * (11 * logits + 10 * weights * weight_grad) + cast
 
 
 def chain_costs(shape: ModelShape, step: StepShape, precision: RunPrecision, hw: Hardware, *,
-                reserved: int = 0, head_chunk: int = HEAD_CHUNK) -> ChainCosts:
+                reserved: int = 0, head_chunk: int = HEAD_CHUNK,
+                selection: Selection | None = None) -> ChainCosts:
     """The costs the profiler would measure for one micro-batch on ``hw``.
 
     ``param_bytes`` are in the model dtype; ``static_bytes`` holds the parameters, the
     runtime and ``reserved`` (e.g. the optimizer states the caller keeps on this tier);
-    ``head_chunk``: tokens per chunk of the fused LM head's logits.
+    ``head_chunk``: tokens per chunk of the fused LM head's logits; ``selection``: what
+    trains (None: everything). Frozen weights are ``frozen_bytes``; the stages before the
+    first that trains have no backward; a frozen matmul costs no weight gradient.
     """
+    sel = selection or Selection.everything(shape)
     regime = precision.regime
     flops = effective_flops(hw, precision.matmul)
     attention_rate = effective_attention_flops(hw, precision.matmul)
     # one layer's forward matmul time, attention at the rate its kernels reach
-    layer_seconds = dense_flops(shape, step) / flops + attention_flops(shape, step) / attention_rate
+    dense_seconds = dense_flops(shape, step) / flops
+    attention_seconds = attention_flops(shape, step) / attention_rate
     memory = hw.memory_bw * hw.memory_efficiency
     act = 4 if regime == "fp32" or regime == "autocast" else 2  # residual stream width
     width = 4 if precision.model == "fp32" else 2
@@ -134,35 +164,48 @@ def chain_costs(shape: ModelShape, step: StepShape, precision: RunPrecision, hw:
     casts = 2 * shape.layer_matmul_params() if regime == "autocast" else 0
     fwd_bytes, bwd_bytes = layer_traffic(shape, step, regime)
 
-    def timed(name: str, matmul_seconds: float, tape: int, params: int) -> StageCost:
-        fwd = matmul_seconds + fwd_bytes / memory
-        bwd = 2 * matmul_seconds + bwd_bytes / memory
-        return StageCost(name, fwd, bwd, params * width, x_bytes, tape,
-                         fwd_transient=casts, fwd_transient_nograd=casts)
+    def trains(i: int, params: int) -> dict:
+        """Stage i's parameter bytes, trainable and frozen, and whether it backpropagates."""
+        return {"param_bytes": sel.trainable[i] * width,
+                "frozen_bytes": (params - sel.trainable[i]) * width,
+                "input_grad": sel.input_grad(i), "needs_backward": sel.needs_backward(i)}
 
-    tied = shape.vocab * shape.hidden if shape.tied else 0  # its gradient is "shared"
-    embed = StageCost("embed", x_bytes / memory,
-                      (shape.embed_params() * width + x_bytes) / memory,
-                      (shape.embed_params() - tied) * width, x_bytes, 0, input_grad=False)
     layer_tape = layer_activation_bytes(shape, step, regime)
-    layers = [timed(f"layers.{i}", layer_seconds, layer_tape, shape.layer_params())
-              for i in range(shape.layers)]
+
+    def layer(i: int) -> StageCost:
+        dense, attention = layer_factors(shape, sel, i)
+        backward = (dense - 1) * dense_seconds + (attention - 1) * attention_seconds
+        return StageCost(f"layers.{i - 1}", dense_seconds + attention_seconds
+                         + fwd_bytes / memory,
+                         backward + bwd_bytes / memory if sel.needs_backward(i) else 0.0,
+                         output_bytes=x_bytes, tape=layer_tape, fwd_transient=casts,
+                         fwd_transient_nograd=casts, **trains(i, shape.layer_params()))
+
+    tied = shape.vocab * shape.hidden if shape.tied else 0  # shared: in neither stage
+    embed = StageCost("embed", x_bytes / memory,
+                      (shape.embed_params() * width + x_bytes) / memory
+                      if sel.needs_backward(0) else 0.0,
+                      output_bytes=x_bytes, tape=0, **trains(0, shape.embed_params() - tied))
+    layers = [layer(i) for i in range(1, shape.layers + 1)]
     chunk = min(head_chunk, step.tokens)
     logits = chunk * shape.vocab * 4
     tape_factor, nograd_factor = HEAD_TRANSIENT[regime]
-    head_tape = step.tokens * (2 * act * shape.hidden + 4) + shape.vocab * shape.hidden * 4
+    # the head keeps its input and its weight's float32 gradient, made in the forward
+    head_tape = step.tokens * (2 * act * shape.hidden + 4) \
+        + shape.vocab * shape.hidden * 4 * sel.head_weight_trains
     # the fused head computes its gradients during the forward: all its FLOPs are there
-    head = StageCost("head", 3 * head_flops(shape, step) / flops
-                     + head_traffic(shape, step, regime, head_chunk) / memory,
-                     head_tape / memory,
-                     shape.head_params() * width, 4, head_tape,
+    head = StageCost("head", head_factor(sel) * head_flops(shape, step) / flops
+                     + head_traffic(shape, step, regime, head_chunk,
+                                    weight_grad=sel.head_weight_trains) / memory,
+                     head_tape / memory, output_bytes=4, tape=head_tape,
                      fwd_transient=int(tape_factor * logits),
-                     fwd_transient_nograd=int(nograd_factor * logits))
+                     fwd_transient_nograd=int(nograd_factor * logits),
+                     **trains(shape.layers + 1, shape.head_params()))
     params = shape.total_params() * width
     runtime = RUNTIME_BYTES if not hw.has_gpu else 0
     return ChainCosts(stages=(embed, *layers, head), input_bytes=step.tokens * 8,
                       context_bytes=step.seq * shape.head_dim * 4 * 2,
                       static_bytes=params + runtime + reserved,
-                      shared_grad_bytes=tied * width,
+                      shared_grad_bytes=sel.tied * width,
                       extra={"parameters": params, "reserved": reserved, "runtime": runtime,
                              "source": "analytic", "regime": regime, "head chunk": chunk})

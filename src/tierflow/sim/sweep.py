@@ -9,13 +9,14 @@ from pathlib import Path
 
 from ..errors import BudgetError
 from .predict import Prediction, Setup, predict
+from .selection import Selection
 from .shapes import ModelShape
 
 GIB = 2 ** 30
 FIELDS = ("model", "hardware", "seq_len", "batch_size", "grad_accum", "gpu_gib", "ram_gib",
-          "fits", "tokens_per_s", "step_s", "mfu", "peak_gpu_gib", "peak_ram_gib",
-          "peak_disk_gib", "weights_resident", "grads_resident", "optimizer_resident",
-          "stages", "activations", "bottleneck")
+          "trainable_params", "fits", "tokens_per_s", "step_s", "mfu", "peak_gpu_gib",
+          "peak_ram_gib", "peak_disk_gib", "weights_resident", "grads_resident",
+          "optimizer_resident", "stages", "activations", "bottleneck")
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Cell:
     seq: int
     gpu: int | None
     ram: int | None
+    trainable: int  # the parameters that train
     prediction: Prediction | None  # None: nothing fits
     reason: str = ""  # why not, when nothing fits
 
@@ -32,7 +34,8 @@ class Cell:
         pl = p.placement if p else None
         return {"model": self.shape.name, "hardware": hardware, "seq_len": self.seq,
                 "batch_size": batch, "grad_accum": accum, "gpu_gib": _gib(self.gpu),
-                "ram_gib": _gib(self.ram), "fits": p is not None,
+                "ram_gib": _gib(self.ram), "trainable_params": self.trainable,
+                "fits": p is not None,
                 "tokens_per_s": f"{p.tokens_per_second:.0f}" if p else "",
                 "step_s": f"{p.step_time:.4g}" if p else "", "mfu": f"{p.mfu:.3f}" if p else "",
                 "peak_gpu_gib": _gib(pl.peaks.get("gpu")) if pl else "",
@@ -45,16 +48,18 @@ class Cell:
                 "bottleneck": pl.bottleneck if pl else self.reason}
 
 
-def sweep(base: Setup, shapes: list[ModelShape], seqs: list[int], gpus: list[int | None],
-          rams: list[int | None]) -> list[Cell]:
-    """Predict every combination; a combination nothing fits becomes a Cell without one."""
+def sweep(base: Setup, models: list[tuple[ModelShape, Selection | None]], seqs: list[int],
+          gpus: list[int | None], rams: list[int | None]) -> list[Cell]:
+    """Predict every combination of the models (each with what trains in it: None, all),
+    sequence lengths and budgets; a combination nothing fits becomes a Cell without one."""
     cells = []
-    for shape, seq, gpu, ram in itertools.product(shapes, seqs, gpus, rams):
-        setup = replace(base, shape=shape, seq=seq, gpu=gpu, ram=ram)
+    for (shape, selection), seq, gpu, ram in itertools.product(models, seqs, gpus, rams):
+        setup = replace(base, shape=shape, seq=seq, gpu=gpu, ram=ram, selection=selection)
+        trainable = setup.trains.total
         try:
-            cells.append(Cell(shape, seq, gpu, ram, predict(setup)))
+            cells.append(Cell(shape, seq, gpu, ram, trainable, predict(setup)))
         except BudgetError as e:
-            cells.append(Cell(shape, seq, gpu, ram, None, str(e)))
+            cells.append(Cell(shape, seq, gpu, ram, trainable, None, str(e)))
     return cells
 
 
@@ -121,9 +126,12 @@ def write_heatmaps(cells: list[Cell], out: Path, base: Setup) -> list[Path]:
     for shape, seq in keys:
         group = [c for c in cells if c.shape == shape and c.seq == seq]
         path = out / f"{Path(shape.name).name or 'model'}-seq{seq}.png"
+        trains = group[0].trainable
         title = (f"PREDICTED tokens/s: {shape.name}, seq {seq} x batch {base.batch} x "
                  f"grad-accum {base.grad_accum} on {base.hardware.name}\n"
-                 f"{base.run_precision.describe()}")
+                 f"{base.run_precision.describe()}"
+                 + (f"; {trains / shape.total_params():.1%} of the parameters train"
+                    if trains < shape.total_params() else ""))
         heatmap(group, path, title)
         paths.append(path)
     return paths

@@ -69,14 +69,13 @@ def _searched(problem: TierProblem, ram: int | None,
 
 def _problem(setup: Setup, head_chunk: int) -> TierProblem:
     """What the trainer would know before placing: the chain's costs (analytic here), the
-    optimizer's rates, each stage's largest parameter, the disk tier's rate and budget."""
+    optimizer's rates, each stage's largest trainable parameter, the disk tier's rate and
+    budget."""
     hw, shape, prec = setup.hardware, setup.shape, setup.run_precision
     per = prec.bytes_per_param()
     costs = chain_costs(shape, StepShape(setup.seq, setup.batch), prec, hw,
-                        head_chunk=head_chunk)
+                        head_chunk=head_chunk, selection=setup.selection)
     width = per.weights
-    vocab_matrix = shape.vocab * shape.hidden * width
-    layer_matrix = shape.hidden * max(shape.mlp, shape.q_width) * width
     # a tied embedding is shared with the head and stays resident: the embedding stage has
     # nothing else to stream unless it has learned positions
     streamable = tuple(i for i in range(costs.length)
@@ -92,8 +91,8 @@ def _problem(setup: Setup, head_chunk: int) -> TierProblem:
                           per.update_traffic / hw.update_bw(prec.optim) / per.weights,
                           transient_per_byte=0.0,
                           transient_bytes=adamw_transient_bytes(prec.optim, width)),
-        largest=(vocab_matrix, *[layer_matrix] * shape.layers, vocab_matrix),
-        trainable=shape.total_params() * width, streamable=streamable, lower=(disk,),
+        largest=tuple(int(n * width) for n in setup.trains.largest),
+        trainable=int(setup.trains.total * width), streamable=streamable, lower=(disk,),
         deferred=setup.grad_accum > 1, accumulates=setup.grad_accum > 1)
 
 
@@ -143,10 +142,12 @@ def _as_placement(setup: Setup, problem: TierProblem, placed: TierPlan,
     step = plan.predicted_time * accum + (placed.update_pass.seconds if placed.update_pass
                                           else 0.0)
     # bytes over the disk link per step: streamed weights read for each forward and
-    # backward and written after the update; states read and written once; offloaded tapes
-    # written and read once per micro-batch, stashed checkpoints written once and read at
-    # each fetch
-    weight_bytes = sum(costs.stages[i].param_bytes for i in streamed)
+    # backward (a forward-only stage's for its forward alone) and the trainable ones written
+    # after the update; states read and written once; offloaded tapes written and read once
+    # per micro-batch, stashed checkpoints written once and read at each fetch
+    weights_read = sum(costs.stages[i].weight_bytes * (1 + costs.stages[i].needs_backward)
+                       for i in streamed)
+    weights_written = sum(costs.stages[i].param_bytes for i in streamed)
     state_bytes = int(problem.rates.state_per_byte * problem.trainable) if placed.states else 0
     tape_bytes = sum(costs.stages[i].tape for i in placed.tape_stages)
     stash_written = sum(plan.costs.x_bytes(i) for i in stashed)
@@ -155,10 +156,10 @@ def _as_placement(setup: Setup, problem: TierProblem, placed: TierPlan,
     forwards = sum(costs.stages[op.stage].fwd_time for op in plan.ops if isinstance(op, Forward))
     times = {"compute": accum * (forwards + sum(s.bwd_time for s in costs.stages))
              + problem.rates.seconds_per_byte * problem.trainable,
-             "disk->ram": (2 * accum * weight_bytes + state_bytes
+             "disk->ram": (accum * weights_read + state_bytes
                            + accum * (tape_bytes + stash_read)) / bandwidth,
-             "ram->disk": (weight_bytes + state_bytes + accum * (tape_bytes + stash_written))
-             / bandwidth}
+             "ram->disk": (weights_written + state_bytes
+                           + accum * (tape_bytes + stash_written)) / bandwidth}
     name, seconds = max(times.items(), key=lambda kv: kv[1])
     what = ("compute-bound: the matmuls, element-wise kernels and AdamW" if name == "compute"
             else f"the {name} link, moving weights, optimizer states, tapes or checkpoints")
