@@ -43,6 +43,7 @@ from tierflow.measure import source_commit  # noqa: E402
 
 VOCAB = 32000
 GIB = 2 ** 30
+LAST_TWO = "model.layers.1[01].*,model.norm.*"  # llama-134m's last two of 12 layers
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,14 @@ CONFIGS = [
     Config("W1-bf16-moments", "llama-134m", 1024, 4, train_flags=("--optim-dtype", "bf16"),
            plan_flags=("--optim-dtype", "bf16"),
            requires=("--optim-dtype", "issue 5 (low-precision optimizer states)")),
+    # partial fine-tunes of W1: the last two layers with the final norm, with and without
+    # the head, in RAM and (head frozen) over a disk tier
+    *[Config(f"W1-last-2{suffix}", "llama-134m", 1024, 4, ram=ram,
+             train_flags=("--train-only", LAST_TWO + head, *disk),
+             plan_flags=("--train-only", LAST_TWO + head, *disk[:2]))
+      for suffix, head, ram, disk in (
+          ("+head", ",lm_head.*", None, ()), ("", "", None, ()),
+          ("-disk", "", "700MiB", ("--disk", "{tmp}/offload", "--clip", "0")))],
     # W2 as issue 4 defines it; no clipping, as the Hugging Face peer (and `tierflow plan`,
     # which prices updates inside the backward); two timed steps of about 100 s each
     *[Config(f"W2-{ram}", "tinyllama-1.1b", 1024, 2, ram=ram, steps=2,
