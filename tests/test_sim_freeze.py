@@ -166,6 +166,7 @@ def test_plan_names_what_trains_and_refuses_a_typo(capsys):
                               capsys=capsys)
     assert code == 0, err
     assert "trains" in out and "--train-only 'model.layers.11.*'" in out
+    assert "the first 12 stages run forward only" in out  # the embedding and 11 layers
     code, _, err = run_main("plan", "--model", "llama-134m", "--hardware", "h100-sxm",
                             "--seq-len", "1024", "--freeze", "layers.*", capsys=capsys)
     assert code == 2

@@ -58,6 +58,7 @@ class Prediction:
     params: int
     trainable: int  # the parameters that train (all of them but under --freeze/--train-only)
     selection: str  # the --freeze/--train-only flags that chose them ("" when all train)
+    forward_only: int  # stages at the front that nothing trains in or before: no backward
     tokens_per_step: int
     flops_per_token: float  # model FLOPs (6 x matmul parameters + causal attention)
     placement: Placement
@@ -120,6 +121,7 @@ def predict(setup: Setup) -> Prediction:
                       batch=setup.batch, grad_accum=setup.grad_accum,
                       precision=prec.describe(), params=setup.shape.total_params(),
                       trainable=setup.trains.total, selection=setup.trains.given,
+                      forward_only=setup.trains.forward_only(),
                       tokens_per_step=tokens, flops_per_token=flops_token,
                       placement=placement, step_time=placement.step_time,
                       tokens_per_second=tok_s, mfu=tok_s * flops_token / hw.flops(prec.matmul),

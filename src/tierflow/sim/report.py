@@ -27,8 +27,9 @@ def plan_text(pred: Prediction, hw: Hardware) -> str:
     rows: list[tuple[str, object]] = [
         ("model", f"{pred.model}: {pred.params / 1e9:.2f}B parameters, {pl.stages} stages"),
         *([("trains", f"{pred.trainable:,} of {pred.params:,} parameters "
-                      f"({pred.trainable / pred.params:.1%}; {pred.selection}); the stages "
-                      f"before the first that trains run forward only")]
+                      f"({pred.trainable / pred.params:.1%}; {pred.selection})"
+                      + (f"; the first {pred.forward_only} stages run forward only, without "
+                         f"a backward" if pred.forward_only else ""))]
           if pred.selection else []),
         ("hardware", f"{hw.name}: {hw.about}"),
         ("efficiency", "; ".join(hw.notes)),
