@@ -1,7 +1,8 @@
 """tierflow train on 2 ranks (gloo, processes launched as torchrun would: RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT): the same losses as one process with the same global batch, half
-the optimizer states per rank, checkpoints that resume on either world size, and a killed
-rank that makes the other stop with one clear line."""
+the optimizer states per rank, checkpoints that resume on either world size, replicas on
+disk tiers of their own with --disk, and a killed rank that makes the other stop with one
+clear line."""
 from __future__ import annotations
 
 import os
@@ -156,6 +157,50 @@ def test_two_ranks_train_the_same_frozen_selection(env, tmp_path):
     for name, value in final.items():
         assert torch.equal(value, initial[name]) != name.startswith(("model.layers.1.",
                                                                       "lm_head.")), name
+
+
+@pytest.mark.parametrize("flags, rel", [
+    # updates after the backward (clipping, 2 micro-batches), fp32
+    ((), REL),
+    # updates inside the backward, bf16 weights with stochastic rounding and int8 moments,
+    # which ZeRO's shards cannot run: each replica rounds from the same seeded stream
+    (("--grad-accum", "1", "--clip", "0", "--dtype", "bf16", "--model-dtype", "bf16",
+      "--master", "none", "--optim-dtype", "int8"), 3e-3),
+])
+def test_two_ranks_with_disk_tiers_match_one_process(env, tmp_path, flags, rel):
+    """--disk on 2 ranks: every rank streams the whole model from a disk tier of its own and
+    averages each stage's gradients before its update; the losses are the one-process
+    --disk run's with the same global batch (bf16 and int8: to their rounding, 1.1e-3 at
+    step 3 here; without the averaging 1.2e-2 already at step 2), and rank 0's checkpoint
+    holds the one process's weights."""
+    from safetensors.torch import load_file
+    disk = tmp_path / "tier"
+    disk.mkdir()
+    extra = ("--steps", "3", "--eval-every", "0", "--save-every", "2", "--disk", str(disk),
+             "--stream", "all", *flags)
+    outputs = finish(launch(_args(env, tmp_path / "one", *extra), 1)
+                     + launch(_args(env, tmp_path / "two", *extra), 2))
+    one, two = (records(tmp_path / name / "log.jsonl", "train") for name in ("one", "two"))
+    assert len(one) == len(two) == 3 and len({r["loss"] for r in one}) == 3
+    for a, b in zip(two, one, strict=True):
+        assert abs(a["loss"] - b["loss"]) <= rel * abs(b["loss"]), (a, b)
+    assert "replicas: each rank holds the whole model" in outputs[1][0]
+    assert records(tmp_path / "two" / "log.jsonl", "plan")[0]["replicas"] is True
+    weights = [load_file(str(tmp_path / name / "step_3" / "model.safetensors"))
+               for name in ("one", "two")]
+    for name, value in weights[0].items():
+        torch.testing.assert_close(weights[1][name], value, rtol=100 * rel, atol=100 * rel,
+                                   msg=name)
+    assert list(disk.iterdir()) == []  # each rank's scratch directory removed
+    if flags:
+        return
+    # resumed on 2 ranks, each reading the checkpoint's states onto its own disk tier
+    log = tmp_path / "resumed.jsonl"
+    finish(launch(["train", "--resume", str(tmp_path / "two" / "step_2"), "--out",
+                   str(tmp_path / "resumed"), "--log", str(log), "--save-every", "0"], 2))
+    resumed = records(log, "train")
+    assert [r["step"] for r in resumed] == [3]
+    assert_close(resumed[0]["loss"], two[2]["loss"], "resumed step 3")
 
 
 def test_a_killed_rank_stops_the_other_with_one_line(env, tmp_path):

@@ -2,7 +2,7 @@
 operations; ``backward()`` on its loss runs the rest (and the owned optimizer's updates)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from .exec.optimizer import OwnedOptimizer
 from .exec.runner import Ledger, StepRun
 from .exec.stage_call import context_tensors, forward_plain, storage_key
 from .exec.tapes import TapeOffload
+from .exec.trace import span
 from .exec.weights import WeightStreamer
 from .plan.ops import Forward, Stash
 from .plan.plan import Plan
@@ -64,6 +65,7 @@ class TierflowModule(nn.Module):
         self._forward_count = len(plan.forward_ops)
         self.ledger = Ledger({storage_key(p) for p in model.parameters()})
         self.fit_log = log
+        self._reduce: Callable[[list[torch.Tensor]], None] | None = None
 
     @property
     def plan(self) -> Plan:
@@ -99,9 +101,27 @@ class TierflowModule(nn.Module):
             old, new = (with_update_pass(p.predicted_peak, self._update_pass)
                         for p in (self._plan, plan))
             host_room = self._host_room.moved(new - old)
-        return TierflowModule(self.model, self._chain, plan, self._autocast, self._device,
-                              self._optimizer, self.fit_log, self._streamer, self._deferred,
-                              self._tapes, host_room, self._boundaries, self._update_pass)
+        module = TierflowModule(self.model, self._chain, plan, self._autocast, self._device,
+                                self._optimizer, self.fit_log, self._streamer, self._deferred,
+                                self._tapes, host_room, self._boundaries, self._update_pass)
+        module._reduce = self._reduce
+        return module
+
+    def reduce_gradients_with(self, reduce: Callable[[list[torch.Tensor]], None] | None
+                              ) -> None:
+        """Data parallelism with an optimizer tierflow owns (``fit(optimizer=...)``): once a
+        stage's gradients are complete for the step (in its last micro-batch's backward,
+        before the clipping norm, the disk tier or the update see them), ``reduce`` gets
+        them and must replace each in place by its mean over the workers, as DDP's
+        all-reduce does (``tierflow.dist.World.average``). Every worker then updates its
+        own copy of the weights and states the same way. The stages' reductions come in the
+        same order on every worker, last stage first, whatever each worker's plan. None:
+        one worker, no reduction."""
+        if self._optimizer is None:
+            raise TierflowError("reduce_gradients_with is for an optimizer tierflow owns "
+                                "(fit(optimizer=...)): with your own, average the gradients "
+                                "after backward() as DDP does")
+        self._reduce = reduce
 
     @property
     def update_pass(self) -> UpdatePass | None:
@@ -194,6 +214,8 @@ class TierflowModule(nn.Module):
         deferred = self._deferred
         if deferred is not None:
             update = deferred.gradients_complete
+        if self._reduce is not None:
+            update = self._reduced_before(update)
         if self._tapes is not None:
             self._tapes.context = {storage_key(t) for t in context_tensors(ctx)}
         run = StepRun(self._chain, self._plan.ops, self._forward_count, ctx, autocast,
@@ -205,6 +227,20 @@ class TierflowModule(nn.Module):
                       boundaries=self._boundaries)
         y = RunPlan.apply(run, x0, self._anchor)
         return self._chain.wrap_output(y, ctx)
+
+    def _reduced_before(self, update: Callable[[int], None]) -> Callable[[int], None]:
+        """``update`` preceded, on the step's last micro-batch, by the reduction of the
+        stage's gradients (earlier micro-batches accumulate locally, as DDP's no_sync)."""
+        deferred, reduce = self._deferred, self._reduce
+
+        def reduce_then_update(i: int) -> None:
+            if deferred is None or deferred.micro == deferred.grad_accum - 1:
+                grads = [p.grad for p in self._optimizer.stage_params[i] if p.grad is not None]
+                if grads:
+                    with span(f"reduce {i}", "communication"):
+                        reduce(grads)
+            update(i)
+        return reduce_then_update
 
     def _make_room(self, position: int) -> None:
         op = self._plan.ops[position]

@@ -1,4 +1,6 @@
-"""Multi-worker training on ``torch.distributed``: data parallel with ZeRO-2 sharding.
+"""Multi-worker training on ``torch.distributed``: data parallel with ZeRO-2 sharding, or
+with replicas (``tierflow train --disk``: each rank's model and states on its own disk
+tier, each stage's gradients averaged by ``World.average`` before its update).
 
 - ``world.py``: joining the default process group from torchrun's environment (gloo for
   CPU tensors, NCCL for CUDA ones) and turning a lost rank into one error line;

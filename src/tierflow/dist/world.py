@@ -69,6 +69,17 @@ class World:
             dist.all_gather_single(every, mine)
         return every.view(self.size, len(values)).tolist()
 
+    def average(self, tensors: list[torch.Tensor]) -> None:
+        """Replace each of ``tensors`` (one stage's gradients) in place by its mean over the
+        ranks: all-reduced (summed) together, then divided by the world size, as DDP does.
+        The replicas of ``tierflow train --disk`` then update identically."""
+        with self.collective("gradient reduction"):
+            works = [dist.all_reduce(t, async_op=True) for t in tensors]
+            for work in works:
+                work.wait()
+        for t in tensors:
+            t.div_(self.size)
+
     def barrier(self, what: str) -> None:
         with self.collective(what):
             dist.barrier()

@@ -2,7 +2,8 @@
 chrome://tracing) so that a user can see transfers overlapping compute.
 
 Resources are rows: ``compute`` (stage forwards, backwards and updates on the calling thread),
-``disk read`` and ``disk write`` (the I/O threads of weights and optimizer states). Beside
+``disk read`` and ``disk write`` (the I/O threads of weights and optimizer states),
+``communication`` (gradients averaged over data-parallel workers before an update). Beside
 them a counter track, ``host RSS``, follows the process's resident set (sampled every few
 milliseconds, a point wherever it moved by a MiB or more): where a step's memory peak falls
 among its operations. Recording is off unless a ``recording()`` block is open; ``span`` then
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from .memory import rss_bytes
 
-_ROWS = ("compute", "optimizer", "disk read", "disk write")
+_ROWS = ("compute", "optimizer", "disk read", "disk write", "communication")
 RSS_COUNTER = "host RSS"  # the counter track's name; its value is in MiB
 RSS_INTERVAL = 0.002  # seconds between RSS samples
 RSS_STEP = 1 << 20  # bytes the RSS must move by to add a point

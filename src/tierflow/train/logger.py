@@ -83,7 +83,8 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
     are what the plan reserves for the optimizer. ``update_pass`` is the pass after the backward
     when updates are deferred: its time is part of the step and its peak may be the step's.
     Under torchrun ``dist`` holds ``world_size``, ``backend``, ``bus_bandwidth`` (bytes/s),
-    ``comm_bytes`` and ``predicted_comm_s``; every figure is this rank's (budgets are per
+    ``comm_bytes``, ``predicted_comm_s`` and ``replicas`` (True: every rank holds every
+    state, ``--disk``; False: ZeRO-2 shards); every figure is this rank's (budgets are per
     rank)."""
     extra = plan.costs.extra
     peak = with_update_pass(plan.predicted_peak, update_pass)
@@ -96,7 +97,8 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
              ("master", master), ("moments", reserved - master),
              ("optimizer step", step_temporaries),
              ("activations", activations), ("runtime", extra.get("runtime", 0))]
-    shard = f", 1/{dist['world_size']} shard" if dist is not None else ""
+    shard = f", 1/{dist['world_size']} shard" if dist is not None and not dist["replicas"] \
+        else ""
     weight = dtypes["model_dtype"]
     if per.master:
         master_note = f"{_per(per.master)}, fp32 copy of the bf16 weights"
@@ -186,6 +188,11 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
         n = dist["world_size"]
         parallel = (f"{n} ranks ({dist['backend']}); ZeRO-2: AdamW moments and reduced "
                     f"gradients sharded 1/{n}, parameters all-gathered after each update")
+        if dist["replicas"]:
+            parallel = (f"{n} ranks ({dist['backend']}); replicas: each rank holds the whole "
+                        "model and its optimizer states on a disk tier of its own, and "
+                        "averages each stage's gradients over the ranks (all-reduce) before "
+                        "its update")
         comm = (f"{dist['predicted_comm_s'] * 1e3:.2f} ms per step predicted "
                 f"({format_bytes(dist['comm_bytes'])} x {n - 1}/{n} at "
                 f"{format_bytes(dist['bus_bandwidth'])}/s bus bandwidth, measured at start)")

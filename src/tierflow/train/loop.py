@@ -22,7 +22,10 @@ prints, logs and writes checkpoints in the single-process format. The optimizer 
 ``optimizer.build_optimizer`` alone, for one process and for the shards alike.
 
 With ``--disk DIR`` the model lives on a disk tier and ``tierflow.fit`` owns the optimizer
-(``owned.py``: updates during the backward, checkpoints streamed stage by stage); ``--gpu``
+(``owned.py``: updates during the backward, checkpoints streamed stage by stage); under
+torchrun every rank then holds the whole model and its states on a disk tier of its own
+(a replica: no shards), and each stage's gradients are averaged over the ranks before its
+update (``TierflowModule.reduce_gradients_with``); ``--gpu``
 moves the compute to CUDA or a simulated GPU (``device.py``), where an out-of-memory error
 re-plans the step once (``planning.StepPlanner.replan_after_oom``).
 """
@@ -272,6 +275,8 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     groups = param_groups(params, opts)
     if opts.disk:
         optimizer: Any = FitOwnedOptimizer(module, params, opts, planner.rounding)
+        if world is not None:  # replicas: each stage's gradients averaged before its update
+            module.reduce_gradients_with(world.average)
     elif world is None:
         optimizer = LocalOptimizer(build_optimizer(groups, opts, precision), params)
     else:

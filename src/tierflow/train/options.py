@@ -123,9 +123,7 @@ class TrainOptions:
             self.disk = None
         if self.stream not in STREAM:
             raise TierflowError(f"--stream {self.stream!r} is unknown: use auto or all")
-        if self.disk is not None:
-            self._validate_disk(world_size)
-        elif self.stream != "auto":
+        if self.disk is None and self.stream != "auto":
             raise TierflowError(f"--stream {self.stream} streams weights from the disk tier: "
                                 "give --disk DIR too")
         if self.recompute not in RECOMPUTE:
@@ -184,14 +182,6 @@ class TrainOptions:
                                 "built yet: train the ranks on the CPU with --ram, or run one "
                                 "process")
 
-    def _validate_disk(self, world_size: int) -> None:
-        """What the disk tier runs: one process (any precision, with or without
-        torch.compile: the combinations it is tested with)."""
-        if world_size > 1:
-            raise TierflowError(f"--disk {self.disk} cannot be combined with {world_size} ranks "
-                                "(torchrun) yet: use one process with --disk, or leave --disk "
-                                "out")
-
     def _check_precision_flags(self, world_size: int) -> None:
         for name, choices in PRECISION.items():
             value = getattr(self, name)
@@ -206,13 +196,14 @@ class TrainOptions:
                                 f"--matmul-dtype {matmul}")
         rounding = self.optim_dtype != "fp32" or (self.model_dtype == "bf16"
                                                  and self.master == "none")
-        if world_size > 1 and rounding:
+        if world_size > 1 and rounding and self.disk in (None, "none"):
+            # with --disk every rank holds and steps the whole model: replicas, no shards
             raise TierflowError(f"--optim-dtype {self.optim_dtype} with --model-dtype "
                                 f"{self.model_dtype} --master {self.master} cannot run on "
                                 f"{world_size} ranks: ZeRO sharding needs element-wise optimizer "
                                 "states without a random stream (no int8 blocks, no stochastic "
-                                "rounding); use --optim-dtype fp32 and --master fp32, or one "
-                                "process")
+                                "rounding); use --optim-dtype fp32 and --master fp32, --disk "
+                                "(replicas, not shards), or one process")
 
     def _check_precision_support(self) -> None:
         """The precision's contradictions and what this torch and CPU cannot run (imports

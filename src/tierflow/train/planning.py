@@ -164,18 +164,22 @@ def report_plan(module: Any, *, opts: TrainOptions, precision: PrecisionConfig,
     dist_figures = None
     if world is not None:
         bus = bus_bandwidth(world, torch.device("cpu"))
+        # ZeRO-2: gradients reduce-scattered, parameters all-gathered; replicas (--disk):
+        # gradients all-reduced, which moves the same bytes
+        moved = sum(p.nbytes for p in trainable)
         dist_figures = {"world_size": ranks, "backend": world.backend, "bus_bandwidth": bus,
-                        "comm_bytes": 2 * grads,  # gradients reduced, parameters gathered
-                        "predicted_comm_s": step_seconds(ranks, grads, grads, bus)}
+                        "comm_bytes": 2 * moved, "replicas": bool(opts.disk),
+                        "predicted_comm_s": step_seconds(ranks, moved, moved, bus)}
     per = precision.bytes_per_parameter()
     count = sum(p.numel() for p in trainable)
+    shards = 1 if opts.disk else ranks  # with --disk each rank holds every state
     frozen = sum(p.numel() for p in {id(p): p for stage in module.chain.stages
                                      for p in stage.parameters()}.values()
                  if not p.requires_grad)
     table, fields = plan_section(
         module.plan, grads=grads, budget=tier.plan_budget, grad_accum=opts.grad_accum,
         dist=dist_figures,
-        precision=PlanPrecision(per, trainable=count, master=int(per.master * count) // ranks,
+        precision=PlanPrecision(per, trainable=count, master=int(per.master * count) // shards,
                                 dtypes=precision.to_dict(), frozen=frozen,
                                 tied_frozen=tuple(tied_frozen(module.model))),
         update_pass=module.update_pass, step_temporaries=step_temporaries)

@@ -234,7 +234,10 @@ class StepLoop:
         """Checkpoint ``step`` (rank 0 writes; every rank gathers its optimizer shard). With
         ``--disk`` the weights and states are read from the disk tier as they are written."""
         opts, optimizer = self.opts, self.optimizer
+        main = self.world is None or self.world.is_main
         if opts.disk:
+            if not main:  # replicas: rank 0's weights and states are every rank's
+                return self.out / f"step_{step}"
             from ..exec.offload import offloaded_parameters
             optimizer.settle()
             offloaded = offloaded_parameters(self.model)
@@ -245,7 +248,7 @@ class StepLoop:
         else:
             optimizer_state = optimizer.state_dict()  # gathered on rank 0 (every rank calls it)
             stream = {}
-        if self.world is not None and not self.world.is_main:
+        if not main:
             return self.out / f"step_{step}"
         try:
             path = checkpoint.save_checkpoint(

@@ -1,0 +1,74 @@
+"""``TierflowModule.reduce_gradients_with``: data parallelism with an optimizer tierflow owns.
+Each stage's gradients go to the reduction once complete for the step (last stage first, only
+on the last micro-batch), before the clipping norm, the disk tier and the update see them."""
+import copy
+
+import pytest
+import torch
+from models import hf_sample, tiny_hf
+
+import tierflow
+from tierflow import FitConfig
+from tierflow.errors import TierflowError
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.parametrize("grad_accum, clip, disk", [
+    (1, None, False),  # updates inside the backward
+    (2, 1.0, False),  # one pass after the last micro-batch, clipped
+    (2, 1.0, True),  # the same, every stage streamed: gradients wait on the disk tier
+])
+def test_the_update_sees_the_reduced_gradients(grad_accum, clip, disk, tmp_path):
+    """A reduction that halves every gradient, as averaging over two workers whose other
+    one saw zero gradients would: the weights then move as plain PyTorch's with the
+    gradients halved (the clipping norm measured after the halving)."""
+    model = tiny_hf("llama", layers=2)
+    reference = copy.deepcopy(model)
+    samples = [hf_sample(seed=k) for k in range(grad_accum)]
+    extra = dict(disk=str(tmp_path), config=FitConfig(stream="all")) if disk else {}
+    module = tierflow.fit(model, samples[0], optimizer=_sgd, grad_accum=grad_accum,
+                          max_grad_norm=clip, **extra)
+    calls: list[list[int]] = []
+
+    def halve(grads: list[torch.Tensor]) -> None:
+        calls[-1].append(len(grads))
+        for g in grads:
+            g.mul_(0.5)
+    module.reduce_gradients_with(halve)
+    plain = _sgd(reference.parameters())
+    for step in range(2):
+        for k, sample in enumerate(samples):
+            calls.append([])
+            (module(**sample).loss / grad_accum).backward()
+            (reference(**sample).loss / grad_accum).backward()
+            assert bool(calls[-1]) == (k == grad_accum - 1)  # none before the last
+        for p in reference.parameters():
+            p.grad.mul_(0.5)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(reference.parameters()), clip)
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+    module.settle()
+    assert sum(calls[-1]) == len(list(model.parameters()))  # every gradient, once
+    for (name, p), q in zip(module.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_stages_are_reduced_last_first():
+    model = tiny_hf("llama", layers=3)
+    module = tierflow.fit(model, hf_sample(), optimizer=_sgd)
+    stages = module.optimizer.stage_params
+    order: list[int] = []
+    module.reduce_gradients_with(lambda grads: order.append(next(
+        i for i, ps in enumerate(stages) if any(p.grad is grads[0] for p in ps))))
+    module(**hf_sample()).loss.backward()
+    assert order == [i for i in reversed(range(len(stages))) if stages[i]]
+
+
+def test_without_an_owned_optimizer_it_is_refused():
+    module = tierflow.fit(tiny_hf("llama"), hf_sample())
+    with pytest.raises(TierflowError, match="with your own, average the gradients"):
+        module.reduce_gradients_with(lambda grads: None)
