@@ -156,7 +156,8 @@ def test_the_gpu_planner_prices_states_of_the_trainable_parameters_only():
 
 
 def test_a_pattern_that_matches_nothing_is_the_trainer_error(tmp_path):
-    with pytest.raises(TierflowError, match="--freeze pattern 'model.layer.3.*' matches no"):
+    with pytest.raises(TierflowError, match="^--model .*: --freeze pattern 'model.layer.3.*' "
+                                            "matches no"):
         selection_for(saved("llama", tmp_path), "model.layer.3.*", None)
 
 
@@ -170,7 +171,7 @@ def test_plan_names_what_trains_and_refuses_a_typo(capsys):
     code, _, err = run_main("plan", "--model", "llama-134m", "--hardware", "h100-sxm",
                             "--seq-len", "1024", "--freeze", "layers.*", capsys=capsys)
     assert code == 2
-    assert_error_line(err, ["--freeze pattern 'layers.*' matches no parameter",
+    assert_error_line(err, ["--model llama-134m: --freeze pattern 'layers.*' matches no",
                             "model.embed_tokens.weight"])
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import TierflowError
 from .selection import Selection
 
 
@@ -24,7 +25,10 @@ def selection_for(spec: str, freeze: str | None, train_only: str | None) -> Sele
     from ..train.freeze import freeze_parameters
 
     model = meta_model(_config(spec))
-    freeze_parameters(model, freeze, train_only)
+    try:
+        freeze_parameters(model, freeze, train_only)
+    except TierflowError as e:  # name the model: a sweep matches the globs in several
+        raise TierflowError(f"--model {spec}: {e}") from None
     layers = decoder_layers(model.base_model)[1]
     stage_of = {id(p): 1 + i for i, layer in enumerate(layers) for p in layer.parameters()}
     head = model.get_output_embeddings().weight
