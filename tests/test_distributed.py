@@ -176,14 +176,16 @@ def test_two_ranks_with_disk_tiers_match_one_process(env, tmp_path, flags, rel):
     from safetensors.torch import load_file
     disk = tmp_path / "tier"
     disk.mkdir()
-    extra = ("--steps", "3", "--eval-every", "0", "--save-every", "2", "--disk", str(disk),
-             "--stream", "all", *flags)
+    extra = ("--steps", "3", "--eval-every", "3", "--eval-steps", "2", "--save-every", "2",
+             "--disk", str(disk), "--stream", "all", *flags)
     outputs = finish(launch(_args(env, tmp_path / "one", *extra), 1)
                      + launch(_args(env, tmp_path / "two", *extra), 2))
     one, two = (records(tmp_path / name / "log.jsonl", "train") for name in ("one", "two"))
     assert len(one) == len(two) == 3 and len({r["loss"] for r in one}) == 3
     for a, b in zip(two, one, strict=True):
         assert abs(a["loss"] - b["loss"]) <= rel * abs(b["loss"]), (a, b)
+    evals = [records(tmp_path / name / "log.jsonl", "eval")[0]["loss"] for name in ("one", "two")]
+    assert abs(evals[1] - evals[0]) <= rel * evals[0], evals  # each rank evaluates its share
     assert "replicas: each rank holds the whole model" in outputs[1][0]
     assert records(tmp_path / "two" / "log.jsonl", "plan")[0]["replicas"] is True
     weights = [load_file(str(tmp_path / name / "step_3" / "model.safetensors"))
