@@ -60,7 +60,8 @@ class Prediction:
     selection: str  # the --freeze/--train-only flags that chose them ("" when all train)
     forward_only: int  # stages at the front that nothing trains in or before: no backward
     tokens_per_step: int
-    flops_per_token: float  # model FLOPs (6 x matmul parameters + causal attention)
+    # model FLOPs: 6 x matmul parameters + causal attention when everything trains
+    flops_per_token: float
     placement: Placement
     step_time: float
     tokens_per_second: float

@@ -3,8 +3,9 @@
 The chain is the one ``chain/hf.py`` cuts (embeddings, each decoder layer, final norm +
 chunked LM head + loss), so the same rotor and ``make_plan`` that plan a profiled run plan
 this one. FLOPs are matmul FLOPs, attention scores included and causal (half of the s x s
-products); the backward costs twice the forward. Activation bytes per token follow the
-precision regime (see ``ACTIVATION_COEFFS``).
+products); the backward costs twice the forward when everything trains (a partial
+fine-tune's ``Selection`` says what each stage's backward computes). Activation bytes per
+token follow the precision regime (see ``ACTIVATION_COEFFS``).
 """
 from __future__ import annotations
 
@@ -82,10 +83,11 @@ def step_flops(shape: ModelShape, step: StepShape, selection: Selection | None =
 def layer_factors(shape: ModelShape, sel: Selection, i: int) -> tuple[float, float]:
     """(dense, attention): the FLOPs of stage i's training, forward and backward, as
     multiples of its forward's projections and MLP and of its forward's attention. A stage
-    with a backward computes its matmuls' input gradients (counted for every matmul, also in
-    the first layer that trains, where those below its lowest trainable weight are skipped)
-    and the weight gradients of the ones that train; attention's backward is twice its
-    forward. Full training: (3, 3)."""
+    with a backward computes its matmuls' input gradients and the weight gradients of the
+    ones that train; attention's backward is twice its forward. Every matmul's input
+    gradient is counted, also in the first layer that trains, where autograd skips those
+    below its lowest trainable weight (exact when whole layers train). Full training:
+    (3, 3)."""
     if not sel.needs_backward(i):
         return 1.0, 1.0
     return 2.0 + sel.matmul[i] / shape.layer_matmul_params(), 3.0
