@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from tierflow.errors import BudgetError
-from tierflow.plan.placement import (
+from tierflow.plan.placement import place
+from tierflow.plan.placement_problem import (
     ActivationOption,
     Link,
     Placement,
@@ -14,7 +15,6 @@ from tierflow.plan.placement import (
     Precision,
     Problem,
     Tier,
-    place,
 )
 
 GB = 10 ** 9

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from ..plan.costs import ChainCosts
 from ..plan.ops import Forward
-from ..plan.placement import ActivationOption
+from ..plan.placement_problem import ActivationOption
 from ..plan.rotor import rotor, smallest_budget
 from ..plan.simulate import simulate
 from ..plan.strategies import checkpoint_all, keep_all

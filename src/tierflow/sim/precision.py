@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import TierflowError
-from ..plan.placement import Precision
+from ..plan.placement_problem import Precision
 
 if TYPE_CHECKING:
     from .hardware import Hardware

@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from ..plan.placement import Link, Placement, Problem, Tier, place
+from ..plan.placement import place
+from ..plan.placement_problem import Link, Placement, Problem, Tier
 from .activations import activation_options, with_grad_bytes
 from .hardware import Hardware
 from .precision import RunPrecision

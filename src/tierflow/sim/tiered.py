@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING
 from ..config import FitConfig
 from ..errors import BudgetError
 from ..plan.ops import Fetch, Forward
-from ..plan.placement import KindPlacement, Placement, PlacementError, infeasible_error
+from ..plan.placement_problem import (
+    KindPlacement,
+    Placement,
+    PlacementError,
+    infeasible_error,
+)
 from ..plan.tier_candidates import TierProblem, UpdateRates
 from ..plan.tier_costs import LowerTier
 from ..plan.tier_search import (
