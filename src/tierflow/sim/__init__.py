@@ -3,8 +3,10 @@
 ``shapes`` reads a model's shape from a preset or ``config.json``; ``stages`` turns it into
 the ``ChainCosts`` the profiler would measure; ``hardware`` holds the published profiles and
 ``calibrate`` measures the ``cpu`` one; ``predict`` runs the tier placement planner
-(``plan/placement.py``) on them; ``sweep`` repeats it over a grid. No torch is imported
-except by ``calibrate``.
+(``plan/placement.py``) on them; ``sweep`` repeats it over a grid; ``selection`` and
+``freeze`` say what a partial fine-tune trains. No torch is imported except by
+``calibrate`` and ``freeze`` (which builds the model on the meta device). The commands are
+in ``cli_sim.py``.
 """
 from .hardware import Hardware, hardware
 from .predict import Prediction, Setup, predict
