@@ -1,5 +1,5 @@
-"""The ``tierflow`` command line: demo, compare, tokenize, train, generate, quantize, plot, plan,
-sweep, calibrate.
+"""The ``tierflow`` command line: demo, compare, tokenize, train, generate, quantize, plot, and
+the simulator's plan, sweep and calibrate (registered from ``cli_sim.py``).
 
 Every user error (a bad flag, a bad size, a budget no plan fits) is printed as one line
 ``tierflow: error: ...`` on stderr with exit code 2, never as a traceback. Set
