@@ -128,7 +128,7 @@ print(json.dumps(peers.generate(args)), flush=True)
 FIDELITY_CHILD = r"""
 import json, sys
 import torch
-from tierflow.data.tokenize import load_tokenizer
+from tierflow.data.tokenizer import load_tokenizer
 from tierflow.generate import sample_ids
 from tierflow.models.load import load_model
 original, int8, prompt, tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -180,7 +180,7 @@ def out_of_page_cache(path: Path) -> None:
 def checkpoint(peers: Path, arch: str, directory: Path) -> str:
     """``peers.py save`` (bf16, random weights) plus a tokenizer.json, synced to disk; returns
     a prompt of PROMPT_TOKENS tokens."""
-    from tierflow.data.tokenize import train_tokenizer
+    from tierflow.data.tokenizer import train_tokenizer
     subprocess.run([sys.executable, str(peers), "save", "--arch", arch, "--out", str(directory)],
                    check=True, capture_output=True)
     tok = train_tokenizer([TEXT * 4, "def add(a, b):\n    return a + b\n" * 4], 300)

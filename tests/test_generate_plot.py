@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tierflow import cli
-from tierflow.data.tokenize import EOT, train_tokenizer
+from tierflow.data.tokenizer import EOT, train_tokenizer
 from tierflow.errors import TierflowError
 from tierflow.generate import GenerateStats, encode_prompt, generate, sample_ids, stop_ids
 

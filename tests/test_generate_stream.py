@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from tierflow.data.tokenize import EOT, train_tokenizer
+from tierflow.data.tokenizer import EOT, train_tokenizer
 from tierflow.errors import TierflowError
 from tierflow.generate import run, sample_ids
 from tierflow.generate_memory import RUNTIME_BYTES, MemoryNeed, memory_needed

@@ -12,7 +12,7 @@ from cli_support import assert_error_line, run_main
 from models import CORE_FAMILIES, tiny_hf
 from test_generate_stream import LAYERS, PROMPT, save_tiny, smallest_budget
 
-from tierflow.data.tokenize import train_tokenizer
+from tierflow.data.tokenizer import train_tokenizer
 from tierflow.errors import TierflowError
 from tierflow.generate import run
 from tierflow.generate_memory import memory_needed

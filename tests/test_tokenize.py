@@ -11,12 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from cli_support import assert_error_line
+
 from tierflow import cli
 from tierflow.data import TokenFile, collect, stdlib_corpus, write_tokens
 from tierflow.data.tokenfile import HEADER_BYTES, MAGIC
-from tierflow.data.tokenize import EOT, eval_indices, tokenize
+from tierflow.data.tokenize import eval_indices, tokenize
+from tierflow.data.tokenizer import EOT
 from tierflow.errors import TierflowError
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -411,7 +411,8 @@ def test_nan_keeps_the_last_good_checkpoint_through_the_cli(root, tmp_path):
 def gen_dir(tmp_path_factory):
     """A tiny tied Qwen2 (GQA: 2 kv heads of 4) with a tokenizer.json beside it."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    from tierflow.data.tokenize import train_tokenizer
+
+    from tierflow.data.tokenizer import train_tokenizer
     directory = tmp_path_factory.mktemp("gen") / "model"
     tok = train_tokenizer(["def add(a, b):\n    return a + b\n" * 3, "hello world " * 5], 300)
     torch.manual_seed(0)
@@ -440,7 +441,7 @@ def test_generate_memory_need_is_weights_kv_cache_and_a_margin(gen_dir):
 
 
 def test_generate_ram_refuses_below_the_need_and_runs_at_it(gen_dir, tmp_path):
-    from tierflow.data.tokenize import load_tokenizer
+    from tierflow.data.tokenizer import load_tokenizer
     from tierflow.generate import memory_needed
     directory, _ = gen_dir
     tok = load_tokenizer(directory / "tokenizer.json")

@@ -153,14 +153,14 @@ def _inputs(settings: DemoSettings) -> list[str]:
 def _data_is_valid(data: Path, inputs: list[str], vocab_size: int) -> bool:
     """Whether ``data`` holds complete token files of ``inputs`` with a ``vocab_size`` BPE:
     meta.json is written last, so its presence with the same inputs and vocab means reuse."""
-    from .data.tokenize import _describe_input
+    from .data.tokenize import describe_input
     try:
         meta = json.loads((data / "meta.json").read_text(encoding="utf-8"))
         from .train.data_dir import open_data
         open_data(data)
     except Exception:  # missing, half-written or foreign: tokenize again
         return False
-    return (meta.get("inputs") == [_describe_input(i) for i in inputs]
+    return (meta.get("inputs") == [describe_input(i) for i in inputs]
             and meta.get("tokenizer", {}).get("vocab_size_requested") == vocab_size)
 
 

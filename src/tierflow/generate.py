@@ -265,7 +265,7 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
         ram: str | int | None = None, out: TextIO | None = None) -> GenerateStats:
     """What ``tierflow generate`` does: check everything, load, stream the prompt and the
     continuation to ``out`` (stdout), then a line with tokens/s."""
-    from .data.tokenize import load_tokenizer
+    from .data.tokenizer import load_tokenizer
     from .models.int8 import is_quantized
     from .models.load import load_model
 

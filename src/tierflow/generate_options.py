@@ -70,7 +70,7 @@ def check_request(model_dir: str | Path, prompt: str, *, tokenizer: str | Path |
         raise TierflowError("the prompt is empty: give some text with --prompt")
     directory = checkpoint_directory(model_dir)
     if tokenizer is not None:
-        from .data.tokenize import tokenizer_file
+        from .data.tokenizer import tokenizer_file
         tok_path = tokenizer_file(Path(tokenizer))
     else:
         tok_path = directory / "tokenizer.json"

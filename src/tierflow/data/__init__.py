@@ -3,7 +3,8 @@
 ``TokenFile.open(path)`` memory-maps a token file (or a nanoGPT ``.bin``), ``write_tokens``
 writes one atomically, ``tierflow.data.tokenize.tokenize(inputs, out)`` turns text into
 train/eval token files and a tokenizer (not re-exported here: the submodule of the same name
-would shadow it), and ``stdlib_corpus()`` lists the embedded default corpus. Imports no torch;
+would shadow it), ``load_tokenizer`` and ``train_tokenizer`` (``tokenizer.py``) read and
+train the tokenizers it writes, and ``stdlib_corpus()`` lists the embedded default corpus. Imports no torch;
 numpy and tokenizers are imported only when a name that needs them is used, so that the
 command line's parser, which reads the defaults below, starts fast.
 """
@@ -17,8 +18,8 @@ DEFAULT_EVAL_FRACTION = 0.01
 
 _LAZY = {"Corpus": "corpus", "collect": "corpus", "stdlib_corpus": "corpus",
          "TokenFile": "tokenfile", "TokenWriter": "tokenfile", "write_tokens": "tokenfile",
-         "TokenizeResult": "tokenize", "load_tokenizer": "tokenize",
-         "train_tokenizer": "tokenize"}
+         "TokenizeResult": "tokenize", "load_tokenizer": "tokenizer",
+         "train_tokenizer": "tokenizer"}
 
 
 def __getattr__(name: str) -> Any:

@@ -16,21 +16,20 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence, TextIO
+from typing import Any, Iterator, Sequence, TextIO
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
 from ..errors import TierflowError
 from . import DEFAULT_EVAL_FRACTION, DEFAULT_VOCAB_SIZE, STDLIB
 from .corpus import Corpus, collect
 from .tokenfile import TokenWriter, dtype_for_vocab
+from .tokenizer import config_beside, end_of_text, load_tokenizer, train_tokenizer
 
-EOT = "<|endoftext|>"
 MIN_VOCAB_SIZE = 257  # 256 byte tokens + the end-of-text token
 MAX_VOCAB_SIZE = 1 << 20
 SPLIT_SEED = 0
-_EOS_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
 _BATCH_DOCS = 256
 _BATCH_CHARS = 4 << 20
 
@@ -168,86 +167,6 @@ def _check_out(out: Path) -> None:
 
 # ---------------------------------------------------------------- tokenizers
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
-    """A ``tokenizers`` Tokenizer from a ``tokenizer.json`` or a directory holding one."""
-    file = tokenizer_file(Path(path))
-    try:
-        return Tokenizer.from_file(str(file))
-    except Exception as err:  # the Rust side raises a bare Exception for any bad file
-        reason = " ".join(str(err).split())[:200]
-        raise TierflowError(f"--tokenizer {file} cannot be loaded ({reason}); fix: give a "
-                            f"tokenizer.json saved by the Hugging Face tokenizers "
-                            f"library") from None
-
-
-def tokenizer_file(path: Path) -> Path:
-    """The tokenizer.json that ``path`` names: itself, or the one inside a model directory."""
-    if path.is_dir():
-        file = path / "tokenizer.json"
-        if not file.is_file():
-            raise TierflowError(f"--tokenizer {path} has no tokenizer.json (slow tokenizers such "
-                                f"as tokenizer.model are not supported); fix: give a directory "
-                                f"or file with a fast tokenizer.json")
-        return file
-    if not path.is_file():
-        raise TierflowError(f"--tokenizer {path} does not exist; fix: give a tokenizer.json file "
-                            f"or a Hugging Face model directory")
-    return path
-
-
-def train_tokenizer(documents: Iterable[str], vocab_size: int, n_documents: int | None = None,
-                    progress: bool = False) -> Tokenizer:
-    """A byte-level BPE (GPT-2 style: any text encodes, no unknown token) trained on ``documents``.
-
-    The end-of-text token is id 0. On a small corpus the vocab may end smaller than asked,
-    when no pair is left to merge twice.
-    """
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=progress)
-    tok.train_from_iterator(documents, trainer, length=n_documents)
-    return tok
-
-
-def end_of_text(tok: Tokenizer, source: str | os.PathLike[str] | None) -> tuple[str, int, bool]:
-    """The token put between documents, its id, and whether it had to be added.
-
-    A model directory's ``tokenizer_config.json`` names its ``eos_token``; otherwise the usual
-    names are tried. A tokenizer with none gets ``<|endoftext|>`` added (a new id at the end).
-    """
-    for name in (*_config_eos(source), *_EOS_NAMES):
-        token_id = tok.token_to_id(name)
-        if token_id is not None:
-            return name, token_id, False
-    tok.add_special_tokens([EOT])
-    return EOT, tok.token_to_id(EOT), True
-
-
-def _config_eos(source: str | os.PathLike[str] | None) -> list[str]:
-    """The ``eos_token`` of the tokenizer_config.json beside ``source``, if there is one."""
-    config = _config_beside(source)
-    if config is None:
-        return []
-    try:
-        eos = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
-    except (OSError, ValueError, AttributeError):
-        return []
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    return [eos] if isinstance(eos, str) else []
-
-
-def _config_beside(source: str | os.PathLike[str] | None) -> Path | None:
-    if source is None:
-        return None
-    path = Path(source)
-    config = (path if path.is_dir() else path.parent) / "tokenizer_config.json"
-    return config if config.is_file() else None
-
-
 def _save_tokenizer(tok: Tokenizer, out: Path, source: str | os.PathLike[str] | None,
                     eot: str, added: bool) -> None:
     """``tokenizer.json`` and a ``tokenizer_config.json`` that transformers' AutoTokenizer reads.
@@ -256,7 +175,7 @@ def _save_tokenizer(tok: Tokenizer, out: Path, source: str | os.PathLike[str] | 
     token had to be added, in which case it would not describe the saved tokenizer.
     """
     _write_atomic(out / "tokenizer.json", tok.to_str())
-    config = _config_beside(source)
+    config = config_beside(source)
     if config is not None and not added:
         shutil.copyfile(config, out / "tokenizer_config.json")
     else:
@@ -384,13 +303,13 @@ def _meta(result: TokenizeResult, corpus: Corpus, eval_fraction: float,
         "split": ("the last tokens of the single document" if split_tokens
                   else f"random documents, seed {SPLIT_SEED}"),
         "text_field": corpus.text_field,
-        "inputs": [_describe_input(i) for i in corpus.inputs],
+        "inputs": [describe_input(i) for i in corpus.inputs],
         "skipped_examples": [str(p) for p in corpus.skipped[:10]],
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
 
 
-def _describe_input(raw: str) -> str:
+def describe_input(raw: str) -> str:
     """An INPUT as an absolute path, or ``stdlib (DIR)`` for the embedded corpus."""
     if raw == STDLIB and not Path(raw).exists():
         return f"{STDLIB} ({Path(os.__file__).resolve().parent})"
