@@ -51,8 +51,9 @@ _HELP = {
                     "removed at the end; checkpoints still go to --out); with --gpu, "
                     "tierflow owns AdamW and the model starts in host RAM (on disk when its "
                     "weights pass --ram or leave too little of it), streamed to the GPU from "
-                    "RAM or disk; --resume keeps the run's --disk unless given, 'none' for no "
-                    "disk tier"),
+                    "RAM or disk; under torchrun each rank holds the whole model and its "
+                    "states in a subdirectory of its own (replicas, gradients averaged); "
+                    "--resume keeps the run's --disk unless given, 'none' for no disk tier"),
     "seq_len": ("N", "tokens per sequence (default 256)"),
     "batch_size": ("N", "sequences per micro-batch over all ranks (the global batch): under "
                         "torchrun each rank takes batch-size / ranks of them (default 4)"),
