@@ -5,6 +5,7 @@ disk tiers of their own with --disk, and a killed rank that makes the other stop
 clear line."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -177,7 +178,8 @@ def test_two_ranks_with_disk_tiers_match_one_process(env, tmp_path, flags, rel):
     disk = tmp_path / "tier"
     disk.mkdir()
     extra = ("--steps", "3", "--eval-every", "3", "--eval-steps", "2", "--save-every", "2",
-             "--disk", str(disk), "--stream", "all", *flags)
+             "--disk", str(disk), "--stream", "all", "--trace", str(tmp_path / "trace.json"),
+             *flags)
     outputs = finish(launch(_args(env, tmp_path / "one", *extra), 1)
                      + launch(_args(env, tmp_path / "two", *extra), 2))
     one, two = (records(tmp_path / name / "log.jsonl", "train") for name in ("one", "two"))
@@ -194,6 +196,11 @@ def test_two_ranks_with_disk_tiers_match_one_process(env, tmp_path, flags, rel):
         torch.testing.assert_close(weights[1][name], value, rtol=100 * rel, atol=100 * rel,
                                    msg=name)
     assert list(disk.iterdir()) == []  # each rank's scratch directory removed
+    for trace in ("trace.json", "trace.rank1.json"):  # one per rank, the averaging in each
+        events = json.loads((tmp_path / trace).read_text())["traceEvents"]
+        rows = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
+        assert any(e.get("name", "").startswith("reduce ") and e["tid"] == rows["communication"]
+                   for e in events), trace
     if flags:
         return
     # resumed on 2 ranks, each reading the checkpoint's states onto its own disk tier

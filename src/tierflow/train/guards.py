@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 
 class Interrupt:
@@ -30,13 +31,18 @@ class Interrupt:
 
 
 @contextlib.contextmanager
-def traced(path: str | None, logger) -> Iterator[None]:
+def traced(path: str | None, logger, rank: int = 0) -> Iterator[None]:
     """With ``--trace FILE``: record every step's spans and write them when the loop ends
-    (however it ends: an interrupted or failed run's trace is the one to look at)."""
+    (however it ends: an interrupted or failed run's trace is the one to look at). Under
+    torchrun rank 0 writes FILE and rank r the same name with ``.rank<r>`` before its
+    suffix (``trace.rank1.json``)."""
     if path is None:
         yield
         return
     from ..exec.trace import recording
+    if rank:
+        file = Path(path)
+        path = str(file.with_name(f"{file.stem}.rank{rank}{file.suffix}"))
     with recording() as recorder:
         try:
             yield

@@ -117,8 +117,9 @@ _HELP = {
                                "the GPU (or, without --gpu, in RAM), ram in the host RAM below "
                                "--gpu, disk in --disk DIR"),
     "trace": ("FILE", "write a Chrome-trace JSON of every step (compute, disk reads and "
-                      "writes, optimizer, the RSS as a counter), for Perfetto or "
-                      "chrome://tracing"),
+                      "writes, optimizer, gradient averaging, the RSS as a counter), for "
+                      "Perfetto or chrome://tracing; under torchrun rank r > 0 writes "
+                      "FILE with .rank<r> before its suffix"),
     "dist_timeout": ("S", "under torchrun: seconds a rank waits for the others before it "
                           "stops with an error naming the rank that died (default 300)"),
     "config": ("FILE", "a TOML file of options; flags win over it"),

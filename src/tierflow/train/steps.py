@@ -80,7 +80,8 @@ class StepLoop:
             return 0
         logger.print()
         last_saved = start if start > 0 else None  # a resumed run's checkpoint is at start
-        with Interrupt() as interrupt, traced(opts.trace, logger):
+        rank = self.world.rank if self.world is not None else 0
+        with Interrupt() as interrupt, traced(opts.trace, logger, rank):
             for step in range(start + 1, total + 1):
                 t0 = time.perf_counter()
                 if self.world is not None:
