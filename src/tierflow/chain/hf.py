@@ -35,7 +35,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from .base import Chain, ChainError, Context, KernelStage, call_args, module_signature
+from .base import Chain, ChainError, Context, call_args, module_signature
+from .hf_stages import EmbedStage, HeadStage, LayerStage, Stop, hidden_arg
 
 # Config fields of families whose head does more than norm + linear; checked up front so the
 # error names the feature. Anything else that differs is caught by the verification run.
@@ -49,91 +50,6 @@ _HEAD_FEATURES = {
 # Arguments of the causal-LM forward that do not go to the base model.
 _HEAD_ARGS = ("labels", "shift_labels", "logits_to_keep", "return_dict")
 _VERIFY_TOKENS = 8
-
-
-class _Stop(Exception):
-    """Raised by a pre-hook to end a base-model forward early."""
-
-
-def _hidden_arg(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]
-
-
-class EmbedStage(nn.Module):
-    """x (input_ids or inputs_embeds) -> the hidden states entering decoder layer 0."""
-
-    def __init__(self, base: nn.Module, first_layer: nn.Module, input_key: str,
-                 parts: dict[str, nn.Module], loose: list[nn.Parameter]):
-        super().__init__()
-        self.parts = nn.ModuleDict({k.replace(".", "_"): m for k, m in parts.items()})
-        self.loose = nn.ParameterList(loose)  # parameters held directly by the base model
-        self.input_key = input_key
-        self._refs = (base, first_layer)  # a tuple: not registered, so not owned by this stage
-
-    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
-        base, first_layer = self._refs
-        caught: list[torch.Tensor] = []
-
-        def stop(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            caught.append(_hidden_arg(args, kwargs))
-            raise _Stop
-
-        handle = first_layer.register_forward_pre_hook(stop, with_kwargs=True)
-        try:
-            base(**{**ctx["base_kwargs"], self.input_key: x})
-        except _Stop:
-            pass
-        finally:
-            handle.remove()
-        if not caught:
-            raise ChainError(f"{type(base).__name__} returned without calling decoder layer 0")
-        return caught[0]
-
-
-def call_decoder_layer(layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-    """One decoder layer on hidden states x with the side inputs the model gives it."""
-    out = layer(x, *args, **kwargs)
-    return out[0] if isinstance(out, tuple) else out
-
-
-class LayerStage(KernelStage):
-    """Decoder layer ``index``: hidden -> hidden, its other arguments read from ctx."""
-
-    def __init__(self, layer: nn.Module, index: int):
-        super().__init__(layer, call_decoder_layer)
-        self.index = index
-
-    def side_inputs(self, ctx: Context) -> tuple:
-        return ctx["layer_inputs"][self.index]
-
-
-class HeadStage(nn.Module):
-    """Final norm, then the loss when ctx has labels (logits never materialised), else logits."""
-
-    def __init__(self, post: list[nn.Module], head: nn.Linear, chunk_tokens: int = 1024):
-        super().__init__()
-        self.post = nn.ModuleList(post)
-        self.head = head
-        self.chunk_tokens = chunk_tokens
-
-    def extra_repr(self) -> str:
-        return f"chunk_tokens={self.chunk_tokens}"  # part of the signature: profiled per size
-
-    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
-        for module in self.post:
-            x = module(x)
-        labels = ctx.get("labels")
-        if labels is None:
-            return self.head(x)
-        from ..kernels.linear_cross_entropy import linear_cross_entropy
-
-        loss = linear_cross_entropy(x, self.head.weight, labels, bias=self.head.bias,
-                                    chunk_tokens=self.chunk_tokens, shift=ctx["shift"])
-        num_items = ctx.get("num_items_in_batch")
-        if num_items is not None:  # HF: sum over tokens / num_items_in_batch
-            targets = labels[..., 1:] if ctx["shift"] else labels
-            loss = loss * (targets != -100).sum() / num_items
-        return loss
 
 
 # ---------------------------------------------------------------------------- discovery
@@ -189,11 +105,11 @@ def _layer_inputs(base: nn.Module, layers: nn.ModuleList, base_kwargs: dict[str,
             if rng_states is not None:
                 rng_states.append(torch.get_rng_state())
             if i == n - 1:
-                raise _Stop
+                raise Stop
         return hook
 
     def passthrough(*args: Any, **kwargs: Any) -> Any:
-        h = _hidden_arg(args, kwargs)
+        h = hidden_arg(args, kwargs)
         return (h,) if returns_tuple else h
 
     handles = [layer.register_forward_pre_hook(catcher(i), with_kwargs=True)
@@ -203,7 +119,7 @@ def _layer_inputs(base: nn.Module, layers: nn.ModuleList, base_kwargs: dict[str,
         layer.forward = passthrough  # instance attribute: shadows the class's forward
     try:
         base(**base_kwargs)
-    except _Stop:
+    except Stop:
         pass
     finally:
         for handle in handles:
