@@ -16,16 +16,17 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
 
-@pytest.mark.parametrize("grad_accum, clip, disk", [
-    (1, None, False),  # updates inside the backward
-    (2, 1.0, False),  # one pass after the last micro-batch, clipped
-    (2, 1.0, True),  # the same, every stage streamed: gradients wait on the disk tier
+@pytest.mark.parametrize("family, grad_accum, clip, disk", [
+    ("llama", 1, None, False),  # updates inside the backward
+    ("llama", 2, 1.0, False),  # one pass after the last micro-batch, clipped
+    ("llama", 2, 1.0, True),  # the same, every stage streamed: gradients wait on disk
+    ("qwen2", 1, None, False),  # the head tied to the embedding: reduced once
 ])
-def test_the_update_sees_the_reduced_gradients(grad_accum, clip, disk, tmp_path):
+def test_the_update_sees_the_reduced_gradients(family, grad_accum, clip, disk, tmp_path):
     """A reduction that halves every gradient, as averaging over two workers whose other
     one saw zero gradients would: the weights then move as plain PyTorch's with the
     gradients halved (the clipping norm measured after the halving)."""
-    model = tiny_hf("llama", layers=2)
+    model = tiny_hf(family, layers=2)
     reference = copy.deepcopy(model)
     samples = [hf_sample(seed=k) for k in range(grad_accum)]
     extra = dict(disk=str(tmp_path), config=FitConfig(stream="all")) if disk else {}
