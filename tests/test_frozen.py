@@ -21,7 +21,11 @@ from tierflow.plan.streaming import streamed_costs
 
 
 def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    """AdamW with eps 1e-5: at torch's 1e-8, a weight whose gradient is rounding noise (GPT-2's
+    layer 1 c_proj has one at 8e-9, its streamed run's 4e-10 apart, the fused head summing in
+    another order) takes a step of lr * g / (|g| + eps) that differs by 1.4e-4 (the
+    comparison's tolerance is 1e-4; seen on an AMX CPU, whose kernels round differently)."""
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-5)
 
 
 def _frozen_copy(family: str):
