@@ -374,12 +374,6 @@ def test_weights_and_states_on_disk_stepped_in_host_ram_below_the_gpu(tmp_path, 
     train_and_match(module, reference, samples, _adamw)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "on an H100 (6b0b034) a step that ran out of memory in its backward left ~200 MiB of "
-    "the stages' saved tensors allocated, so the retry under 80% ran out again. Taken then "
-    "for pytorch/pytorch#82218; a CPU test later found tierflow's own saved-tensor hooks "
-    "keeping an abandoned step's tapes (test_an_abandoned_step_keeps_none_of_its_tapes, "
-    "fixed), not run on a GPU since: if this passes now, drop the mark"))
 def test_a_real_out_of_memory_error_replans_and_retries(train_env, tmp_path, capsys,
                                                       monkeypatch):
     """Once the first plan is made, the caching allocator is capped 3% below the memory its
