@@ -35,7 +35,7 @@ import tierflow, tierflow.api
 import tierflow.exec.optimizer_probe as probe
 from tierflow import measure
 arch, seq, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-import tierflow.tiers
+import tierflow.fitting.tiers
 steps, priced = [], []
 step, price = probe._probe_step, probe.probe_optimizer
 def recorded_step(*args):
@@ -45,7 +45,7 @@ def recorded_price(*args, **kwargs):
     priced.append(price(*args, **kwargs))
     return priced[-1]
 probe._probe_step = recorded_step
-tierflow.tiers.probe_optimizer = recorded_price
+tierflow.fitting.tiers.probe_optimizer = recorded_price
 model = measure.build(arch, seq)
 tokens = torch.randint(0, model.config.vocab_size, (batch, seq))
 record = {}

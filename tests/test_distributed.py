@@ -178,10 +178,12 @@ def test_two_ranks_with_disk_tiers_match_one_process(env, tmp_path, flags, rel):
     disk = tmp_path / "tier"
     disk.mkdir()
     extra = ("--steps", "3", "--eval-every", "3", "--eval-steps", "2", "--save-every", "2",
-             "--disk", str(disk), "--stream", "all", "--trace", str(tmp_path / "trace.json"),
-             *flags)
-    outputs = finish(launch(_args(env, tmp_path / "one", *extra), 1)
-                     + launch(_args(env, tmp_path / "two", *extra), 2))
+             "--disk", str(disk), "--stream", "all", *flags)
+    # the two runs go on at once: a trace each
+    outputs = finish(launch(_args(env, tmp_path / "one", *extra, "--trace",
+                                  str(tmp_path / "one.json")), 1)
+                     + launch(_args(env, tmp_path / "two", *extra, "--trace",
+                                    str(tmp_path / "two.json")), 2))
     one, two = (records(tmp_path / name / "log.jsonl", "train") for name in ("one", "two"))
     assert len(one) == len(two) == 3 and len({r["loss"] for r in one}) == 3
     for a, b in zip(two, one, strict=True):
@@ -196,7 +198,7 @@ def test_two_ranks_with_disk_tiers_match_one_process(env, tmp_path, flags, rel):
         torch.testing.assert_close(weights[1][name], value, rtol=100 * rel, atol=100 * rel,
                                    msg=name)
     assert list(disk.iterdir()) == []  # each rank's scratch directory removed
-    for trace in ("trace.json", "trace.rank1.json"):  # one per rank, the averaging in each
+    for trace in ("two.json", "two.rank1.json"):  # one per rank, the averaging in each
         events = json.loads((tmp_path / trace).read_text())["traceEvents"]
         rows = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
         assert any(e.get("name", "").startswith("reduce ") and e["tid"] == rows["communication"]

@@ -46,7 +46,7 @@ def test_without_the_large_chunk_only_the_small_one_is_planned():
 def test_fit_skips_a_head_chunk_whose_profile_would_pass_the_budget(monkeypatch):
     """Priced above the budget, the 1024-token chunk is neither chained nor profiled; the
     plan runs 256-token chunks and fit says why."""
-    import tierflow.api as api
+    import tierflow.fitting.profile_step as api
 
     chunks = []
     original = api.to_chain
@@ -73,18 +73,18 @@ def test_fit_skips_a_head_chunk_whose_profile_would_pass_the_budget(monkeypatch)
 
 def test_the_head_profile_counts_what_is_in_use_beside_it(monkeypatch):
     """Weights held in memory (a model in RAM) and what fit allocated so far come first."""
-    import tierflow.api as api
+    import tierflow.fitting.profile_step as api
 
     said = []
     monkeypatch.setattr(api, "head_profile_bytes", lambda model, sample, tokens: 300)
-    fits = lambda in_use: api._large_head_chunk_fits(  # noqa: E731
+    fits = lambda in_use: api.large_head_chunk_fits(  # noqa: E731
         None, None, 1000, in_use, said.append)
     assert fits(700) and not said
     assert not fits(701)
     assert said == [f"the LM head runs in chunks of {SMALL_HEAD_CHUNK} tokens: profiling "
                     f"chunks of {LARGE_HEAD_CHUNK} would take about 300 B beside the 701 B in "
                     "use, above the budget"]
-    assert api._large_head_chunk_fits(None, None, None, 10 ** 12, said.append)  # no budget
+    assert api.large_head_chunk_fits(None, None, None, 10 ** 12, said.append)  # no budget
 
 
 def test_chaining_a_model_on_disk_holds_one_large_weight_at_a_time(tmp_path):

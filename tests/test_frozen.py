@@ -131,17 +131,28 @@ def test_plan_counts_the_frozen_weights_it_streams(tmp_path):
 def test_streamed_costs_move_frozen_weights_and_write_trainable_ones():
     """Pure data: a streamed stage's read, residency and freed static bytes count its frozen
     weights; its write-back after the update only its trainable ones."""
+    from schedules import streaming
+
+    from tierflow.plan.ops import Backward, Forward, Load, Store, Update
+    from tierflow.plan.timeline import timeline
+    from tierflow.plan.weight_schedule import schedule_weights
+
     stage = StageCost(name="layer", fwd_time=1.0, bwd_time=0.0, param_bytes=100,
                       frozen_bytes=300, output_bytes=8, tape=10)
-    costs = ChainCosts(stages=(stage,), input_bytes=8, static_bytes=1000)
-    moved = streamed_costs(costs, {0}, read_bytes_per_s=100.0, write_bytes_per_s=100.0,
-                           depth=0)
+    costs = ChainCosts(stages=(stage,), input_bytes=8, static_bytes=1000, optimizer_owned=True)
+    moved = streamed_costs(costs, {0}, home="disk", read_bytes_per_s=100.0,
+                           write_bytes_per_s=100.0, depth=0)
     s = moved.stages[0]
-    assert s.fwd_time == pytest.approx(1.0 + 4.0)  # 400 bytes read at 100 B/s
-    assert s.update_time == pytest.approx(1.0)  # 100 trainable bytes written
     assert s.tape == 10 + 400
     assert moved.static_bytes == 1000 - 400 + 400  # moved out, one stage's buffer back
     assert moved.extra["streamed bytes"] == 400
+    ops = [Forward(0, tape=True), Backward(0), Update(0)]
+    schedule = schedule_weights(ops, streaming(costs, {0}, 0), 1)
+    assert [op.nbytes for op in (*schedule.cold, *schedule.step)
+            if isinstance(op, (Load, Store))] == [400, 100]  # kept from step to step
+    spans = {span.resource: span.end - span.start
+             for span in timeline(moved, schedule.step).spans}
+    assert spans["disk write"] == pytest.approx(1.0)  # 100 trainable bytes written
 
 
 def _prefixed_costs(owned: bool = True) -> ChainCosts:

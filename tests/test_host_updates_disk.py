@@ -67,7 +67,7 @@ def test_stages_stepped_in_host_ram_beside_stages_updated_on_the_gpu(family, gra
     are read into host RAM for the host thread's step, the even ones come up for the
     (simulated) GPU's update, through the same disk reader and writer. 3 steps as plain
     PyTorch's."""
-    from tierflow import tiers
+    from tierflow.fitting import tiers
 
     monkeypatch.setattr(tiers, "host_updatable", lambda chain: tuple(range(1, len(chain), 2)))
     model = tiny_hf(family, layers=3, dropout=0.1)

@@ -17,11 +17,35 @@ import tierflow
 from tierflow.config import FitConfig
 from tierflow.exec.file_io import file_bytes
 from tierflow.plan.costs import ChainCosts, StageCost
+from tierflow.plan.ops import TRANSFERS, Forward, Load, stage_of
 from tierflow.plan.streaming import streamed_costs
 
 
 def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def loaded_ahead(ops) -> int:
+    """The most streamed stages any Load of ``ops`` is placed ahead of its stage's next use:
+    the compute ops of other stages between them (0: every read on demand)."""
+    most = 0
+    for k, op in enumerate(ops):
+        if not isinstance(op, Load):
+            continue
+        between = set()
+        for later in ops[k + 1:]:
+            j = stage_of(later)
+            if j == op.stage:
+                break
+            if j is not None:
+                between.add(j)
+        most = max(most, len(between))
+    return most
+
+
+def every_routine(plan):
+    r = plan.routines
+    return [plan.ops, r.between, r.update_pass, r.after_pass, r.cold, r.evaluation]
 
 
 @pytest.mark.parametrize("planner", ["checkpoint-all", "keep-all"])
@@ -60,32 +84,42 @@ def test_weights_read_on_demand_without_prefetch(tmp_path):
                           config=FitConfig(planner="checkpoint-all", stream="all",
                                            prefetch_depth=0))
     train_side_by_side(module, reference, sample, _adamw, steps=2)
-    assert module.streamer._reads == {}  # nothing was read ahead
+    assert any(isinstance(op, Load) for op in module.plan.ops)
+    assert all(loaded_ahead(ops) == 0 for ops in every_routine(module.plan))  # on demand
     assert module.optimizer._reads == {}  # nor the optimizer states
     assert not module.optimizer.read_ahead
 
 
 def test_the_planner_chooses_the_prefetch_depth(tmp_path):
-    """With no depth given, the placement's depth is one the planner tried, and the streamer,
-    the optimizer and the [Plan] figures all use it."""
+    """With no depth given, the placement's depth is one the planner tried, and the plan's
+    weight loads, the optimizer and the [Plan] figures all use it."""
     module = tierflow.fit(tiny_hf("llama", layers=2), hf_sample(), optimizer=_adamw,
                           disk=tmp_path, config=FitConfig(stream="all"))
     depth = module.plan.costs.extra["prefetch depth"]
     assert depth in (0, 1, 2)
-    assert module.streamer.depth == depth
+    assert loaded_ahead(module.plan.ops) == depth
     assert module.optimizer.read_ahead == (depth > 0)
 
 
 def test_a_deeper_prefetch_hides_a_read_behind_more_compute():
-    """A stage's read has d stages of compute to hide behind: its forward costs the longer
-    of its compute and a d-th of the read; read on demand (d = 0) it costs both."""
-    stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=400, output_bytes=10,
+    """A stage's read starts ``depth`` streamed stages before its use, so that it overlaps
+    their compute: read on demand (depth 0) a stage waits for its whole read; read one
+    ahead, reads as long as a forward are hidden; reads twice as long bound the step, and a
+    second stage ahead does not make the disk faster. (The last stage is used last and
+    first needed again next time: it stays.)"""
+    from schedules import step_seconds
+
+    stage = StageCost("layer", fwd_time=4.0, bwd_time=2.0, param_bytes=400, output_bytes=10,
                       tape=30)
     costs = ChainCosts(stages=(stage,) * 4, input_bytes=10, static_bytes=1000)
-    forward = {d: streamed_costs(costs, {1, 2, 3}, read_bytes_per_s=100.0,
-                                 write_bytes_per_s=100.0, depth=d).stages[1].fwd_time
-               for d in (0, 1, 2, 4)}
-    assert forward == {0: 5.0, 1: 4.0, 2: 2.0, 4: 1.0}
+    forwards = [Forward(i, tape=False) for i in range(4)]
+    seconds = {(d, rate): step_seconds(costs, forwards, {1, 2, 3}, d, rate)
+               for d in (0, 1, 2) for rate in (100.0, 50.0)}
+    assert seconds[0, 100.0] == pytest.approx(4 * 4.0 + 2 * 4.0)  # two reads wait
+    assert seconds[1, 100.0] == pytest.approx(4 * 4.0)  # hidden
+    assert seconds[1, 50.0] == pytest.approx(2 * 8.0 + 2 * 4.0)  # the reads, then 2 forwards
+    assert seconds[2, 50.0] == pytest.approx(seconds[1, 50.0])
+    assert seconds[0, 50.0] == pytest.approx(4 * 4.0 + 2 * 8.0)
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -94,75 +128,74 @@ def test_reads_ahead_start_before_the_operation_they_overlap(tmp_path, monkeypat
     d streamed stages the plan uses have started: they overlap that operation (an Update of
     the same stage between two backwards does not take a place of the read-ahead)."""
     from tierflow.exec.runner import StepRun
-    from tierflow.exec.weights import WeightStreamer
 
-    events = []
-    fetch, run = WeightStreamer.fetch, StepRun._run
+    checked = []
     forward, backward = StepRun._forward, StepRun._backward
-
-    def logged(kind, method):
-        def call(self, i, *args):
-            events.append((kind, i))
-            return method(self, i, *args)
-        return call
-
     module = tierflow.fit(tiny_hf("llama", layers=4), hf_sample(), optimizer=_adamw,
                           disk=tmp_path, config=FitConfig(planner="keep-all", stream="all",
                                                           prefetch_depth=depth))
-    monkeypatch.setattr(WeightStreamer, "fetch", logged("fetch", fetch))
-    monkeypatch.setattr(StepRun, "_run", logged("run", run))
-    monkeypatch.setattr(StepRun, "_forward", logged("compute", forward))
-    monkeypatch.setattr(StepRun, "_backward", logged("compute", backward))
+    ops, streamer = module.plan.ops, module.streamer
+    compute = [op for op in ops if not isinstance(op, TRANSFERS)]
+
+    def checking(method):
+        def call(self, i, *args):
+            position = self._position  # the compute op running
+            ahead = []  # the next streamed stages the plan uses after this operation
+            for later in compute[compute.index(ops[position]) + 1:]:
+                j = stage_of(later)
+                if j in streamer.stage_params and j != i and j not in ahead:
+                    ahead.append(j)
+            if i in streamer.stage_params:  # their reads have started by this op's start
+                assert set(ahead[:depth]) <= streamer.resident, (ops[position], ahead)
+                checked.append(i)
+            return method(self, i, *args)
+        return call
+
+    run = StepRun._run
+
+    def tracked(self, position):
+        self._position = position
+        return run(self, position)
+    monkeypatch.setattr(StepRun, "_run", tracked)
+    monkeypatch.setattr(StepRun, "_forward", checking(forward))
+    monkeypatch.setattr(StepRun, "_backward", checking(backward))
     module(**hf_sample()).loss.backward()
-    ops, streamed = module.plan.ops, module.streamer.stage_params
-    checked, position, since = 0, None, 0
-    for k, (kind, value) in enumerate(events):
-        if kind == "run":
-            position, since = value, k
-        if kind != "compute" or value not in streamed:
-            continue
-        ahead = []  # the next streamed stages the plan uses after this operation
-        for later in ops[position + 1:]:
-            j = getattr(later, "stage", None)
-            if j in streamed and j != value and j not in ahead:
-                ahead.append(j)
-        started = {i for what, i in events[since:k] if what == "fetch"}  # by this op's start
-        assert set(ahead[:depth]) <= started, (ops[position], ahead[:depth], started)
-        checked += 1
-    assert checked >= 2 * len(streamed)
+    assert len(checked) >= 2 * len(streamer.streamed)
 
 
 def test_the_update_pass_reads_the_next_stage_while_one_updates(tmp_path, monkeypatch):
-    """After the backward (clipping), each streamed stage's update starts with the read of
-    the next stage it updates (last first) under way, as the planner prices the pass."""
+    """After the backward (clipping), each streamed stage's update starts with the next
+    stage it updates (last first) in memory or its read under way, as the planner prices
+    the pass."""
     from tierflow.exec.optimizer import OwnedOptimizer
     from tierflow.exec.weights import WeightStreamer
 
     events = []
-    fetch, step_stage = WeightStreamer.fetch, OwnedOptimizer.step_stage
+    load, step_stage = WeightStreamer._load, OwnedOptimizer.step_stage
 
-    def logged_fetch(self, i):
+    def logged_fetch(self, i, name, resource):
         events.append(("fetch", i))
-        fetch(self, i)
+        load(self, i, name, resource)
 
     def logged_step(self, i, scale=1.0):
         events.append(("update", i))
+        resident.append(module.streamer.resident)  # in memory or being read as it starts
         step_stage(self, i, scale)
 
     module = tierflow.fit(tiny_hf("llama", layers=4), hf_sample(), optimizer=_adamw,
                           max_grad_norm=1.0, disk=tmp_path,
                           config=FitConfig(planner="keep-all", stream="all", prefetch_depth=1))
-    monkeypatch.setattr(WeightStreamer, "fetch", logged_fetch)
+    monkeypatch.setattr(WeightStreamer, "_load", logged_fetch)
     monkeypatch.setattr(OwnedOptimizer, "step_stage", logged_step)
+    resident = []
     module(**hf_sample()).loss.backward()
     updates = [k for k, (kind, _) in enumerate(events) if kind == "update"]
     order = [events[k][1] for k in updates]
     assert order == sorted(order, reverse=True)
     streamed = module.streamer.stage_params
-    for previous, k, i in zip(updates, updates[1:], order[1:]):
+    for i, held in zip(order, resident):
         following = [j for j in order if j < i and j in streamed][:1]
-        started = {j for kind, j in events[previous:k] if kind == "fetch"}  # since the last
-        assert set(following) <= started, (i, events)
+        assert set(following) <= held, (i, events)  # in memory, or its read under way
     assert len(updates) >= len(streamed)
 
 
@@ -259,17 +292,21 @@ def test_stream_all_needs_a_disk_directory():
 
 
 def test_streamed_costs_move_weights_out_of_the_static_bytes():
+    """The memory side of streaming: the weights leave the static bytes, buffers for the
+    stages in flight come in, and a streamed stage's tape holds its weights. Its time is the
+    plan's transfers' (not the stage's): the costs give their resources' rates."""
     stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
                       tape=30, update_time=0.5)
     costs = ChainCosts(stages=(stage, stage, stage), input_bytes=10, static_bytes=1000)
-    moved = streamed_costs(costs, {1, 2}, read_bytes_per_s=50.0, write_bytes_per_s=25.0, depth=1)
+    moved = streamed_costs(costs, {1, 2}, home="disk", read_bytes_per_s=50.0,
+                           write_bytes_per_s=25.0, depth=1)
     # 200 bytes of weights leave the static bytes; two stage-sized buffers come in
     assert moved.static_bytes == 1000 - 200 + 2 * 100
     assert moved.stages[0] == stage
     streamed = moved.stages[1]
     assert streamed.tape == 130 and streamed.fwd_transient_nograd == 100
-    assert streamed.fwd_time == 2.0  # reading 100 bytes at 50 B/s outlasts the 1 s forward
-    assert streamed.update_time == 0.5 + (4.0 - 2.0)  # the write outlasts the backward by 2 s
+    assert (streamed.fwd_time, streamed.update_time) == (1.0, 0.5)
+    assert moved.bandwidths == {"disk read": 50.0, "disk write": 25.0}
 
 
 def test_an_offloaded_tape_of_a_streamed_stage_moves_only_its_activations():
@@ -282,7 +319,8 @@ def test_an_offloaded_tape_of_a_streamed_stage_moves_only_its_activations():
     stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
                       tape=30)
     costs = ChainCosts(stages=(stage, stage, stage), input_bytes=10, static_bytes=1000)
-    moved = streamed_costs(costs, {1, 2}, read_bytes_per_s=50.0, write_bytes_per_s=25.0, depth=1)
+    moved = streamed_costs(costs, {1, 2}, home="disk", read_bytes_per_s=50.0,
+                           write_bytes_per_s=25.0, depth=1)
     offloaded = offloaded_tape_costs(moved, {0, 1, 2}, read_bytes_per_s=10.0,
                                      write_bytes_per_s=10.0, streamed={1, 2})
     assert offloaded.static_bytes == moved.static_bytes + 2 * 30  # two tapes in flight
@@ -296,35 +334,35 @@ def test_an_offloaded_tape_of_a_streamed_stage_moves_only_its_activations():
 
 def test_a_streamed_stage_whose_tape_is_offloaded_reads_its_weights_again_for_backward():
     """The executor drops a streamed stage's weights after its forward when its tape waits
-    on a lower tier, and reads them again for its backward: the backward pays that read
-    whole without read-ahead, and the part of it that outlasts ``depth`` backwards with it.
-    A candidate whose tapes go down is priced with it; the W2 plan without read-ahead was
-    predicted 22% short without it (docs/benchmarks.md)."""
-    from tierflow.plan.streaming import read_again_for_backward
-    from tierflow.plan.tape_offload import offloaded_tape_costs
-    from tierflow.plan.tier_costs import Candidate, LowerTier, with_offloaded_tapes
+    on a lower tier, and the plan reads them again for its backward: a Load before each
+    forward and before each backward of such a stage, none before the backward of a stage
+    whose tape stayed in memory (it holds them; the last stage's backward follows its
+    forward at once, and the first stage is kept from its update to the next step).
+    Priced: a backward waits for the read on demand; read one ahead, the read hides behind
+    the backward before it."""
+    from schedules import step_seconds, streaming
 
-    stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
+    from tierflow.plan.ops import Backward, Update
+    from tierflow.plan.weight_schedule import schedule_weights
+
+    stage = StageCost("layer", fwd_time=1.0, bwd_time=5.0, param_bytes=100, output_bytes=10,
                       tape=30)
-    costs = ChainCosts(stages=(stage, stage, stage), input_bytes=10, static_bytes=1000)
-    on_demand = read_again_for_backward(costs, {1, 2}, read_bytes_per_s=20.0, depth=0)
-    assert on_demand.stages[0] == stage
-    assert [s.bwd_time for s in on_demand.stages[1:]] == [2.0 + 5.0, 2.0 + 5.0]
-    ahead = read_again_for_backward(costs, {1}, read_bytes_per_s=20.0, depth=2)
-    assert ahead.stages[1].bwd_time == 2.5  # 5 s of read behind two 2 s backwards
-    disk = LowerTier("disk", 20.0, None, "the disk tier")
-    for depth in (0, 1):
-        moved = streamed_costs(costs, {0, 1, 2}, read_bytes_per_s=20.0, write_bytes_per_s=20.0,
-                               depth=depth)
-        kept = Candidate(moved, disk, disk, frozenset({0, 1, 2}), (), depth)
-        [_, offloaded] = with_offloaded_tapes([kept], disk, FitConfig(), min_bytes=1)
-        tapes = offloaded_tape_costs(moved, {0, 1, 2}, read_bytes_per_s=20.0,
-                                     write_bytes_per_s=20.0, read_ahead=depth > 0,
-                                     streamed={0, 1, 2})
-        for priced, taped in zip(offloaded.costs.stages, tapes.stages):
-            # 100 bytes at 20 B/s: 5 s, whole on demand, behind one backward reading ahead
-            assert priced.bwd_time == (max(taped.bwd_time, 5.0) if depth
-                                       else taped.bwd_time + 5.0)
+    costs = ChainCosts(stages=(stage, stage, stage), input_bytes=10, static_bytes=1000,
+                       optimizer_owned=True)
+    ops = [Forward(i, tape=True) for i in range(3)]
+    for i in (2, 1, 0):
+        ops += [Backward(i), Update(i)]
+    for below, loads in ((frozenset(), 2), (frozenset({0, 1, 2}), 4)):
+        step = schedule_weights(ops, streaming(costs, {0, 1, 2}, 0, tapes_below=below),
+                                3).step
+        assert sum(isinstance(op, Load) for op in step) == loads
+    # 100 bytes at 20 B/s: 5 s a read
+    on_demand = step_seconds(costs, ops, {0, 1, 2}, 0, 20.0, 1e9,
+                             tapes_below=frozenset({0, 1, 2}))
+    ahead = step_seconds(costs, ops, {0, 1, 2}, 1, 20.0, 1e9, tapes_below=frozenset({0, 1, 2}))
+    compute = 3 * 1.0 + 3 * 5.0
+    assert on_demand >= compute + 3 * 5.0  # the forwards' reads and two backwards' wait
+    assert ahead < on_demand
 
 
 def test_a_preset_built_on_disk_trains_like_the_same_preset_in_memory(tmp_path):
@@ -387,7 +425,7 @@ def test_serial_reads_run_a_read_ahead_plan_on_demand(tmp_path):
     assert module.plan.costs.extra["prefetch depth"] == 1
     assert "every read runs on demand (serial_reads)" in module.plan.explain()
     train_side_by_side(module, reference, sample, _adamw, steps=2)
-    assert module.streamer._reads == {}
+    assert all(loaded_ahead(ops) == 0 for ops in every_routine(module.plan))
     assert module.optimizer._reads == {}
     assert not module.optimizer.read_ahead
 
@@ -592,19 +630,19 @@ def test_a_model_in_ram_is_profiled_from_disk_under_a_ram_budget(tmp_path, monke
     profile, as `tierflow train --disk` builds a model there: each stage is profiled with its
     own weights alone (a stage's profile beside the whole model could pass the budget before
     any step ran), and it trains as plain PyTorch."""
-    import tierflow.api
+    import tierflow.fitting.profile_step as profile_step
 
     model = tiny_hf("llama", layers=3, dropout=0.1)
     reference = copy.deepcopy(model)
     sample = hf_sample()
     in_memory = []  # the weights' bytes in memory as each profile starts
-    profile = tierflow.api.profile_chain
+    profile = profile_step.profile_chain
 
     def spy(*args, **kwargs):
         in_memory.append(sum(p.untyped_storage().nbytes() for p in model.parameters()))
         return profile(*args, **kwargs)
 
-    monkeypatch.setattr(tierflow.api, "profile_chain", spy)
+    monkeypatch.setattr(profile_step, "profile_chain", spy)
     module = tierflow.fit(model, sample, optimizer=_adamw, ram="1GiB", disk=tmp_path,
                           config=FitConfig(planner="checkpoint-all", stream="all",
                                            prefetch_depth=1))

@@ -49,10 +49,19 @@ def test_disk_run_matches_the_in_memory_run(train_env, tmp_path, capsys, grad_ac
         torch.testing.assert_close(final[1][name], final[0][name], rtol=1e-4, atol=1e-6)
     assert list(disk.iterdir()) == []  # the run's scratch directory is gone
     trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-    rows = {e["args"]["name"]: e["tid"] for e in trace if e["ph"] == "M"}
-    reads = [e for e in trace if e["ph"] == "X" and e["tid"] == rows["disk read"]]
-    assert any(e["name"].startswith("read weights") for e in reads)
-    assert any(e["name"].startswith("read optimizer states") for e in reads)
+    process = {e["args"]["name"]: e["pid"] for e in trace if e["name"] == "process_name"}
+    rows = {e["args"]["name"]: e["tid"] for e in trace if e["name"] == "thread_name"}
+    spans = {kind: [e for e in trace if e["ph"] == "X" and e["pid"] == pid]
+             for kind, pid in process.items()}
+    reads = [e for e in spans["measured"] if e["tid"] == rows["disk read"]]
+    assert any(e["name"].startswith("load(w") for e in reads)
+    assert any(e["name"].startswith("load(s") for e in reads)  # optimizer states
+    # the plan's predicted spans, op by op beside the measured ones of the same names
+    predicted = {e["name"] for e in spans["predicted"]}
+    assert any(name.startswith("load(w") for name in predicted)
+    assert predicted <= {e["name"] for e in spans["measured"]}
+    [record] = records(tmp_path / "disk-run" / "log.jsonl", "trace")
+    assert {"compute", "disk read"} <= set(record["busy_s"])
 
 
 LOW_PRECISION = {"bf16-weights": ("--model-dtype", "bf16", "--dtype", "bf16",  # the last wins
@@ -124,7 +133,7 @@ def test_compiled_layers_on_disk_match_the_in_memory_compiled_run(train_env, tmp
     """torch.compile'd decoder layers read their streamed weights as graph inputs (the
     parameters are the compiled kernel's arguments): every stage streamed from disk gives
     the in-memory compiled run's losses to the bit."""
-    from tierflow import api
+    from tierflow.fitting import profile_step as api
     compiled, real = [], api.compile_chain
 
     def counting(chain):  # how many stages each plan's chain compiled

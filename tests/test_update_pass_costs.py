@@ -19,8 +19,8 @@ def _all_streamed(params_mib: list[int], depth: int = 0):
     base = ChainCosts(stages=stages, input_bytes=MIB, static_bytes=sum(params_mib) * MIB)
     disk = LowerTier("disk", 1e9, None, "the disk")
     streamed = frozenset(range(len(stages)))
-    costs = streamed_costs(base, set(streamed), read_bytes_per_s=1e9, write_bytes_per_s=1e9,
-                           depth=depth)
+    costs = streamed_costs(base, set(streamed), home="disk", read_bytes_per_s=1e9,
+                           write_bytes_per_s=1e9, depth=depth)
     candidate = Candidate(costs, disk, disk, streamed, (), depth)
     return candidate, base, [2 * p * MIB for p in params_mib]
 

@@ -14,8 +14,6 @@ from side_by_side import gathered_parameters, train_side_by_side
 import tierflow
 from tierflow.config import FitConfig
 from tierflow.plan.costs import ChainCosts, StageCost
-from tierflow.plan.streaming import streamed_costs
-from tierflow.plan.tier_costs import LowerTier, updated_on_host
 
 
 def _adamw(params):
@@ -100,11 +98,17 @@ def test_a_lone_kept_stage_updates_only_after_its_last_write(tmp_path):
     from tierflow.exec.disk import DiskStore
     from tierflow.exec.offload import OffloadedParameters
     from tierflow.exec.weights import WeightStreamer
-    from tierflow.plan.ops import Backward, Forward, Update
+    from tierflow.plan.ops import TRANSFERS, Backward, Forward, Store, Update
+    from tierflow.plan.weight_schedule import StreamedWeights, schedule_weights
 
     weight = torch.nn.Parameter(torch.zeros(64))
     offloaded = OffloadedParameters(DiskStore(tmp_path))
-    streamer = WeightStreamer({0: [weight]}, offloaded, depth=0, names={id(weight): "w"})
+    streamer = WeightStreamer({0: [weight]}, offloaded, names={id(weight): "w"})
+    schedule = schedule_weights([Forward(0, tape=True), Backward(0), Update(0)],
+                                StreamedWeights(((0, weight.nbytes, weight.nbytes),), "disk", "ram",
+                                                "disk read", "disk write", depth=0), length=1)
+    assert Store("weights", 0, "ram", "disk", "disk write", weight.nbytes, keep=True) in \
+        schedule.step
     written: list[float] = []
     write = offloaded.write
 
@@ -113,45 +117,51 @@ def test_a_lone_kept_stage_updates_only_after_its_last_write(tmp_path):
         written.append(float(p.detach()[0]))
         write(p)
     offloaded.write = slow_write
-    ops = [Forward(0, tape=True), Backward(0), Update(0)]
-    for _ in range(3):
-        for position, op in enumerate(ops):
-            streamer.before(ops, position)
+    for op in schedule.cold:
+        streamer.dispatch(op)
+    for _ in range(3):  # as the step's runner dispatches the plan
+        for op in (*schedule.step, *schedule.between):
+            if isinstance(op, TRANSFERS):
+                streamer.dispatch(op)
+                continue
+            streamer.wait_loaded(0)
             if isinstance(op, Update):
+                streamer.wait_stored(0)
                 with torch.no_grad():
                     weight.add_(1.0)  # the stage's optimizer step
-            streamer.after(ops, position, taped={0})
     streamer.wait_writes()
     assert written == [1.0, 2.0, 3.0]
     assert weight.untyped_storage().nbytes() > 0  # kept resident after its last write
 
 
-def test_the_planner_prices_the_kept_stages_forwards_without_their_reads():
-    """The first ``depth`` + 1 streamed stages' forwards cost their compute alone when they
-    are kept (those that own parameters the optimizer updates); the others still wait on
-    their reads. Stepped in host RAM, a kept stage's copy on the compute tier is stale
-    after the step, so it is read again, and priced so."""
+def test_the_kept_stages_forwards_read_nothing_unless_stepped_in_host_ram():
+    """The first ``depth`` + 1 streamed stages are kept from their update to the next step's
+    forward: the plan loads them nowhere in the step, and its price has no read before those
+    forwards (the others still wait on theirs). Stepped in host RAM, a kept stage's copy on
+    the compute tier is stale after the step: the plan drops it and reads it again."""
+    from schedules import step_seconds, streaming
+
+    from tierflow.plan.ops import Backward, Drop, Forward, Load, Update
+    from tierflow.plan.weight_schedule import schedule_weights
+
     stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
                       tape=30)
-    costs = ChainCosts(stages=(stage,) * 4, input_bytes=10, static_bytes=1000)
-    read = {"read_bytes_per_s": 50.0, "write_bytes_per_s": 50.0}
-    plain = streamed_costs(costs, {1, 2, 3}, depth=1, **read)
-    assert [s.fwd_time for s in plain.stages] == [1.0, 2.0, 2.0, 2.0]  # 100 B at 50 B/s
-    for depth, updated, forwards in ((1, {0, 1, 2, 3}, [1.0, 1.0, 1.0, 2.0]),
-                                     (0, {0, 1, 2, 3}, [1.0, 1.0, 3.0, 3.0]),
-                                     (1, {2, 3}, [1.0, 2.0, 1.0, 2.0])):
-        kept = streamed_costs(costs, {1, 2, 3}, depth=depth,
-                              kept_across_steps=frozenset(updated), **read)
-        assert [s.fwd_time for s in kept.stages] == pytest.approx(forwards)
-        assert kept.static_bytes == streamed_costs(costs, {1, 2, 3}, depth=depth,
-                                                   **read).static_bytes  # in its buffers
-    kept = streamed_costs(costs, {1, 2, 3}, depth=1, kept_across_steps=frozenset({1, 2, 3}),
-                          **read)
-    assert kept.extra["weights kept across steps"] == {1: 2.0, 2: 2.0}
-    ram = LowerTier("ram", 1e3, None, "host RAM")
-    state_of = [0, 800, 800, 800]
-    for host, forwards in ((frozenset({1, 2, 3}), [2.0, 2.0]), (frozenset({2, 3}), [1.0, 2.0]),
-                           (frozenset({3}), [1.0, 1.0])):
-        hosted = updated_on_host(kept, costs, state_of, host, frozenset({1, 2, 3}), ram, ram,
-                                 1e-3, True)
-        assert [hosted.stages[i].fwd_time for i in (1, 2)] == forwards
+    costs = ChainCosts(stages=(stage,) * 4, input_bytes=10, static_bytes=1000,
+                       optimizer_owned=True)
+    ops = [Forward(i, tape=True) for i in range(4)]
+    for i in (3, 2, 1, 0):
+        ops += [Backward(i), Update(i)]
+    for depth, kept in ((0, {1}), (1, {1, 2})):
+        schedule = schedule_weights(ops, streaming(costs, {1, 2, 3}, depth), 4)
+        loaded = {op.stage for op in (*schedule.step, *schedule.between)
+                  if isinstance(op, Load)}
+        assert loaded == {1, 2, 3} - kept and schedule.boundary >= kept
+    hosted = schedule_weights(ops, streaming(costs, {1, 2, 3}, 1,
+                                             host_updated=frozenset({1, 2, 3})), 4)
+    assert {op.stage for op in hosted.step if isinstance(op, Drop)} >= {1, 2, 3}
+    assert {op.stage for op in (*hosted.step, *hosted.between)
+            if isinstance(op, Load)} == {1, 2, 3}
+    # 100 B at 50 B/s: a read lasts a forward and a backward; kept, two fewer reads a step
+    kept = step_seconds(costs, ops, {1, 2, 3}, 1, 50.0)
+    stale = step_seconds(costs, ops, {1, 2, 3}, 1, 50.0, host_updated=frozenset({1, 2, 3}))
+    assert kept < stale

@@ -2,6 +2,7 @@
 operations; ``backward()`` on its loss runs the rest (and the owned optimizer's updates)."""
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -15,14 +16,35 @@ from .exec.deferred import DeferredUpdates
 from .exec.function import RunPlan
 from .exec.memory import HostRoom
 from .exec.optimizer import OwnedOptimizer
-from .exec.runner import Ledger, StepRun
+from .exec.runner import Ledger, StepHooks, StepRun
 from .exec.stage_call import context_tensors, forward_plain, storage_key
 from .exec.tapes import TapeOffload
 from .exec.trace import span
+from .exec.transfers import transfer_to
 from .exec.weights import WeightStreamer
-from .plan.ops import Forward, Stash
+from .plan.ops import TRANSFERS, Stash
 from .plan.plan import Plan
 from .plan.tier_costs import UpdatePass, with_update_pass
+
+
+@dataclass(frozen=True)
+class Executors:
+    """What runs a plan besides its chain: the caller's autocast mode and the compute
+    device, what ``fit`` said (``log``), and, each optional, the optimizer tierflow owns,
+    the streamer of the weights that live below, the updates deferred to a pass after the
+    backward (and that pass's prediction), the tapes offloaded below, the guard of the host
+    RAM budget and the checkpoints stashed below."""
+
+    autocast: AutocastMode
+    device: torch.device
+    log: list[str]
+    optimizer: OwnedOptimizer | None = None
+    streamer: WeightStreamer | None = None
+    deferred: DeferredUpdates | None = None
+    update_pass: UpdatePass | None = None
+    tapes: TapeOffload | None = None
+    host_room: HostRoom | None = None
+    boundaries: BoundaryStash | None = None
 
 
 class TierflowModule(nn.Module):
@@ -33,26 +55,21 @@ class TierflowModule(nn.Module):
     complete, and the gradients are freed (there is then nothing left to step).
     """
 
-    def __init__(self, model: nn.Module, chain: Chain, plan: Plan, autocast: AutocastMode,
-                 device: torch.device, optimizer: OwnedOptimizer | None, log: list[str],
-                 streamer: WeightStreamer | None = None,
-                 deferred: DeferredUpdates | None = None, tapes: TapeOffload | None = None,
-                 host_room: HostRoom | None = None,
-                 boundaries: BoundaryStash | None = None,
-                 update_pass: UpdatePass | None = None):
+    def __init__(self, model: nn.Module, chain: Chain, plan: Plan, executors: Executors):
         super().__init__()
         self.model = model
         self._chain = chain
         self._plan = plan
-        self._autocast = autocast
-        self._device = device
-        self._optimizer = optimizer
-        self._streamer = streamer
-        self._deferred = deferred
-        self._tapes = tapes
-        self._host_room = host_room
-        self._boundaries = boundaries
-        self._update_pass = update_pass
+        self._executors = executors
+        self._autocast = executors.autocast
+        self._device = executors.device
+        self._optimizer = optimizer = executors.optimizer
+        self._streamer = streamer = executors.streamer
+        self._deferred = executors.deferred
+        self._tapes = executors.tapes
+        self._host_room = host_room = executors.host_room
+        self._boundaries = executors.boundaries
+        self._update_pass = executors.update_pass
         self._growth = plan.simulation.growth() if host_room is not None else []
         self._largest_growth = max(self._growth, default=0)  # no stage adds more in eval
         # per stage, the blocks malloc's scattered free pieces cannot serve: its largest
@@ -61,10 +78,12 @@ class TierflowModule(nn.Module):
         self._largest_blocks = [max((p.nbytes for p in stage.parameters()), default=0)
                                 + cost.largest_block
                                 for stage, cost in zip(chain.stages, plan.costs.stages)]
+        self._cold = True  # nothing read yet: the next step first runs the plan's cold routine
+        self._transfer = transfer_to(streamer, optimizer)  # starts one of its transfer ops
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
         self._forward_count = len(plan.forward_ops)
         self.ledger = Ledger({storage_key(p) for p in model.parameters()})
-        self.fit_log = log
+        self.fit_log = executors.log
         self._reduce: Callable[[list[torch.Tensor]], None] | None = None
 
     @property
@@ -101,9 +120,16 @@ class TierflowModule(nn.Module):
             old, new = (with_update_pass(p.predicted_peak, self._update_pass)
                         for p in (self._plan, plan))
             host_room = self._host_room.moved(new - old)
-        module = TierflowModule(self.model, self._chain, plan, self._autocast, self._device,
-                                self._optimizer, self.fit_log, self._streamer, self._deferred,
-                                self._tapes, host_room, self._boundaries, self._update_pass)
+        if plan.transfers is None and self._plan.transfers is not None:
+            # a plan of compute ops alone (e.g. rotor's): this module's weights and states
+            # move as its own plan's do, placed among the new ops
+            plan = plan.with_transfers(self._plan.transfers)
+        if self._streamer is not None:  # the new plan's transfers start from nothing read
+            self._streamer.drop_fetched()
+        if self._deferred is not None:
+            self._deferred.routines = plan.routines
+        module = TierflowModule(self.model, self._chain, plan,
+                                replace(self._executors, host_room=host_room))
         module._reduce = self._reduce
         return module
 
@@ -155,6 +181,7 @@ class TierflowModule(nn.Module):
             self._boundaries.reset()
         if self._streamer is not None:
             self._streamer.drop_fetched()
+        self._cold = True
 
     @property
     def last_grad_norm(self) -> float | None:
@@ -202,31 +229,52 @@ class TierflowModule(nn.Module):
         return state
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # splitting the inputs may run the first stage's modules (the HF adapter's embedding)
-        if self._streamer is not None and 0 in self._streamer.stage_params:
-            self._streamer.hold(0)
-        autocast = AutocastMode.capture(self._device.type)
-        with autocast():  # without the weight-cast cache, as every stage runs
-            x0, ctx = self._chain.split_inputs(*args, **kwargs)
+        streamer = self._streamer
+        if self._cold:
+            for op in self._plan.routines.cold:
+                self._transfer(op)
+            self._cold = False
         if not torch.is_grad_enabled():
-            return self._chain.wrap_output(self._run_without_grad(x0, ctx, autocast), ctx)
+            return self._evaluate(args, kwargs)
         update = self._optimizer.step_stage if self._optimizer is not None else None
         deferred = self._deferred
         if deferred is not None:
             update = deferred.gradients_complete
         if self._reduce is not None:
             update = self._reduced_before(update)
+        hooks = StepHooks(update, self.ledger, streamer,
+                          before_backward=deferred.before_backward if deferred else None,
+                          backward_done=deferred.backward_done if deferred
+                          else self._backward_done,
+                          tapes=self._tapes,
+                          before_op=self._make_room if self._host_room else None,
+                          boundaries=self._boundaries, transfer=self._transfer)
+        run = StepRun(self._chain, self._plan.ops, self._forward_count, self._device, hooks)
+        run.begin()
+        x0, ctx, autocast = self._split_inputs(args, kwargs)
+        run.inputs(ctx, autocast)
         if self._tapes is not None:
             self._tapes.context = {storage_key(t) for t in context_tensors(ctx)}
-        run = StepRun(self._chain, self._plan.ops, self._forward_count, ctx, autocast,
-                      self._device, update, self.ledger, self._streamer,
-                      before_backward=deferred.before_backward if deferred else None,
-                      backward_done=deferred.backward_done if deferred else
-                      (self._optimizer.wait_host_updates if self._optimizer else None),
-                      tapes=self._tapes, before_op=self._make_room if self._host_room else None,
-                      boundaries=self._boundaries)
         y = RunPlan.apply(run, x0, self._anchor)
         return self._chain.wrap_output(y, ctx)
+
+    def _split_inputs(self, args: tuple, kwargs: dict) -> tuple[Any, dict, AutocastMode]:
+        """The chain's input and its step context, under the caller's autocast mode. Splitting
+        may run the first stage's modules (the HF adapter's embedding): its weights first."""
+        if self._streamer is not None and 0 in self._streamer.stage_params:
+            self._streamer.wait_loaded(0)
+        autocast = AutocastMode.capture(self._device.type)
+        with autocast():  # without the weight-cast cache, as every stage runs
+            x0, ctx = self._chain.split_inputs(*args, **kwargs)
+        return x0, ctx, autocast
+
+    def _backward_done(self) -> None:
+        """After a step's backward (updates inside it): the host's updates finished, then
+        the reads the next step starts with."""
+        if self._optimizer is not None:
+            self._optimizer.wait_host_updates()
+        for op in self._plan.routines.between:
+            self._transfer(op)
 
     def _reduced_before(self, update: Callable[[int], None]) -> Callable[[int], None]:
         """``update`` preceded, on the step's last micro-batch, by the reduction of the
@@ -251,16 +299,24 @@ class TierflowModule(nn.Module):
         largest = self._largest_blocks[stage] if stage is not None else 0
         self._host_room.make_room(self._growth[position], fresh=fresh, largest=largest)
 
-    def _run_without_grad(self, x: torch.Tensor, ctx: Any, autocast: AutocastMode) -> torch.Tensor:
-        """Evaluation: every stage once in order, streamed weights fetched around their use."""
-        ops = [Forward(i, tape=False) for i in range(len(self._chain))]
-        for i, op in enumerate(ops):
+    def _evaluate(self, args: tuple, kwargs: dict) -> Any:
+        """Evaluation: the plan's evaluation ops, every stage once in order, streamed weights
+        moved where the plan says."""
+        ops = self._plan.evaluation_ops
+        streamer = self._streamer
+        position = 0
+        while position < len(ops) and isinstance(ops[position], TRANSFERS):
+            self._transfer(ops[position])  # what the first stage needs, for the inputs
+            position += 1
+        x, ctx, autocast = self._split_inputs(args, kwargs)
+        for op in ops[position:]:
+            if isinstance(op, TRANSFERS):
+                self._transfer(op)
+                continue
+            streamed = streamer is not None and op.stage in streamer.stage_params
             if self._host_room is not None:
-                streamed = self._streamer is not None and i in self._streamer.stage_params
                 self._host_room.make_room(self._largest_growth, fresh=streamed)
-            if self._streamer is not None:
-                self._streamer.before(ops, i)
-            x = forward_plain(self._chain.stages[i], x, ctx, autocast)
-            if self._streamer is not None:
-                self._streamer.after(ops, i, set())
-        return x
+            if streamed:
+                streamer.wait_loaded(op.stage)
+            x = forward_plain(self._chain.stages[op.stage], x, ctx, autocast)
+        return self._chain.wrap_output(x, ctx)

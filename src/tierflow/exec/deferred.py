@@ -21,6 +21,8 @@ from typing import Callable
 
 from torch import nn
 
+from ..plan.ops import TRANSFERS, Op, Transfer
+from ..plan.plan import Routines
 from .grad_norm import square_norm
 from .gradients import GradientStash
 from .optimizer import OwnedOptimizer
@@ -34,9 +36,12 @@ class DeferredUpdates:
     """The micro-batch count and the update pass of one fitted module."""
 
     def __init__(self, optimizer: OwnedOptimizer, grad_accum: int, max_grad_norm: float | None,
+                 routines: Routines, transfer: Callable[[Transfer], None],
                  streamer: WeightStreamer | None = None, stash: GradientStash | None = None,
                  make_room: Callable[[], None] | None = None):
         self.optimizer = optimizer
+        self.routines = routines  # the plan's update pass, and the reads after it
+        self.transfer = transfer  # starts one of their transfer ops
         optimizer.measures_norm = False  # the update pass measures it before any update
         self.grad_accum = grad_accum
         self.max_grad_norm = max_grad_norm
@@ -58,12 +63,19 @@ class DeferredUpdates:
             self.stash.restore(i)
 
     def backward_done(self) -> None:
-        """A micro-batch ended; after the last one of a step, update every stage."""
+        """A micro-batch ended; after the last one of a step, update every stage. Then the
+        reads the next micro-batch starts with."""
         self.micro += 1
         if self.micro < self.grad_accum:
+            self._dispatch(self.routines.between)
             return
         self.micro = 0
         self._update_all()
+        self._dispatch(self.routines.after_pass)
+
+    def _dispatch(self, transfers: tuple[Op, ...]) -> None:
+        for op in transfers:
+            self.transfer(op)
 
     def forget_step(self) -> None:
         """After a step that failed before its update pass: its micro-batches forgotten, the
@@ -90,22 +102,22 @@ class DeferredUpdates:
             else:  # its gradients stayed on the compute tier: they go down now
                 self.optimizer.step_stage(i, scale)
         streamed = self.streamer.stage_params if self.streamer is not None else {}
-        depth = self.streamer.depth if self.streamer is not None else 0
-        order = [i for i in stages[::-1] if i not in on_host]  # last first: states read ahead
-        for position, i in enumerate(order):
-            if self.make_room is not None:
+        room_made = False  # for the next update and the reads placed before it
+        for op in self.routines.update_pass:  # last first: the next stages read meanwhile
+            if self.make_room is not None and not room_made:
                 self.make_room()
+                room_made = True
+            if isinstance(op, TRANSFERS):
+                self.transfer(op)
+                continue
+            i = op.stage
             if i in streamed:
                 with span("wait for weights", "compute"):
-                    self.streamer.hold(i)
+                    self.streamer.wait_loaded(i)
                 self.stash.restore(i)
-            for j in order[position + 1:position + 1 + depth]:  # read while stage i updates
-                if j in streamed:
-                    self.streamer.fetch(j)
             with span(f"update {i}", "optimizer"):
                 self.optimizer.step_stage(i, scale)
-            if i in streamed:
-                self.streamer.write_back(i)
+            room_made = False
         self.optimizer.wait_host_updates()
         if self.stash is not None:
             self.stash.clear()

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..chain.base import Chain
+from ..plan.ops import Load, Store, Transfer
 from .buffers import BufferPool
 from .disk import DiskStore, WriteBehind
 from .grad_norm import square_norm
@@ -28,10 +29,9 @@ class OwnedOptimizer:
     backward: a parameter used by several stages (tied embeddings) belongs to the first.
 
     With a ``disk`` store, each stage's optimizer states live on the disk tier between
-    updates. Updates run in backward order (the last stage first), so while one stage is
-    updated the states of the next one to update are read on an I/O thread, and the states
-    just updated are written back on another: two stages' states besides the one updating.
-    Without ``read_ahead`` (a prefetch depth of 0) each stage's states are read at its update.
+    updates, moved by the plan's Load and Store ops of states (``dispatch``): read on an I/O
+    thread while the update before runs (or right before their own, without read-ahead),
+    written back on another after it; two stages' states besides the one updating.
     States read back live in buffers of a pool on the parameters' device (the GPU's when they
     wait in host RAM below it), given back once they are written again. The stages
     ``step_on_host`` hands over are stepped in host RAM instead (exec/host_update.py): their
@@ -109,8 +109,15 @@ class OwnedOptimizer:
                     p.grad.mul_(scale)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        self._evict(i)
-        self._prefetch_next(i)
+
+    def dispatch(self, op: Transfer) -> None:
+        """Start the plan's transfer of a stage's states: a Load reads them back (after their
+        write in flight), a Store hands them to the writer and drops them from the optimizer
+        (the plan places both, ``plan/state_schedule.py``)."""
+        if isinstance(op, Load):
+            self._prefetch(op.stage, str(op), op.resource)
+        elif isinstance(op, Store):
+            self._evict(op.stage, str(op), op.resource)
 
     def _step_on_host(self, i: int, scale: float,
                       stashed: dict[int, torch.Tensor] | None = None) -> None:
@@ -120,21 +127,6 @@ class OwnedOptimizer:
         self.host.update(i, self.stage_params[i], self._twins[i], self.optimizers[i], scale,
                          stashed, fetch=functools.partial(self._fetch, i),
                          release=functools.partial(self._evict, i))
-        self._prefetch_next(i)
-
-    def _prefetch_next(self, i: int) -> None:
-        """Start reading the states of the stage updated after stage i, unless the host steps
-        it (its queued step owns them; they are read when it is handed over)."""
-        following = self._next_update(i)
-        if self.read_ahead and following not in self._twins:
-            self._prefetch(following)
-
-    def _next_update(self, i: int) -> int:
-        """The stage updated after stage i: the closest lower one with an optimizer, or after
-        the lowest, the next step's first (the highest)."""
-        owned = [j for j, opt in enumerate(self.optimizers) if opt is not None]
-        lower = [j for j in owned if j < i]
-        return lower[-1] if lower else owned[-1]
 
     def stage_state_dict(self, i: int) -> dict | None:
         """Stage i's optimizer ``state_dict()`` with its own copies of the tensors that live on
@@ -197,20 +189,23 @@ class OwnedOptimizer:
                       for _, _, shape, dtype in entries)
         return resident + on_disk
 
-    def _prefetch(self, i: int) -> None:
-        """Start reading stage i's offloaded states (after their pending write, if any)."""
+    def _prefetch(self, i: int, name: str | None = None, resource: str = "disk read") -> None:
+        """Start reading stage i's offloaded states (after their pending write, if any); a
+        no-op before their first write (the optimizer makes them at its first step)."""
         entries = self._offloaded[i]
         if entries and i not in self._reads:
             shapes = [(shape, dtype) for _, _, shape, dtype in entries]
             self._reads[i] = self._reader.submit(self._read, i, shapes,
-                                               self._writer.writes.get(i))
+                                               self._writer.writes.get(i),
+                                               name or f"read optimizer states {i}", resource)
 
     def _read(self, i: int, shapes: list[tuple[torch.Size, torch.dtype]],
-              pending: Future | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+              pending: Future | None, name: str = "", resource: str = "disk read",
+              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """(pool buffer, stage i's states viewing it), read from disk."""
         if pending is not None:
             pending.result()
-        with span(f"read optimizer states {i}", "disk read"):
+        with span(name or f"read optimizer states {i}", resource):
             flat, buffers = self._pool_of(i).views(shapes)
             self.disk.read(f"optimizer-{i}", buffers)
         return flat, buffers
@@ -226,7 +221,7 @@ class OwnedOptimizer:
             state[key] = buffer
         entries.clear()
 
-    def _evict(self, i: int) -> None:
+    def _evict(self, i: int, name: str | None = None, resource: str = "disk write") -> None:
         """Hand stage i's state tensors to the writer and drop them from the optimizer (a
         no-op without a lower tier, and for a stage stepped in the host RAM its states live
         in); the writer frees them once they are on disk."""
@@ -243,12 +238,14 @@ class OwnedOptimizer:
                     tensors.append(value.contiguous())
         for state, key, _, _ in entries:
             state[key] = _EVICTED
-        self._writer.submit(i, self._write, i, tensors, self._flat.pop(i, None))
+        self._writer.submit(i, self._write, i, tensors, self._flat.pop(i, None),
+                            name or f"write optimizer states {i}", resource)
 
-    def _write(self, i: int, tensors: list[torch.Tensor], flat: torch.Tensor | None) -> None:
+    def _write(self, i: int, tensors: list[torch.Tensor], flat: torch.Tensor | None,
+               name: str, resource: str) -> None:
         """Write stage i's states; then the pool buffer they were read into (if any) is free:
         nothing views it any more (the states were just evicted, or replaced by a load)."""
-        with span(f"write optimizer states {i}", "disk write"):
+        with span(name, resource):
             self.disk.write(f"optimizer-{i}", tensors)
         if flat is not None:
             self._pool_of(i).give(flat)

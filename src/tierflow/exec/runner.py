@@ -3,13 +3,25 @@ the values the plan says, frees what the plan frees, and accounts every byte it 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..chain.base import Chain, stateful_modules
 from ..errors import TierflowError
-from ..plan.ops import Backward, Fetch, Forward, Free, Op, Stash, Update
+from ..plan.ops import (
+    TRANSFERS,
+    Backward,
+    Fetch,
+    Forward,
+    Free,
+    Op,
+    Stash,
+    Transfer,
+    Update,
+    stage_of,
+)
 from .boundaries import BoundaryStash
 from .context import AutocastMode, BufferState, RngState, replay_buffers, replay_rng
 from .stage_call import (
@@ -21,7 +33,7 @@ from .stage_call import (
     storage_key,
 )
 from .tapes import TapeOffload
-from .trace import span
+from .trace import mark_micro_batch, span
 from .weights import WeightStreamer
 
 
@@ -42,35 +54,50 @@ class Ledger:
         return self.current
 
 
+@dataclass
+class StepHooks:
+    """What a step's run holds and calls besides the chain, each optional: the owned
+    optimizer's ``update(i)`` for an Update op, the ``ledger`` of bytes held, the weights'
+    ``streamer`` (which the plan's transfers go to), ``before_backward(i)`` (e.g. earlier
+    micro-batches' gradients back), ``backward_done()`` (e.g. the deferred update pass),
+    the ``tapes`` offloaded to a lower tier, ``before_op(position)`` (e.g. making host RAM
+    room for that op), the ``boundaries`` Stash(i) puts x[i] in until Fetch(i), and
+    ``transfer(op)``, which starts a transfer op where it moves (the streamer, the
+    optimizer's states)."""
+
+    update: Callable[[int], None] | None = None
+    ledger: Ledger | None = None
+    streamer: WeightStreamer | None = None
+    before_backward: Callable[[int], None] | None = None
+    backward_done: Callable[[], None] | None = None
+    tapes: TapeOffload | None = None
+    before_op: Callable[[int], None] | None = None
+    boundaries: BoundaryStash | None = None
+    transfer: Callable[[Transfer], None] | None = None
+
+
 class StepRun:
     """The state of one step: x[i] references, tapes, input gradients, RNG states."""
 
-    def __init__(self, chain: Chain, ops: Sequence[Op], forward_count: int, ctx: dict[str, Any],
-                 autocast: AutocastMode, device: torch.device,
-                 update: Callable[[int], None] | None = None, ledger: Ledger | None = None,
-                 streamer: WeightStreamer | None = None,
-                 before_backward: Callable[[int], None] | None = None,
-                 backward_done: Callable[[], None] | None = None,
-                 tapes: TapeOffload | None = None,
-                 before_op: Callable[[int], None] | None = None,
-                 boundaries: BoundaryStash | None = None):
+    def __init__(self, chain: Chain, ops: Sequence[Op], forward_count: int,
+                 device: torch.device, hooks: StepHooks):
         self.chain = chain
         self.ops = ops
         self.forward_count = forward_count
-        self.ctx = ctx
-        self.autocast = autocast
         self.device = device
-        self.update = update
-        self.ledger = ledger
-        self.streamer = streamer
-        self.before_backward = before_backward  # e.g. earlier micro-batches' gradients back
-        self.backward_done = backward_done  # e.g. the deferred update pass
-        self.tape_offload = tapes
-        self.before_op = before_op  # e.g. making host RAM room for ops[position]
-        self.boundaries = boundaries  # where Stash(i) puts x[i] until Fetch(i)
+        self.ctx: dict[str, Any] = {}  # the step's side inputs, given with ``inputs``
+        self.autocast: AutocastMode | None = None
+        self.update = hooks.update
+        self.ledger = hooks.ledger
+        self.streamer = hooks.streamer
+        self.before_backward = hooks.before_backward
+        self.backward_done = hooks.backward_done
+        self.tape_offload = hooks.tapes
+        self.before_op = hooks.before_op
+        self.boundaries = hooks.boundaries
+        self.transfer = hooks.transfer
         self.x: dict[int, torch.Tensor] = {}
         self.tapes: dict[int, Taped] = {}
-        self.tapes_below: set[int] = set()  # stages whose live tape is on the lower tier
         self.grads: dict[int, torch.Tensor] = {}
         self.rng: dict[int, RngState] = {}
         self.buffers: dict[int, BufferState] = {}
@@ -78,6 +105,29 @@ class StepRun:
         backwards = {op.stage for op in ops if isinstance(op, Backward)}
         self.input_grads = {i + 1 for i in backwards}  # x[i] whose gradient the plan uses
         self.forward_only = min(backwards, default=0)  # stages before it: no backward
+        # per op, the compute op it prepares: itself, or for a transfer the next compute op
+        # (room is made for that op before the transfers placed before it start)
+        self._serves: list[int | None] = [None] * len(ops)
+        upcoming = None
+        for position in range(len(ops) - 1, -1, -1):
+            if not isinstance(ops[position], TRANSFERS):
+                upcoming = position
+            self._serves[position] = upcoming
+        self._prepared = -1  # the last compute op room was made for
+        self._dispatched = 0  # ops run so far (the transfers before the first, at ``begin``)
+
+    def begin(self) -> None:
+        """Start the transfers placed before the first compute op (the inputs may need the
+        first stage's weights: the HF adapter's embedding)."""
+        mark_micro_batch()
+        while self._dispatched < len(self.ops) and isinstance(self.ops[self._dispatched],
+                                                               TRANSFERS):
+            self._run(self._dispatched)
+            self._dispatched += 1
+
+    def inputs(self, ctx: dict[str, Any], autocast: AutocastMode) -> None:
+        """The step's context (side inputs) and the autocast mode its stages run under."""
+        self.ctx, self.autocast = ctx, autocast
 
     def forward_phase(self, x0: torch.Tensor) -> torch.Tensor:
         """Run the ops up to the chain output; returns x[L]."""
@@ -90,7 +140,7 @@ class StepRun:
         self.input_requires_grad = x0.requires_grad
         if self.boundaries is not None:
             self.boundaries.reset()
-        for position in range(self.forward_count):
+        for position in range(self._dispatched, self.forward_count):
             self._run(position)
         return self.x[len(self.chain)]
 
@@ -104,17 +154,23 @@ class StepRun:
             self.boundaries.reset()
         if self.backward_done is not None:
             self.backward_done()
-        if self.streamer is not None:
-            self.streamer.prefetch(self.ops)  # the next step runs the same plan
         return self.grads.pop(0, None)
 
     def _run(self, position: int) -> None:
         op = self.ops[position]
-        if self.before_op is not None:
-            self.before_op(position)
-        if self.streamer is not None:
+        serves = self._serves[position]
+        if self.before_op is not None and serves is not None and serves > self._prepared:
+            self.before_op(serves)
+            self._prepared = serves
+        if isinstance(op, TRANSFERS):
+            self.transfer(op)
+            return
+        i = stage_of(op)
+        if self.streamer is not None and i in self.streamer.stage_params:
             with span("wait for weights", "compute"):
-                self.streamer.before(self.ops, position)
+                self.streamer.wait_loaded(i)
+                if isinstance(op, Update):  # a kept stage's last write reads them
+                    self.streamer.wait_stored(i)
         if isinstance(op, Forward):
             with span(str(op), "compute"):
                 self._forward(op.stage, op.tape, self._offloads_tape(position))
@@ -140,8 +196,6 @@ class StepRun:
             assert self.update is not None, "plan updates parameters but no optimizer is owned"
             with span(str(op), "optimizer"):
                 self.update(op.stage)
-        if self.streamer is not None:  # a tape on the lower tier does not hold the weights
-            self.streamer.after(self.ops, position, set(self.tapes) - self.tapes_below)
         if self.ledger is not None:
             self._account()
 
@@ -151,7 +205,8 @@ class StepRun:
         op = self.ops[position]
         if self.tape_offload is None or not op.tape or op.stage not in self.tape_offload.stages:
             return False
-        after = self.ops[position + 1] if position + 1 < len(self.ops) else None
+        after = next((later for later in self.ops[position + 1:]
+                      if not isinstance(later, TRANSFERS)), None)
         return not (isinstance(after, Backward) and after.stage == op.stage)
 
     def _prefetch_next_tape(self, position: int) -> None:
@@ -196,15 +251,12 @@ class StepRun:
                 taped = forward_taped(stage, x, self.ctx, self.autocast, input_grad=input_grad,
                                       offload=hooks)
                 self.tapes[i] = taped
-                if offload:
-                    self.tapes_below.add(i)
                 self.x[i + 1] = taped.y.detach()
             else:
                 self.x[i + 1] = forward_plain(stage, x, self.ctx, self.autocast)
 
     def _backward(self, i: int) -> None:
         taped = self.tapes.pop(i)
-        self.tapes_below.discard(i)
         grad_y = self.grads.pop(i + 1)
         grad_x = backward_taped(taped, grad_y)
         del taped, grad_y

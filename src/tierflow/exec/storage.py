@@ -1,7 +1,28 @@
-"""Tensor storages by identity: what the tapes, stores and meters count bytes by."""
+"""Tensor storages by identity (what the tapes, stores and meters count bytes by), and the
+one small protocol every tier's store follows: host RAM (``exec/host_store.py``, page-locked
+below an accelerator) and the disk (``exec/disk.py``). A plan names tiers; ``fit`` keeps
+the store of each by its name."""
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class TensorStore(Protocol):
+    """Tensors kept under string keys on one tier (``kind``: "ram" or "disk")."""
+
+    kind: str
+
+    @property
+    def bytes(self) -> int:
+        """What the tier holds now."""
+
+    def write(self, key: str, tensors: list[torch.Tensor]) -> None:
+        """Keep ``tensors`` (contiguous) under ``key``."""
+
+    def read(self, key: str, tensors: list[torch.Tensor]) -> None:
+        """Fill ``tensors`` (shaped as written) from what ``key`` holds."""
 
 
 def storage_key(t: torch.Tensor) -> int:

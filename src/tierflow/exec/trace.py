@@ -3,11 +3,17 @@ chrome://tracing) so that a user can see transfers overlapping compute.
 
 Resources are rows: ``compute`` (stage forwards, backwards and updates on the calling thread),
 ``disk read`` and ``disk write`` (the I/O threads of weights and optimizer states),
+``copy up`` and ``copy down`` (weights moved between host RAM and a GPU, real or simulated),
 ``communication`` (gradients averaged over data-parallel workers before an update). Beside
 them a counter track, ``host RSS``, follows the process's resident set (sampled every few
 milliseconds, a point wherever it moved by a MiB or more): where a step's memory peak falls
 among its operations. Recording is off unless a ``recording()`` block is open; ``span`` then
 costs one global lookup.
+
+``Recorder.write`` can add the plan's predicted timeline (``plan/timeline.py``) as a second
+process, ``predicted``, with the same rows and op names: one copy of it from the start of
+each micro-batch the executor ran (``mark_micro_batch``), so that the predicted and the
+measured spans of each op sit one above the other.
 """
 from __future__ import annotations
 
@@ -19,12 +25,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..plan.timeline import Timeline
 from .memory import rss_bytes
 
-_ROWS = ("compute", "optimizer", "disk read", "disk write", "communication")
+_ROWS = ("compute", "optimizer", "disk read", "disk write", "copy up", "copy down",
+         "communication")
 RSS_COUNTER = "host RSS"  # the counter track's name; its value is in MiB
 RSS_INTERVAL = 0.002  # seconds between RSS samples
 RSS_STEP = 1 << 20  # bytes the RSS must move by to add a point
+MICRO_BATCH = "micro-batch"  # the instant event that marks a micro-batch's start
 
 
 class Recorder:
@@ -50,15 +59,42 @@ class Recorder:
         with self._lock:
             self.events.append(event)
 
+    def mark(self, name: str, at: float) -> None:
+        """An instant event ``name`` on the compute row at time ``at``."""
+        event = {"name": name, "ph": "i", "s": "t", "pid": os.getpid(), "tid": 0,
+                 "ts": (at - self._start) * 1e6}
+        with self._lock:
+            self.events.append(event)
+
     def busy_seconds(self, row: str) -> float:
         """Total time ``row`` was busy (a summary for logs and tests)."""
         tid = _ROWS.index(row)
-        return sum(e["dur"] for e in self.events if e["tid"] == tid) / 1e6
+        return sum(e["dur"] for e in self.events if e.get("tid") == tid and e["ph"] == "X") / 1e6
 
-    def write(self, path: str | Path) -> None:
-        names = [{"name": "thread_name", "ph": "M", "pid": os.getpid(), "tid": i,
+    def micro_batches(self) -> list[float]:
+        """When each micro-batch began, in the trace's microseconds."""
+        return [e["ts"] for e in self.events if e["name"] == MICRO_BATCH]
+
+    def write(self, path: str | Path, predicted: Timeline | None = None) -> None:
+        """The trace as Chrome-trace JSON; with ``predicted``, its spans (one micro-batch's)
+        from the start of each micro-batch, as the process ``predicted``."""
+        measured = os.getpid()
+        names = [{"name": "thread_name", "ph": "M", "pid": measured, "tid": i,
                   "args": {"name": row}} for i, row in enumerate(_ROWS)]
-        Path(path).write_text(json.dumps({"traceEvents": names + self.events,
+        names.append({"name": "process_name", "ph": "M", "pid": measured, "tid": 0,
+                      "args": {"name": "measured"}})
+        events = list(self.events)
+        if predicted is not None:
+            pid = measured + 10**7  # no process of this machine has it
+            names += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": i,
+                       "args": {"name": row}} for i, row in enumerate(_ROWS)]
+            names.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0,
+                          "args": {"name": "predicted"}})
+            for start in self.micro_batches():
+                events += [{"name": s.name, "ph": "X", "pid": pid, "tid": _row(s.resource),
+                            "ts": start + s.start * 1e6, "dur": (s.end - s.start) * 1e6}
+                           for s in predicted.spans]
+        Path(path).write_text(json.dumps({"traceEvents": names + events,
                                           "displayTimeUnit": "ms"}))
 
 
@@ -92,6 +128,17 @@ def _sample_rss(recorder: Recorder, stop: threading.Event) -> None:
             last = rss
         if stop.wait(RSS_INTERVAL):
             return
+
+
+def _row(resource: str) -> int:
+    return _ROWS.index(resource) if resource in _ROWS else 0
+
+
+def mark_micro_batch() -> None:
+    """Mark a micro-batch's start when a recording is open."""
+    recorder = _active
+    if recorder is not None:
+        recorder.mark(MICRO_BATCH, time.perf_counter())
 
 
 @contextlib.contextmanager

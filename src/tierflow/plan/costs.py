@@ -74,6 +74,8 @@ class ChainCosts:
     # boundaries x[i] a plan may hold on the tier below while no op needs them (Stash/Fetch);
     # their reads and writes hide behind compute, their bytes in flight are static bytes
     stashable: tuple[int, ...] = ()
+    # bytes per second of each resource a plan's transfers use ("disk read", "copy up", ...)
+    bandwidths: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)  # free-form facts for explain(): dtype, shapes
 
     @property
@@ -90,7 +92,7 @@ class ChainCosts:
                 "static_bytes": self.static_bytes, "optimizer_owned": self.optimizer_owned,
                 "shared_grad_bytes": self.shared_grad_bytes,
                 "grads_resident": self.grads_resident, "stashable": list(self.stashable),
-                "extra": dict(self.extra)}
+                "bandwidths": dict(self.bandwidths), "extra": dict(self.extra)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ChainCosts":
@@ -102,4 +104,5 @@ class ChainCosts:
                    shared_grad_bytes=data.get("shared_grad_bytes", 0),
                    grads_resident=data.get("grads_resident", False),
                    stashable=tuple(data.get("stashable", ())),
+                   bandwidths=dict(data.get("bandwidths", {})),
                    extra=dict(data.get("extra", {})))

@@ -12,6 +12,17 @@ tape[i] what stage i's forward kept for its backward, grad[i] the gradient of x[
 - ``Stash(i)``: move the checkpoint x[i] to the tier below while no op needs it (only for
   the boundaries the costs call stashable: its write runs beside the next forwards).
 - ``Fetch(i)``: x[i] is back in memory from here (the executor reads it one backward ahead).
+
+Transfers of a stage's tensors between tiers, each started on its own resource (an I/O
+thread, a copy stream) where the plan puts it and overlapping the ops after it:
+
+- ``Load(what, i, src, dst, resource, nbytes)``: start bringing stage i's ``what`` (its
+  weights) from tier ``src`` into the compute tier ``dst``; an op of stage i waits for it.
+- ``Store(what, i, src, dst, resource, nbytes, keep)``: start writing stage i's updated
+  ``what`` from the compute tier back to ``dst``; the copy in memory is dropped once
+  written, unless ``keep`` (its next use comes before it could be read back).
+- ``Drop(what, i, tier)``: forget the compute tier's copy (the one below is current), once
+  a Store of it in flight is done.
 """
 from __future__ import annotations
 
@@ -86,7 +97,67 @@ class Fetch:
         return f"fetch(x{self.index})"
 
 
-Op = Union[Forward, Backward, Free, Update, Stash, Fetch]
+WEIGHTS = "weights"  # what a transfer moves: a stage's own parameters
+
+
+@dataclass(frozen=True)
+class Load:
+    what: str
+    stage: int
+    src: str  # the tier it comes from
+    dst: str  # the compute tier
+    resource: str  # what carries it: "disk read", "copy up", ...
+    nbytes: int
+
+    def to_dict(self) -> dict:
+        return {"op": "load", "what": self.what, "stage": self.stage, "src": self.src,
+                "dst": self.dst, "resource": self.resource, "nbytes": self.nbytes}
+
+    def __str__(self) -> str:
+        return f"load({self.what[0]}{self.stage} {self.src}>{self.dst})"
+
+
+@dataclass(frozen=True)
+class Store:
+    what: str
+    stage: int
+    src: str  # the compute tier
+    dst: str  # the tier it goes back to
+    resource: str  # what carries it: "disk write", "copy down", ...
+    nbytes: int
+    keep: bool = False  # the copy in memory stays for its next use
+
+    def to_dict(self) -> dict:
+        return {"op": "store", "what": self.what, "stage": self.stage, "src": self.src,
+                "dst": self.dst, "resource": self.resource, "nbytes": self.nbytes,
+                "keep": self.keep}
+
+    def __str__(self) -> str:
+        keep = " keep" if self.keep else ""
+        return f"store({self.what[0]}{self.stage} {self.src}>{self.dst}{keep})"
+
+
+@dataclass(frozen=True)
+class Drop:
+    what: str
+    stage: int
+    tier: str  # the compute tier, whose copy is forgotten
+
+    def to_dict(self) -> dict:
+        return {"op": "drop", "what": self.what, "stage": self.stage, "tier": self.tier}
+
+    def __str__(self) -> str:
+        return f"drop({self.what[0]}{self.stage})"
+
+
+Transfer = Union[Load, Store, Drop]
+Op = Union[Forward, Backward, Free, Update, Stash, Fetch, Load, Store, Drop]
+TRANSFERS = (Load, Store, Drop)
+
+
+def stage_of(op: Op) -> int | None:
+    """The stage whose parameters a compute op uses (None for any other op)."""
+    return op.stage if isinstance(op, (Forward, Backward, Update)) else None
 
 
 def op_from_dict(data: dict) -> Op:
@@ -104,8 +175,16 @@ def op_from_dict(data: dict) -> Op:
         return Stash(int(data["index"]))
     if kind == "fetch":
         return Fetch(int(data["index"]))
+    if kind == "load":
+        return Load(str(data["what"]), int(data["stage"]), str(data["src"]), str(data["dst"]),
+                    str(data["resource"]), int(data["nbytes"]))
+    if kind == "store":
+        return Store(str(data["what"]), int(data["stage"]), str(data["src"]), str(data["dst"]),
+                     str(data["resource"]), int(data["nbytes"]), bool(data["keep"]))
+    if kind == "drop":
+        return Drop(str(data["what"]), int(data["stage"]), str(data["tier"]))
     raise ValueError(f"unknown plan op {kind!r}: expected forward, backward, free, update, "
-                     "stash or fetch")
+                     "stash, fetch, load, store or drop")
 
 
 def forward_phase_length(ops: list[Op] | tuple[Op, ...], length: int) -> int:

@@ -6,16 +6,19 @@ loaded on another machine and explained in words.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..units import format_bytes
 from .costs import ChainCosts
 from .forward_only import forward_only_length
 from .ops import (
+    TRANSFERS,
+    WEIGHTS,
     Backward,
     Fetch,
     Forward,
     Free,
+    Load,
     Op,
     Stash,
     Update,
@@ -23,8 +26,36 @@ from .ops import (
     op_from_dict,
 )
 from .simulate import Simulation, check_complete, simulate
+from .timeline import Timeline, timeline
+from .state_schedule import first_read, with_state_transfers
+from .transfers import Transfers
+from .weight_schedule import WeightSchedule, check_schedule, schedule_weights
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Routines:
+    """The op lists a plan runs besides one micro-batch's ``Plan.ops``, each with its
+    transfers in place (``plan/weight_schedule.py``): ``between`` after a micro-batch's
+    backward (and the optimizer's work in it), reading what the next one starts with;
+    ``update_pass`` the deferred updates after the last micro-batch of a step, then
+    ``after_pass``; ``cold`` what a step starts with when nothing was read yet (the first
+    step, after a failed one); ``evaluation`` every stage forward without gradients."""
+
+    between: tuple[Op, ...] = ()
+    update_pass: tuple[Op, ...] = ()
+    after_pass: tuple[Op, ...] = ()
+    cold: tuple[Op, ...] = ()
+    evaluation: tuple[Op, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {name: [op.to_dict() for op in getattr(self, name)]
+                for name in ("between", "update_pass", "after_pass", "cold", "evaluation")}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Routines":
+        return cls(**{name: tuple(op_from_dict(o) for o in ops) for name, ops in data.items()})
 
 
 @dataclass(frozen=True)
@@ -34,13 +65,28 @@ class Plan:
     costs: ChainCosts
     budget: int | None = None  # the tier budget the plan was made for, bytes, all included
     notes: tuple[str, ...] = field(default_factory=tuple)  # the planner's reasons, in words
+    routines: Routines = field(default_factory=Routines)  # the op lists besides ``ops``
+    transfers: Transfers | None = None  # what its transfer ops move (None: nothing)
 
     def __post_init__(self) -> None:
         check_complete(self.costs, self.ops)
+        weights = self.transfers.weights if self.transfers else None
+        if weights is not None:
+            r = self.routines
+            boundary = frozenset(op.stage for op in r.cold
+                                 if isinstance(op, Load) and op.what == WEIGHTS)
+            check_schedule(WeightSchedule(self.ops, r.between, r.update_pass, r.after_pass,
+                                          r.cold, r.evaluation, boundary), weights)
 
     @property
     def simulation(self) -> Simulation:
         return simulate(self.costs, self.ops)
+
+    @property
+    def timeline(self) -> Timeline:
+        """When each op runs in the steady state: a micro-batch's ops, then the reads the
+        next one starts with, as a task graph on the resources that carry them."""
+        return timeline(self.costs, (*self.ops, *self.routines.between))
 
     @property
     def predicted_peak(self) -> int:
@@ -49,7 +95,33 @@ class Plan:
 
     @property
     def predicted_time(self) -> float:
-        return self.simulation.time
+        """Seconds of one micro-batch in the steady state (``timeline``)."""
+        return self.timeline.time
+
+    def with_transfers(self, transfers: Transfers) -> "Plan":
+        """This plan's compute ops with the transfers of ``transfers`` placed among them and
+        in its routines: the loads, stores and drops of streamed weights
+        (``plan/weight_schedule.py``), the loads and stores of optimizer states beside the
+        updates (``plan/state_schedule.py``), and the update pass of deferred updates."""
+        compute = tuple(op for op in self.ops if not isinstance(op, TRANSFERS))
+        order = transfers.update_order
+        step, routines = compute, Routines(update_pass=tuple(Update(i) for i in order or ()))
+        if transfers.weights is not None:
+            schedule = schedule_weights(compute, transfers.weights, self.costs.length,
+                                        order or ())
+            step, routines = schedule.step, Routines(
+                schedule.between, schedule.update_pass, schedule.after_pass, schedule.cold,
+                schedule.evaluation)
+        states = transfers.states
+        if states is not None:
+            updating = routines.update_pass if transfers.deferred else step
+            placed = with_state_transfers(updating, states)
+            cold = routines.cold + first_read(placed, states)
+            if transfers.deferred:
+                routines = replace(routines, update_pass=placed, cold=cold)
+            else:
+                step, routines = placed, replace(routines, cold=cold)
+        return replace(self, ops=step, routines=routines, transfers=transfers)
 
     @property
     def forward_ops(self) -> tuple[Op, ...]:
@@ -59,6 +131,12 @@ class Plan:
     @property
     def backward_ops(self) -> tuple[Op, ...]:
         return self.ops[forward_phase_length(self.ops, self.costs.length):]
+
+    @property
+    def evaluation_ops(self) -> tuple[Op, ...]:
+        """Every stage forward once without gradients, with the plan's weight transfers."""
+        return self.routines.evaluation or tuple(Forward(i, tape=False)
+                                                 for i in range(self.costs.length))
 
     def recomputed_stages(self) -> list[int]:
         """Stages whose forward runs more than once."""
@@ -76,7 +154,10 @@ class Plan:
         return json.dumps({"format": "tierflow-plan", "version": FORMAT_VERSION,
                            "strategy": self.strategy, "budget": self.budget,
                            "notes": list(self.notes), "costs": self.costs.to_dict(),
-                           "ops": [op.to_dict() for op in self.ops]}, indent=1)
+                           "ops": [op.to_dict() for op in self.ops],
+                           "routines": self.routines.to_dict(),
+                           "transfers": self.transfers.to_dict() if self.transfers else None},
+                          indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
@@ -86,7 +167,9 @@ class Plan:
                              f"format={data.get('format')!r} version={data.get('version')!r}")
         return cls(strategy=data["strategy"], ops=tuple(op_from_dict(o) for o in data["ops"]),
                    costs=ChainCosts.from_dict(data["costs"]), budget=data["budget"],
-                   notes=tuple(data["notes"]))
+                   notes=tuple(data["notes"]), routines=Routines.from_dict(data["routines"]),
+                   transfers=Transfers.from_dict(data["transfers"])
+                   if data["transfers"] else None)
 
     def explain(self) -> str:
         """What is kept, what is recomputed, what it costs and why, in words."""
@@ -131,6 +214,15 @@ class Plan:
                          f"{_names([f'x{i}' for i in self.recomputed_stages()])}")
         else:
             lines.append("  nothing is recomputed")
+        transfers = [op for op in (*self.ops, *self.routines.between,
+                                   *self.routines.update_pass) if isinstance(op, TRANSFERS)]
+        if transfers:
+            moved = {}
+            for op in transfers:
+                moved[op.what] = moved.get(op.what, 0) + getattr(op, "nbytes", 0)
+            what = " and ".join(f"{format_bytes(n)} of {kind}" for kind, n in moved.items())
+            lines.append(f"  each step moves {what} in {len(transfers)} transfer ops (loads, "
+                         "stores, drops) placed among its compute ops")
         if any(isinstance(op, Update) for op in self.ops):
             lines.append("  each stage's parameters are updated as soon as its gradients are "
                          "complete, then its gradients are freed")
@@ -169,4 +261,5 @@ def _overhead(time: float, base: float) -> str:
     return f"+{(time / base - 1) * 100:.0f}%" if base > 0 else "n/a"
 
 
-__all__ = ["Plan", "Forward", "Backward", "Free", "Update", "Stash", "Fetch", "FORMAT_VERSION"]
+__all__ = ["Plan", "Routines", "Forward", "Backward", "Free", "Update", "Stash", "Fetch",
+           "FORMAT_VERSION"]

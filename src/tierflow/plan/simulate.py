@@ -7,6 +7,8 @@ while the plan references it (and has not stashed it on the tier below), while t
 (which holds stage i's input) is alive, and while tape[i-1] (which holds stage i-1's
 output) is alive. Stash and Fetch take no time here: the costs call a boundary stashable
 only when its write and read hide behind compute, and count the bytes in flight as static.
+Weight transfers (Load, Store, Drop) change no activation bytes here: the buffers that
+streamed weights come into are static bytes of the costs (``plan/streaming.py``).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 from .costs import ChainCosts
 from .forward_only import forward_only_length
-from .ops import Backward, Fetch, Forward, Free, Op, Stash, Update
+from .ops import TRANSFERS, Backward, Fetch, Forward, Free, Op, Stash, Update
 
 
 class InvalidPlan(ValueError):
@@ -152,6 +154,8 @@ def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
                 raise InvalidPlan(f"{op}: x[{op.index}] is not on the tier below")
             state.stashed.discard(op.index)
             during = state.resident()
+        elif isinstance(op, TRANSFERS):
+            during = before
         elif isinstance(op, Update):
             i = op.stage
             _check_stage(i, length, op)

@@ -57,7 +57,8 @@ class TierProblem:
     ``deferred``: updates run in one pass after the backward (accumulation, clipping);
     ``accumulates``: over several micro-batches (each backward adds to gradients it reads
     back); ``host_updatable``: the stages whose parameters the optimizer may step in host
-    RAM (those that own trainable parameters)."""
+    RAM (those that own trainable parameters); ``updated``: the stages whose parameters the
+    optimizer steps (those that own trainable parameters; None: those with ``param_bytes``)."""
 
     costs: ChainCosts
     rates: UpdateRates
@@ -71,6 +72,14 @@ class TierProblem:
     min_tape_bytes: int = MIN_TAPE_BYTES
     min_boundary_bytes: int = MIN_BOUNDARY_BYTES
     host_updatable: tuple[int, ...] = ()
+    updated: tuple[int, ...] | None = None
+
+    @property
+    def optimizer_stages(self) -> tuple[int, ...]:
+        """The stages whose parameters the optimizer steps."""
+        if self.updated is not None:
+            return self.updated
+        return tuple(i for i, s in enumerate(self.costs.stages) if s.param_bytes)
 
 
 def all_candidates(problem: TierProblem, budget: int | None, config: FitConfig,
@@ -128,12 +137,10 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
             continue
         for source in sources:
             for streamed in _stream_sets(with_states, problem.streamable, budget, config, tier,
-                                         source.bandwidth, depth):
-                moved = streamed_costs(with_states, set(streamed),
+                                         source, depth):
+                moved = streamed_costs(with_states, set(streamed), home=source.name,
                                        read_bytes_per_s=source.bandwidth,
-                                       write_bytes_per_s=source.bandwidth, depth=depth,
-                                       kept_across_steps=frozenset() if problem.deferred
-                                       else frozenset(problem.host_updatable))
+                                       write_bytes_per_s=source.bandwidth, depth=depth)
                 moved = replace(moved, extra={**moved.extra, "weights tier": source.name})
                 why = (f"the weights of {len(streamed)} of {base.length} stages "
                        f"({format_bytes(moved.extra['streamed bytes'])}) live in "
@@ -212,7 +219,7 @@ def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
 
 
 def _stream_sets(costs: ChainCosts, streamable: tuple[int, ...], budget: int | None,
-                 config: FitConfig, tier: str, bandwidth: float,
+                 config: FitConfig, tier: str, source: LowerTier,
                  depth: int) -> list[tuple[int, ...]]:
     """The stage sets worth streaming: every streamable stage, and (under a budget) the
     fewest of the largest stages that make a plan fit, found by bisection."""
@@ -224,8 +231,9 @@ def _stream_sets(costs: ChainCosts, streamable: tuple[int, ...], budget: int | N
         return [every]
 
     def fits(count: int) -> bool:
-        moved = streamed_costs(costs, set(order[:count]), read_bytes_per_s=bandwidth,
-                               write_bytes_per_s=bandwidth, depth=depth)
+        moved = streamed_costs(costs, set(order[:count]), home=source.name,
+                               read_bytes_per_s=source.bandwidth,
+                               write_bytes_per_s=source.bandwidth, depth=depth)
         try:
             make_plan(moved, budget, config, tier=tier)
         except BudgetError:

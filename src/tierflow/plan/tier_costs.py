@@ -9,27 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 from ..config import FitConfig
 from ..units import format_bytes
 from .boundary_stash import stashable_boundaries, stashed_boundary_costs
 from .costs import ChainCosts
-from .streaming import read_again_for_backward
+from .streaming import TRANSFER_RESOURCES
 from .tape_offload import activation_tape, offloaded_tape_costs
 
 
 @dataclass(frozen=True)
 class LowerTier:
     """A tier below the compute tier: its bandwidth each way (measured, or a hardware
-    profile's), its budget (None: as large as its free space), where it is in words, and the
-    executor's store for it (None when the plan is only a prediction)."""
+    profile's), its budget (None: as large as its free space) and where it is in words."""
 
     name: str  # "ram" or "disk"
     bandwidth: float  # bytes per second
     budget: int | None = None
     about: str = ""  # e.g. "the disk tier (/scratch)"
-    store: Any = None  # exec.disk.DiskStore or exec.host_store.HostStore
 
 
 @dataclass(frozen=True)
@@ -81,9 +78,6 @@ def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier, config: F
         costs = offloaded_tape_costs(c.costs, set(stages), read_bytes_per_s=tier.bandwidth,
                                      write_bytes_per_s=tier.bandwidth, read_ahead=c.depth > 0,
                                      streamed=c.streamed)
-        if c.weights is not None:
-            costs = read_again_for_backward(costs, set(stages & c.streamed),
-                                            read_bytes_per_s=c.weights.bandwidth, depth=c.depth)
         costs = replace(costs, extra={**costs.extra, "tapes tier": tier.name})
         total = format_bytes(costs.extra["offloaded tape bytes"])
         back = "one backward ahead" if c.depth else "when their backward needs them"
@@ -119,21 +113,18 @@ def with_stashed_boundaries(candidates: list[Candidate], tier: LowerTier, config
 
 
 def states_below(resident: ChainCosts, base: ChainCosts, stages: list, state_of: list[int],
-                  home: LowerTier, read_ahead: bool = True) -> ChainCosts:
-    """``resident`` with the optimizer states on a lower tier: each stage's states are read
-    during its backward and written back after its update (only the part of that I/O that
-    outlasts the backward costs time); the next stage's and the last one's are in flight.
-    Without ``read_ahead`` a stage's states are read at its update (the read costs its whole
-    time) and only the last one's write is in flight."""
-    moved = []
-    for i, stage in enumerate(stages):
-        read = write = state_of[i] / home.bandwidth
-        exposed = max(0.0, read + write - stage.bwd_time) if read_ahead else \
-            read + max(0.0, write - stage.bwd_time)
-        moved.append(replace(stage, update_transient=stage.update_transient + state_of[i],
-                             update_time=stage.update_time + exposed))
+                 home: LowerTier, read_ahead: bool = True) -> ChainCosts:
+    """``resident`` with the optimizer states on a lower tier: each stage's states are in
+    memory while it updates, and two stages' are in flight (the next one's read ahead and the
+    last one's written back; without ``read_ahead`` the last one's only). Their reads and
+    writes are the plan's ops (``plan/state_schedule.py``), priced at ``home``'s bandwidth."""
+    moved = [replace(stage, update_transient=stage.update_transient + state_of[i])
+             for i, stage in enumerate(stages)]
+    read, write = TRANSFER_RESOURCES[home.name]
     return replace(resident, stages=tuple(moved),
                    static_bytes=base.static_bytes + states_in_flight(state_of, read_ahead),
+                   bandwidths={**resident.bandwidths, read: home.bandwidth,
+                               write: home.bandwidth},
                    extra={**base.extra, f"optimizer states on {home.name}": sum(state_of)})
 
 
@@ -156,7 +147,7 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
     step and written back after it: read while the step before runs (``read_ahead``), or by
     the step itself. Weights streamed from ``weights_disk`` (None: from host RAM) are read
     for the step the same way, and written back by the host thread after it. A streamed
-    stage stepped there is read for its next forward, the one kept across steps too.
+    stage stepped there is read for its next forward (the plan's Loads say when).
 
     Stage i's host step runs beside the backward of stage i - 1; the compute tier waits at
     stage i's update for what stage i + 1's step outlasted of that backward, and at the end
@@ -182,9 +173,6 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
         # a streamed stage's weights stay until the update (the gradients are counted)
         stages[i] = replace(stages[i], update_time=down + max(0.0, work - beside),
                             update_transient=params if i in streamed else 0)
-    for i, forward in costs.extra.get("weights kept across steps", {}).items():
-        if i in host:  # its copy is stale after the host step: read for the forward
-            stages[i] = replace(stages[i], fwd_time=forward)
     up_there = [n for j, n in enumerate(state_of) if j not in host]
     static = costs.static_bytes - states_in_flight(state_of, read_ahead) + \
         states_in_flight(up_there, read_ahead)

@@ -34,6 +34,10 @@ from .tier_costs import (
     lower_bytes,
     with_update_pass,
 )
+from .streaming import TRANSFER_RESOURCES
+from .state_schedule import StoredStates
+from .transfers import Transfers
+from .weight_schedule import StreamedWeights
 
 LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK = 1024, 256  # tokens per chunk of the fused LM head
 Planned = TypeVar("Planned")
@@ -182,10 +186,53 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
                          f"{update_pass.seconds:.1f} s at a peak of "
                          f"{format_bytes(update_pass.peak)}",)
     held = tuple(_held(candidate, problem, state_of).items())
+    plan = plan.with_transfers(Transfers(streamed_weights(candidate, problem, tier),
+                                         stored_states(candidate, problem, state_of, tier),
+                                         _update_order(candidate, problem)))
     return TierPlan(replace(plan, notes=plan.notes + notes), candidate.states,
                     candidate.weights, candidate.streamed, update_pass, candidate.tapes,
                     candidate.tape_stages, candidate.depth, held, candidate.boundaries,
                     candidate.host_stages)
+
+
+def streamed_weights(candidate: Candidate, problem: TierProblem,
+                     tier: str) -> StreamedWeights | None:
+    """What ``candidate`` streams, for the weight schedule (None: nothing)."""
+    if not candidate.streamed:
+        return None
+    home = candidate.weights.name
+    resources = TRANSFER_RESOURCES[home]
+    return StreamedWeights(
+        sizes=tuple((i, problem.costs.stages[i].weight_bytes, problem.costs.stages[i].param_bytes)
+                    for i in sorted(candidate.streamed)),
+        home=home, compute="ram" if tier == "ram" else "gpu", read=resources[0],
+        write=resources[1], depth=candidate.depth,
+        written_back=not problem.deferred, host_updated=candidate.host_stages,
+        tapes_below=candidate.tape_stages)
+
+
+def stored_states(candidate: Candidate, problem: TierProblem, state_of: list[int],
+                  tier: str) -> StoredStates | None:
+    """The optimizer states ``candidate`` keeps on a lower tier and moves beside the updates
+    of the compute tier (None: none; the host RAM's own stages move theirs there)."""
+    if candidate.states is None:
+        return None
+    sizes = tuple((i, state_of[i]) for i in problem.optimizer_stages
+                  if i not in candidate.host_stages and state_of[i])
+    if not sizes:
+        return None
+    read, write = TRANSFER_RESOURCES[candidate.states.name]
+    return StoredStates(sizes, candidate.states.name, "ram" if tier == "ram" else "gpu", read,
+                        write, read_ahead=candidate.depth > 0)
+
+
+def _update_order(candidate: Candidate, problem: TierProblem) -> tuple[int, ...] | None:
+    """The stages the update pass after the backward steps on the compute tier, last first
+    (None when updates run inside the backward)."""
+    if not problem.deferred:
+        return None
+    return tuple(i for i in sorted(problem.optimizer_stages, reverse=True)
+                 if i not in candidate.host_stages)
 
 
 def _update_pass_error(update_pass: UpdatePass, budget: int, tier: str) -> BudgetError:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from ..plan.plan import Plan
 
 
 class Interrupt:
@@ -31,11 +33,14 @@ class Interrupt:
 
 
 @contextlib.contextmanager
-def traced(path: str | None, logger, rank: int = 0) -> Iterator[None]:
+def traced(path: str | None, logger, plan_of: Callable[[], Plan], rank: int = 0
+           ) -> Iterator[None]:
     """With ``--trace FILE``: record every step's spans and write them when the loop ends
-    (however it ends: an interrupted or failed run's trace is the one to look at). Under
-    torchrun rank 0 writes FILE and rank r the same name with ``.rank<r>`` before its
-    suffix (``trace.rank1.json``)."""
+    (however it ends: an interrupted or failed run's trace is the one to look at), beside
+    the plan's predicted timeline (``plan_of()``: the plan running then) as a second
+    process; the log gets each resource's busy seconds per micro-batch, predicted against
+    measured. Under torchrun rank 0 writes FILE and rank r the same name with ``.rank<r>``
+    before its suffix (``trace.rank1.json``)."""
     if path is None:
         yield
         return
@@ -47,6 +52,17 @@ def traced(path: str | None, logger, rank: int = 0) -> Iterator[None]:
         try:
             yield
         finally:
-            recorder.write(path)
-            logger.print(f"trace: {path} ({len(recorder.events)} events; open it in "
-                         "https://ui.perfetto.dev or chrome://tracing)")
+            predicted = plan_of().timeline
+            recorder.write(path, predicted)
+            logger.print(f"trace: {path} ({len(recorder.events)} events, the plan's predicted "
+                         "timeline beside them; open it in https://ui.perfetto.dev or "
+                         "chrome://tracing)")
+            micro = max(1, len(recorder.micro_batches()))
+            busy = {row: (predicted.busy(row), recorder.busy_seconds(row) / micro)
+                    for row in sorted({s.resource for s in predicted.spans})}
+            logger.print("busy seconds per micro-batch, predicted / measured: " + ", ".join(
+                f"{row} {p:.3g} / {m:.3g}" for row, (p, m) in busy.items()))
+            logger.record("trace", path=path, micro_batches=micro,
+                          predicted_step_s=predicted.time,
+                          busy_s={row: {"predicted": p, "measured": m}
+                                  for row, (p, m) in busy.items()})

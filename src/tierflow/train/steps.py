@@ -81,7 +81,8 @@ class StepLoop:
         logger.print()
         last_saved = start if start > 0 else None  # a resumed run's checkpoint is at start
         rank = self.world.rank if self.world is not None else 0
-        with Interrupt() as interrupt, traced(opts.trace, logger, rank):
+        plan_of = lambda: self.module.plan  # noqa: E731 (a re-plan replaces it)
+        with Interrupt() as interrupt, traced(opts.trace, logger, plan_of, rank):
             for step in range(start + 1, total + 1):
                 t0 = time.perf_counter()
                 if self.world is not None:

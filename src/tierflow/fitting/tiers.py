@@ -5,28 +5,30 @@ placement itself is ``plan/tier_search.py``'s (pure data, shared with ``tierflow
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from .chain.base import Chain
-from .config import FitConfig
-from .exec import boundaries as boundary_stash
-from .exec import tapes as tape_offload
-from .exec.disk import DiskStore, measure_bandwidth
-from .exec.host_store import HostStore, measure_copy_bandwidth
-from .exec.memory import meter_for
-from .exec.offload import OffloadedParameters
-from .exec.optimizer import stage_owned_parameters
-from .exec.optimizer_probe import probe_optimizer
-from .exec.stage_call import storage_key
-from .exec.weights import stage_parameters_to_stream
-from .plan.costs import ChainCosts
-from .plan.tier_candidates import TierProblem, UpdateRates
-from .plan.tier_costs import LowerTier
-from .plan.tier_search import TierPlan, place_on_tiers
+from ..chain.base import Chain
+from ..config import FitConfig
+from ..exec import boundaries as boundary_stash
+from ..exec import tapes as tape_offload
+from ..exec.disk import DiskStore, measure_bandwidth
+from ..exec.host_store import HostStore, measure_copy_bandwidth
+from ..exec.memory import meter_for
+from ..exec.offload import OffloadedParameters
+from ..exec.optimizer import stage_owned_parameters
+from ..exec.optimizer_probe import probe_optimizer
+from ..exec.stage_call import storage_key
+from ..exec.storage import TensorStore
+from ..exec.weights import stage_parameters_to_stream
+from ..plan.costs import ChainCosts
+from ..plan.tier_candidates import TierProblem, UpdateRates
+from ..plan.tier_costs import LowerTier
+from ..plan.tier_search import TierPlan, place_on_tiers
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 PROBE_SHARE = 4  # the optimizer probe's scratch parameters take 1/PROBE_SHARE of the budget
@@ -62,14 +64,10 @@ def update_rates(params: Iterable[nn.Parameter], optimizer: OptimizerFactory,
 
 
 def place(costs: ChainCosts, chain: Chain, rates: UpdateRates, budget: int | None,
-          config: FitConfig, tier: str, lower: list[LowerTier], deferred: bool = False,
-          weights_tiers: list[LowerTier] | None = None, accumulates: bool = False) -> TierPlan:
+          tiers: PlacedTiers) -> TierPlan:
     """Plan with the optimizer's states on the compute tier or on each lower tier, and with
     the weights of the largest stages (or all) streamed from a lower tier too, its updates
-    priced at ``rates`` (``update_rates``).
-    ``deferred``: updates run in a pass after the backward (see exec/deferred.py), after
-    several micro-batches when ``accumulates``.
-    ``weights_tiers`` limits where weights may stream from (a model built on disk)."""
+    priced at ``rates`` (``update_rates``), under ``budget`` on the compute tier."""
     trainable = [p for p in chain_parameters(chain) if p.requires_grad]
     problem = TierProblem(
         costs=costs, rates=rates,
@@ -77,11 +75,27 @@ def place(costs: ChainCosts, chain: Chain, rates: UpdateRates, budget: int | Non
                       for st in chain.stages),
         trainable=sum(p.nbytes for p in trainable),
         streamable=tuple(stage_parameters_to_stream(chain.stages)),
-        lower=tuple(lower), weights_tiers=None if weights_tiers is None else tuple(weights_tiers),
-        deferred=deferred, accumulates=accumulates, min_tape_bytes=tape_offload.MIN_BYTES,
-        min_boundary_bytes=boundary_stash.MIN_BYTES,
-        host_updatable=host_updatable(chain))
-    return place_on_tiers(problem, budget, config, tier)
+        lower=tuple(tiers.lower), weights_tiers=tiers.weights_from,
+        deferred=tiers.deferred, accumulates=tiers.accumulates,
+        min_tape_bytes=tape_offload.MIN_BYTES, min_boundary_bytes=boundary_stash.MIN_BYTES,
+        host_updatable=host_updatable(chain),
+        updated=tuple(i for i, params in enumerate(stage_owned_parameters(chain)) if params))
+    return place_on_tiers(problem, budget, tiers.config, tiers.tier)
+
+
+@dataclass(frozen=True)
+class PlacedTiers:
+    """What ``place`` plans over besides the costs: the compute ``tier``'s name, the
+    ``lower`` tiers, those the weights may stream from (``weights_from``; None: any: a model
+    built on a tier streams from it), whether updates are deferred to a pass after the
+    backward (``deferred``), after several micro-batches (``accumulates``), and the config."""
+
+    tier: str
+    lower: tuple[LowerTier, ...]
+    weights_from: tuple[LowerTier, ...] | None
+    deferred: bool
+    accumulates: bool
+    config: FitConfig
 
 
 def host_updatable(chain: Chain) -> tuple[int, ...]:
@@ -104,23 +118,26 @@ def probe_numel(budget: int | None, model_numel: int | None = None) -> int:
 
 
 def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
-                host_tier: bool, offloaded: OffloadedParameters | None) -> list[LowerTier]:
-    """The tiers below the compute tier, nearest first, with their bandwidths measured: host
-    RAM under a GPU (real or simulated), then the disk directory when one is given."""
-    tiers = []
+                host_tier: bool, offloaded: OffloadedParameters | None
+                ) -> tuple[list[LowerTier], dict[str, TensorStore]]:
+    """The tiers below the compute tier, nearest first, with their bandwidths measured (host
+    RAM under a GPU, real or simulated, then the disk directory when one is given), and the
+    store of each, by the tier's name (the model's own where it starts there)."""
+    tiers, stores = [], {}
     if host_tier:
         below = "the GPU" if device.type != "cpu" else "the simulated GPU"
         own = offloaded is not None and offloaded.store.kind == "ram"  # the model starts there
         tiers.append(LowerTier("ram", measure_copy_bandwidth(device), ram,
-                               f"host RAM (the tier below {below})",
-                               offloaded.store if own else HostStore(device)))
+                               f"host RAM (the tier below {below})"))
+        stores["ram"] = offloaded.store if own else HostStore(device)
     if disk is not None:
         same = offloaded is not None and offloaded.store.kind == "disk" and \
             Path(offloaded.store.directory) == Path(disk)
         store = offloaded.store if same else DiskStore(disk, device=device)
         tiers.append(LowerTier("disk", measure_bandwidth(store.directory), None,
-                               f"the disk tier ({store.directory})", store))
-    return tiers
+                               f"the disk tier ({store.directory})"))
+        stores["disk"] = store
+    return tiers, stores
 
 
 def chain_parameters(chain: Chain) -> list[nn.Parameter]:

@@ -1,0 +1,23 @@
+"""Where each of a plan's transfer ops goes: a weights transfer to the streamer of the
+stages' weights, a states transfer to the optimizer that owns them."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..plan.ops import WEIGHTS, Transfer
+from ..plan.state_schedule import STATES
+from .optimizer import OwnedOptimizer
+from .weights import WeightStreamer
+
+
+def transfer_to(weights: WeightStreamer | None,
+                states: OwnedOptimizer | None) -> Callable[[Transfer], None]:
+    """The function that starts a transfer op on what moves its tensors."""
+    def start(op: Transfer) -> None:
+        if op.what == WEIGHTS:
+            weights.dispatch(op)
+        elif op.what == STATES:
+            states.dispatch(op)
+        else:
+            raise ValueError(f"{op}: nothing moves {op.what!r}")
+    return start

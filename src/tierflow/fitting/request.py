@@ -1,0 +1,116 @@
+"""What a caller asks of ``tierflow.fit``, checked and as one typed record."""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import FitConfig
+from ..errors import TierflowError
+from ..units import parse_bytes
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class FitRequest:
+    """``fit``'s arguments: budgets as given (bytes or strings), the optimizer factory (None:
+    the caller steps its own), the disk tier's directory, the bytes the caller's optimizer
+    holds (``reserve``), micro-batches per update, the clipping norm, the planner's config."""
+
+    ram: int | str | None
+    gpu: int | str | None
+    optimizer: OptimizerFactory | None
+    disk: str | Path | None
+    reserve: int
+    grad_accum: int
+    max_grad_norm: float | None
+    config: FitConfig
+    verbose: bool
+
+    @property
+    def deferred(self) -> bool:
+        """Updates after the backward: accumulation or clipping, by an owned optimizer."""
+        return self.optimizer is not None and (self.grad_accum > 1
+                                               or self.max_grad_norm is not None)
+
+    @property
+    def grads_resident(self) -> bool:
+        """The caller accumulates gradients over micro-batches: they live the whole step."""
+        return self.optimizer is None and self.grad_accum > 1
+
+
+def make_request(*, ram: int | str | None, gpu: int | str | None, planner: str,
+                 optimizer: OptimizerFactory | None, disk: str | Path | None,
+                 reserve: int | str, grad_accum: int, max_grad_norm: float | None,
+                 config: FitConfig | None, verbose: bool) -> FitRequest:
+    """``fit``'s keyword arguments as a ``FitRequest``; a TierflowError names the first one
+    that contradicts itself or another."""
+    config = config or FitConfig(planner=planner)
+    if planner != "auto" and config.planner != planner:
+        raise TierflowError(f"planner={planner!r} disagrees with config.planner="
+                            f"{config.planner!r}: give one or the other")
+    if grad_accum < 1:
+        raise TierflowError(f"grad_accum={grad_accum} must be at least 1")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise TierflowError(f"max_grad_norm={max_grad_norm} must be > 0 (None: no clipping)")
+    if optimizer is None and max_grad_norm is not None:
+        raise TierflowError("max_grad_norm= applies to an optimizer tierflow owns: pass "
+                            "optimizer= too, or clip around your own optimizer as in plain "
+                            "PyTorch")
+    reserved = parse_bytes(reserve, what="reserve") if reserve else 0
+    return FitRequest(ram, gpu, optimizer, disk, reserved, grad_accum, max_grad_norm, config,
+                      verbose)
+
+
+def check_model(model: nn.Module, sample: Any) -> None:
+    """TierflowError unless ``model`` can train on ``sample``: no int8 layer (those are for
+    generation), something that trains."""
+    from ..models.int8 import Int8Linear
+    int8 = next((name for name, m in model.named_modules() if isinstance(m, Int8Linear)), None)
+    if int8 is not None:
+        raise TierflowError(f"the model's {int8} is an int8 layer (tierflow.quantize_int8), "
+                            "which is for generation: fit the model as it was before quantizing")
+    args, kwargs = as_call(sample)
+    if not any(p.requires_grad for p in model.parameters()) and not any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values())):
+        raise TierflowError("no parameter of the model requires grad, nor does the sample: "
+                            "there is nothing to train; unfreeze what should train "
+                            "(p.requires_grad_(True))")
+
+
+def check_tiers(request: FitRequest, host_tier: bool, disk: bool) -> None:
+    """TierflowError when the request asks a tier this fit does not have: optimizer states
+    on one, weights streamed from one, a disk tier without an owned optimizer."""
+    config, owned = request.config, request.optimizer is not None
+    if disk and not owned:
+        raise TierflowError("disk= holds optimizer states and weights, which tierflow moves "
+                            "only when it owns the optimizer: pass optimizer= too, or leave "
+                            "disk out")
+    states = config.optimizer_states
+    if states != "auto" and not owned:
+        raise TierflowError(f"config.optimizer_states={states!r} places the states of an "
+                            "optimizer tierflow owns: pass optimizer= too, or leave it 'auto'")
+    if states == "ram" and not host_tier:
+        raise TierflowError("config.optimizer_states='ram' keeps them in the host RAM below a "
+                            "GPU: give gpu= too (on the CPU, RAM is the compute tier: "
+                            "'compute')")
+    if states == "disk" and not disk:
+        raise TierflowError("config.optimizer_states='disk' keeps them on the disk tier: give "
+                            "disk=DIR too")
+    if config.stream == "all" and not disk and not host_tier:
+        raise TierflowError("config.stream='all' streams weights from the disk tier: give "
+                            "disk=DIR too, or use stream='auto'")
+
+
+def as_call(sample: Any) -> tuple[tuple, dict]:
+    """``sample`` as the positional and keyword arguments of a call of the model."""
+    if isinstance(sample, Mapping):
+        return (), dict(sample)
+    if isinstance(sample, tuple):
+        return sample, {}
+    return (sample,), {}

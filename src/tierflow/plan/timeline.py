@@ -1,0 +1,94 @@
+"""When each op of a plan runs: its ops as a task graph on the resources that carry them,
+the one price of a step that the planner chooses by and a trace shows beside the measured.
+
+Pure data. One dispatcher walks the ops in order, as the executor does:
+- a compute op (Forward, Backward, Update) runs on ``compute`` once the dispatcher reaches
+  it, the compute resource is free and what it waits for is done; the dispatcher waits for
+  its end (the executor's thread runs it);
+- a Load or Store starts on its own resource (an I/O thread, a copy stream), queued behind
+  that resource's earlier transfers, once the dispatcher reaches it and what it waits for
+  is done, and takes its bytes over the resource's bandwidth (``ChainCosts.bandwidths``);
+  the dispatcher goes on at once;
+- a Drop waits (on the dispatcher) for the stage's Store in flight; Free, Stash and Fetch
+  take no time (their transfers are priced in the stages' costs).
+What an op waits for: a compute op of a streamed stage, the last Load of its weights; an
+Update also the last Store of its weights (a kept stage's write reads them) and the last
+Load of its optimizer states; a Load, the last Store of the same tensors (read only once
+written). The same ops run step after step, so a
+step's time is the steady state's: the dispatcher's time over one repetition after two.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .costs import ChainCosts
+from .ops import WEIGHTS, Backward, Drop, Forward, Load, Op, Store, Update
+from .state_schedule import STATES
+
+COMPUTE = "compute"
+WARM_UP = 2  # repetitions before the one that is measured
+
+
+@dataclass(frozen=True)
+class Span:
+    """One op's run: its position in the ops, its resource, its start and end (seconds
+    since the measured repetition began)."""
+
+    position: int
+    name: str
+    resource: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    spans: tuple[Span, ...]  # the measured repetition's ops that take time
+    time: float  # seconds of one repetition in the steady state
+
+    def busy(self, resource: str) -> float:
+        """Seconds ``resource`` works in one repetition."""
+        return sum(s.end - s.start for s in self.spans if s.resource == resource)
+
+
+def timeline(costs: ChainCosts, ops: Sequence[Op]) -> Timeline:
+    """``ops`` run over and over (a step's ops and the transfers between steps), priced on
+    ``costs``: the steady state's time of one repetition and when each op ran in it."""
+    clock = 0.0  # the dispatcher's time
+    free: dict[str, float] = {}  # resource -> when its last op ends
+    loaded: dict[tuple[str, int], float] = {}  # (what, stage) -> when its last Load ends
+    stored: dict[tuple[str, int], float] = {}  # (what, stage) -> when its last Store ends
+    spans: list[Span] = []
+    start = 0.0
+    for repetition in range(WARM_UP + 1):
+        measured = repetition == WARM_UP
+        if measured:
+            start = clock
+        for position, op in enumerate(ops):
+            if isinstance(op, (Forward, Backward, Update)):
+                stage = costs.stages[op.stage]
+                seconds = stage.fwd_time if isinstance(op, Forward) else \
+                    stage.bwd_time if isinstance(op, Backward) else stage.update_time
+                ready = max(clock, free.get(COMPUTE, 0.0), loaded.get((WEIGHTS, op.stage), 0.0))
+                if isinstance(op, Update):
+                    ready = max(ready, stored.get((WEIGHTS, op.stage), 0.0),
+                                loaded.get((STATES, op.stage), 0.0))
+                clock = free[COMPUTE] = ready + seconds
+                span = Span(position, str(op), COMPUTE, ready, clock)
+            elif isinstance(op, (Load, Store)):
+                key = (op.what, op.stage)
+                after = stored.get(key, 0.0) if isinstance(op, Load) else clock
+                ready = max(clock, free.get(op.resource, 0.0), after)
+                end = free[op.resource] = ready + op.nbytes / costs.bandwidths[op.resource]
+                (loaded if isinstance(op, Load) else stored)[key] = end
+                span = Span(position, str(op), op.resource, ready, end)
+            elif isinstance(op, Drop):
+                clock = max(clock, stored.get((op.what, op.stage), 0.0))
+                continue
+            else:
+                continue
+            if measured:
+                spans.append(Span(span.position, span.name, span.resource,
+                                  span.start - start, span.end - start))
+    return Timeline(tuple(spans), clock - start)

@@ -1,0 +1,39 @@
+"""What a plan moves between tiers besides its activations: the weights of its streamed
+stages and the optimizer states that live below the compute tier, and whether its updates
+run inside the backward or in a pass after it. ``Plan.with_transfers`` places their ops.
+
+Pure data.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .state_schedule import StoredStates
+from .weight_schedule import StreamedWeights
+
+
+@dataclass(frozen=True)
+class Transfers:
+    """``update_order``: the stages the update pass after the backward steps on the compute
+    tier, in its order (deferred updates: gradient accumulation, clipping); None when each
+    stage is updated inside the backward."""
+
+    weights: StreamedWeights | None = None
+    states: StoredStates | None = None
+    update_order: tuple[int, ...] | None = None
+
+    @property
+    def deferred(self) -> bool:
+        return self.update_order is not None
+
+    def to_dict(self) -> dict:
+        return {"weights": self.weights.to_dict() if self.weights else None,
+                "states": self.states.to_dict() if self.states else None,
+                "update_order": None if self.update_order is None else list(self.update_order)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Transfers":
+        order = data["update_order"]
+        return cls(weights=StreamedWeights.from_dict(data["weights"]) if data["weights"] else None,
+                   states=StoredStates.from_dict(data["states"]) if data["states"] else None,
+                   update_order=None if order is None else tuple(order))
