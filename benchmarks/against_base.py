@@ -1,0 +1,148 @@
+#!/usr/bin/env python3
+"""This tree against an earlier commit, in the same run: W1 and W2 trained by `tierflow
+train` from each source tree, each configuration in a fresh process, the two trees
+alternating, so that both see the same machine.
+
+    ./run python benchmarks/against_base.py --base REF [--only w1,w2] [--steps 3] [--tag TAG]
+
+REF's source is checked out into a temporary git worktree. Configurations:
+- W1: llama-134m, seq 1024, batch 4, bf16 autocast, under `--ram` of 25, 50 and 100% of the
+  plain PyTorch peer's peak above its baseline (`../shared/peers/peers.py train --mode plain`,
+  measured first in the same run), with a disk tier for what does not fit;
+- W2: tinyllama-1.1b, seq 1024, batch 2, bf16 autocast, `--ram` 2, 4 and 8 GiB over a disk
+  tier (its model built onto it).
+Both on random tokens, AdamW lr 1e-4 without clipping or warm-up. Reported per tree: the
+median step after the first, the peak RAM above the post-import baseline (the trainer's
+`ram` figure), the plan's predicted step and peak, and the ratios of this tree to the base.
+Writes benchmarks/results/against-base-<date>[-TAG].{md,json} (the JSON names both commits
+and the CPU). Run it on a quiet machine.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from random_tokens import random_token_files
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = ROOT.parent / "shared" / "peers" / "peers.py"
+RESULTS = ROOT / "benchmarks" / "results"
+VOCAB = 32000
+GIB = 2 ** 30
+
+
+def commit_of(tree: Path) -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+def plain_peak(steps: int) -> float:
+    """GiB the plain PyTorch peer holds above its baseline at W1."""
+    cmd = [sys.executable, str(PEERS), "train", "--mode", "plain", "--arch", "llama-134m",
+           "--seq", "1024", "--batch", "4", "--steps", str(steps)]
+    row = json.loads(subprocess.run(cmd, capture_output=True, text=True,
+                                    check=True).stdout.strip().splitlines()[-1])
+    return row["peak_rss_gib"] - row["baseline_rss_gib"]
+
+
+def train(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
+          work: Path) -> dict:
+    """One `tierflow train` run of ``tree``'s source in a fresh process."""
+    disk = work / "disk"
+    disk.mkdir(parents=True, exist_ok=True)
+    log = work / "log.jsonl"
+    cmd = [sys.executable, "-m", "tierflow", "train", "--model", model, "--data", str(data),
+           "--seq-len", "1024", "--batch-size", str(batch), "--steps", str(steps),
+           "--dtype", "bf16", "--lr", "1e-4", "--warmup", "0", "--clip", "0",
+           "--weight-decay", "0.01", "--eval-every", "0", "--save-every", "0",
+           "--ram", ram, "--disk", str(disk), "--out", str(work / "out"), "--log", str(log)]
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    records: dict[str, list[dict]] = {}
+    for line in log.read_text().splitlines():
+        record = json.loads(line)
+        records.setdefault(record["kind"], []).append(record)
+    steps_s = [r["ms"] / 1e3 for r in records["train"]]
+    plan = records["plan"][0]
+    return {"step_s": round(statistics.median(steps_s[1:]), 3),
+            "steps_s": [round(s, 3) for s in steps_s],
+            "peak_gib": round(max(r["ram_bytes"] for r in records["train"]) / GIB, 3),
+            "predicted_step_s": round(plan["predicted_step_s"], 3),
+            "predicted_peak_gib": round(plan["predicted_peak"] / GIB, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", required=True, help="the git ref to compare with")
+    parser.add_argument("--only", default="w1,w2")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tag", default="")
+    args = parser.parse_args()
+    stamp = dt.date.today().isoformat() + (f"-{args.tag}" if args.tag else "")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        base = tmp / "base"
+        subprocess.run(["git", "worktree", "add", "--detach", str(base), args.base], cwd=ROOT,
+                       check=True, capture_output=True)
+        try:
+            data = random_token_files(tmp / "data", VOCAB)
+            trees = {"base": base, "head": ROOT}
+            configs = []
+            if "w1" in args.only:
+                peak = plain_peak(args.steps)
+                configs += [("W1", "llama-134m", 4, f"{share}%", f"{peak * share / 100:.3f}GiB")
+                            for share in (25, 50, 100)]
+            if "w2" in args.only:
+                configs += [("W2", "tinyllama-1.1b", 2, ram, ram)
+                            for ram in ("2GiB", "4GiB", "8GiB")]
+            rows = []
+            for workload, model, batch, label, ram in configs:
+                row = {"workload": workload, "budget": label, "ram": ram}
+                for name in ("base", "head"):  # alternating, each in a fresh process
+                    row[name] = train(trees[name], model, batch, ram, args.steps, data,
+                                      tmp / f"{workload}-{label}-{name}")
+                    print(f"{workload} {label} {name}: {row[name]}", flush=True)
+                if "step_s" in row["base"] and "step_s" in row["head"]:
+                    row["step_ratio"] = round(row["head"]["step_s"] / row["base"]["step_s"], 3)
+                    row["peak_ratio"] = round(row["head"]["peak_gib"] / row["base"]["peak_gib"], 3)
+                rows.append(row)
+            result = {"date": stamp, "cpu": platform.processor() or platform.machine(),
+                      "cores": os.cpu_count(), "base": commit_of(base), "head": commit_of(ROOT),
+                      "steps": args.steps, "rows": rows}
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
+                           capture_output=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"against-base-{stamp}.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = [f"# This tree against {result['base'][:12]} ({stamp})", "",
+             f"head {result['head'][:12]}; {result['cores']} cores; {args.steps} steps, the "
+             "median after the first. `benchmarks/against_base.py`.", "",
+             "| workload | budget | base step s | head step s | head/base | base peak GiB | "
+             "head peak GiB | head/base | head PREDICTED step s | PREDICTED peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b, h = r["base"], r["head"]
+        if "step_s" not in b or "step_s" not in h:
+            lines.append(f"| {r['workload']} | {r['budget']} | {b.get('error', '')} | "
+                         f"{h.get('error', '')} | | | | | | |")
+            continue
+        lines.append(f"| {r['workload']} | {r['budget']} ({r['ram']}) | {b['step_s']} | "
+                     f"{h['step_s']} | {r['step_ratio']} | {b['peak_gib']} | {h['peak_gib']} "
+                     f"| {r['peak_ratio']} | {h['predicted_step_s']} | "
+                     f"{h['predicted_peak_gib']} |")
+    (RESULTS / f"against-base-{stamp}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
