@@ -15,7 +15,7 @@ import torch
 from tierflow import cli
 from tierflow.data.tokenizer import EOT, train_tokenizer
 from tierflow.errors import TierflowError
-from tierflow.generate import GenerateStats, encode_prompt, generate, sample_ids, stop_ids
+from tierflow.generate.sample import GenerateStats, encode_prompt, generate, sample_ids, stop_ids
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TEXTS = ["def add(a, b):\n    return a + b\n", "the quick brown fox jumps over the lazy dog. " * 4,

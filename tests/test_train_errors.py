@@ -425,7 +425,7 @@ def gen_dir(tmp_path_factory):
 
 
 def test_generate_memory_need_is_weights_kv_cache_and_a_margin(gen_dir):
-    from tierflow.generate import memory_needed
+    from tierflow.generate.memory import memory_needed
     from tierflow.models import load_model
     directory, tok = gen_dir
     model = load_model(directory)
@@ -442,11 +442,11 @@ def test_generate_memory_need_is_weights_kv_cache_and_a_margin(gen_dir):
 
 def test_generate_ram_refuses_below_the_need_and_runs_at_it(gen_dir, tmp_path):
     from tierflow.data.tokenizer import load_tokenizer
-    from tierflow.generate import memory_needed
+    from tierflow.generate.memory import memory_needed
     directory, _ = gen_dir
     tok = load_tokenizer(directory / "tokenizer.json")
     prompt = "def add"
-    from tierflow.generate_memory import RUNTIME_BYTES
+    from tierflow.generate.memory import RUNTIME_BYTES
     need = memory_needed(directory, torch.float32, len(tok.encode(prompt).ids), 16).total \
         + RUNTIME_BYTES
     env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")

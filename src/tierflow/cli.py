@@ -208,8 +208,8 @@ def _add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_generate(sub: Any) -> None:
-    """Register ``tierflow generate`` (the work is in tierflow.generate)."""
-    from .generate_options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
+    """Register ``tierflow generate`` (the work is in tierflow.generate.sample)."""
+    from .generate.options import DEFAULT_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE
     gen = sub.add_parser(
         "generate", help="sample text from a checkpoint with a KV cache",
         description="Load a causal LM directory (config.json, model.safetensors, tokenizer.json; "
@@ -243,17 +243,17 @@ def _add_generate(sub: Any) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Stream the prompt and its continuation to stdout, then the tokens/s line."""
-    from .generate_options import check_request
+    from .generate.options import check_request
     request = dict(tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
                    temperature=args.temperature, top_k=args.top_k, ram=args.ram)
     check_request(args.model, args.prompt, **request)  # bad input fails before torch loads
-    from .generate import run
+    from .generate.sample import run
     run(args.model, args.prompt, seed=args.seed, dtype=args.dtype, **request)
     return 0
 
 
 def _add_quantize(sub: Any) -> None:
-    """Register ``tierflow quantize`` (the work is in tierflow.quantize)."""
+    """Register ``tierflow quantize`` (the work is in tierflow.generate.quantize)."""
     q = sub.add_parser(
         "quantize", help="copy a checkpoint with int8 linear weights, for generate",
         description="Write a copy of a checkpoint whose linear layers hold int8 weights with "
@@ -269,10 +269,10 @@ def _add_quantize(sub: Any) -> None:
 
 def cmd_quantize(args: argparse.Namespace) -> int:
     """Write the int8 copy; bad input fails before torch loads."""
-    from .generate_options import check_new_directory, checkpoint_directory
+    from .generate.options import check_new_directory, checkpoint_directory
     directory = checkpoint_directory(args.model)
     check_new_directory(args.out)
-    from .quantize import quantize_checkpoint
+    from .generate.quantize import quantize_checkpoint
     quantize_checkpoint(directory, args.out)
     return 0
 

@@ -109,7 +109,7 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
           f"training with: tierflow train --resume {checkpoint} --steps N", file=out, flush=True)
 
     _header(4, f"generate from the prompt {PROMPT!r} (temperature 0.8, top-k 40, seed 0)", out)
-    from .generate import run as generate
+    from .generate.sample import run as generate
     text = _Tee(out)
     generate(checkpoint, PROMPT, max_new_tokens=settings.max_new_tokens, temperature=0.8,
              top_k=40, seed=0, out=text)
