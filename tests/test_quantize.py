@@ -237,7 +237,7 @@ def test_the_written_int8_weights_map_aligned(tmp_path, monkeypatch):
     from safetensors import safe_open
 
     from tierflow.generate.quantize import quantize_checkpoint
-    from tierflow.safetensors_io import read_header
+    from tierflow.models.safetensors_io import read_header
     config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2)

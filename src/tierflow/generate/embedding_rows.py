@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..errors import TierflowError
-from ..safetensors_io import StoredTensor
+from ..models.safetensors_io import StoredTensor
 
 
 class EmbeddingRows:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..safetensors_io import StoredTensor, read_header
+from ..models.safetensors_io import StoredTensor, read_header
 
 # What the process holds beyond the planned tensors (modules imported after the baseline, the
 # model's Python objects, kernel caches): about 30 MiB measured on tinyllama-1.1b, with margin.

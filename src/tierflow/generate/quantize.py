@@ -30,7 +30,7 @@ from ..models.int8 import (
     quantizable,
     quantize_weight,
 )
-from ..safetensors_io import StoredTensor, read_tensor
+from ..models.safetensors_io import StoredTensor, read_tensor
 from ..units import format_bytes
 from .memory import stored_tensors
 from .options import check_new_directory

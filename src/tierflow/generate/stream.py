@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..errors import TierflowError
-from ..safetensors_io import StoredTensor, read_tensor
+from ..models.safetensors_io import StoredTensor, read_tensor
 from ..units import format_bytes
 from .embedding_rows import EmbeddingRows
 from .layer_stream import LayerStreamer, slot_bytes
