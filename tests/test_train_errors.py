@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierflow import cli
+from tierflow.cli.main import main
 from tierflow.data.tokenfile import write_tokens
 from tierflow.train import checkpoint as ckpt_module
 
@@ -41,7 +41,7 @@ def _run_main(*args):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = cli.main(list(args))
+            code = main(list(args))
         except SystemExit as e:
             code = e.code
     return code, out.getvalue(), err.getvalue()
@@ -229,7 +229,7 @@ class Blocked:
         if name.split('.')[0] in ('torch', 'transformers'):
             raise ImportError(name + ' imported before the bad input was found')
 sys.meta_path.insert(0, Blocked())
-from tierflow.cli import main
+from tierflow.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -1,6 +1,6 @@
-"""The command line and TOML side of ``tierflow train``'s options: one argparse flag per
-``TrainOptions`` field, with its help, and the merge of defaults, ``--config FILE`` and the
-flags given (see ``options.py`` for the rules).
+"""``tierflow train``: one argparse flag per ``TrainOptions`` field, with its help, the merge
+of defaults, ``--config FILE`` and the flags given (see ``train/options.py`` for the rules),
+and the run: checked before torch is imported, then ``train.loop.train``.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import tomllib
 
 from ..errors import TierflowError
-from .options import (
+from ..train.options import (
     DTYPES,
     HOST_UPDATES,
     OPTIMIZER_STATES,
@@ -165,6 +165,9 @@ def from_args(args: argparse.Namespace) -> TrainOptions:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
+    """The options of the TOML file ``path``, keyed by field name, with the types the flags
+    would give (sizes and paths as strings, a list of globs joined); one line if it is
+    missing, unreadable, not TOML or names an unknown option."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -193,3 +196,29 @@ def read_toml(path: Path) -> dict[str, Any]:
             value = float(value)
         out[name] = value
     return out
+
+
+def register(sub: Any) -> None:
+    """Add ``tierflow train`` to the subcommands ``sub``."""
+    train = sub.add_parser(
+        "train", help="train a causal LM on token files inside a memory budget",
+        description="Train a preset (random init) or a local Hugging Face model on the token "
+                    "files of 'tierflow tokenize', planned by tierflow under --ram; evaluate, "
+                    "checkpoint (every --save-every steps, at the end, on Ctrl-C) and resume "
+                    "exactly. Any flag can also come from --config FILE.toml; flags win.")
+    add_arguments(train)
+    train.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train; under torchrun, end this rank's process the way ``dist.exit_rank`` says."""
+    from ..torchrun_env import world_size_from_env
+    from ..train.preflight import preflight
+    opts = from_args(args)
+    preflight(opts)  # bad input fails here, before the seconds of importing torch
+    from ..dist import exit_rank
+    from ..train.loop import train
+    code = train(opts)
+    if world_size_from_env() > 1:  # a torchrun rank whose run is over: see exit_rank
+        exit_rank(code)
+    return code

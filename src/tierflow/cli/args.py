@@ -1,0 +1,74 @@
+"""What the commands share: the parser whose errors are one line, the exit that prints one,
+and the argparse types of their flags (whole numbers, bounded numbers, sizes)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+from ..units import parse_bytes
+
+PROG = "tierflow"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (no usage block), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        fail(f"{message} (see '{self.prog} --help')")
+
+
+def fail(message: str) -> NoReturn:
+    """Print ``tierflow: error: MESSAGE`` as one line on stderr and exit with code 2."""
+    print(f"{PROG}: error: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def size(text: str) -> int:
+    """An argparse type: a size such as 2GiB, in bytes."""
+    try:
+        return parse_bytes(text, what="size")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def size_text(text: str) -> str:
+    """An argparse type: a size such as 2GiB, checked, kept as written."""
+    size(text)
+    return text
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def bounded_number(kind: type, what: str, minimum: float, *,
+                   above: bool = False) -> Callable[[str], Any]:
+    """An argparse type: a ``kind`` number >= ``minimum`` (> with ``above``), finite."""
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            name = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {name}") from None
+        if value != value or value in (float("inf"), float("-inf")) or value < minimum or (
+                above and value == minimum):
+            raise argparse.ArgumentTypeError(
+                f"{text} must be {'above' if above else 'at least'} {minimum} ({what})")
+        return value
+    return parse
+
+
+def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
+    """``--model DIR``: the checkpoint that generate and quantize read."""
+    parser.add_argument("--model", required=True, type=Path, metavar="DIR",
+                        help="checkpoint directory with config.json and model.safetensors, or "
+                             "a tierflow train --out directory (its latest step_N)")
