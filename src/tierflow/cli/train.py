@@ -73,13 +73,16 @@ _HELP = {
                    "checkpoint's run directory)"),
     "resume": ("DIR", "continue from a checkpoint (a step_N directory or a run's --out); "
                       "options not given are the checkpoint's run's"),
-    "log": ("FILE", "the JSONL log (default OUT/log.jsonl)"),
+    "log": ("FILE", "the JSONL log (default OUT/log.jsonl); under torchrun write --log-file, "
+                    "as torchrun takes --log for its own --log-dir"),
     "dtype": (None, "bf16 autocast or fp32 (auto: bf16 where the CPU has native bf16); the "
                     "older name of --matmul-dtype"),
     "model_dtype": (None, "weight and gradient storage (default fp32); bf16 needs bf16 or fp8 "
                           "matmuls"),
     "master": (None, "with bf16 weights: keep an fp32 master copy in the optimizer (fp32, "
-                     "default) or update the bf16 weights by stochastic rounding (none)"),
+                     "default) or update the bf16 weights by stochastic rounding (none); "
+                     "under torchrun write --master-copy, as torchrun takes --master for its "
+                     "own --master-addr"),
     "optim_dtype": (None, "AdamW moment storage: fp32 (default), bf16 (stochastic rounding) or "
                           "int8 (blockwise, a float32 scale per 256)"),
     "matmul_dtype": (None, "matmuls: fp32, bf16 autocast, or fp8 (e4m3 decoder Linears through "
@@ -132,6 +135,10 @@ _TYPES = {"seq_len": _int, "batch_size": _int, "grad_accum": _int, "steps": _int
 
 _CHOICES = {**PRECISION, "dtype": DTYPES, "recompute": tuple(RECOMPUTE), "stream": STREAM,
             "host_updates": HOST_UPDATES, "optimizer_states": OPTIMIZER_STATES}
+# second names for the flags that torchrun would take as an abbreviation of one of its own
+# options (it parses its command line, the training script's arguments included, with
+# argparse's prefix matching, so `--log` is "ambiguous: --log-dir, --logs-specs" there)
+_ALIASES = {"log": ("--log-file",), "master": ("--master-copy",)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,14 +147,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name == "given":
             continue
         metavar, help_text = _HELP[f.name]
+        names = (flag_of(f.name), *_ALIASES.get(f.name, ()))
         if f.name in ("compile", "simulate_gpu", "serial_reads"):
-            parser.add_argument(flag_of(f.name), action="store_true", default=None,
+            parser.add_argument(*names, dest=f.name, action="store_true", default=None,
                                 help=help_text)
         elif f.name in _CHOICES:
-            parser.add_argument(flag_of(f.name), dest=f.name, choices=_CHOICES[f.name],
+            parser.add_argument(*names, dest=f.name, choices=_CHOICES[f.name],
                                 default=None, help=help_text)
         else:
-            parser.add_argument(flag_of(f.name), dest=f.name, type=_TYPES.get(f.name, str),
+            parser.add_argument(*names, dest=f.name, type=_TYPES.get(f.name, str),
                                 default=None, metavar=metavar, help=help_text)
 
 
