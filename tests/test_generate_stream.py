@@ -209,7 +209,7 @@ def test_cli_streams_and_says_so(tok, tmp_path, capsys):
     from cli_support import run_main
     model_dir = tmp_path / "model"
     save_tiny(model_dir, "llama", tok)
-    budget = str(smallest_budget(model_dir, "fp32"))
+    budget = f"{smallest_budget(model_dir, 'fp32')}B"  # bytes: a bare number is GiB
     code, out, err = run_main("generate", "--model", str(model_dir), "--prompt", PROMPT,
                               "--max-new-tokens", "8", "--dtype", "fp32", "--temperature", "0",
                               "--ram", budget, capsys=capsys)
@@ -219,8 +219,8 @@ def test_cli_streams_and_says_so(tok, tmp_path, capsys):
     assert len(lines) == 6 and "read per token" in lines[3] and "waited" in lines[5], lines
     assert "an int8 copy of this checkpoint (tierflow quantize" in lines[4]
     code, out, err = run_main("generate", "--model", str(model_dir), "--prompt", PROMPT,
-                              "--ram", "1000", capsys=capsys)
-    assert code == 2 and out == "" and err.startswith("tierflow: error: --ram 1000 is too small")
+                              "--ram", "1000B", capsys=capsys)
+    assert code == 2 and out == "" and err.startswith("tierflow: error: --ram 1000B is too small")
     assert len(err.strip().splitlines()) == 1, err
 
 

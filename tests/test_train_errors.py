@@ -452,11 +452,11 @@ def test_generate_ram_refuses_below_the_need_and_runs_at_it(gen_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
     base = [sys.executable, "-m", "tierflow", "generate", "--model", str(directory), "--prompt",
             prompt, "--max-new-tokens", "16", "--dtype", "fp32", "--temperature", "0"]
-    low = subprocess.run([*base, "--ram", str(need - 1)], capture_output=True, text=True,
+    low = subprocess.run([*base, "--ram", f"{need - 1}B"], capture_output=True, text=True,
                          env=env, timeout=300)
     lines = low.stderr.strip().splitlines()
     assert low.returncode == 2 and len(lines) == 1 and not low.stdout, low.stderr
-    assert lines[0].startswith(f"tierflow: error: --ram {need - 1} is too small to generate 16 "
+    assert lines[0].startswith(f"tierflow: error: --ram {need - 1}B is too small to generate 16 "
                                "tokens after a"), lines[0]
     for fragment in ("weights", "KV cache", "activations", "every weight in RAM",
                      "streaming every decoder layer needs"):

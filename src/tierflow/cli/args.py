@@ -1,15 +1,24 @@
 """What the commands share: the parser whose errors are one line, the exit that prints one,
-and the argparse types of their flags (whole numbers, bounded numbers, sizes)."""
+and the argparse types of their flags (whole numbers, bounded numbers, sizes).
+
+A memory size means the same in every command: a byte string (``24GiB``, ``500MB``, ``512B``)
+or a bare number of GiB (``--ram 64``), as RAM and GPU memory are quoted; ``tierflow plan
+--ram 64`` has always read it so. A bare number of 2**20 or more is refused: read as GiB it is
+more memory than a machine has, so it is a count of bytes written without its unit.
+"""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from ..units import parse_bytes
+from ..errors import TierflowError
+from ..units import format_bytes, parse_bytes
 
 PROG = "tierflow"
+LARGEST_BARE_GIB = 2**20  # from here on a bare number is bytes that lost their unit
 
 
 class Parser(argparse.ArgumentParser):
@@ -25,18 +34,43 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
-def size(text: str) -> int:
-    """An argparse type: a size such as 2GiB, in bytes."""
+def memory_size(text: str, flag: str) -> str:
+    """``text`` as the library reads a size: a bare number of GiB gets its unit (``"64"`` is
+    ``"64GiB"``), a byte string is kept; a TierflowError naming ``flag``, the value and the fix
+    when it is no positive size or a bare number of ``LARGEST_BARE_GIB`` or more."""
+    text = str(text).strip()
     try:
-        return parse_bytes(text, what="size")
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):  # a byte string (or no size: parse_bytes says what to write)
+        parse_bytes(text, what=flag)
+        return text
+    if number >= LARGEST_BARE_GIB:
+        raise TierflowError(f"{flag} {text}: a bare number is GiB and must be below "
+                            f"{LARGEST_BARE_GIB}; for {format_bytes(number)} write {text}B, "
+                            "or a size with its unit like 4GiB")
+    if not number > 0:
+        raise TierflowError(f"{flag} {text!r} must be a positive size, e.g. '2GiB'")
+    return f"{text}GiB"
+
+
+def memory_bytes(text: str, flag: str) -> int:
+    """The bytes of the memory size ``text`` (``memory_size``)."""
+    return parse_bytes(memory_size(text, flag), what=flag)
+
+
+def size_text(text: str) -> str:
+    """An argparse type: a memory size (``memory_size``), as the text the library parses."""
+    try:
+        return memory_size(text, "size")
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def size_text(text: str) -> str:
-    """An argparse type: a size such as 2GiB, checked, kept as written."""
-    size(text)
-    return text
+def size(text: str) -> int:
+    """An argparse type: a memory size (``memory_size``) in bytes."""
+    return parse_bytes(size_text(text))
 
 
 def positive_int(text: str) -> int:

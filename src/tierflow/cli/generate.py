@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .args import add_checkpoint_argument, bounded_number
+from .args import add_checkpoint_argument, bounded_number, memory_size
 
 
 def register(sub: Any) -> None:
@@ -39,18 +39,19 @@ def register(sub: Any) -> None:
     gen.add_argument("--dtype", choices=["auto", "bf16", "fp32"], default="auto",
                      help="weights and compute dtype (auto: bf16 where the CPU has native bf16)")
     gen.add_argument("--ram", default=None, metavar="SIZE",
-                     help="RAM budget, e.g. 1GiB: below what the whole model needs, decoder "
-                          "layers are read from the checkpoint for every token (the plan is "
-                          "printed on stderr); refused, naming the smallest budget, when even "
-                          "that does not fit")
+                     help="RAM budget, e.g. 1GiB (a bare number is GiB): below what the "
+                          "whole model needs, decoder layers are read from the checkpoint for "
+                          "every token (the plan is printed on stderr); refused, naming the "
+                          "smallest budget, when even that does not fit")
     gen.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Stream the prompt and its continuation to stdout, then the tokens/s line."""
     from ..generate.options import check_request
+    ram = memory_size(args.ram, "--ram") if args.ram is not None else None
     request = dict(tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, ram=args.ram)
+                   temperature=args.temperature, top_k=args.top_k, ram=ram)
     check_request(args.model, args.prompt, **request)  # bad input fails before torch loads
     from ..generate.sample import run as generate
     generate(args.model, args.prompt, seed=args.seed, dtype=args.dtype, **request)

@@ -8,6 +8,8 @@ import argparse
 from dataclasses import replace
 from typing import Any
 
+from .args import memory_bytes
+
 
 def register(sub: Any) -> None:
     """Add ``tierflow plan`` to the subcommands ``sub``."""
@@ -26,16 +28,16 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the predicted plan (or its JSON)."""
     from ..sim.freeze import selection_for
-    from ..sim.options import base_setup, hardware_from_args, memory_size, one_positive
+    from ..sim.options import base_setup, hardware_from_args, one_positive
     from ..sim.predict import predict
     from ..sim.report import plan_text
     from ..sim.shapes import load_shape
+    gpu = memory_bytes(args.gpu, "--gpu") if args.gpu is not None else None
+    ram = memory_bytes(args.ram, "--ram") if args.ram is not None else None
     shape = load_shape(args.model)
     hw = hardware_from_args(args, lists=False)
     seq = one_positive(args.seq_len, "--seq-len")
     setup = base_setup(args, hw, shape)
-    gpu = memory_size(args.gpu, "--gpu") if args.gpu is not None else None
-    ram = memory_size(args.ram, "--ram") if args.ram is not None else None
     selection = selection_for(args.model, args.freeze, args.train_only)
     prediction = predict(replace(setup, seq=seq, gpu=gpu, ram=ram, selection=selection))
     print(prediction.to_json() if args.json else plan_text(prediction, hw), flush=True)

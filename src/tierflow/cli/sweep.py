@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .args import memory_bytes
+
 
 def register(sub: Any) -> None:
     """Add ``tierflow sweep`` to the subcommands ``sub``."""
@@ -26,9 +28,11 @@ def run(args: argparse.Namespace) -> int:
     """Write the CSV and heatmaps; print one line per file."""
     from ..paths import require_writable_dir
     from ..sim.freeze import selection_for
-    from ..sim.options import base_setup, hardware_from_args, memory_size, positive_list
+    from ..sim.options import base_setup, hardware_from_args, positive_list
     from ..sim.shapes import load_shape
     from ..sim.sweep import sweep, write_csv, write_heatmaps
+    gpus = [None] if args.gpu is None else [memory_bytes(v, "--gpu") for v in args.gpu.split(",")]
+    rams = [None] if args.ram is None else [memory_bytes(v, "--ram") for v in args.ram.split(",")]
     out = require_writable_dir(args.out, "--out")
     specs = args.model.split(",")
     shapes = [load_shape(m) for m in specs]
@@ -36,8 +40,6 @@ def run(args: argparse.Namespace) -> int:
     models = [(shape, selection_for(spec, args.freeze, args.train_only))
               for spec, shape in zip(specs, shapes)]
     seqs = positive_list(args.seq_len, "--seq-len")
-    gpus = [None] if args.gpu is None else [memory_size(v, "--gpu") for v in args.gpu.split(",")]
-    rams = [None] if args.ram is None else [memory_size(v, "--ram") for v in args.ram.split(",")]
     base = base_setup(args, hw, shapes[0])
     started = time.perf_counter()
     cells = sweep(base, models, seqs, gpus, rams)

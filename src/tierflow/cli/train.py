@@ -22,6 +22,7 @@ from ..train.options import (
     TrainOptions,
     flag_of,
 )
+from .args import memory_size
 
 
 def _int(text: str) -> int:
@@ -42,8 +43,10 @@ _HELP = {
     "model": ("SPEC", "a preset (llama-20m, llama-134m, gpt2-124m, ...) or a local Hugging Face "
                       "directory (config.json + model.safetensors)"),
     "data": ("DIR", "a directory written by 'tierflow tokenize'"),
-    "ram": ("SIZE", "RAM budget for the training step, e.g. 4GiB (default: none)"),
-    "gpu": ("SIZE", "GPU budget, e.g. 8GiB: train on the CUDA GPU, host RAM (--ram) below it"),
+    "ram": ("SIZE", "RAM budget for the training step, e.g. 4GiB; a bare number is GiB "
+                    "(default: none)"),
+    "gpu": ("SIZE", "GPU budget, e.g. 8GiB (a bare number is GiB): train on the CUDA GPU, "
+                    "host RAM (--ram) below it"),
     "simulate_gpu": (None, "with --gpu: plan and run on the CPU as if it were a GPU of that "
                            "size (host RAM and --disk below it), to try a GPU plan without one"),
     "disk": ("DIR", "an existing directory for the disk tier: the weights and AdamW states "
@@ -160,8 +163,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace) -> TrainOptions:
-    """Defaults, then the TOML file of ``--config``, then the flags given; checked as far as
-    they can be without torch (``check_flags``; the run validates the rest)."""
+    """Defaults, then the TOML file of ``--config``, then the flags given, sizes with their
+    unit (``memory_size``); checked as far as they can be without torch (``check_flags``;
+    the run validates the rest)."""
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values.update(read_toml(Path(args.config)))
@@ -169,6 +173,9 @@ def from_args(args: argparse.Namespace) -> TrainOptions:
         given = getattr(args, f.name, None)
         if given is not None:
             values[f.name] = given
+    for name in ("ram", "gpu"):  # a bare number is GiB, from a flag or the file
+        if values.get(name) is not None:
+            values[name] = memory_size(values[name], flag_of(name))
     return TrainOptions(**values, given=frozenset(values)).check_flags()
 
 
