@@ -50,9 +50,12 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import TierflowError
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn
+    from matplotlib.figure import Figure
 
 TRAIN, EVAL = "train", "eval"
 
@@ -241,7 +244,7 @@ def _extend(x, y):
             np.concatenate([[lo], y, [hi]]))
 
 
-def figure(log: RunLog):
+def figure(log: RunLog) -> Figure:
     """The 2x2 matplotlib Figure (Agg canvas) of ``log``."""
     import numpy as np
     from matplotlib.figure import Figure
