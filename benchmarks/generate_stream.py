@@ -11,7 +11,7 @@ random weights) with a 16-token prompt, greedy:
 - `--repeats` times (3), interleaved so that a change in the machine's load reaches all
   three, each reported as the median: the peer (`peers.py generate`: Hugging Face generate
   with accelerate's big-model offload under `max_memory={"cpu": RAM}`); `tierflow generate
-  --ram RAM --temperature 0` (`tierflow.generate.run`, what the command runs, called in the
+  --ram RAM --temperature 0` (`tierflow.generate.sample.run`, what the command runs, called in the
   child so that it reports exact tok/s and RSS); the same on an int8 copy of the checkpoint
   that `tierflow quantize` writes first (lossy: how far its logits are from the bf16
   model's is measured in a fresh process with both in RAM);
@@ -82,7 +82,7 @@ def sample():  # the checkpoint's pages in the page cache, every 50 ms
 
 if sampling:
     threading.Thread(target=sample, daemon=True).start()
-from tierflow.generate import run
+from tierflow.generate.sample import run
 start = time.perf_counter()
 stats = run(model_dir, prompt, max_new_tokens=tokens, temperature=0, dtype="bf16", ram=ram)
 total = time.perf_counter() - start
@@ -129,7 +129,7 @@ FIDELITY_CHILD = r"""
 import json, sys
 import torch
 from tierflow.data.tokenizer import load_tokenizer
-from tierflow.generate import sample_ids
+from tierflow.generate.sample import sample_ids
 from tierflow.models.load import load_model
 original, int8, prompt, tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 tok = load_tokenizer(original + "/tokenizer.json")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tierflow import cli
+from tierflow.cli.main import main
 
 STDLIB_FILES = ("textwrap.py", "bisect.py", "colorsys.py", "keyword.py", "heapq.py", "abc.py",
                 "fnmatch.py", "glob.py")
@@ -88,7 +88,7 @@ def spy_saved_models(monkeypatch) -> list:
 def run_main(*args, capsys):
     """(exit code, stdout, stderr) of ``tierflow ARGS``."""
     try:
-        code = cli.main(list(args))
+        code = main(list(args))
     except SystemExit as e:
         code = e.code
     out, err = capsys.readouterr()

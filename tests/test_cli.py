@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from cli_support import assert_error_line
-from tierflow import cli, demo, measure
+from tierflow import measure
+from tierflow.cli import compare
+from tierflow.cli.main import main
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -45,7 +47,7 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *fragments: str) ->
 ])
 def test_user_errors_are_one_line_exit_2(args, fragments, capsys):
     with pytest.raises(SystemExit) as exc:
-        cli.main(args)
+        main(args)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert_error_line(err, fragments)
@@ -61,9 +63,9 @@ def test_tierflow_value_error_is_one_line(monkeypatch, capsys):
     def infeasible(args):
         raise BudgetError("ram budget 1.00 MiB is too small:\nthe smallest plan needs 9.00 MiB",
                           tier="ram", budget=2**20, smallest=9 * 2**20)
-    monkeypatch.setattr(cli, "cmd_compare", infeasible)
+    monkeypatch.setattr(compare, "run", infeasible)
     with pytest.raises(SystemExit) as exc:
-        cli.main(["compare"])
+        main(["compare"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err == "tierflow: error: ram budget 1.00 MiB is too small: the smallest plan needs 9.00 MiB\n"
@@ -72,9 +74,9 @@ def test_tierflow_value_error_is_one_line(monkeypatch, capsys):
 def test_bugs_keep_their_traceback(monkeypatch):
     def bug(args):
         raise ValueError("not tierflow's")  # raised here, in a test file: a bug, not a user error
-    monkeypatch.setattr(cli, "cmd_compare", bug)
+    monkeypatch.setattr(compare, "run", bug)
     with pytest.raises(ValueError, match="not tierflow's"):
-        cli.main(["compare"])
+        main(["compare"])
 
 
 def test_version():
@@ -88,7 +90,7 @@ def test_comparison_table():
     fitted = {"peak_above_baseline_bytes": 2**30, "step_s_median": 1.2, "tok_s": 1706.7,
               "losses": [10.5, 10.4], "predicted_peak_bytes": int(1.1 * 2**30),
               "predicted_step_s": 1.1, "fit_s": 3.0}
-    text = demo.comparison_table(plain, fitted, budget=2**30)
+    text = compare.comparison_table(plain, fitted, budget=2**30)
     assert "plain PyTorch" in text and "tierflow" in text
     assert "100% of the 1.00 GiB budget" in text
     assert "+10.0% vs measured" in text

@@ -420,7 +420,7 @@ def test_a_real_out_of_memory_error_replans_and_retries(train_env, tmp_path, cap
 def test_an_int8_model_decodes_on_cuda_as_on_the_cpu(family):
     """Int8 layers (``tierflow.quantize_int8``) on a GPU take the dequantized matmul; the
     logits match the same model's on the CPU (fp32, no fused kernel there either)."""
-    from tierflow.generate import sample_ids
+    from tierflow.generate.sample import sample_ids
     model = tiny_hf(family).float()
     tierflow.quantize_int8(model)
     ids = hf_sample()["input_ids"][:1]

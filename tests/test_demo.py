@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tierflow.demo import PROMPT
+from tierflow.cli.demo import PROMPT
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tierflow import cli
+from tierflow.cli.main import main
 from tierflow.data.tokenizer import EOT, train_tokenizer
 from tierflow.errors import TierflowError
-from tierflow.generate import GenerateStats, encode_prompt, generate, sample_ids, stop_ids
+from tierflow.generate.sample import GenerateStats, encode_prompt, generate, sample_ids, stop_ids
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 TEXTS = ["def add(a, b):\n    return a + b\n", "the quick brown fox jumps over the lazy dog. " * 4,
@@ -147,10 +147,10 @@ def test_generate_from_a_run_directory_samples_its_latest_checkpoint(model_dir, 
         if step != 11:
             (run / f"step_{step}" / "trainer_state.json").write_text("{}")
     args = ["--prompt", "def add", "--max-new-tokens", "8", "--seed", "0", "--dtype", "fp32"]
-    assert cli.main(["generate", "--model", str(run), *args]) == 0
+    assert main(["generate", "--model", str(run), *args]) == 0
     from_run = capsys.readouterr()
     assert f"{run}: its latest checkpoint, step_10" in from_run.err
-    assert cli.main(["generate", "--model", str(run / "step_10"), *args]) == 0
+    assert main(["generate", "--model", str(run / "step_10"), *args]) == 0
     from_step = capsys.readouterr()
     assert from_step.out.splitlines()[0] == from_run.out.splitlines()[0]  # the same text
     assert "latest checkpoint" not in from_step.err
@@ -158,7 +158,7 @@ def test_generate_from_a_run_directory_samples_its_latest_checkpoint(model_dir, 
 
 def one_line_error(capsys, args, *fragments):
     with pytest.raises(SystemExit) as exc:
-        cli.main(args)
+        main(args)
     assert exc.value.code == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
@@ -211,7 +211,7 @@ def write_log(path: Path, steps: int = 30) -> None:
 
 
 def test_read_log_is_tolerant(tmp_path):
-    from tierflow.plot import read_log
+    from tierflow.cli.plot import read_log
     path = tmp_path / "run.jsonl"
     write_log(path)
     log = read_log(path)
@@ -228,7 +228,7 @@ def test_cli_plot_writes_a_png(tmp_path, capsys):
     log = tmp_path / "run.jsonl"
     write_log(log)
     out = tmp_path / "run.png"
-    assert cli.main(["plot", str(log), "-o", str(out)]) == 0
+    assert main(["plot", str(log), "-o", str(out)]) == 0
     assert "30 train and 3 eval records" in capsys.readouterr().out
     assert out.stat().st_size > 0
     image = matplotlib.image.imread(str(out))
@@ -240,7 +240,7 @@ def test_plot_minimal_records(tmp_path):
     """Only step and loss: the panels without data say so; the default output is LOG.png."""
     log = tmp_path / "min.jsonl"
     log.write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)))
-    assert cli.main(["plot", str(log)]) == 0
+    assert main(["plot", str(log)]) == 0
     assert (tmp_path / "min.png").stat().st_size > 0
 
 
@@ -261,7 +261,7 @@ def test_plot_errors(tmp_path, capsys):
 
 def test_trainer_shaped_log(tmp_path):
     """The records tierflow train writes: budget as a bare int (RAM), eval with ``loss``."""
-    from tierflow.plot import plot_run, read_log
+    from tierflow.cli.plot import plot_run, read_log
     records = [{"kind": "options", "ram": 1 << 30},
                {"kind": "plan", "weights": 1000, "predicted_peak": 1 << 28, "budget": 1 << 30},
                *({"kind": "train", "step": s, "total": 4, "loss": 3.0 - s / 10, "norm": 1.0,

@@ -11,9 +11,9 @@ import torch
 
 from tierflow.data.tokenizer import EOT, train_tokenizer
 from tierflow.errors import TierflowError
-from tierflow.generate import run, sample_ids
-from tierflow.generate_memory import RUNTIME_BYTES, MemoryNeed, memory_needed
-from tierflow.generate_stream import PAGE_CACHE_BYTES, PREFETCH_SLOTS, load_streamed, plan_stream
+from tierflow.generate.memory import RUNTIME_BYTES, MemoryNeed, memory_needed
+from tierflow.generate.sample import run, sample_ids
+from tierflow.generate.stream import PAGE_CACHE_BYTES, PREFETCH_SLOTS, load_streamed, plan_stream
 from tierflow.units import parse_bytes
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "the quick brown fox jumps over the lazy dog. " * 4,
@@ -51,7 +51,7 @@ def no_page_cache_allowance(monkeypatch):
     the checkpoint's size. A test model's whole file is smaller than one read-ahead, so with
     that allowance streaming could never fit a budget below the model: it is left out here
     (``test_plan_...`` checks that it is counted)."""
-    monkeypatch.setattr("tierflow.generate_stream.PAGE_CACHE_BYTES", 0)
+    monkeypatch.setattr("tierflow.generate.stream.PAGE_CACHE_BYTES", 0)
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -166,7 +166,7 @@ def test_the_predicted_bandwidth_skips_the_files_first_read(model_dir, tok, monk
     printed prediction uses is that of the reads after it, made before generation starts."""
     import time
 
-    from tierflow import layer_stream
+    from tierflow.generate import layer_stream
     pread_exact, calls = layer_stream.pread_exact, []
 
     def first_slow(*args, **kwargs):
@@ -209,7 +209,7 @@ def test_cli_streams_and_says_so(tok, tmp_path, capsys):
     from cli_support import run_main
     model_dir = tmp_path / "model"
     save_tiny(model_dir, "llama", tok)
-    budget = str(smallest_budget(model_dir, "fp32"))
+    budget = f"{smallest_budget(model_dir, 'fp32')}B"  # bytes: a bare number is GiB
     code, out, err = run_main("generate", "--model", str(model_dir), "--prompt", PROMPT,
                               "--max-new-tokens", "8", "--dtype", "fp32", "--temperature", "0",
                               "--ram", budget, capsys=capsys)
@@ -219,8 +219,8 @@ def test_cli_streams_and_says_so(tok, tmp_path, capsys):
     assert len(lines) == 6 and "read per token" in lines[3] and "waited" in lines[5], lines
     assert "an int8 copy of this checkpoint (tierflow quantize" in lines[4]
     code, out, err = run_main("generate", "--model", str(model_dir), "--prompt", PROMPT,
-                              "--ram", "1000", capsys=capsys)
-    assert code == 2 and out == "" and err.startswith("tierflow: error: --ram 1000 is too small")
+                              "--ram", "1000B", capsys=capsys)
+    assert code == 2 and out == "" and err.startswith("tierflow: error: --ram 1000B is too small")
     assert len(err.strip().splitlines()) == 1, err
 
 
@@ -228,7 +228,7 @@ def test_the_smallest_budget_named_is_all_in_ram_when_streaming_costs_more(model
                                                                             monkeypatch):
     """With the real page-cache allowance a tiny model's streaming costs more than holding
     it: the refusal then names the all-in-RAM budget, and that budget works."""
-    monkeypatch.setattr("tierflow.generate_stream.PAGE_CACHE_BYTES", 32 << 20)
+    monkeypatch.setattr("tierflow.generate.stream.PAGE_CACHE_BYTES", 32 << 20)
     need = memory_needed(model_dir, torch.float32, len(tok.encode(PROMPT).ids), 24)
     in_ram = need.total + RUNTIME_BYTES
     smallest = smallest_budget(model_dir, "fp32")  # as printed: rounded up to 0.01 MiB

@@ -14,8 +14,8 @@ from test_generate_stream import LAYERS, PROMPT, save_tiny, smallest_budget
 
 from tierflow.data.tokenizer import train_tokenizer
 from tierflow.errors import TierflowError
-from tierflow.generate import run
-from tierflow.generate_memory import memory_needed
+from tierflow.generate.memory import memory_needed
+from tierflow.generate.sample import run
 from tierflow.models.int8 import Int8Linear, quantize_int8, quantize_weight
 from tierflow.models.load import load_model
 
@@ -31,7 +31,7 @@ def tok():
 @pytest.fixture(autouse=True)
 def no_page_cache_allowance(monkeypatch):
     """As in test_generate_stream: a tiny checkpoint is smaller than the read-ahead."""
-    monkeypatch.setattr("tierflow.generate_stream.PAGE_CACHE_BYTES", 0)
+    monkeypatch.setattr("tierflow.generate.stream.PAGE_CACHE_BYTES", 0)
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -39,7 +39,7 @@ def dirs(request, tmp_path_factory, tok):
     """(the fp32 checkpoint, its int8 copy written by ``tierflow quantize``)."""
     root = tmp_path_factory.mktemp(request.param)
     save_tiny(root / "model", request.param, tok)
-    from tierflow.quantize import quantize_checkpoint
+    from tierflow.generate.quantize import quantize_checkpoint
     quantize_checkpoint(root / "model", root / "int8", log=io.StringIO())
     return root / "model", root / "int8"
 
@@ -176,7 +176,7 @@ def test_a_failed_write_leaves_nothing_behind(dirs, tmp_path, monkeypatch, capsy
     monkeypatch.setattr(checkpoint, "_write", full)
     out = tmp_path / "int8"
     with pytest.raises(TierflowError, match="No space left on device.*nothing was left"):
-        from tierflow.quantize import quantize_checkpoint
+        from tierflow.generate.quantize import quantize_checkpoint
         quantize_checkpoint(dirs[0], out, log=io.StringIO())
     assert list(tmp_path.iterdir()) == []
 
@@ -192,7 +192,7 @@ def test_fit_refuses_an_int8_model():
 def test_a_sharded_checkpoint_is_quantized_into_one_file(tok, tmp_path):
     import transformers
 
-    from tierflow.quantize import quantize_checkpoint
+    from tierflow.generate.quantize import quantize_checkpoint
     config = transformers.LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=32,
                                       intermediate_size=64, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2)
@@ -213,8 +213,8 @@ def test_a_sharded_checkpoint_is_quantized_into_one_file(tok, tmp_path):
 def test_every_core_family_quantizes_and_decodes(family, tmp_path):
     """Each family's checkpoint, quantized on disk, loads as the model quantized in memory,
     stays within 3% of the float logits, and decodes with its KV cache."""
-    from tierflow.generate import sample_ids
-    from tierflow.quantize import quantize_checkpoint
+    from tierflow.generate.sample import sample_ids
+    from tierflow.generate.quantize import quantize_checkpoint
     tiny_hf(family).save_pretrained(tmp_path / "model")
     quantize_checkpoint(tmp_path / "model", tmp_path / "int8", log=io.StringIO())
     loaded = load_model(tmp_path / "int8", for_generation=True)
@@ -236,8 +236,8 @@ def test_the_written_int8_weights_map_aligned(tmp_path, monkeypatch):
     import transformers
     from safetensors import safe_open
 
-    from tierflow.quantize import quantize_checkpoint
-    from tierflow.safetensors_io import read_header
+    from tierflow.generate.quantize import quantize_checkpoint
+    from tierflow.models.safetensors_io import read_header
     config = transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from cli_support import assert_error_line
 
-from tierflow import cli
+from tierflow.cli.main import main
 from tierflow.data import TokenFile, collect, stdlib_corpus, write_tokens
 from tierflow.data.tokenfile import HEADER_BYTES, MAGIC
 from tierflow.data.tokenize import eval_indices, tokenize
@@ -336,7 +336,7 @@ def test_cli_user_errors(corpus_dir, tmp_path, capsys, extra, fragments):
                  empty=tmp_path / "empty")
     args = ["tokenize", *(a.format(**names) for a in extra)]
     with pytest.raises(SystemExit) as exc:
-        cli.main(args)
+        main(args)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert_error_line(err, fragments)

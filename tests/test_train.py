@@ -17,8 +17,8 @@ import pytest
 import torch
 from cli_support import make_train_env, records, run_killed_beside_full, run_main, spy_saved_models
 
-from tierflow import cli
-from tierflow.train.option_flags import from_args
+from tierflow.cli.main import build_parser
+from tierflow.cli.train import from_args
 from tierflow.train.options import TrainOptions
 from tierflow.train.schedule import lr_at
 
@@ -254,7 +254,7 @@ def test_toml_config_merges_with_flags_winning(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text('model = "llama-20m"\ndata = "d"\nseq-len = 128\nbatch_size = 8\nlr = 1\n'
                       'compile = true\nram = "2GiB"\n')
-    parser = cli.build_parser()
+    parser = build_parser()
     opts = from_args(parser.parse_args(["train", "--config", str(config), "--seq-len", "64"]))
     assert (opts.model, opts.data, opts.seq_len, opts.batch_size, opts.lr, opts.compile,
             opts.ram) == ("llama-20m", "d", 64, 8, 1.0, True, "2GiB")

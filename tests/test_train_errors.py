@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from tierflow import cli
+from tierflow.cli.main import main
 from tierflow.data.tokenfile import write_tokens
 from tierflow.train import checkpoint as ckpt_module
 
@@ -41,7 +41,7 @@ def _run_main(*args):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = cli.main(list(args))
+            code = main(list(args))
         except SystemExit as e:
             code = e.code
     return code, out.getvalue(), err.getvalue()
@@ -229,7 +229,7 @@ class Blocked:
         if name.split('.')[0] in ('torch', 'transformers'):
             raise ImportError(name + ' imported before the bad input was found')
 sys.meta_path.insert(0, Blocked())
-from tierflow.cli import main
+from tierflow.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -425,7 +425,7 @@ def gen_dir(tmp_path_factory):
 
 
 def test_generate_memory_need_is_weights_kv_cache_and_a_margin(gen_dir):
-    from tierflow.generate import memory_needed
+    from tierflow.generate.memory import memory_needed
     from tierflow.models import load_model
     directory, tok = gen_dir
     model = load_model(directory)
@@ -442,21 +442,21 @@ def test_generate_memory_need_is_weights_kv_cache_and_a_margin(gen_dir):
 
 def test_generate_ram_refuses_below_the_need_and_runs_at_it(gen_dir, tmp_path):
     from tierflow.data.tokenizer import load_tokenizer
-    from tierflow.generate import memory_needed
+    from tierflow.generate.memory import memory_needed
     directory, _ = gen_dir
     tok = load_tokenizer(directory / "tokenizer.json")
     prompt = "def add"
-    from tierflow.generate_memory import RUNTIME_BYTES
+    from tierflow.generate.memory import RUNTIME_BYTES
     need = memory_needed(directory, torch.float32, len(tok.encode(prompt).ids), 16).total \
         + RUNTIME_BYTES
     env = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
     base = [sys.executable, "-m", "tierflow", "generate", "--model", str(directory), "--prompt",
             prompt, "--max-new-tokens", "16", "--dtype", "fp32", "--temperature", "0"]
-    low = subprocess.run([*base, "--ram", str(need - 1)], capture_output=True, text=True,
+    low = subprocess.run([*base, "--ram", f"{need - 1}B"], capture_output=True, text=True,
                          env=env, timeout=300)
     lines = low.stderr.strip().splitlines()
     assert low.returncode == 2 and len(lines) == 1 and not low.stdout, low.stderr
-    assert lines[0].startswith(f"tierflow: error: --ram {need - 1} is too small to generate 16 "
+    assert lines[0].startswith(f"tierflow: error: --ram {need - 1}B is too small to generate 16 "
                                "tokens after a"), lines[0]
     for fragment in ("weights", "KV cache", "activations", "every weight in RAM",
                      "streaming every decoder layer needs"):

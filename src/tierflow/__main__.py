@@ -1,7 +1,7 @@
 """``python -m tierflow ...``: the command line (see ``tierflow.cli``)."""
 import sys
 
-from .cli import main
+from .cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,11 +22,11 @@ from torch import nn
 
 from ..errors import TierflowError
 from ..exec.offload import OffloadedParameters, attach
-from ..safetensors_io import read_header, read_tensor
 from .files import INDEX_NAME, SINGLE_NAME, read_config_json, require_weight_files
 from .init import initialize
 from .int8 import align_int8, is_quantized, quantize_int8
 from .presets import model_directory, preset_config
+from .safetensors_io import read_header, read_tensor
 
 
 @contextlib.contextmanager

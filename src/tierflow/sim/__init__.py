@@ -6,7 +6,7 @@ the ``ChainCosts`` the profiler would measure; ``hardware`` holds the published 
 (``plan/placement.py``) on them; ``sweep`` repeats it over a grid; ``selection`` and
 ``freeze`` say what a partial fine-tune trains. No torch is imported except by
 ``calibrate`` and ``freeze`` (which builds the model on the meta device). The commands are
-in ``cli_sim.py``.
+``cli/plan.py``, ``cli/sweep.py`` and ``cli/calibrate.py``.
 """
 from .hardware import Hardware, hardware
 from .predict import Prediction, Setup, predict

@@ -278,7 +278,7 @@ class OptimizerFile:
     memory-mapped) or whole."""
 
     def __init__(self, path: Path, structure: Any):
-        from ..safetensors_io import read_header
+        from ..models.safetensors_io import read_header
         self.path = path
         self.structure = structure
         self.tensors = read_header(path)
@@ -293,7 +293,7 @@ class OptimizerFile:
         return unflatten_optimizer_states({name: name for name in self.tensors}, self.structure)
 
     def read(self, name: str) -> torch.Tensor:
-        from ..safetensors_io import read_tensor
+        from ..models.safetensors_io import read_tensor
         stored = self.tensors[name]
         fd = os.open(stored.file, os.O_RDONLY)
         try:

@@ -1,5 +1,5 @@
 """The options of ``tierflow train``: a typed dataclass and its checks (the flags and the TOML
-file that fill it: ``option_flags.py``).
+file that fill it: ``cli/train.py``).
 
 Every flag can also come from a TOML file (``--config FILE``): keys are the option names
 with ``-`` or ``_`` (``seq-len = 512`` or ``seq_len = 512``). Flags given on the command line

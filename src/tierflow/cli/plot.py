@@ -44,14 +44,18 @@ with the Agg canvas, no display needed).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .errors import TierflowError
+from ..errors import TierflowError
+
+if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn
+    from matplotlib.figure import Figure
 
 TRAIN, EVAL = "train", "eval"
 
@@ -240,7 +244,7 @@ def _extend(x, y):
             np.concatenate([[lo], y, [hi]]))
 
 
-def figure(log: RunLog):
+def figure(log: RunLog) -> Figure:
     """The 2x2 matplotlib Figure (Agg canvas) of ``log``."""
     import numpy as np
     from matplotlib.figure import Figure
@@ -332,3 +336,24 @@ def plot_run(log: RunLog | str | os.PathLike[str], out: str | os.PathLike[str]) 
         raise TierflowError(f"-o {out} cannot be written ({err.strerror}): check the directory's "
                             "permissions and free space") from None
     return out
+
+
+def register(sub: Any) -> None:
+    """Add ``tierflow plot`` to the subcommands ``sub``."""
+    plot = sub.add_parser(
+        "plot", help="draw a training log: loss, tokens/s, memory per tier",
+        description="Read the JSONL log of tierflow train (--log) and draw train and eval loss "
+                    "against steps and tokens, tokens/s, and memory per tier into one image.")
+    plot.add_argument("log", type=Path, metavar="LOG.jsonl", help="the training log")
+    plot.add_argument("-o", "--out", type=Path, default=None, metavar="FILE",
+                      help="image to write: .png, .pdf, .svg, ... (default LOG with .png)")
+    plot.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Read the log, write the figure, print a one-line summary."""
+    log = read_log(args.log)
+    out = args.out if args.out is not None else args.log.with_suffix(".png")
+    plot_run(log, out)
+    print(log.summary(out), flush=True)
+    return 0

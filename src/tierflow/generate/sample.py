@@ -17,7 +17,7 @@ back a trailing partial UTF-8 character (a byte-level token can end mid-characte
 Without ``--ram``, or when it holds ``memory_needed`` (weights in the compute dtype, KV cache
 and an activation margin, from the config and the safetensors headers) plus a runtime allowance,
 the whole model is loaded into RAM by ``load_model``. Below that,
-``generate_stream.load_streamed`` keeps as many decoder layers in RAM as the budget holds and
+``stream.load_streamed`` keeps as many decoder layers in RAM as the budget holds and
 reads the others from the checkpoint for every forward pass (the plan and, at the end, what the
 reads cost are printed on stderr); the text is the same as with every weight in RAM. A budget
 below even that is refused, naming the smallest budget that works.
@@ -32,16 +32,16 @@ from typing import Any, Callable, Iterator, Sequence, TextIO
 
 import torch
 
-from .errors import TierflowError
-from .generate_memory import MemoryNeed, dtype_name, fits_in_ram, memory_needed
-from .generate_options import (
+from ..errors import TierflowError
+from ..models.files import max_positions
+from .memory import MemoryNeed, dtype_name, fits_in_ram, memory_needed
+from .options import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_TEMPERATURE,
     check_options,
     check_request,
 )
-from .generate_stream import load_streamed
-from .models.files import max_positions
+from .stream import load_streamed
 
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
 
@@ -255,7 +255,7 @@ def resolve_dtype(name: str) -> torch.dtype:
         return torch.float32
     if name != "auto":
         raise TierflowError(f"--dtype {name!r} is not one of auto, bf16, fp32")
-    from .measure import fast_bf16
+    from ..measure import fast_bf16
     return torch.bfloat16 if fast_bf16() else torch.float32
 
 
@@ -265,9 +265,9 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
         ram: str | int | None = None, out: TextIO | None = None) -> GenerateStats:
     """What ``tierflow generate`` does: check everything, load, stream the prompt and the
     continuation to ``out`` (stdout), then a line with tokens/s."""
-    from .data.tokenizer import load_tokenizer
-    from .models.int8 import is_quantized
-    from .models.load import load_model
+    from ..data.tokenizer import load_tokenizer
+    from ..models.int8 import is_quantized
+    from ..models.load import load_model
 
     out = out if out is not None else sys.stdout
     directory, tok_path, budget = check_request(model_dir, prompt, tokenizer=tokenizer,

@@ -1,7 +1,7 @@
 """``tierflow generate`` under a ``--ram`` budget below the model: which decoder layers stay in
 RAM and which are streamed from the checkpoint.
 
-When ``memory_needed`` (``generate_memory``) is above the budget, ``plan_stream`` keeps the
+When ``memory_needed`` (``memory.py``) is above the budget, ``plan_stream`` keeps the
 weights outside the decoder layers (head, norms) in RAM with the KV cache, the activation
 margin, the runtime and the page cache that reads take, reserves ``PREFETCH_SLOTS`` buffers of
 one decoder layer each for streaming, and keeps as many decoder layers resident as the rest of
@@ -22,12 +22,12 @@ from typing import TextIO
 import torch
 from torch import nn
 
+from ..errors import TierflowError
+from ..models.safetensors_io import StoredTensor, read_tensor
+from ..units import format_bytes
 from .embedding_rows import EmbeddingRows
-from .errors import TierflowError
-from .generate_memory import RUNTIME_BYTES, MemoryNeed, dtype_name, stored_tensors
 from .layer_stream import LayerStreamer, slot_bytes
-from .safetensors_io import StoredTensor, read_tensor
-from .units import format_bytes
+from .memory import RUNTIME_BYTES, MemoryNeed, dtype_name, stored_tensors
 
 PREFETCH_SLOTS = 2  # layer buffers: one computed from while the next is read
 # What the page cache may hold of the checkpoint while layers stream: the chunk being read
@@ -118,7 +118,7 @@ def _model_names(model: nn.Module, stored: dict[str, StoredTensor],
                  directory: Path) -> dict[str, StoredTensor]:
     """{parameter or buffer name in ``model``: its stored tensor}, for every unique parameter
     (under any of its tied names) and the persistent buffers the checkpoint holds."""
-    from .models.load import _match_names, _short
+    from ..models.load import _match_names, _short
     by_model_name = {model_name: stored[name]
                      for name, model_name in _match_names(model, set(stored)).items()}
     names: dict[int, list[str]] = {}
@@ -204,9 +204,9 @@ def load_streamed(directory: Path, dtype: torch.dtype, need: MemoryNeed, budget:
     RAM streamed from the checkpoint, and the input embedding's rows read as looked up when
     the head does not share it (the streaming is running: ``close`` it when done). Refuses,
     naming the smallest budget, when even streaming every decoder layer does not fit."""
-    from .chain.hf import decoder_layers
-    from .models.int8 import is_quantized
-    from .models.load import build_on_meta, read_config
+    from ..chain.hf import decoder_layers
+    from ..models.int8 import is_quantized
+    from ..models.load import build_on_meta, read_config
     config = read_config(directory)
     if vocab_size is not None and vocab_size > config.vocab_size:
         raise TierflowError(f"the tokenizer's vocabulary ({vocab_size}) is larger than the "

@@ -1,5 +1,5 @@
 """The sampling defaults of ``tierflow generate`` and the checks of what it (and ``tierflow
-quantize``) is asked, apart from ``generate.py`` and free of torch: the command line shows the
+quantize``) is asked, apart from ``sample.py`` and free of torch: the command line shows the
 defaults in its help and turns bad input into one error line before it imports torch (seconds
 on a small machine)."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import math
 import os
 from pathlib import Path
 
-from .errors import TierflowError
-from .models.files import read_config_json, require_weight_files
-from .train.checkpoint_dirs import latest_checkpoint
-from .units import parse_bytes
+from ..errors import TierflowError
+from ..models.files import read_config_json, require_weight_files
+from ..train.checkpoint_dirs import latest_checkpoint
+from ..units import parse_bytes
 
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_TEMPERATURE = 0.8
@@ -70,7 +70,7 @@ def check_request(model_dir: str | Path, prompt: str, *, tokenizer: str | Path |
         raise TierflowError("the prompt is empty: give some text with --prompt")
     directory = checkpoint_directory(model_dir)
     if tokenizer is not None:
-        from .data.tokenizer import tokenizer_file
+        from ..data.tokenizer import tokenizer_file
         tok_path = tokenizer_file(Path(tokenizer))
     else:
         tok_path = directory / "tokenizer.json"

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .safetensors_io import StoredTensor, read_header
+from ..models.safetensors_io import StoredTensor, read_header
 
 # What the process holds beyond the planned tensors (modules imported after the baseline, the
 # model's Python objects, kernel caches): about 30 MiB measured on tinyllama-1.1b, with margin.
@@ -49,7 +49,7 @@ def memory_needed(directory: str | Path, dtype: torch.dtype, prompt_tokens: int,
     - activations (the stated margin): the prefill's fp32 logits (prompt x vocab x 4), one
       layer's working set (prompt x (4 x hidden + 2 x intermediate) x ``dtype`` bytes) and
       the attention scores (heads x prompt^2 x 4 bytes)."""
-    from .models.load import read_config
+    from ..models.load import read_config
     directory = Path(directory)
     config = read_config(directory)
     size = torch.empty(0, dtype=dtype).element_size()
@@ -71,7 +71,7 @@ def memory_needed(directory: str | Path, dtype: torch.dtype, prompt_tokens: int,
 
 def stored_tensors(directory: Path) -> dict[str, StoredTensor]:
     """Every tensor of the checkpoint in ``directory``, by its name there."""
-    from .models.load import read_safetensors_index
+    from ..models.load import read_safetensors_index
     files = read_safetensors_index(directory)
     headers = {file: read_header(file) for file in set(files.values())}
     return {name: headers[file][name] for name, file in files.items()}

@@ -21,19 +21,19 @@ from typing import TextIO
 
 import torch
 
-from .errors import TierflowError
-from .generate_memory import stored_tensors
-from .generate_options import check_new_directory
-from .models.files import read_config_json
-from .models.int8 import (
+from ..errors import TierflowError
+from ..models.files import read_config_json
+from ..models.int8 import (
     INT8,
     QUANTIZATION_KEY,
     is_quantized,
     quantizable,
     quantize_weight,
 )
-from .safetensors_io import StoredTensor, read_tensor
-from .units import format_bytes
+from ..models.safetensors_io import StoredTensor, read_tensor
+from ..units import format_bytes
+from .memory import stored_tensors
+from .options import check_new_directory
 
 PROGRESS_EVERY_S = 5.0
 _COPIED_FILES = ("tokenizer.json", "generation_config.json")
@@ -42,7 +42,7 @@ _COPIED_FILES = ("tokenizer.json", "generation_config.json")
 def _layout(directory: Path, names: set[str]) -> tuple[dict[str, str], dict[str, bool]]:
     """({checkpoint name: model name} of ``names``, {quantized module name: stored
     transposed})."""
-    from .models.load import _match_names, build_on_meta
+    from ..models.load import _match_names, build_on_meta
     model = build_on_meta(directory, None)
     return _match_names(model, names), quantizable(model)
 
@@ -91,7 +91,7 @@ def quantize_checkpoint(model_dir: Path, out: Path, *, log: TextIO | None = None
             print(f"[quantize] {module} ...", file=log, flush=True)
         return q.contiguous()
 
-    from .train.checkpoint import write_safetensors
+    from ..train.checkpoint import write_safetensors
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import TierflowError
-from .safetensors_io import StoredTensor
+from ..errors import TierflowError
+from ..models.safetensors_io import StoredTensor
 
 
 class EmbeddingRows:

@@ -9,12 +9,12 @@ ahead of the compute, so reads overlap the compute of the layers before them. A 
 over many positions (the prefill over the prompt) runs each layer once, so it reads each
 layer once.
 
-Reads are ``pread`` into the slot (no memory map), in chunks (``safetensors_io``). Before a
-layer is read, the page cache is emptied of the file outside that layer (what the kernel read
-ahead past the previous one); while it is read, what was read of it is dropped after each
-chunk. So the RAM that streaming holds is the slots, and the page cache holds at most a chunk
-and the kernel's read-ahead behind the budget's back. A tensor stored in another dtype than
-the compute dtype is read into the slot's raw area and converted into its typed area by the
+Reads are ``pread`` into the slot (no memory map), in chunks (``models/safetensors_io.py``).
+Before a layer is read, the page cache is emptied of the file outside that layer (what the
+kernel read ahead past the previous one); while it is read, what was read of it is dropped after
+each chunk. So the RAM that streaming holds is the slots, and the page cache holds at most a
+chunk and the kernel's read-ahead behind the budget's back. A tensor stored in another dtype
+than the compute dtype is read into the slot's raw area and converted into its typed area by the
 I/O thread. While layers stream, torch computes with one thread fewer than it had, leaving a
 core to the reads (on 2 cores, 2 compute threads and the reads' page copies descheduling one
 another made decoding 3-4x slower than 1 compute thread).
@@ -33,8 +33,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .safetensors_io import StoredTensor, pread_exact
-from .units import format_bytes
+from ..models.safetensors_io import StoredTensor, pread_exact
+from ..units import format_bytes
 
 ALIGN = 64  # every tensor starts on a cache line in its slot, as torch's allocator places them
 SAMPLE_BYTES = 256 << 20  # read before generating to measure the disk (about 0.1 s)

@@ -1,13 +1,10 @@
-"""``tierflow demo`` (the embedded default of the LLM workflow) and ``tierflow compare``.
+"""``tierflow demo``: the LLM workflow, offline, on the Python standard library's source.
 
-``tierflow demo`` runs the whole workflow offline on the Python standard library's source:
-tokenize it (a byte-level BPE trained on it), train a small Llama under a RAM budget with
-evaluation, save the checkpoint, sample from it and plot the run, each phase with a header
-line, all by calling the functions behind ``tokenize``, ``train``, ``generate`` and ``plot``.
-``--quick`` is the same on a subset of the files with a tiny model (a test in under a minute).
-
-``tierflow compare`` (the first demo of the project) fits a small Llama on random tokens under
-a budget and measures plain PyTorch and tierflow side by side, each in a fresh process.
+It tokenizes the source (a byte-level BPE trained on it), trains a small Llama under a RAM
+budget with evaluation, saves the checkpoint, samples from it and plots the run, each phase
+with a header line, all by calling the functions behind ``tokenize``, ``train``,
+``generate`` and ``plot``. ``--quick`` is the same on a subset of the files with a tiny model
+(a test in under a minute).
 """
 from __future__ import annotations
 
@@ -19,8 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from . import measure
-from .units import format_bytes
+from .args import positive_int, size_text
 
 PROMPT = "import os\n\n\ndef "  # a module's start: "def " alone often ends the document at once
 
@@ -53,11 +49,31 @@ TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_atte
             num_key_value_heads=4, max_position_embeddings=512)
 
 
+def register(sub: Any) -> None:
+    """Add ``tierflow demo`` to the subcommands ``sub``."""
+    demo = sub.add_parser(
+        "demo", help="the LLM workflow on the Python standard library, offline, in minutes",
+        description="Tokenize the Python standard library's source (a byte-level BPE trained on "
+                    "it), train a small Llama on it under a RAM budget with evaluation, save the "
+                    "checkpoint, sample from it after a prompt ending in 'def ' and plot the run. "
+                    "Everything goes to --out; token files already there are reused.")
+    demo.add_argument("--out", type=Path, default=Path("runs/demo"), metavar="DIR",
+                      help="where the token files, checkpoint, log, plot and sample go "
+                           "(default runs/demo)")
+    demo.add_argument("--steps", type=positive_int, default=None, metavar="N",
+                      help="training steps (default 400; 60 with --quick)")
+    demo.add_argument("--ram", type=size_text, default=None, metavar="SIZE",
+                      help="RAM budget of the training step (default 1GiB; 512MiB with --quick)")
+    demo.add_argument("--quick", action="store_true",
+                      help="a tiny Llama on 60 stdlib files with a 512-id vocab: under a minute")
+    demo.set_defaults(func=run)
+
+
 def _header(number: int, title: str, out: TextIO) -> None:
     print(f"\n=== [{number}/5] {title}", file=out, flush=True)
 
 
-def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """``tierflow demo``: tokenize, train, save, generate, plot; print where everything is."""
     import sys
     out = out if out is not None else sys.stdout
@@ -83,7 +99,7 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
               f"tokens, vocab {meta['vocab_size']:,} (delete it to tokenize again)", file=out,
               flush=True)
     else:
-        from .data.tokenize import tokenize
+        from ..data.tokenize import tokenize
         result = tokenize(inputs, data, vocab_size=settings.vocab_size, log=out)
         print(result.summary(), file=out, flush=True)
 
@@ -91,8 +107,8 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
     model = settings.model
     if model == "tiny":
         model = str(_write_tiny_model(root / "tiny-init", data))
-    from .train.loop import train
-    from .train.options import TrainOptions
+    from ..train.loop import train
+    from ..train.options import TrainOptions
     values = dict(model=model, data=str(data), ram=settings.ram, seq_len=settings.seq_len,
                   batch_size=settings.batch_size, steps=settings.steps, lr=settings.lr,
                   eval_every=settings.eval_every, eval_steps=settings.eval_steps,
@@ -109,7 +125,7 @@ def run_demo(args: argparse.Namespace, out: TextIO | None = None) -> int:
           f"training with: tierflow train --resume {checkpoint} --steps N", file=out, flush=True)
 
     _header(4, f"generate from the prompt {PROMPT!r} (temperature 0.8, top-k 40, seed 0)", out)
-    from .generate import run as generate
+    from ..generate.sample import run as generate
     text = _Tee(out)
     generate(checkpoint, PROMPT, max_new_tokens=settings.max_new_tokens, temperature=0.8,
              top_k=40, seed=0, out=text)
@@ -143,20 +159,20 @@ def _model_words(settings: DemoSettings) -> str:
 
 def _inputs(settings: DemoSettings) -> list[str]:
     """The tokenize INPUTs: ``stdlib``, or its first ``files`` files (for --quick)."""
-    from .data import STDLIB
+    from ..data import STDLIB
     if settings.files is None:
         return [STDLIB]
-    from .data.corpus import stdlib_corpus
+    from ..data.corpus import stdlib_corpus
     return [str(p) for p in stdlib_corpus()[:settings.files]]
 
 
 def _data_is_valid(data: Path, inputs: list[str], vocab_size: int) -> bool:
     """Whether ``data`` holds complete token files of ``inputs`` with a ``vocab_size`` BPE:
     meta.json is written last, so its presence with the same inputs and vocab means reuse."""
-    from .data.tokenize import describe_input
+    from ..data.tokenize import describe_input
     try:
         meta = json.loads((data / "meta.json").read_text(encoding="utf-8"))
-        from .train.data_dir import open_data
+        from ..train.data_dir import open_data
         open_data(data)
     except Exception:  # missing, half-written or foreign: tokenize again
         return False
@@ -192,82 +208,3 @@ class _Tee(io.StringIO):
 
     def flush(self) -> None:
         self._out.flush()
-
-
-# ---------------------------------------------------------------- compare
-
-def run_compare(args: argparse.Namespace) -> int:
-    """``tierflow compare``: plain PyTorch, then tierflow under the budget, in fresh processes."""
-    quick = args.quick
-    dtype = args.dtype if args.dtype != "auto" else measure.default_matmul_dtype()
-    workload = measure.Workload(
-        arch=args.arch or ("llama-tiny" if quick else "llama-20m"),
-        seq=args.seq or (128 if quick else 512), batch=args.batch or (2 if quick else 4),
-        steps=args.steps or (2 if quick else 3), dtype=dtype)
-    print(f"tierflow compare: {workload.describe()}")
-    print("each configuration runs in a fresh process; peak RSS is measured above the RSS "
-          "right after imports", flush=True)
-
-    _progress("plain PyTorch")
-    plain = measure.measure(workload, "plain")
-    _done(plain)
-    budget, chosen = args.ram, "--ram"
-    if budget is None:
-        budget, chosen = plain["peak_above_baseline_bytes"] // 2, "half of plain PyTorch's peak"
-    _progress(f"tierflow under ram={format_bytes(budget)} ({chosen})")
-    fitted = measure.measure(workload, "tierflow", ram=budget, planner=args.planner)
-    if fitted["status"] == "infeasible":
-        if args.ram is not None or not fitted.get("smallest"):
-            raise measure.ChildUserError(fitted["error"])
-        print(f"\n  {fitted['error']}\n  -> using the smallest budget that fits instead")
-        budget = int(fitted["smallest"])
-        _progress(f"tierflow under ram={format_bytes(budget)} (the smallest feasible budget)")
-        fitted = measure.measure(workload, "tierflow", ram=budget, planner=args.planner)
-        if fitted["status"] == "infeasible":
-            raise measure.ChildUserError(fitted["error"])
-    _done(fitted)
-    print()
-    print(fitted["explain"])
-    print()
-    print(comparison_table(plain, fitted, budget))
-    return 0
-
-
-def _progress(what: str) -> None:
-    print(f"  measuring {what} ...", end="", flush=True)
-    _progress.start = time.perf_counter()  # type: ignore[attr-defined]
-
-
-def _done(record: dict[str, Any]) -> None:
-    print(f" done in {time.perf_counter() - _progress.start:.0f} s", flush=True)  # type: ignore[attr-defined]
-
-
-def comparison_table(plain: dict[str, Any], fitted: dict[str, Any], budget: int) -> str:
-    """Plain PyTorch next to tierflow: peak, step time, tok/s, losses; predictions vs measured."""
-    rows = [("", "peak RSS above baseline", "median step", "tok/s", "loss per step")]
-    for name, r in (("plain PyTorch", plain), ("tierflow", fitted)):
-        peak = format_bytes(r["peak_above_baseline_bytes"])
-        if r is fitted:
-            peak += f" ({r['peak_above_baseline_bytes'] / budget:.0%} of the {format_bytes(budget)} budget)"
-        rows.append((name, peak, f"{r['step_s_median']:.3f} s", f"{r['tok_s']:,.0f}",
-                     " ".join(f"{x:.4f}" for x in r["losses"])))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    pred_peak, pred_time = fitted["predicted_peak_bytes"], fitted["predicted_step_s"]
-    lines.append("")
-    lines.append(f"tierflow predicted peak {format_bytes(pred_peak)} "
-                 f"({_err(pred_peak, fitted['peak_above_baseline_bytes'])} vs measured), "
-                 f"predicted step {pred_time:.3f} s ({_err(pred_time, fitted['step_s_median'])}); "
-                 f"fit took {fitted['fit_s']:.1f} s")
-    diff = max(abs(a - b) for a, b in zip(plain["losses"], fitted["losses"]))
-    ratio = fitted["step_s_median"] / plain["step_s_median"]
-    saved = 1 - fitted["peak_above_baseline_bytes"] / plain["peak_above_baseline_bytes"]
-    lines.append(f"tierflow uses {abs(saved):.0%} {'less' if saved >= 0 else 'more'} memory than plain "
-                 f"PyTorch at {ratio:.2f}x its step time; "
-                 f"losses differ by at most {diff:.1e}")
-    return "\n".join(lines)
-
-
-def _err(predicted: float, measured: float) -> str:
-    return f"{(predicted - measured) / measured:+.1%}" if measured else "n/a"

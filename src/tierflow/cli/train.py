@@ -1,6 +1,6 @@
-"""The command line and TOML side of ``tierflow train``'s options: one argparse flag per
-``TrainOptions`` field, with its help, and the merge of defaults, ``--config FILE`` and the
-flags given (see ``options.py`` for the rules).
+"""``tierflow train``: one argparse flag per ``TrainOptions`` field, with its help, the merge
+of defaults, ``--config FILE`` and the flags given (see ``train/options.py`` for the rules),
+and the run: checked before torch is imported, then ``train.loop.train``.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import tomllib
 
 from ..errors import TierflowError
-from .options import (
+from ..train.options import (
     DTYPES,
     HOST_UPDATES,
     OPTIMIZER_STATES,
@@ -22,6 +22,7 @@ from .options import (
     TrainOptions,
     flag_of,
 )
+from .args import memory_size
 
 
 def _int(text: str) -> int:
@@ -42,8 +43,10 @@ _HELP = {
     "model": ("SPEC", "a preset (llama-20m, llama-134m, gpt2-124m, ...) or a local Hugging Face "
                       "directory (config.json + model.safetensors)"),
     "data": ("DIR", "a directory written by 'tierflow tokenize'"),
-    "ram": ("SIZE", "RAM budget for the training step, e.g. 4GiB (default: none)"),
-    "gpu": ("SIZE", "GPU budget, e.g. 8GiB: train on the CUDA GPU, host RAM (--ram) below it"),
+    "ram": ("SIZE", "RAM budget for the training step, e.g. 4GiB; a bare number is GiB "
+                    "(default: none)"),
+    "gpu": ("SIZE", "GPU budget, e.g. 8GiB (a bare number is GiB): train on the CUDA GPU, "
+                    "host RAM (--ram) below it"),
     "simulate_gpu": (None, "with --gpu: plan and run on the CPU as if it were a GPU of that "
                            "size (host RAM and --disk below it), to try a GPU plan without one"),
     "disk": ("DIR", "an existing directory for the disk tier: the weights and AdamW states "
@@ -73,13 +76,16 @@ _HELP = {
                    "checkpoint's run directory)"),
     "resume": ("DIR", "continue from a checkpoint (a step_N directory or a run's --out); "
                       "options not given are the checkpoint's run's"),
-    "log": ("FILE", "the JSONL log (default OUT/log.jsonl)"),
+    "log": ("FILE", "the JSONL log (default OUT/log.jsonl); under torchrun write --log-file, "
+                    "as torchrun takes --log for its own --log-dir"),
     "dtype": (None, "bf16 autocast or fp32 (auto: bf16 where the CPU has native bf16); the "
                     "older name of --matmul-dtype"),
     "model_dtype": (None, "weight and gradient storage (default fp32); bf16 needs bf16 or fp8 "
                           "matmuls"),
     "master": (None, "with bf16 weights: keep an fp32 master copy in the optimizer (fp32, "
-                     "default) or update the bf16 weights by stochastic rounding (none)"),
+                     "default) or update the bf16 weights by stochastic rounding (none); "
+                     "under torchrun write --master-copy, as torchrun takes --master for its "
+                     "own --master-addr"),
     "optim_dtype": (None, "AdamW moment storage: fp32 (default), bf16 (stochastic rounding) or "
                           "int8 (blockwise, a float32 scale per 256)"),
     "matmul_dtype": (None, "matmuls: fp32, bf16 autocast, or fp8 (e4m3 decoder Linears through "
@@ -132,6 +138,10 @@ _TYPES = {"seq_len": _int, "batch_size": _int, "grad_accum": _int, "steps": _int
 
 _CHOICES = {**PRECISION, "dtype": DTYPES, "recompute": tuple(RECOMPUTE), "stream": STREAM,
             "host_updates": HOST_UPDATES, "optimizer_states": OPTIMIZER_STATES}
+# second names for the flags that torchrun would take as an abbreviation of one of its own
+# options (it parses its command line, the training script's arguments included, with
+# argparse's prefix matching, so `--log` is "ambiguous: --log-dir, --logs-specs" there)
+_ALIASES = {"log": ("--log-file",), "master": ("--master-copy",)}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -140,20 +150,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if f.name == "given":
             continue
         metavar, help_text = _HELP[f.name]
+        names = (flag_of(f.name), *_ALIASES.get(f.name, ()))
         if f.name in ("compile", "simulate_gpu", "serial_reads"):
-            parser.add_argument(flag_of(f.name), action="store_true", default=None,
+            parser.add_argument(*names, dest=f.name, action="store_true", default=None,
                                 help=help_text)
         elif f.name in _CHOICES:
-            parser.add_argument(flag_of(f.name), dest=f.name, choices=_CHOICES[f.name],
+            parser.add_argument(*names, dest=f.name, choices=_CHOICES[f.name],
                                 default=None, help=help_text)
         else:
-            parser.add_argument(flag_of(f.name), dest=f.name, type=_TYPES.get(f.name, str),
+            parser.add_argument(*names, dest=f.name, type=_TYPES.get(f.name, str),
                                 default=None, metavar=metavar, help=help_text)
 
 
 def from_args(args: argparse.Namespace) -> TrainOptions:
-    """Defaults, then the TOML file of ``--config``, then the flags given; checked as far as
-    they can be without torch (``check_flags``; the run validates the rest)."""
+    """Defaults, then the TOML file of ``--config``, then the flags given, sizes with their
+    unit (``memory_size``); checked as far as they can be without torch (``check_flags``;
+    the run validates the rest)."""
     values: dict[str, Any] = {}
     if getattr(args, "config", None):
         values.update(read_toml(Path(args.config)))
@@ -161,10 +173,16 @@ def from_args(args: argparse.Namespace) -> TrainOptions:
         given = getattr(args, f.name, None)
         if given is not None:
             values[f.name] = given
+    for name in ("ram", "gpu"):  # a bare number is GiB, from a flag or the file
+        if values.get(name) is not None:
+            values[name] = memory_size(values[name], flag_of(name))
     return TrainOptions(**values, given=frozenset(values)).check_flags()
 
 
 def read_toml(path: Path) -> dict[str, Any]:
+    """The options of the TOML file ``path``, keyed by field name, with the types the flags
+    would give (sizes and paths as strings, a list of globs joined); one line if it is
+    missing, unreadable, not TOML or names an unknown option."""
     try:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -193,3 +211,29 @@ def read_toml(path: Path) -> dict[str, Any]:
             value = float(value)
         out[name] = value
     return out
+
+
+def register(sub: Any) -> None:
+    """Add ``tierflow train`` to the subcommands ``sub``."""
+    train = sub.add_parser(
+        "train", help="train a causal LM on token files inside a memory budget",
+        description="Train a preset (random init) or a local Hugging Face model on the token "
+                    "files of 'tierflow tokenize', planned by tierflow under --ram; evaluate, "
+                    "checkpoint (every --save-every steps, at the end, on Ctrl-C) and resume "
+                    "exactly. Any flag can also come from --config FILE.toml; flags win.")
+    add_arguments(train)
+    train.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train; under torchrun, end this rank's process the way ``dist.exit_rank`` says."""
+    from ..torchrun_env import world_size_from_env
+    from ..train.preflight import preflight
+    opts = from_args(args)
+    preflight(opts)  # bad input fails here, before the seconds of importing torch
+    from ..dist import exit_rank
+    from ..train.loop import train
+    code = train(opts)
+    if world_size_from_env() > 1:  # a torchrun rank whose run is over: see exit_rank
+        exit_rank(code)
+    return code
