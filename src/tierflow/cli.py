@@ -322,7 +322,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .train.preflight import preflight
     opts = from_args(args)
     preflight(opts)  # bad input fails here, before the seconds of importing torch
-    from .dist import exit_rank
+    from .distributed import exit_rank
     from .train.loop import train
     code = train(opts)
     if world_size_from_env() > 1:  # a torchrun rank whose run is over: see exit_rank

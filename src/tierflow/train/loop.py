@@ -16,9 +16,9 @@ stochastic-rounding generator included), the data stream position and every RNG,
 resumed steps are bit-identical to an uninterrupted run's in every precision.
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank runs this loop on its rows of each global
-batch (``tierflow.dist``): gradients are reduce-scattered stage by stage during backward,
-the optimizer updates this rank's shard (ZeRO-2) and the parameters are all-gathered; rank 0
-prints, logs and writes checkpoints in the single-process format. The optimizer is built in
+batch (``tierflow.distributed``): gradients are reduce-scattered stage by stage during
+backward, the optimizer updates this rank's shard (ZeRO-2) and the parameters are
+all-gathered; rank 0 prints, logs and writes checkpoints in the single-process format. The optimizer is built in
 ``optimizer.build_optimizer`` alone, for one process and for the shards alike.
 
 With ``--disk DIR`` the model lives on a disk tier and ``tierflow.fit`` owns the optimizer
@@ -72,7 +72,7 @@ def _train(opts: TrainOptions) -> int:
     import transformers.modeling_utils  # noqa: F401  (part of the RSS baseline)
 
     from .. import api, measure  # noqa: F401  (api: part of the RSS baseline)
-    from ..dist import join_from_env
+    from ..distributed import join_from_env
     from ..torchrun_env import world_size_from_env
     from .checkpoint import load_checkpoint
     from .preflight import check_paths
@@ -223,7 +223,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     optimizer, restore a checkpoint's state, then run the steps (``steps.StepLoop``)."""
     import torch
 
-    from ..dist import ShardedOptimizer
+    from ..distributed import ShardedOptimizer
     from ..exec.memory import configure_host_allocator
     from ..precision import autocast_context
     from .codec import restore_rng

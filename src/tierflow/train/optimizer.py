@@ -78,7 +78,7 @@ def step_transient_bytes(trainable: list, opts: TrainOptions, precision: Precisi
 
 class LocalOptimizer:
     """The single process: the optimizer over the full parameters and torch's global-norm
-    clipping, with the interface of ``tierflow.dist.ShardedOptimizer``."""
+    clipping, with the interface of ``tierflow.distributed.ShardedOptimizer``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list) -> None:
         self.optimizer = optimizer
