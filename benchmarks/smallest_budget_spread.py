@@ -8,7 +8,7 @@ step peaks behind it.
 Each process builds the model (random weights, fp32 under bf16 autocast), calls `fit` with
 torch's AdamW, a disk tier and `ram="1MiB"`, and records the smallest budget of its one-line
 refusal, the peak temporaries of each step of the optimizer probe that ran before the plan
-(`exec/optimizer_probe.py`; it steps each of its two parameter sizes twice, where it stepped
+(`profile/optimizer_probe.py`; it steps each of its two parameter sizes twice, where it stepped
 them once before 2026-11-25; since 092413f it prices growing temporaries at the rate of the
 step's own tensors and the RSS's excess over them as fixed bytes) and what the probe made
 of them. The refusal tells a user what to give the next run, so its spread over processes
@@ -32,7 +32,7 @@ CHILD = r"""
 import json, sys, tempfile
 import torch
 import tierflow, tierflow.api
-import tierflow.exec.optimizer_probe as probe
+import tierflow.profile.optimizer_probe as probe
 from tierflow import measure
 arch, seq, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 import tierflow.tiers

@@ -164,7 +164,7 @@ def test_the_unsigned_mapping_refuses_negative_values():
 _STEP_PEAK_SCRIPT = """
 import torch
 from pathlib import Path
-from tierflow.measure import reset_peak_rss
+from tierflow.profile.machine import reset_peak_rss
 from tierflow.precision.adamw import AdamW, CHUNK
 dtype = torch.bfloat16 if "{model_dtype}" == "bf16" else torch.float32
 p = torch.nn.Parameter(torch.randn(2 * CHUNK, dtype=dtype))

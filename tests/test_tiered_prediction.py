@@ -93,7 +93,7 @@ def _probe_matches_the_prediction(moments: str, weights: str) -> None:
     import torch
 
     from tierflow.exec.memory import meter_for
-    from tierflow.exec.optimizer_probe import probe_optimizer
+    from tierflow.profile.optimizer_probe import probe_optimizer
     from tierflow.precision.adamw import AdamW
     from tierflow.sim.tiered import adamw_transient_bytes
 
@@ -123,7 +123,7 @@ def _growing_temporaries_priced_per_byte() -> None:
     import torch
 
     from tierflow.exec.memory import meter_for
-    from tierflow.exec.optimizer_probe import probe_optimizer
+    from tierflow.profile.optimizer_probe import probe_optimizer
 
     class GrowingScratch(torch.optim.Optimizer):
         """A step that fills a temporary of 12 MiB plus the parameter's bytes, then frees it."""

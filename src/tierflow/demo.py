@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from . import measure
+from .profile.machine import default_matmul_dtype
 from .units import format_bytes
 
 PROMPT = "import os\n\n\ndef "  # a module's start: "def " alone often ends the document at once
@@ -199,7 +200,7 @@ class _Tee(io.StringIO):
 def run_compare(args: argparse.Namespace) -> int:
     """``tierflow compare``: plain PyTorch, then tierflow under the budget, in fresh processes."""
     quick = args.quick
-    dtype = args.dtype if args.dtype != "auto" else measure.default_matmul_dtype()
+    dtype = args.dtype if args.dtype != "auto" else default_matmul_dtype()
     workload = measure.Workload(
         arch=args.arch or ("llama-tiny" if quick else "llama-20m"),
         seq=args.seq or (128 if quick else 512), batch=args.batch or (2 if quick else 4),

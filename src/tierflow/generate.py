@@ -255,7 +255,7 @@ def resolve_dtype(name: str) -> torch.dtype:
         return torch.float32
     if name != "auto":
         raise TierflowError(f"--dtype {name!r} is not one of auto, bf16, fp32")
-    from .measure import fast_bf16
+    from .profile.machine import fast_bf16
     return torch.bfloat16 if fast_bf16() else torch.float32
 
 

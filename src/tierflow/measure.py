@@ -16,11 +16,9 @@ high-water mark when the parent execs it directly, which would hide the child's 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
-import resource
 import signal
 import statistics
 import subprocess
@@ -29,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from .profile.machine import maxrss_bytes
 
 # name: (layers, hidden, mlp, heads, kv_heads, vocab); the first three are peers.py's ARCHS
 ARCHS: dict[str, tuple[int, int, int, int, int, int]] = {
@@ -77,21 +77,6 @@ class Workload:
     def args(self) -> list[str]:
         return ["--arch", self.arch, "--seq", str(self.seq), "--batch", str(self.batch),
                 "--steps", str(self.steps), "--dtype", self.dtype, "--lr", repr(self.lr)]
-
-
-def fast_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX), from /proc/cpuinfo."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
-
-
-def default_matmul_dtype() -> str:
-    """The CPU trainer's matmul dtype when none is asked (``--dtype auto``): "bf16" where
-    the CPU computes it natively, else "fp32" (PyTorch's bf16 fallback is far slower)."""
-    return "bf16" if fast_bf16() else "fp32"
 
 
 # ---------------------------------------------------------------- parent side (no torch)
@@ -182,22 +167,6 @@ def measure(workload: Workload, mode: str, *, ram: int | None = None, planner: s
 
 
 # ---------------------------------------------------------------- child side
-
-def maxrss_bytes() -> int:
-    """This process's peak RSS so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
-
-
-def reset_peak_rss() -> None:
-    """Lower this process's peak RSS (``ru_maxrss``, VmHWM) to its RSS now, so that a peak
-    measured from here is not an earlier one (the demo's tokenizer, work done before
-    ``tierflow train`` was called in the same process). Linux only (``/proc/self/clear_refs``);
-    elsewhere the peak stays as it was."""
-    with contextlib.suppress(OSError):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
 
 def _status_bytes(field: str) -> int | None:
     """VmHWM / VmRSS of this process from /proc (Linux only), for cross-checks."""

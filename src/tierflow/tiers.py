@@ -20,7 +20,7 @@ from .exec.host_store import HostStore, measure_copy_bandwidth
 from .exec.memory import meter_for
 from .exec.offload import OffloadedParameters
 from .exec.optimizer import stage_owned_parameters
-from .exec.optimizer_probe import probe_optimizer
+from .profile.optimizer_probe import probe_optimizer
 from .exec.stage_call import storage_key
 from .exec.weights import stage_parameters_to_stream
 from .plan.costs import ChainCosts

@@ -53,6 +53,12 @@ class BytesPerParameter:
         """What the optimizer itself holds: master copy, moments and their scales."""
         return self.master + self.moments + self.moment_scales
 
+    @property
+    def update_traffic(self) -> float:
+        """Bytes of memory traffic per parameter of one AdamW update: read the gradient
+        (twice, with the norm clip), read and write the states, write the weights."""
+        return self.weights + 2 * self.gradients + 2 * self.optimizer_state
+
 
 @dataclass(frozen=True)
 class PrecisionConfig:

@@ -12,7 +12,8 @@ from pathlib import Path
 from ..errors import TierflowError
 from ..train.options import split_patterns
 from ..units import parse_bytes
-from .hardware import NAMES, Hardware, hardware
+from .calibrate import hardware
+from .hardware import NAMES, Hardware
 from .precision import MASTERS, MATMUL_DTYPES, MODEL_DTYPES, OPTIM_DTYPES, RunPrecision
 from .predict import Setup
 from .shapes import ModelShape

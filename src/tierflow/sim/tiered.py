@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 COMPUTE_TIER = "ram"
 # Temporaries of one step of the trainer's AdamW (precision/adamw.py), by moment dtype, on
 # fp32 weights: it works through a parameter 4M elements at a time in one step-long workspace,
-# so they do not grow with it. Measured by exec/optimizer_probe.probe_optimizer, the probe the
-# trainer prices them with (tests/test_tiered_prediction.py checks them against it).
+# so they do not grow with it. Measured by profile/optimizer_probe.probe_optimizer, the probe
+# the trainer prices them with (tests/test_tiered_prediction.py checks them against it).
 ADAMW_TRANSIENT_BYTES = {"fp32": 16 << 20, "bf16": 48 << 20, "int8": 48 << 20}
 ADAMW_BF16_GRAD_BYTES = 16 << 20  # bf16 weights: the gradient's float32 copy, one slice more
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TierflowError
+from ..profile.machine import fast_bf16, maxrss_bytes, reset_peak_rss
 from ..seeding import derived_seed
 from ..units import format_bytes
 from .data_dir import DataDir
@@ -71,7 +72,7 @@ def _train(opts: TrainOptions) -> int:
     # ``from transformers import AutoModelForCausalLM`` does not make it
     import transformers.modeling_utils  # noqa: F401  (part of the RSS baseline)
 
-    from .. import api, measure  # noqa: F401  (api: part of the RSS baseline)
+    from .. import api  # noqa: F401  (part of the RSS baseline)
     from ..distributed import join_from_env
     from ..torchrun_env import world_size_from_env
     from .checkpoint import load_checkpoint
@@ -79,8 +80,8 @@ def _train(opts: TrainOptions) -> int:
 
     # the run's peaks count from here: an earlier peak of this process (the demo's tokenizer)
     # would hide them and make the baseline more than the process holds
-    measure.reset_peak_rss()
-    baseline = measure.maxrss_bytes()
+    reset_peak_rss()
+    baseline = maxrss_bytes()
 
     # --- everything cheap first (the command line's preflight made these checks already,
     # unless the run resumes): resume state, options, data, output directories
@@ -114,13 +115,12 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
     rank). Under a GPU with ``--disk``, a model whose weights fit ``--ram`` is built in host
     RAM; if the plan then finds too little host RAM beside it, it is built again on the disk
     tier (one process only: ranks could decide apart)."""
-    from .. import measure
     from ..errors import BudgetError
     from ..exec.memory import return_free_memory
     from .model import count_model_parameters
 
     # --- the model, with its precision, and the run it belongs to
-    precision = opts.precision(measure.fast_bf16())
+    precision = opts.precision(fast_bf16())
     if not opts.disk and tier.ram is not None:  # built whole in RAM: refused first if its
         # weights and the trainable parameters' AdamW states alone pass --ram
         tier.refuse_states_beyond_ram(opts.model, count_model_parameters(opts, ckpt, data),

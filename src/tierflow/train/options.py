@@ -208,7 +208,7 @@ class TrainOptions:
     def _check_precision_support(self) -> None:
         """The precision's contradictions and what this torch and CPU cannot run (imports
         torch)."""
-        from ..measure import fast_bf16
+        from ..profile.machine import fast_bf16
         from ..precision import PrecisionError
         try:
             self.precision(fast_bf16()).validate("cpu")
