@@ -32,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from harness import source_commit, write_results  # noqa: E402
+
 from tierflow import measure  # noqa: E402
 from tierflow.units import format_bytes  # noqa: E402
 
@@ -169,7 +171,7 @@ def _rows(args: argparse.Namespace, checkpoint: str) -> list[dict]:
 def _write(args: argparse.Namespace, rows: list[dict]) -> None:
     """The .md table and the .json of the rows."""
     date = dt.date.today().isoformat()
-    result = {"date": date, "commit": measure.source_commit(ROOT), "arch": args.arch,
+    result = {"date": date, "commit": source_commit(ROOT), "arch": args.arch,
               "seq": args.seq, "batch": args.batch, "steps": args.steps,
               "built_on_disk": args.built_on_disk, "rows": rows}
     where = ("tierflow's model loaded onto the disk tier (`tierflow.load_model(dir, disk=...)`)"
@@ -193,7 +195,7 @@ def _write(args: argparse.Namespace, rows: list[dict]) -> None:
             f"{format_bytes(plain['steps_peak'])}, {plain['step_s']:.2f} s |")
     text = "\n".join(lines) + "\n"
     name = f"frozen-budget-{date}" + ("-on-disk" if args.built_on_disk else "")
-    measure.write_results(args.out, name, text, result)
+    write_results(args.out, name, text, result)
     print(text)
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from harness import write_results  # noqa: E402
+
 from tierflow import measure  # noqa: E402
 
 # Both models on the same windows, in a fresh process: one JSON line.
@@ -99,7 +101,7 @@ def main() -> int:
         f"{result['logits_relative_error_median']:.4f}; the same top token at "
         f"{result['top1_agreement'] * 100:.1f}% of the positions.", "",
         f"`tierflow quantize` printed: `{quantized}`", ""])
-    measure.write_results(args.out, f"int8-quality-{date}", text, result)
+    write_results(args.out, f"int8-quality-{date}", text, result)
     print(text)
     return 0
 

@@ -25,6 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from harness import source_commit, write_results  # noqa: E402
+
 from tierflow import measure  # noqa: E402
 
 # One process: fit refused at 1 MiB, with the probe's steps recorded. One JSON line.
@@ -86,7 +88,7 @@ def main() -> int:
     smallest = [run["smallest"] / mib for run in runs]
     date = dt.date.today().isoformat()
     name = f"smallest-budget-spread-{date}" + (f"-{args.tag}" if args.tag else "")
-    result = {"date": date, "commit": measure.source_commit(ROOT), "arch": args.arch,
+    result = {"date": date, "commit": source_commit(ROOT), "arch": args.arch,
               "seq": args.seq, "batch": args.batch, "runs": runs}
     lines = [f"# The smallest budget fit names, over fresh processes ({date}, commit "
              f"{result['commit']})", "",
@@ -101,7 +103,7 @@ def main() -> int:
                           for s in run["steps"])
         lines.append(f"| {k + 1} | {run['smallest'] / mib:.1f} | {peaks} | {_priced(run)} |")
     text = "\n".join(lines) + "\n"
-    measure.write_results(args.out, name, text, result)
+    write_results(args.out, name, text, result)
     print(text)
     return 0
 
