@@ -16,8 +16,7 @@ import tierflow
 from tierflow.chain import to_chain
 from tierflow.exec.offload import offloaded_parameters
 from tierflow.plan.tier_search import LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK, auto_head_chunk
-from tierflow.profile.head_chunk import head_profile_bytes
-from tierflow.sim.stages import HEAD_TRANSIENT
+from tierflow.profile.head_chunk import HEAD_TRANSIENT, head_profile_bytes
 
 
 def test_the_head_profile_is_priced_from_the_shapes():

@@ -29,6 +29,7 @@ PACKAGE = "tierflow"
 # (importing node, imported node or top-level package, why not)
 RULES = (
     ("plan", "torch", "the planner is pure data and imports no torch"),
+    ("sim", "train", "the simulator prices a run without importing the trainer"),
     ("exec", "sim", "the executor only reads a plan"),
     ("exec", "train", "the executor only reads a plan"),
 )
@@ -245,4 +246,9 @@ def imports() -> list[Import]:
 
 def test_no_package_imports_what_the_layering_forbids(imports):
     found = forbidden(imports)
+    assert not found, "\n".join(found)
+
+
+def test_no_import_cycle_between_packages(imports):
+    found = cycles(imports)
     assert not found, "\n".join(found)

@@ -18,7 +18,7 @@ from tierflow.sim.predict import Setup, predict
 from tierflow.sim.selection import Selection
 from tierflow.sim.shapes import load_shape
 from tierflow.sim.stages import StepShape, chain_costs, step_flops
-from tierflow.train.freeze import freeze_parameters
+from tierflow.models.freeze import freeze_parameters
 
 GIB = 2 ** 30
 FAMILIES = ("llama", "qwen2", "gpt2", "gpt_neox", "mistral")

@@ -106,7 +106,7 @@ def add_calibrate(sub: Any) -> None:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from .sim.calibrate import calibrate
-    from .train.logger import section
+    from .units import section
     if args.disk is not None and not args.disk.is_dir():
         raise TierflowError(f"--disk {args.disk} is not a directory: create it or give "
                             "another one")

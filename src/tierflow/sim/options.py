@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from ..errors import TierflowError
-from ..train.options import split_patterns
+from ..models.freeze import split_patterns
 from ..units import parse_bytes
 from .calibrate import hardware
 from .hardware import NAMES, Hardware

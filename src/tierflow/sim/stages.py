@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan.costs import ChainCosts, StageCost
+from ..profile.head_chunk import HEAD_TRANSIENT
 from .hardware import Hardware, effective_attention_flops, effective_flops
 from .precision import RunPrecision
 from .selection import Selection
@@ -29,9 +30,6 @@ ACTIVATION_COEFFS = {"fp32": (28, 8, 16), "autocast": (26, 4, 8), "low": (10, 4,
 # it keeps: eager PyTorch writes and reads them about twice in the forward and four times in
 # the backward; fused GPU kernels ("low") about half of that.
 TRAFFIC = {"fp32": (2.0, 4.0), "autocast": (2.0, 4.0), "low": (1.0, 2.0)}
-# The fused head's chunk logits (fp32) while a forward runs, as a multiple of chunk x vocab x
-# 4 bytes (measured: 1.34 with autocast, 0.84 in fp32; without tape 2.97 and 1.97)
-HEAD_TRANSIENT = {"fp32": (0.85, 2.0), "autocast": (1.35, 3.0), "low": (1.35, 3.0)}
 HEAD_CHUNK = 1024
 # What `tierflow train` on the CPU keeps resident above its post-import RSS besides tensors:
 # about 134 MiB before it plans (torch's kernels and thread pools on first use; measured the

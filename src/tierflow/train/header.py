@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from ..profile.machine import cpu_model, fast_bf16, peak_matmul_flops
+from ..units import section
 from .data_dir import DataDir
 from .device import ComputeTier
-from .logger import section
 from .options import TrainOptions
 
 

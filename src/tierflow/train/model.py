@@ -23,10 +23,10 @@ import torch
 from ..errors import TierflowError
 from ..exec.offload import OffloadedParameters
 from ..models.files import max_positions
+from ..models.freeze import freeze_parameters
 from ..precision import PrecisionConfig, apply_precision
 from .codec import config_hash, differences, model_arch, spec_arch
 from .data_dir import DataDir
-from .freeze import freeze_parameters
 from .model_limits import check_model_limits
 from .options import TrainOptions
 

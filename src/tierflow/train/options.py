@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from ..errors import TierflowError
+from ..models.freeze import split_patterns
 from ..units import parse_bytes
 
 if TYPE_CHECKING:
@@ -248,20 +249,6 @@ class TrainOptions:
         for f in fields(self):
             if f.name in saved and f.name not in self.given and f.name not in never:
                 setattr(self, f.name, saved[f.name])
-
-
-def split_patterns(flag: str, value: str | None) -> list[str]:
-    """The parameter-name globs of ``--freeze`` or ``--train-only`` (comma-separated); one
-    line naming ``flag`` if one is empty."""
-    if value is None:
-        return []
-    give = "give comma-separated parameter-name globs, e.g. 'model.embed_tokens.*,model.layers.0.*'"
-    if not isinstance(value, str):
-        raise TierflowError(f"{flag} {value!r} is not text: {give}")
-    patterns = [p.strip() for p in value.split(",")]
-    if not all(patterns):
-        raise TierflowError(f"{flag} {value!r} has an empty pattern: {give}")
-    return patterns
 
 
 def flag_of(name: str) -> str:

@@ -21,10 +21,10 @@ from torch import nn
 from .. import api
 from ..config import FitConfig
 from ..errors import BudgetError, TierflowError
+from ..models.freeze import tied_frozen
 from ..precision import PrecisionConfig
 from ..units import format_bytes
 from .device import ComputeTier
-from .freeze import tied_frozen
 from .logger import Logger, PlanPrecision, plan_section
 from .optimizer import build_optimizer, param_groups
 from .options import RECOMPUTE, TrainOptions
