@@ -33,8 +33,8 @@ import json, sys
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tierflow import load_model
 from tierflow.data.tokenfile import TokenFile
-from tierflow.models.load import load_model
 original, int8, eval_file, batches, seq = sys.argv[1:4] + [int(a) for a in sys.argv[4:6]]
 tokens = TokenFile.open(eval_file).tokens
 starts = np.linspace(0, len(tokens) - seq - 1, batches).astype(np.int64)
@@ -43,7 +43,7 @@ inputs, targets = windows[:, :-1], windows[:, 1:]  # (batches, seq) each
 results, logits = {}, {}
 with torch.inference_mode():
     for name, path, quantized in (("bf16", original, False), ("int8", int8, True)):
-        model = load_model(path, dtype=torch.bfloat16, for_generation=quantized)
+        model = load_model(path, dtype=torch.bfloat16, for_generation=quantized).eval()
         out = model(input_ids=inputs).logits.float()  # (batches, seq, vocab)
         results[name] = float(F.cross_entropy(out.flatten(0, 1), targets.flatten()))
         logits[name] = out

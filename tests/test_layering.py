@@ -29,6 +29,7 @@ PACKAGE = "tierflow"
 # (importing node, imported node or top-level package, why not)
 RULES = (
     ("plan", "torch", "the planner is pure data and imports no torch"),
+    ("models", "exec", "a model knows nothing about memory: place its tensors from outside"),
     ("sim", "train", "the simulator prices a run without importing the trainer"),
     ("exec", "sim", "the executor only reads a plan"),
     ("exec", "train", "the executor only reads a plan"),

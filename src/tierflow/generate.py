@@ -267,7 +267,7 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
     continuation to ``out`` (stdout), then a line with tokens/s."""
     from .data.tokenizer import load_tokenizer
     from .models.int8 import is_quantized
-    from .models.load import load_model
+    from .load import load_model
 
     out = out if out is not None else sys.stdout
     directory, tok_path, budget = check_request(model_dir, prompt, tokenizer=tokenizer,

@@ -160,21 +160,16 @@ def _build_and_train(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_pat
     ``header_shown``: a first attempt printed the header already (it still goes to the log)."""
     from .model import build_model
 
-    offload = None
-    if on_disk:
-        from ..exec.disk import DiskStore
-        from ..exec.offload import OffloadedParameters
-        offload = OffloadedParameters(DiskStore(disk), dtype=precision.parameter_dtype)
-    model = build_model(opts, ckpt, data, precision, offload)
+    model = build_model(opts, ckpt, data, precision, disk if on_disk else None)
     if not opts.disk:
         model = tier.place_model(model)
-    elif tier.simulated and offload is None:
+    elif tier.simulated and not on_disk:
         # into host RAM, as below a real GPU, where fit does this itself (exec/host_model)
         from ..exec.host_model import start_in_host_ram
         start_in_host_ram(model, tier.device)
     # else in host RAM or on disk until fit places it: under a GPU it streams from there
     return _train_model(opts, ckpt, data, out, log_path, tier, world, baseline, precision,
-                        model, disk if offload is None else None, header_shown)
+                        model, None if on_disk else disk, header_shown)
 
 
 def _train_model(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
