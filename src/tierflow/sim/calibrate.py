@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from ..errors import TierflowError
+from ..precision.config import OPTIM_DTYPES
 from ..profile.machine import (
     cache_dir,
     cpu_identity,
@@ -33,7 +34,6 @@ from ..profile.machine import (
 )
 from .hardware import NAMES, PUBLISHED, Hardware
 from .layer_rates import measure_layer_rates
-from .precision import OPTIM_DTYPES
 
 _VERSION = 6  # of what is measured: 2 times the disk past the page cache (exec/file_io.py),
 # 3 adds the attention kernels' and the trainer's AdamW rates, 4 takes the matmul, attention

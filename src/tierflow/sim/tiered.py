@@ -77,7 +77,7 @@ def _problem(setup: Setup, head_chunk: int) -> TierProblem:
     optimizer's rates, each stage's largest trainable parameter, the disk tier's rate and
     budget."""
     hw, shape, prec = setup.hardware, setup.shape, setup.run_precision
-    per = prec.bytes_per_param()
+    per = prec.bytes_per_parameter()
     costs = chain_costs(shape, StepShape(setup.seq, setup.batch), prec, hw,
                         head_chunk=head_chunk, selection=setup.selection)
     width = per.weights
@@ -92,10 +92,10 @@ def _problem(setup: Setup, head_chunk: int) -> TierProblem:
     disk = LowerTier("disk", bandwidth, setup.disk_budget, "the disk tier")
     return TierProblem(
         costs=costs,
-        rates=UpdateRates(per.states / per.weights,
-                          per.update_traffic / hw.update_bw(prec.optim) / per.weights,
+        rates=UpdateRates(per.optimizer_state / per.weights,
+                          per.update_traffic / hw.update_bw(prec.optim_dtype) / per.weights,
                           transient_per_byte=0.0,
-                          transient_bytes=adamw_transient_bytes(prec.optim, width)),
+                          transient_bytes=adamw_transient_bytes(prec.optim_dtype, width)),
         largest=tuple(int(n * width) for n in setup.trains.largest),
         trainable=int(setup.trains.total * width), streamable=streamable, lower=(disk,),
         deferred=setup.grad_accum > 1, accumulates=setup.grad_accum > 1)

@@ -132,7 +132,7 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
             from ..exec.disk import scratch_directory
             disk = scratch.enter_context(scratch_directory(opts.disk))
             weights = count_model_parameters(opts, ckpt, data).total * \
-                precision.parameter_dtype.itemsize
+                int(precision.bytes_per_parameter().weights)
         # on disk without a GPU, and under one when host RAM could not hold the weights
         on_disk = disk is not None and (
             tier.gpu is None or (tier.ram is not None and weights > tier.ram))

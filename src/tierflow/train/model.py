@@ -24,7 +24,7 @@ from ..errors import TierflowError
 from ..exec.offload import offloaded_parameters
 from ..models.files import max_positions
 from ..models.freeze import freeze_parameters
-from ..precision import PrecisionConfig, apply_precision
+from ..precision import PrecisionConfig, apply_precision, parameter_dtype
 from .codec import config_hash, differences, model_arch, spec_arch
 from .data_dir import DataDir
 from .model_limits import check_model_limits
@@ -42,7 +42,7 @@ def build_model(opts: TrainOptions, ckpt, data: DataDir, precision: PrecisionCon
     from ..models.presets import PRESETS
 
     spec = opts.model
-    on_disk = dict(disk=disk, disk_dtype=precision.parameter_dtype) if disk is not None else {}
+    on_disk = dict(disk=disk, disk_dtype=parameter_dtype(precision)) if disk is not None else {}
     if ckpt is not None:
         model = load_model(ckpt.path, dtype=torch.float32, **on_disk)
     elif spec in PRESETS:

@@ -12,11 +12,11 @@ from typing import Any
 import tomllib
 
 from ..errors import TierflowError
+from ..precision.config import CHOICES
 from .options import (
     DTYPES,
     HOST_UPDATES,
     OPTIMIZER_STATES,
-    PRECISION,
     RECOMPUTE,
     STREAM,
     TrainOptions,
@@ -130,7 +130,7 @@ _TYPES = {"seq_len": _int, "batch_size": _int, "grad_accum": _int, "steps": _int
           "eval_steps": _int, "save_every": _int, "dist_timeout": _float, "prefetch": _int}
 
 
-_CHOICES = {**PRECISION, "dtype": DTYPES, "recompute": tuple(RECOMPUTE), "stream": STREAM,
+_CHOICES = {**CHOICES, "dtype": DTYPES, "recompute": tuple(RECOMPUTE), "stream": STREAM,
             "host_updates": HOST_UPDATES, "optimizer_states": OPTIMIZER_STATES}
 
 

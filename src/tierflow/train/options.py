@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import TierflowError
 from ..models.freeze import split_patterns
+from ..precision.config import CHOICES
 from ..units import parse_bytes
 
 if TYPE_CHECKING:
@@ -32,10 +33,6 @@ HOST_UPDATES = ("auto", "never", "all")
 OPTIMIZER_STATES = ("auto", "compute", "ram", "disk")  # FitConfig's STATES_TIERS
 RECOMPUTE = {"auto": "auto", "none": "keep-all", "all": "checkpoint-all"}
 DTYPES = ("auto", "fp32", "bf16")
-# the precision flags and their choices (tierflow.precision.config's, without importing torch)
-PRECISION = {"model_dtype": ("fp32", "bf16"), "master": ("fp32", "none"),
-             "optim_dtype": ("fp32", "bf16", "int8"), "matmul_dtype": ("fp32", "bf16", "fp8"),
-             "fp8_grad": ("bf16", "e5m2")}
 
 
 @dataclass
@@ -184,7 +181,7 @@ class TrainOptions:
                                 "process")
 
     def _check_precision_flags(self, world_size: int) -> None:
-        for name, choices in PRECISION.items():
+        for name, choices in CHOICES.items():
             value = getattr(self, name)
             if value not in choices and not (name == "matmul_dtype" and value is None):
                 raise TierflowError(f"{flag_of(name)} {value!r} is unknown: use "
@@ -209,10 +206,10 @@ class TrainOptions:
     def _check_precision_support(self) -> None:
         """The precision's contradictions and what this torch and CPU cannot run (imports
         torch)."""
+        from ..precision import PrecisionError, check_device
         from ..profile.machine import fast_bf16
-        from ..precision import PrecisionError
         try:
-            self.precision(fast_bf16()).validate("cpu")
+            check_device(self.precision(fast_bf16()), "cpu")
         except PrecisionError as e:  # the same line, in flags: --master none, not master='none'
             flags = re.sub(r"\b(model_dtype|master|optim_dtype|matmul_dtype|fp8_grad)='(\w+)'",
                            lambda m: f"{flag_of(m[1])} {m[2]}", str(e))
