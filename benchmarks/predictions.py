@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from tierflow.precision.config import PrecisionConfig
 from tierflow.sim.hardware import PUBLISHED
-from tierflow.sim.predict import Setup, predict
+from tierflow.sim.predict import predict
+from tierflow.sim.setup import Setup
 from tierflow.sim.shapes import load_shape, shape_from_config
 from tierflow.units import format_bytes
 

@@ -113,7 +113,7 @@ def test_a_cpu_profile_defaults_to_its_faster_matmul_dtype(bf16_peak, matmuls):
     from dataclasses import replace
 
     from tierflow.precision.config import PrecisionConfig
-    from tierflow.sim.predict import default_precision
+    from tierflow.sim.setup import default_precision
     cpu = replace(PUBLISHED["h100-sxm"], name="cpu", gpu_bytes=None, host_link_bw=None,
                   peak_flops={"fp32": 1.3e11, "bf16": bf16_peak})
     assert default_precision(cpu) == PrecisionConfig(matmul_dtype=matmuls)

@@ -15,8 +15,9 @@ from tierflow.models.freeze import freeze_parameters
 from tierflow.precision.config import PrecisionConfig
 from tierflow.sim.freeze import selection_for
 from tierflow.sim.hardware import PUBLISHED, Hardware
-from tierflow.sim.predict import Setup, default_precision, predict
+from tierflow.sim.predict import predict
 from tierflow.sim.selection import Selection
+from tierflow.sim.setup import Setup, default_precision
 from tierflow.sim.shapes import load_shape
 from tierflow.sim.stages import StepShape, chain_costs, step_flops
 

@@ -10,7 +10,8 @@ from tierflow.config import FitConfig
 from tierflow.plan.placement_problem import PlacementError
 from tierflow.plan.tier_search import TierSearch, place_on_tiers
 from tierflow.sim.hardware import Hardware
-from tierflow.sim.predict import Setup, predict
+from tierflow.sim.predict import predict
+from tierflow.sim.setup import Setup
 from tierflow.sim.shapes import load_shape
 from tierflow.sim.tiered import _problem
 

@@ -11,6 +11,7 @@ commands are in ``cli_sim.py``.
 """
 from .calibrate import hardware
 from .hardware import Hardware
-from .predict import Prediction, Setup, predict
+from .predict import Prediction, predict
+from .setup import Setup
 
 __all__ = ["Hardware", "Prediction", "Setup", "hardware", "predict"]

@@ -21,7 +21,7 @@ from ..precision.config import (
 from ..units import parse_bytes
 from .calibrate import hardware
 from .hardware import NAMES, Hardware
-from .predict import Setup, default_precision
+from .setup import Setup, default_precision
 from .shapes import ModelShape
 
 GIB = 2 ** 30

@@ -11,24 +11,11 @@ from dataclasses import asdict, dataclass
 
 from ..plan.placement import place
 from ..plan.placement_problem import Link, Placement, Precision, Problem, Tier
-from ..precision.config import BytesPerParameter, PrecisionConfig
+from ..precision.config import BytesPerParameter
 from .activations import activation_options, with_grad_bytes
-from .hardware import Hardware
-from .selection import Selection
-from .shapes import ModelShape
+from .setup import Setup
 from .stages import StepShape, chain_costs, step_flops
 from .tiered import tiered_placement
-
-
-def default_precision(hw: Hardware) -> PrecisionConfig:
-    """What tierflow trains with on ``hw``: on a GPU bf16 weights with an fp32 master copy; on
-    a CPU fp32 weights, under bf16 autocast where its bf16 matmuls are the faster (the
-    trainer's default follows native bf16 support: without it, bf16 runs in PyTorch's
-    fallback kernels, far slower than fp32), else in fp32."""
-    if hw.has_gpu:
-        return PrecisionConfig("bf16", "fp32", "fp32", "bf16")
-    matmul = "bf16" if hw.peak_flops.get("bf16", 0.0) > hw.flops("fp32") else "fp32"
-    return PrecisionConfig("fp32", "fp32", "fp32", matmul)
 
 
 def placement_precision(per: BytesPerParameter) -> Precision:
@@ -36,34 +23,6 @@ def placement_precision(per: BytesPerParameter) -> Precision:
     (``plan/placement_problem.Precision``: the int8 moments' scales among the moments)."""
     return Precision(weights=per.weights, grads=per.gradients, master=per.master,
                      moments=per.moments + per.moment_scales)
-
-
-@dataclass(frozen=True)
-class Setup:
-    """One configuration to predict. Budgets in bytes; None: unlimited (the GPU's default is
-    the profile's memory). ``disk``: whether a disk tier exists; ``disk_bw`` overrides the
-    profile's disk read and write rates (bytes/s)."""
-
-    shape: ModelShape
-    hardware: Hardware
-    seq: int
-    batch: int
-    grad_accum: int = 1
-    gpu: int | None = None
-    ram: int | None = None
-    disk: bool = False
-    disk_budget: int | None = None
-    disk_bw: float | None = None
-    precision: PrecisionConfig | None = None  # None: default_precision(hardware)
-    selection: Selection | None = None  # what trains (--freeze/--train-only); None: all
-
-    @property
-    def run_precision(self) -> PrecisionConfig:
-        return self.precision or default_precision(self.hardware)
-
-    @property
-    def trains(self) -> Selection:
-        return self.selection or Selection.everything(self.shape)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ read and write rates of ``tierflow calibrate``. The result is a ``Placement``, s
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from ..config import FitConfig
 from ..errors import BudgetError
@@ -31,10 +30,8 @@ from ..plan.tier_search import (
     TierSearch,
     auto_head_chunk,
 )
+from .setup import Setup
 from .stages import StepShape, chain_costs
-
-if TYPE_CHECKING:
-    from .predict import Setup
 
 COMPUTE_TIER = "ram"
 # Temporaries of one step of the trainer's AdamW (precision/adamw.py), by moment dtype, on
