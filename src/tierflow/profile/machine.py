@@ -1,5 +1,6 @@
 """Probes of this machine and of this process: what the CPU computes natively, its peak
-matmul rate, the memcpy, disk and AdamW rates, and the process's peak RSS.
+matmul rate, the memcpy, disk and AdamW rates, the process's peak RSS, and the bus
+bandwidth between the ranks of a distributed run.
 
 The trainer prints its speed-of-light % over ``peak_matmul_flops``, ``tierflow calibrate``
 builds the ``cpu`` hardware profile from these figures (``sim/calibrate.py``), and
@@ -21,11 +22,17 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..distributed.world import World
 
 _COPY_BYTES = 256 << 20  # memcpy_bandwidth's copy
 _DISK_BYTES = 128 << 20  # disk_bandwidth's file
 _OPTIMIZER_PARAMS = 1 << 23  # elements of the parameter optimizer_bandwidth's AdamW updates
+_BUS_BYTES = 8 << 20  # bus_bandwidth's all-reduce: past gloo's latency, cheap (a few ms)
 
 
 # ---------------------------------------------------------------- the CPU and the process
@@ -243,3 +250,31 @@ def disk_bandwidth(directory: Path, nbytes: int = _DISK_BYTES) -> tuple[float, f
         write = timed(lambda: store.write("probe", [probe]))
         read = timed(lambda: store.read("probe", [probe]))
     return nbytes / read, nbytes / write
+
+
+# ---------------------------------------------------------------- between ranks
+
+def bus_bandwidth(world: World, device: torch.device, nbytes: int = _BUS_BYTES,
+                  rounds: int = 3) -> float:
+    """Bytes per second through each rank's link in an all-reduce of ``nbytes`` over
+    ``world`` (NCCL-tests' bus bandwidth: ``2 (N - 1) / N * nbytes / seconds``; the best of
+    ``rounds``, after one warm-up); every rank gets rank 0's figure."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # (nbytes / 4,)
+    best = float("inf")
+    with world.collective("bandwidth probe"):
+        for i in range(rounds + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        bus = torch.tensor([2 * (world.size - 1) / world.size * nbytes / best],
+                           dtype=torch.float64, device=device)
+        dist.broadcast(bus, src=0)
+    return float(bus)

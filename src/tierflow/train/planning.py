@@ -155,7 +155,8 @@ def report_plan(module: Any, *, opts: TrainOptions, precision: PrecisionConfig,
     stage's with ``--disk``: each stage's gradients are freed by its update), the optimizer
     step's ``step_temporaries`` (reserved with the states), the precision's bytes per
     parameter and, under torchrun, the measured bus and predicted communication."""
-    from ..distributed import bus_bandwidth, step_seconds
+    from ..distributed import step_seconds
+    from ..profile.machine import bus_bandwidth
     ranks = world.size if world is not None else 1
     grads = sum(p.nbytes for p in trainable)
     if opts.disk:
