@@ -18,8 +18,9 @@ resumed steps are bit-identical to an uninterrupted run's in every precision.
 Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank runs this loop on its rows of each global
 batch (``tierflow.distributed``): gradients are reduce-scattered stage by stage during
 backward, the optimizer updates this rank's shard (ZeRO-2) and the parameters are
-all-gathered; rank 0 prints, logs and writes checkpoints in the single-process format. The optimizer is built in
-``optimizer.build_optimizer`` alone, for one process and for the shards alike.
+all-gathered; rank 0 prints, logs and writes checkpoints in the single-process format. The
+optimizer is built in ``optimizer.build_optimizer`` alone, for one process and for the
+shards alike.
 
 With ``--disk DIR`` the model lives on a disk tier and ``tierflow.fit`` owns the optimizer
 (``owned.py``: updates during the backward, checkpoints streamed stage by stage); under
