@@ -178,10 +178,12 @@ def test_two_ranks_with_disk_tiers_match_one_process(env, tmp_path, flags, rel):
     disk = tmp_path / "tier"
     disk.mkdir()
     extra = ("--steps", "3", "--eval-every", "3", "--eval-steps", "2", "--save-every", "2",
-             "--disk", str(disk), "--stream", "all", "--trace", str(tmp_path / "trace.json"),
-             *flags)
-    outputs = finish(launch(_args(env, tmp_path / "one", *extra), 1)
-                     + launch(_args(env, tmp_path / "two", *extra), 2))
+             "--disk", str(disk), "--stream", "all", *flags)
+    # a trace file per run: the two run side by side and would write the same one
+    outputs = finish(launch(_args(env, tmp_path / "one", *extra, "--trace",
+                                  str(tmp_path / "one.trace.json")), 1)
+                     + launch(_args(env, tmp_path / "two", *extra, "--trace",
+                                    str(tmp_path / "trace.json")), 2))
     one, two = (records(tmp_path / name / "log.jsonl", "train") for name in ("one", "two"))
     assert len(one) == len(two) == 3 and len({r["loss"] for r in one}) == 3
     for a, b in zip(two, one, strict=True):
