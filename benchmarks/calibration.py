@@ -37,9 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from harness import source_commit  # noqa: E402
 from random_tokens import random_token_files  # noqa: E402
-
-from tierflow.measure import source_commit  # noqa: E402
 
 VOCAB = 32000
 GIB = 2 ** 30

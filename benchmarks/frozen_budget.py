@@ -32,6 +32,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from harness import source_commit, write_results  # noqa: E402
+
 from tierflow import measure  # noqa: E402
 from tierflow.units import format_bytes  # noqa: E402
 
@@ -42,6 +44,7 @@ import torch
 import tierflow, tierflow.api
 from tierflow import measure
 from tierflow.exec.memory import return_free_memory
+from tierflow.profile.machine import maxrss_bytes, reset_peak_rss
 mode, arch, checkpoint = sys.argv[1:4]
 seq, batch, trainable, head, steps, ram = [int(a) for a in sys.argv[4:]]
 disk_tier = tempfile.TemporaryDirectory()
@@ -67,8 +70,8 @@ autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
 resident = sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                 for p in model.parameters()}.values())  # the weights this process holds
 return_free_memory()
-measure.reset_peak_rss()
-base = measure.maxrss_bytes() - resident  # as `ram` counts: the weights held inside
+reset_peak_rss()
+base = maxrss_bytes() - resident  # as `ram` counts: the weights held inside
 with disk_tier:
     if mode == "smallest":
         try:
@@ -84,11 +87,11 @@ with disk_tier:
     else:
         with autocast():
             run = tierflow.fit(model, sample, optimizer=adamw, ram=ram, disk=disk)
-        record.update(fit_peak=measure.maxrss_bytes() - base,
+        record.update(fit_peak=maxrss_bytes() - base,
                       predicted_peak=int(run.plan.predicted_peak), strategy=run.plan.strategy,
                       streamed=run.plan.costs.extra.get("streamed stages", []),
                       streamed_bytes=run.plan.costs.extra.get("streamed bytes", 0))
-    measure.reset_peak_rss()
+    reset_peak_rss()
     times, losses = [], []
     for _ in range(steps + 1):  # the first step is warm-up
         start = time.perf_counter()
@@ -100,7 +103,7 @@ with disk_tier:
             optimizer.zero_grad(set_to_none=True)
         losses.append(round(loss.item(), 4))
         times.append(time.perf_counter() - start)
-    steps_peak = measure.maxrss_bytes() - base
+    steps_peak = maxrss_bytes() - base
     if mode != "plain":
         run.settle()  # no write in flight as the disk directory goes
 record.update(step_s=statistics.median(times[1:]), losses=losses, steps_peak=steps_peak)
@@ -168,7 +171,7 @@ def _rows(args: argparse.Namespace, checkpoint: str) -> list[dict]:
 def _write(args: argparse.Namespace, rows: list[dict]) -> None:
     """The .md table and the .json of the rows."""
     date = dt.date.today().isoformat()
-    result = {"date": date, "commit": measure.source_commit(ROOT), "arch": args.arch,
+    result = {"date": date, "commit": source_commit(ROOT), "arch": args.arch,
               "seq": args.seq, "batch": args.batch, "steps": args.steps,
               "built_on_disk": args.built_on_disk, "rows": rows}
     where = ("tierflow's model loaded onto the disk tier (`tierflow.load_model(dir, disk=...)`)"
@@ -192,7 +195,7 @@ def _write(args: argparse.Namespace, rows: list[dict]) -> None:
             f"{format_bytes(plain['steps_peak'])}, {plain['step_s']:.2f} s |")
     text = "\n".join(lines) + "\n"
     name = f"frozen-budget-{date}" + ("-on-disk" if args.built_on_disk else "")
-    measure.write_results(args.out, name, text, result)
+    write_results(args.out, name, text, result)
     print(text)
 
 

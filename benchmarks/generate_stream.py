@@ -128,9 +128,9 @@ print(json.dumps(peers.generate(args)), flush=True)
 FIDELITY_CHILD = r"""
 import json, sys
 import torch
+from tierflow import load_model
 from tierflow.data.tokenizer import load_tokenizer
 from tierflow.generate.sample import sample_ids
-from tierflow.models.load import load_model
 original, int8, prompt, tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 tok = load_tokenizer(original + "/tokenizer.json")
 prompt_ids = tok.encode(prompt).ids
@@ -139,7 +139,7 @@ ids = prompt_ids + list(sample_ids(bf16, prompt_ids, max_new_tokens=tokens, temp
 with torch.inference_mode():
     reference = bf16(input_ids=torch.tensor([ids])).logits[0].float()  # (positions, vocab)
     del bf16
-    quantized = load_model(int8, dtype=torch.bfloat16, for_generation=True)
+    quantized = load_model(int8, dtype=torch.bfloat16, for_generation=True).eval()
     logits = quantized(input_ids=torch.tensor([ids])).logits[0].float()
 error = ((logits - reference).norm(dim=-1) / reference.norm(dim=-1)).median()
 same = (logits.argmax(-1) == reference.argmax(-1)).float().mean()

@@ -23,6 +23,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from harness import write_results  # noqa: E402
+
 from tierflow import measure  # noqa: E402
 
 # Both models on the same windows, in a fresh process: one JSON line.
@@ -31,8 +33,8 @@ import json, sys
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tierflow import load_model
 from tierflow.data.tokenfile import TokenFile
-from tierflow.models.load import load_model
 original, int8, eval_file, batches, seq = sys.argv[1:4] + [int(a) for a in sys.argv[4:6]]
 tokens = TokenFile.open(eval_file).tokens
 starts = np.linspace(0, len(tokens) - seq - 1, batches).astype(np.int64)
@@ -41,7 +43,7 @@ inputs, targets = windows[:, :-1], windows[:, 1:]  # (batches, seq) each
 results, logits = {}, {}
 with torch.inference_mode():
     for name, path, quantized in (("bf16", original, False), ("int8", int8, True)):
-        model = load_model(path, dtype=torch.bfloat16, for_generation=quantized)
+        model = load_model(path, dtype=torch.bfloat16, for_generation=quantized).eval()
         out = model(input_ids=inputs).logits.float()  # (batches, seq, vocab)
         results[name] = float(F.cross_entropy(out.flatten(0, 1), targets.flatten()))
         logits[name] = out
@@ -99,7 +101,7 @@ def main() -> int:
         f"{result['logits_relative_error_median']:.4f}; the same top token at "
         f"{result['top1_agreement'] * 100:.1f}% of the positions.", "",
         f"`tierflow quantize` printed: `{quantized}`", ""])
-    measure.write_results(args.out, f"int8-quality-{date}", text, result)
+    write_results(args.out, f"int8-quality-{date}", text, result)
     print(text)
     return 0
 

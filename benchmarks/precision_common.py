@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import harness
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -74,9 +76,4 @@ def run_train(name: str, args: list[str], work: Path, *, threads: int | None = N
 
 def write_results(stem: str, table: str, data: dict[str, Any]) -> tuple[Path, Path]:
     """benchmarks/results/<stem>-<date>.md and .json."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    date = dt.date.today().isoformat()
-    md, js = RESULTS / f"{stem}-{date}.md", RESULTS / f"{stem}-{date}.json"
-    md.write_text(table.rstrip() + "\n")
-    js.write_text(json.dumps(data, indent=1) + "\n")
-    return md, js
+    return harness.write_results(RESULTS, f"{stem}-{dt.date.today().isoformat()}", table, data)

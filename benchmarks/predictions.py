@@ -19,9 +19,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from tierflow.precision.config import PrecisionConfig
 from tierflow.sim.hardware import PUBLISHED
-from tierflow.sim.precision import RunPrecision
-from tierflow.sim.predict import Setup, predict
+from tierflow.sim.predict import predict
+from tierflow.sim.setup import Setup
 from tierflow.sim.shapes import load_shape, shape_from_config
 from tierflow.units import format_bytes
 
@@ -30,7 +31,7 @@ GIB = 2 ** 30
 QWEN25_7B = {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28,
              "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
              "vocab_size": 152064, "tie_word_embeddings": False}
-PURE_BF16 = RunPrecision("bf16", "none", "bf16", "bf16")  # 8 bytes/parameter
+PURE_BF16 = PrecisionConfig("bf16", "none", "bf16", "bf16")  # 8 bytes/parameter
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,11 @@ def cases() -> list[Case]:
         Case("Qwen2.5-7B, H100, fp8 matmuls", "llm.q README", 19000,
              Setup(shape_from_config(QWEN25_7B, "qwen2.5-7b"), h100, 1024, 16, 4, gpu=80 * GIB,
                    ram=128 * GIB,
-                   precision=RunPrecision("bf16", "none", "bf16", "fp8")),
+                   precision=PrecisionConfig("bf16", "none", "bf16", "fp8")),
              "seq 1024, batch 16 x grad-accum 4, bf16 moments, 128 GiB host RAM (not stated)"),
         Case("Llama-3.1-8B full fine-tune, RTX 4090, 18.9 GiB", "torchtune README", 1650,
              Setup(llama8b, rtx4090, 2048, 2, 1, gpu=int(18.9 * GIB), ram=64 * GIB,
-                   precision=RunPrecision("bf16", "none", "int8", "bf16")),
+                   precision=PrecisionConfig("bf16", "none", "int8", "bf16")),
              "torchtune's single-device recipe: bf16 weights, 8-bit paged AdamW, optimizer "
              "in backward; batch 2 x seq 2048 and 64 GiB host RAM (not stated)"),
     ]

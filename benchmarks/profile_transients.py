@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+from tierflow import load_model  # noqa: E402
 from tierflow.chain import to_chain  # noqa: E402
 from tierflow.exec.context import AutocastMode  # noqa: E402
 from tierflow.exec.memory import HostMeter, configure_host_allocator  # noqa: E402
 from tierflow.exec.stage_call import forward_plain, storage_key  # noqa: E402
-from tierflow.models.load import load_model  # noqa: E402
 from tierflow.profile.profiler import measure_round  # noqa: E402
 from tierflow.profile.tensor_ledger import TensorLedger  # noqa: E402
 

@@ -35,6 +35,7 @@ try:
 except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, str(ROOT / "src"))
     from tierflow import measure
+from tierflow.profile.machine import fast_bf16
 
 GIB = 2**30
 W1 = measure.Workload(arch="llama-134m", seq=1024, batch=4, steps=3, dtype="bf16", lr=1e-4)
@@ -99,7 +100,7 @@ def describe_machine(runs: list[dict[str, Any]]) -> dict[str, Any]:
             key, _, value = line.partition(":")
             if key.strip() in ("Model name", "Architecture"):
                 info[key.strip().lower().replace(" ", "_")] = value.strip()
-        info["bf16_native"] = measure.fast_bf16()
+        info["bf16_native"] = fast_bf16()
     except OSError:
         pass
     try:

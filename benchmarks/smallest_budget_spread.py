@@ -8,7 +8,7 @@ step peaks behind it.
 Each process builds the model (random weights, fp32 under bf16 autocast), calls `fit` with
 torch's AdamW, a disk tier and `ram="1MiB"`, and records the smallest budget of its one-line
 refusal, the peak temporaries of each step of the optimizer probe that ran before the plan
-(`exec/optimizer_probe.py`; it steps each of its two parameter sizes twice, where it stepped
+(`profile/optimizer_probe.py`; it steps each of its two parameter sizes twice, where it stepped
 them once before 2026-11-25; since 092413f it prices growing temporaries at the rate of the
 step's own tensors and the RSS's excess over them as fixed bytes) and what the probe made
 of them. The refusal tells a user what to give the next run, so its spread over processes
@@ -25,6 +25,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from harness import source_commit, write_results  # noqa: E402
+
 from tierflow import measure  # noqa: E402
 
 # One process: fit refused at 1 MiB, with the probe's steps recorded. One JSON line.
@@ -32,7 +34,7 @@ CHILD = r"""
 import json, sys, tempfile
 import torch
 import tierflow, tierflow.api
-import tierflow.exec.optimizer_probe as probe
+import tierflow.profile.optimizer_probe as probe
 from tierflow import measure
 arch, seq, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 import tierflow.fitting.tiers
@@ -86,7 +88,7 @@ def main() -> int:
     smallest = [run["smallest"] / mib for run in runs]
     date = dt.date.today().isoformat()
     name = f"smallest-budget-spread-{date}" + (f"-{args.tag}" if args.tag else "")
-    result = {"date": date, "commit": measure.source_commit(ROOT), "arch": args.arch,
+    result = {"date": date, "commit": source_commit(ROOT), "arch": args.arch,
               "seq": args.seq, "batch": args.batch, "runs": runs}
     lines = [f"# The smallest budget fit names, over fresh processes ({date}, commit "
              f"{result['commit']})", "",
@@ -101,7 +103,7 @@ def main() -> int:
                           for s in run["steps"])
         lines.append(f"| {k + 1} | {run['smallest'] / mib:.1f} | {peaks} | {_priced(run)} |")
     text = "\n".join(lines) + "\n"
-    measure.write_results(args.out, name, text, result)
+    write_results(args.out, name, text, result)
     print(text)
     return 0
 

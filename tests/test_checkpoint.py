@@ -8,8 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from models import tiny_configs
-from tierflow import TierflowError
-from tierflow.models import load_model
+from tierflow import TierflowError, load_model
 from tierflow.train import checkpoint as ckpt
 from tierflow.train.checkpoint import load_checkpoint, save_checkpoint
 from tierflow.train.checkpoint_dirs import latest_checkpoint
@@ -55,7 +54,7 @@ def test_round_trip_loads_in_transformers(tmp_path, kind):
                                         "tokenizer.json", "trainer_state.json"]
     theirs, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
-    ours = load_model(path)
+    ours = load_model(path).eval()
     model.eval()
     with torch.no_grad():
         expected = model(input_ids=TOKENS).logits
@@ -80,7 +79,6 @@ def test_resume_continues_exactly(tmp_path):
     assert loaded.optimizer_state[1] is None
     assert loaded.trainer_state["hash"] == config_hash({"lr": 1e-2}) != config_hash({"lr": 2e-2})
     model2 = load_model(loaded.path)
-    model2.train()
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.1)
     opt2.load_state_dict(loaded.optimizer_state[0])
     assert opt2.param_groups[0]["betas"] == (0.9, 0.999)

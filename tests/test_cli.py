@@ -109,8 +109,9 @@ def test_child_peak_is_its_own_not_the_parents():
     run_json forks it through /bin/sh so that a big parent does not hide a small child."""
     ballast = bytearray(400 * 2**20)
     ballast[:: 4096] = b"\1" * len(ballast[:: 4096])  # touch every page
-    code = ("import json, tierflow.measure as m; a = m.maxrss_bytes(); b = bytearray(100 * 2**20); "
-            "b[::4096] = b'\\1' * len(b[::4096]); print(json.dumps({'base': a, 'peak': m.maxrss_bytes()}))")
+    code = ("import json, tierflow.profile.machine as m; a = m.maxrss_bytes(); "
+            "b = bytearray(100 * 2**20); b[::4096] = b'\\1' * len(b[::4096]); "
+            "print(json.dumps({'base': a, 'peak': m.maxrss_bytes()}))")
     env = dict(os.environ, PYTHONPATH=SRC)
     out = measure.run_json([sys.executable, "-c", code], timeout=60, env=env)
     assert out["base"] < 300 * 2**20, out  # the parent holds > 400 MiB

@@ -355,14 +355,11 @@ def test_weights_and_states_on_disk_stepped_in_host_ram_below_the_gpu(tmp_path, 
     host RAM (its weights read from disk for the step and written back after it, its AdamW
     states on disk too): 3 steps with dropout as plain PyTorch on the GPU, inside the
     backward or after 4 clipped micro-batches."""
-    from tierflow.exec.disk import DiskStore
-    from tierflow.exec.offload import OffloadedParameters
-    from tierflow.models.load import load_model
+    from tierflow import load_model
 
     tiny_hf("llama", layers=3, dropout=0.1).save_pretrained(tmp_path / "model")
-    model = load_model(tmp_path / "model",
-                       offload=OffloadedParameters(DiskStore(tmp_path))).train()
-    reference = load_model(tmp_path / "model").train().to(CUDA)
+    model = load_model(tmp_path / "model", disk=tmp_path)
+    reference = load_model(tmp_path / "model").to(CUDA)
     samples = [{k: v.to(CUDA) for k, v in hf_sample(seed=seed).items()}
                for seed in range(grad_accum)]
     module = tierflow.fit(model, samples[0], optimizer=_adamw, gpu="1GiB", ram="1GiB",

@@ -247,7 +247,7 @@ def world_of_one():
     """A gloo process group of this process alone."""
     import torch.distributed as dist
 
-    from tierflow.dist import World
+    from tierflow.distributed import World
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield World(0, 1, "gloo", 30.0, store)
@@ -266,7 +266,7 @@ def test_stages_are_reduced_during_backward_and_zero_matches_adamw(world_of_one,
     from models import hf_sample, tiny_hf
 
     import tierflow
-    from tierflow.dist import ShardedOptimizer
+    from tierflow.distributed import ShardedOptimizer
 
     def adamw(groups):
         return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)

@@ -16,8 +16,7 @@ import tierflow
 from tierflow.chain import to_chain
 from tierflow.exec.offload import offloaded_parameters
 from tierflow.plan.tier_search import LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK, auto_head_chunk
-from tierflow.profile.head_chunk import head_profile_bytes
-from tierflow.sim.stages import HEAD_TRANSIENT
+from tierflow.profile.head_chunk import HEAD_TRANSIENT, head_profile_bytes
 
 
 def test_the_head_profile_is_priced_from_the_shapes():
@@ -145,8 +144,8 @@ def _fit_peak_inside_the_budget(directory: str) -> None:
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tierflow import measure
     from tierflow.exec.memory import return_free_memory
+    from tierflow.profile.machine import maxrss_bytes, reset_peak_rss
 
     root = Path(directory)
     torch.manual_seed(0)
@@ -159,10 +158,10 @@ def _fit_peak_inside_the_budget(directory: str) -> None:
     ids = torch.randint(0, 32000, (2, 512))
     budget = 160 << 20
     return_free_memory()
-    measure.reset_peak_rss()
-    base = measure.maxrss_bytes()  # no weight in memory: each waits on the disk tier
+    reset_peak_rss()
+    base = maxrss_bytes()  # no weight in memory: each waits on the disk tier
     module = tierflow.fit(model, {"input_ids": ids, "labels": ids}, ram=budget, disk=root,
                           optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-    peak = measure.maxrss_bytes() - base
+    peak = maxrss_bytes() - base
     assert peak <= budget, (peak / 2 ** 20, module.plan.notes)
     assert module.chain.stages[-1].chunk_tokens == SMALL_HEAD_CHUNK

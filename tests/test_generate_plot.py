@@ -67,7 +67,7 @@ def test_greedy_equals_transformers_generate(tok, family, prompt):
 
 
 def test_loaded_checkpoint_greedy_matches_and_text_streams(model_dir, tok):
-    from tierflow.models.load import load_model
+    from tierflow import load_model
     model = load_model(model_dir, dtype=torch.float32)
     pieces: list[str] = []
     stats = GenerateStats()
@@ -82,7 +82,7 @@ def test_loaded_checkpoint_greedy_matches_and_text_streams(model_dir, tok):
 
 
 def test_seeded_sampling_is_reproducible(model_dir, tok):
-    from tierflow.models.load import load_model
+    from tierflow import load_model
     model = load_model(model_dir, dtype=torch.float32)
     kw = dict(max_new_tokens=25, temperature=1.0, stop=set())
     a = list(sample_ids(model, [5, 6, 7], seed=1, **kw))

@@ -106,7 +106,7 @@ def smallest_budget(directory, dtype: str) -> int:
 def layer_bytes(directory, dtype: torch.dtype) -> int:
     """One decoder layer's parameter bytes in ``dtype``."""
     from tierflow.chain.hf import decoder_layers
-    from tierflow.models.load import load_model
+    from tierflow import load_model
     model = load_model(directory, dtype=dtype)
     return sum(p.nbytes for p in decoder_layers(model.base_model)[1][0].parameters())
 

@@ -15,9 +15,9 @@ from side_by_side import load_states_and_match, train_and_match
 
 import tierflow
 from tierflow import FitConfig
+from tierflow import load_model
 from tierflow.exec.disk import DiskStore
-from tierflow.exec.offload import OffloadedParameters, offloaded_parameters
-from tierflow.models.load import load_model
+from tierflow.exec.offload import offloaded_parameters
 
 
 def _adamw(params):
@@ -28,9 +28,8 @@ def _models_on_disk(family, directory):
     """A tiny checkpoint of ``family`` with dropout, loaded onto the disk tier in
     ``directory`` (through the real loading code), and the same checkpoint in memory."""
     tiny_hf(family, layers=3, dropout=0.1).save_pretrained(directory / "model")
-    offloaded = OffloadedParameters(DiskStore(directory))
-    model = load_model(directory / "model", offload=offloaded).train()
-    reference = load_model(directory / "model").train()
+    model = load_model(directory / "model", disk=directory)
+    reference = load_model(directory / "model")
     return model, reference
 
 
@@ -172,7 +171,6 @@ def test_a_checkpoint_of_host_stages_on_disk_resumes_bit_for_bit(tmp_path):
     reference.load_state_dict({k.removeprefix("model."): v
                                for k, v in first.state_dict().items()})
     reference.save_pretrained(tmp_path / "b" / "model")
-    resumed = load_model(tmp_path / "b" / "model",
-                         offload=OffloadedParameters(DiskStore(tmp_path / "b"))).train()
+    resumed = load_model(tmp_path / "b" / "model", disk=tmp_path / "b")
     second = _fit(resumed, sample, tmp_path / "b")
     load_states_and_match(first, second, states, sample)

@@ -1,9 +1,11 @@
 """The calibration's layer probe: the fractions it derives price the probe layer at the
-seconds it took (stages.py's model run backwards), and on this machine they are sane."""
+seconds it took (stages.py's model run backwards), and on this machine they are sane; the
+machine's peak matmul rate behind them (profile/machine.py)."""
 import pytest
 
-from tierflow.measure import default_matmul_dtype
-from tierflow.sim.layer_probe import PROBE_CONFIG, PROBE_STEPS, _rates, measure_layer_rates
+from tierflow.profile import machine
+from tierflow.profile.layer_probe import PROBE_CONFIG, LayerSplit
+from tierflow.sim.layer_rates import PROBE_STEPS, measure_layer_rates, rates_of
 from tierflow.sim.shapes import shape_from_config
 from tierflow.sim.stages import attention_flops, dense_flops, layer_traffic
 
@@ -15,7 +17,8 @@ def test_rates_price_the_probe_at_its_measured_time(matmuls, regime):
     shape = shape_from_config(PROBE_CONFIG, "probe")
     step = PROBE_STEPS[matmuls]
     matmul, attention, elementwise = 0.5, 0.2, 0.3
-    rates = _rates(shape, step, regime, PEAK, MEMCPY, 1.0, matmul, attention, elementwise)
+    rates = rates_of(shape, step, regime, PEAK, MEMCPY,
+                     LayerSplit(1.0, matmul, attention, elementwise))
     traffic = sum(layer_traffic(shape, step, regime))
     # forward + backward = 3 x the forward's FLOPs, as stages.chain_costs charges them
     assert 3 * dense_flops(shape, step) / (PEAK * rates.matmul_efficiency) == \
@@ -28,9 +31,8 @@ def test_rates_price_the_probe_at_its_measured_time(matmuls, regime):
 def test_measured_rates_are_fractions_of_the_peaks():
     """In the trainer's default regime here (bf16 only where the CPU computes it natively:
     elsewhere a bf16 probe layer would take an hour)."""
-    from tierflow.train.sol import peak_matmul_flops
-    matmuls = default_matmul_dtype()
-    rates = measure_layer_rates(matmuls, peak_matmul_flops(matmuls), MEMCPY, repeats=2)
+    matmuls = machine.default_matmul_dtype()
+    rates = measure_layer_rates(matmuls, machine.peak_matmul_flops(matmuls), MEMCPY, repeats=2)
     assert 0.05 < rates.matmul_efficiency < 1.5
     assert 0.01 < rates.attention_efficiency < 1.5
     assert rates.memory_efficiency > 0 and rates.layer_seconds > 0
@@ -41,21 +43,18 @@ def test_the_peak_is_timed_on_matmuls_that_take_long_enough(monkeypatch):
     support: a 2048 matmul took 52 s on an AVX2 machine)."""
     import torch
 
-    from tierflow.train import sol
-    monkeypatch.setattr(sol, "_LONG_ENOUGH", 0.0)  # every size is long enough: the first
-    a, _, seconds = sol._timed_operands(torch.float32)
-    assert a.shape[0] == sol._SIZES[0] and seconds > 0
-    monkeypatch.setattr(sol, "_LONG_ENOUGH", float("inf"))  # none is: the reference size
-    assert sol._timed_operands(torch.float32)[0].shape[0] == sol._SIZES[-1] == 2048
+    monkeypatch.setattr(machine, "_LONG_ENOUGH", 0.0)  # every size is long enough: the first
+    a, _, seconds = machine._timed_operands(torch.float32)
+    assert a.shape[0] == machine._SIZES[0] and seconds > 0
+    monkeypatch.setattr(machine, "_LONG_ENOUGH", float("inf"))  # none is: the reference size
+    assert machine._timed_operands(torch.float32)[0].shape[0] == machine._SIZES[-1] == 2048
 
 
 def test_measured_figures_are_keyed_by_native_bf16(monkeypatch):
-    from tierflow import measure
-    from tierflow.train import sol
     keys = set()
     for native in (True, False):
-        monkeypatch.setattr(measure, "fast_bf16", lambda native=native: native)
-        keys.add(sol.cpu_identity())
+        monkeypatch.setattr(machine, "fast_bf16", lambda native=native: native)
+        keys.add(machine.cpu_identity())
     assert len(keys) == 2
 
 
@@ -66,14 +65,12 @@ def test_only_other_processes_keep_the_peak_from_being_cached():
     processes and hypervisor steal of its own."""
     import os
 
-    from tierflow.train import sol
-
     cpus = os.cpu_count() or 1
     start = (100.0, 50.0, 5.0)  # wall seconds, all CPUs' busy seconds, this process's seconds
 
     def busy_after(wall: float, own: float, others: float) -> bool:
         after = (start[0] + wall, start[1] + own + others, start[2] + own)
-        return sol._others_were_busy(start, after)
+        return machine._others_were_busy(start, after)
 
     assert not busy_after(wall=1.0, own=cpus * 1.0, others=0.0)  # this process took every CPU
     assert not busy_after(wall=1.0, own=0.1, others=0.2 * cpus)
@@ -86,17 +83,15 @@ def test_cpu_seconds_count_this_process_apart():
     includes it: spinning until this process has used 0.3 s more CPU adds about that much."""
     import os
 
-    from tierflow.train import sol
-
     def own_cpu() -> float:
         times = os.times()
         return times.user + times.system
 
-    before = sol._cpu_seconds()
+    before = machine._cpu_seconds()
     end = own_cpu() + 0.3
     while own_cpu() < end:
         pass
-    after = sol._cpu_seconds()
+    after = machine._cpu_seconds()
     _wall, busy, own = (a - b for a, b in zip(after, before))
     assert 0.29 <= own < 0.4  # os.times counts in clock ticks too
     assert busy >= own - 0.05  # /proc/stat counts in clock ticks (10 ms)

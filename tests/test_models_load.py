@@ -7,8 +7,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from models import tiny_configs
-from tierflow import TierflowError
-from tierflow.models import PRESETS, count_parameters, load_model, preset_config
+from tierflow import TierflowError, load_model
+from tierflow.models import PRESETS, count_parameters, preset_config
 
 TINY = tiny_configs()
 
@@ -25,6 +25,8 @@ def saved(tmp_path, kind: str, **kwargs):
 
 
 def logits(model, seed=1):
+    """The model's logits in eval mode (no dropout) on seeded tokens."""
+    model.eval()
     tokens = torch.randint(0, model.config.vocab_size, (2, 12),
                            generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

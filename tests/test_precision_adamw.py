@@ -153,8 +153,8 @@ def test_save_load_continue_equals_uninterrupted(model_dtype, master, optim_dtyp
 
 
 def test_a_step_gathered_as_a_tensor_loads_as_an_int():
-    """A state gathered from ZeRO shards (tierflow.dist) carries ``step`` as a float64 tensor;
-    loading it gives the int step and the same next update as the state as saved."""
+    """A state gathered from ZeRO shards (tierflow.distributed) carries ``step`` as a float64
+    tensor; loading it gives the int step and the same next update as the state as saved."""
     ours, other = _params(), _params()
     optimizer = AdamW(_groups(ours), **HYPER)
     _run(optimizer, ours, 3)

@@ -40,23 +40,35 @@ def test_config_json_round_trip_and_unknown_keys():
 ])
 def test_contradictions_are_one_line_errors(fields, fragments):
     with pytest.raises(TierflowError) as info:
-        PrecisionConfig(**fields).validate("cpu")
+        PrecisionConfig(**fields).validate()
     message = str(info.value)
     assert "\n" not in message and all(f in message for f in fragments), message
 
 
 def test_fp8_without_scaled_mm_is_one_line(monkeypatch):
-    from tierflow.precision import config as config_module
+    from tierflow.precision import apply
 
-    config_module._runs.cache_clear()
+    apply._runs.cache_clear()
     monkeypatch.delattr(torch, "_scaled_mm")
     try:
         with pytest.raises(PrecisionError) as info:
-            PrecisionConfig(matmul_dtype="fp8").validate("cpu")
+            apply.check_device(PrecisionConfig(matmul_dtype="fp8"), "cpu")
     finally:
-        config_module._runs.cache_clear()  # the next probe sees the real torch again
+        apply._runs.cache_clear()  # the next probe sees the real torch again
     assert "\n" not in str(info.value) and "torch._scaled_mm" in str(info.value)
-    PrecisionConfig(matmul_dtype="bf16").validate("cpu")
+    apply.check_device(PrecisionConfig(matmul_dtype="bf16"), "cpu")
+
+
+def test_the_record_imports_no_torch():
+    """The simulator and the command line read the precision record without torch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    src = Path(__file__).resolve().parents[1] / "src"
+    code = ("import sys; sys.path.insert(0, %r); import tierflow.precision.config, "
+            "tierflow.sim.options, tierflow.train.options; "
+            "assert 'torch' not in sys.modules, 'torch was imported'" % str(src))
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_bytes_per_parameter_are_the_design_facts():
@@ -164,7 +176,7 @@ def test_the_unsigned_mapping_refuses_negative_values():
 _STEP_PEAK_SCRIPT = """
 import torch
 from pathlib import Path
-from tierflow.measure import reset_peak_rss
+from tierflow.profile.machine import reset_peak_rss
 from tierflow.precision.adamw import AdamW, CHUNK
 dtype = torch.bfloat16 if "{model_dtype}" == "bf16" else torch.float32
 p = torch.nn.Parameter(torch.randn(2 * CHUNK, dtype=dtype))

@@ -12,12 +12,12 @@ from cli_support import assert_error_line, run_main
 from models import CORE_FAMILIES, tiny_hf
 from test_generate_stream import LAYERS, PROMPT, save_tiny, smallest_budget
 
+from tierflow import load_model
 from tierflow.data.tokenizer import train_tokenizer
 from tierflow.errors import TierflowError
 from tierflow.generate.memory import memory_needed
 from tierflow.generate.sample import run
 from tierflow.models.int8 import Int8Linear, quantize_int8, quantize_weight
-from tierflow.models.load import load_model
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "the quick brown fox jumps over the lazy dog. " * 4,
          "import os\nprint(os.getcwd())\n"] * 3
@@ -82,6 +82,8 @@ def test_the_int8_product_is_the_dequantized_product(dtype, in_features):
 
 
 def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits in eval mode (no dropout)."""
+    model.eval()
     with torch.no_grad():
         return model(input_ids=ids).logits.float()
 

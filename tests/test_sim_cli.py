@@ -112,11 +112,12 @@ def test_a_cpu_profile_defaults_to_its_faster_matmul_dtype(bf16_peak, matmuls):
     runs in PyTorch's fallback kernels (0.3 GFLOP/s against 77 in fp32 on an AVX2 CPU)."""
     from dataclasses import replace
 
-    from tierflow.sim.precision import RunPrecision
+    from tierflow.precision.config import PrecisionConfig
+    from tierflow.sim.setup import default_precision
     cpu = replace(PUBLISHED["h100-sxm"], name="cpu", gpu_bytes=None, host_link_bw=None,
                   peak_flops={"fp32": 1.3e11, "bf16": bf16_peak})
-    assert RunPrecision.default_for(cpu) == RunPrecision("fp32", "none", "fp32", matmuls)
-    assert RunPrecision.default_for(PUBLISHED["h100-sxm"]).matmul == "bf16"
+    assert default_precision(cpu) == PrecisionConfig(matmul_dtype=matmuls)
+    assert default_precision(PUBLISHED["h100-sxm"]).matmul_dtype == "bf16"
 
 
 @pytest.mark.parametrize("command, args, fragment", [

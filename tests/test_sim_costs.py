@@ -11,8 +11,8 @@ from tierflow.errors import TierflowError
 from tierflow.models.presets import count_parameters, preset_config
 from tierflow.plan.simulate import simulate
 from tierflow.plan.strategies import keep_all
+from tierflow.precision.config import PrecisionConfig
 from tierflow.sim.hardware import PUBLISHED
-from tierflow.sim.precision import RunPrecision
 from tierflow.sim.shapes import load_shape, shape_from_config
 from tierflow.sim.stages import (
     StepShape,
@@ -86,8 +86,7 @@ def test_activation_bytes_match_the_profiler():
         measured = fit(model, {"input_ids": ids[:, :-1], "shift_labels": ids[:, 1:]}).plan.costs
     shape = shape_from_config(config.to_dict())
     cpu = replace(PUBLISHED["h100-sxm"], gpu_bytes=None)  # only the rates matter here
-    analytic = chain_costs(shape, StepShape(96, 2), RunPrecision("fp32", "none", "fp32", "bf16"),
-                           cpu)
+    analytic = chain_costs(shape, StepShape(96, 2), PrecisionConfig(matmul_dtype="bf16"), cpu)
     for ours, theirs in zip(analytic.stages, measured.stages):
         assert ours.tape == pytest.approx(theirs.tape, rel=0.1), ours.name
         assert ours.output_bytes == theirs.output_bytes, ours.name

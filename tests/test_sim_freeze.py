@@ -11,18 +11,19 @@ from models import hf_config, hf_sample
 from torch.utils.flop_counter import FlopCounterMode
 
 from tierflow.errors import TierflowError
+from tierflow.models.freeze import freeze_parameters
+from tierflow.precision.config import PrecisionConfig
 from tierflow.sim.freeze import selection_for
 from tierflow.sim.hardware import PUBLISHED, Hardware
-from tierflow.sim.precision import RunPrecision
-from tierflow.sim.predict import Setup, predict
+from tierflow.sim.predict import predict
 from tierflow.sim.selection import Selection
+from tierflow.sim.setup import Setup, default_precision
 from tierflow.sim.shapes import load_shape
 from tierflow.sim.stages import StepShape, chain_costs, step_flops
-from tierflow.train.freeze import freeze_parameters
 
 GIB = 2 ** 30
 FAMILIES = ("llama", "qwen2", "gpt2", "gpt_neox", "mistral")
-FP32 = RunPrecision("fp32", "none", "fp32", "fp32")
+FP32 = PrecisionConfig()  # fp32 weights, moments and matmuls
 # a cpu profile of round numbers (a real one is measured by `tierflow calibrate`)
 CPU = Hardware(name="cpu", about="test", gpu_bytes=None, peak_flops={"fp32": 1e11, "bf16": 4e11},
                memory_bw=10e9, host_link_bw=None, host_memory_bw=10e9, disk_read_bw=2e9,
@@ -150,8 +151,8 @@ def test_the_gpu_planner_prices_states_of_the_trainable_parameters_only():
     full = predict(Setup(**base)).placement
     tuned = predict(Setup(**base, selection=sel)).placement
     assert tuned.peaks["ram"] < full.peaks["ram"]
-    per = RunPrecision.default_for(h100).bytes_per_param()
-    assert full.peaks["ram"] - tuned.peaks["ram"] >= 0.9 * per.states * (
+    per = default_precision(h100).bytes_per_parameter()
+    assert full.peaks["ram"] - tuned.peaks["ram"] >= 0.9 * per.optimizer_state * (
         load_shape("llama3-8b").total_params() - sel.total) * (full.optimizer.resident == 0)
 
 

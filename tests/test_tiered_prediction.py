@@ -10,7 +10,8 @@ from tierflow.config import FitConfig
 from tierflow.plan.placement_problem import PlacementError
 from tierflow.plan.tier_search import TierSearch, place_on_tiers
 from tierflow.sim.hardware import Hardware
-from tierflow.sim.predict import Setup, predict
+from tierflow.sim.predict import predict
+from tierflow.sim.setup import Setup
 from tierflow.sim.shapes import load_shape
 from tierflow.sim.tiered import _problem
 
@@ -93,7 +94,7 @@ def _probe_matches_the_prediction(moments: str, weights: str) -> None:
     import torch
 
     from tierflow.exec.memory import meter_for
-    from tierflow.exec.optimizer_probe import probe_optimizer
+    from tierflow.profile.optimizer_probe import probe_optimizer
     from tierflow.precision.adamw import AdamW
     from tierflow.sim.tiered import adamw_transient_bytes
 
@@ -123,7 +124,7 @@ def _growing_temporaries_priced_per_byte() -> None:
     import torch
 
     from tierflow.exec.memory import meter_for
-    from tierflow.exec.optimizer_probe import probe_optimizer
+    from tierflow.profile.optimizer_probe import probe_optimizer
 
     class GrowingScratch(torch.optim.Optimizer):
         """A step that fills a temporary of 12 MiB plus the parameter's bytes, then frees it."""

@@ -201,7 +201,7 @@ def test_the_optimizer_probe_sees_temporaries_that_grow(monkeypatch, mib, small,
     growing temporaries are priced per byte at the rate of the step's own tensors and the
     RSS's excess over them as fixed bytes: priced per byte, that excess made the smallest
     budget move by 14 MiB between processes."""
-    from tierflow.exec import optimizer_probe
+    from tierflow.profile import optimizer_probe
 
     sizes = {mib: list(small), 4 * mib: list(large)}  # parameter MiB -> its steps' peaks
 
@@ -230,7 +230,7 @@ def test_the_optimizer_probe_takes_a_quarter_of_the_budget_at_most(dtype):
     script = f"""
 import resource, torch
 from tierflow.exec.memory import HostMeter, configure_host_allocator, rss_bytes
-from tierflow.exec.optimizer_probe import probe_optimizer
+from tierflow.profile.optimizer_probe import probe_optimizer
 from tierflow.precision import PrecisionConfig, make_optimizer
 from tierflow.fitting.tiers import probe_numel
 configure_host_allocator()

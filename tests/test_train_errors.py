@@ -294,7 +294,7 @@ def test_bad_generate_input_fails_before_torch_is_imported(tmp_path, args, fragm
 
 def test_previous_checkpoints_untouched(results, root):
     """The failed resumes above left the run they read as it was."""
-    from tierflow.models import load_model
+    from tierflow import load_model
     from tierflow.train.checkpoint import load_checkpoint
     assert load_checkpoint(root / "run").step == 2
     load_model(root / "run" / "step_2")
@@ -425,8 +425,8 @@ def gen_dir(tmp_path_factory):
 
 
 def test_generate_memory_need_is_weights_kv_cache_and_a_margin(gen_dir):
+    from tierflow import load_model
     from tierflow.generate.memory import memory_needed
-    from tierflow.models import load_model
     directory, tok = gen_dir
     model = load_model(directory)
     unique = {p.data_ptr(): p.numel() for p in model.parameters()}

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from tierflow.data.tokenfile import TokenFile
 from tierflow.errors import TierflowError
 from tierflow.train.data import Batches
-from tierflow.train.freeze import freeze_parameters
+from tierflow.models.freeze import freeze_parameters
 from tierflow.train.optimizer import BETAS, EPS
 from tierflow.train.schedule import lr_at
 from tierflow.train.sol import model_flops_per_token

@@ -98,9 +98,9 @@ def test_bf16_matmuls_on_a_cpu_without_native_bf16_get_a_note(env, tmp_path, cap
                                                                monkeypatch):
     """Where bf16 is not native (AVX2 only: PyTorch's fallback kernels, hundreds of times
     slower than fp32) a run asking for bf16 matmuls says so and names the faster flag."""
-    from tierflow import measure
+    from tierflow.train import header
     for native in (False, True):
-        monkeypatch.setattr(measure, "fast_bf16", lambda native=native: native)
+        monkeypatch.setattr(header, "fast_bf16", lambda native=native: native)
         code, out, err = run_main(*train_args(env, tmp_path / f"run-{native}", "--steps", "1",
                                               "--matmul-dtype", "bf16"), capsys=capsys)
         assert code == 0, err

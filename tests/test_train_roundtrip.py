@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
 from cli_support import run_main
+from tierflow import load_model
 from tierflow.data.tokenfile import write_tokens
-from tierflow.models import load_model
 from tierflow.train import checkpoint as ckpt_module
 
 VOCAB = 96

@@ -42,7 +42,7 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     Parameters with ``requires_grad`` False take no gradient and no optimizer state; the
     stages that hold them stream them like the others. Under ``gpu=``, a model on the CPU
     with a sample on the GPU is never whole on the GPU: its weights wait in host RAM, or on
-    disk when it was loaded there (``models.load_model(..., offload=...)``), and come up as
+    disk when it was loaded there (``tierflow.load_model(..., disk=DIR)``), and come up as
     the plan says.
     With ``optimizer=``, ``grad_accum`` (micro-batches per update: call ``backward()`` that
     many times, on losses divided by it as in plain PyTorch) and ``max_grad_norm`` (clip

@@ -1,13 +1,15 @@
-"""Measure one training configuration in a fresh child process (tierflow compare, benchmarks).
+"""Measure one training configuration in a fresh child process (``tierflow compare``; the
+benchmark scripts run their children with the same ``run_json``).
 
     python -m tierflow.measure --mode plain|tierflow --arch llama-20m --seq 512 --batch 4 \\
         --steps 3 --dtype bf16 [--ram 600MiB] [--planner auto]
 
 prints one JSON line: the median step time over ``--steps`` timed steps after one warm-up
 step, tokens/s, the loss of every step, and the process's peak RSS above its RSS right after
-imports (``resource.getrusage(RUSAGE_SELF).ru_maxrss``). The model is built exactly as
-``peers.py`` builds it (same config, ``torch.manual_seed(0)``, tokens drawn right after), so
-its losses can be compared with the peers' and with each other.
+imports (``profile/machine.maxrss_bytes``). ``--arch`` is one of the Llama presets of
+``models/presets.py``, built as ``peers.py`` builds its Llamas (the same config,
+``torch.manual_seed(0)``, tokens drawn right after), so its losses can be compared with the
+peers' and with each other.
 
 The parent side (:func:`measure`, :func:`run_json`) imports no torch. Children are started
 through ``/bin/sh``, which forks them: on Linux a process's ``ru_maxrss`` starts at its parent's
@@ -16,11 +18,9 @@ high-water mark when the parent execs it directly, which would hide the child's 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import re
-import resource
 import signal
 import statistics
 import subprocess
@@ -30,13 +30,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# name: (layers, hidden, mlp, heads, kv_heads, vocab); the first three are peers.py's ARCHS
-ARCHS: dict[str, tuple[int, int, int, int, int, int]] = {
-    "llama-20m": (4, 256, 704, 4, 4, 32000),
-    "llama-134m": (12, 768, 2048, 12, 12, 32000),
-    "tinyllama-1.1b": (22, 2048, 5632, 32, 4, 32000),
-    "llama-tiny": (2, 128, 352, 4, 4, 4096),  # smoke tests only
-}
+from .models.presets import PRESETS, preset_config
+from .profile.machine import maxrss_bytes
+
+# the presets compare builds and counts: the Llamas (one architecture, as peers.py's)
+ARCHS = tuple(name for name, preset in PRESETS.items() if preset.family == "llama")
 
 
 class ChildError(RuntimeError):
@@ -61,37 +59,26 @@ class Workload:
         return self.seq * self.batch
 
     def params(self) -> int:
-        """Parameter count of the Llama built for this workload (untied head, no biases)."""
-        layers, h, mlp, heads, kv, vocab = ARCHS[self.arch]
-        kv_width = h // heads * kv
-        block = 2 * h * h + 2 * h * kv_width + 3 * h * mlp + 2 * h
-        return 2 * vocab * h + layers * block + h
+        """Parameter count of the Llama built for this workload (no biases; a tied head
+        once), from its preset's shape: no torch on the parent side."""
+        p = PRESETS[self.arch]
+        head_dim = p.extra.get("head_dim", p.hidden // p.heads)
+        block = (2 * p.hidden * p.heads * head_dim + 2 * p.hidden * p.kv_heads * head_dim
+                 + 3 * p.hidden * p.mlp + 2 * p.hidden)
+        return (1 if p.tied else 2) * p.vocab * p.hidden + p.layers * block + p.hidden
 
     def describe(self) -> str:
-        layers, h, mlp, heads, kv, vocab = ARCHS[self.arch]
+        """The workload in words: the model's shape and size, the batch, precision and
+        optimizer."""
+        p = PRESETS[self.arch]
         autocast = "bf16 autocast" if self.dtype == "bf16" else "fp32"
-        return (f"{self.arch} ({layers} layers, hidden {h}, MLP {mlp}, {heads} heads, vocab {vocab}; "
-                f"{self.params() / 1e6:.1f}M parameters), seq {self.seq} x batch {self.batch}, "
-                f"{autocast}, AdamW lr {self.lr:g}")
+        return (f"{self.arch} ({p.layers} layers, hidden {p.hidden}, MLP {p.mlp}, {p.heads} "
+                f"heads, vocab {p.vocab}; {self.params() / 1e6:.1f}M parameters), seq "
+                f"{self.seq} x batch {self.batch}, {autocast}, AdamW lr {self.lr:g}")
 
     def args(self) -> list[str]:
         return ["--arch", self.arch, "--seq", str(self.seq), "--batch", str(self.batch),
                 "--steps", str(self.steps), "--dtype", self.dtype, "--lr", repr(self.lr)]
-
-
-def fast_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX), from /proc/cpuinfo."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
-
-
-def default_matmul_dtype() -> str:
-    """The CPU trainer's matmul dtype when none is asked (``--dtype auto``): "bf16" where
-    the CPU computes it natively, else "fp32" (PyTorch's bf16 fallback is far slower)."""
-    return "bf16" if fast_bf16() else "fp32"
 
 
 # ---------------------------------------------------------------- parent side (no torch)
@@ -131,28 +118,6 @@ def run_json(cmd: list[str], *, timeout: float | None = None, env: dict[str, str
     return result
 
 
-def source_commit(root: str | Path) -> str:
-    """The commit checked out in ``root`` that a benchmark measured, with ``+changes`` when
-    its ``src`` differs from it ("unknown" outside a git checkout)."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
-                              check=False).stdout.strip()
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
-    return head + ("+changes" if git("status", "--porcelain", "--", "src") else "")
-
-
-def write_results(directory: str | Path, name: str, text: str,
-                  data: dict[str, Any]) -> tuple[Path, Path]:
-    """A benchmark's results: ``directory/name.md`` (``text``) and ``directory/name.json``
-    (``data``); returns both paths."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    md, js = directory / f"{name}.md", directory / f"{name}.json"
-    md.write_text(text.rstrip() + "\n")
-    js.write_text(json.dumps(data, indent=1) + "\n")
-    return md, js
-
-
 def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:])
 
@@ -183,22 +148,6 @@ def measure(workload: Workload, mode: str, *, ram: int | None = None, planner: s
 
 # ---------------------------------------------------------------- child side
 
-def maxrss_bytes() -> int:
-    """This process's peak RSS so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
-
-
-def reset_peak_rss() -> None:
-    """Lower this process's peak RSS (``ru_maxrss``, VmHWM) to its RSS now, so that a peak
-    measured from here is not an earlier one (the demo's tokenizer, work done before
-    ``tierflow train`` was called in the same process). Linux only (``/proc/self/clear_refs``);
-    elsewhere the peak stays as it was."""
-    with contextlib.suppress(OSError):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-
 def _status_bytes(field: str) -> int | None:
     """VmHWM / VmRSS of this process from /proc (Linux only), for cross-checks."""
     try:
@@ -211,17 +160,14 @@ def _status_bytes(field: str) -> int | None:
 
 
 def build(arch: str, seq: int):
-    """The model exactly as ``peers.py build()`` makes it."""
+    """The Llama preset ``arch`` as ``peers.py build()`` makes its Llamas: positions for at
+    least ``seq`` tokens, initialized from ``torch.manual_seed(0)``."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    layers, hidden, mlp, heads, kv, vocab = ARCHS[arch]
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=mlp,
-                      num_hidden_layers=layers, num_attention_heads=heads,
-                      num_key_value_heads=kv, max_position_embeddings=max(seq, 2048),
-                      attn_implementation="sdpa", use_cache=False)
+    config = preset_config(arch, max_positions=max(seq, PRESETS[arch].positions))
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg)
+    return AutoModelForCausalLM.from_config(config)
 
 
 def _smallest(err: BaseException) -> int | None:

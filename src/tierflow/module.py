@@ -139,7 +139,7 @@ class TierflowModule(nn.Module):
         stage's gradients are complete for the step (in its last micro-batch's backward,
         before the clipping norm, the disk tier or the update see them), ``reduce`` gets
         them and must replace each in place by its mean over the workers, as DDP's
-        all-reduce does (``tierflow.dist.World.average``). Every worker then updates its
+        all-reduce does (``tierflow.distributed.World.average``). Every worker then updates its
         own copy of the weights and states the same way. The stages' reductions come in the
         same order on every worker, last stage first, whatever each worker's plan. None:
         one worker, no reduction."""

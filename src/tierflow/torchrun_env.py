@@ -1,5 +1,5 @@
 """The size of the world torchrun launched, read from its environment without importing torch
-(the command line checks flags against it before the slow imports; ``tierflow.dist`` joins
+(the command line checks flags against it before the slow imports; ``tierflow.distributed`` joins
 the world later)."""
 from __future__ import annotations
 

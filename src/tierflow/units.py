@@ -1,7 +1,10 @@
-"""Byte strings: ``"4GiB"``, ``"500MB"``, ``"0.5TiB"``, or a plain integer of bytes. No torch."""
+"""Sizes and rates as text: byte strings (``"4GiB"``, ``"500MB"``, ``"0.5TiB"``, or a plain
+integer of bytes) both ways, tokens per second, and the titled blocks of ``key : value`` rows
+that the trainer and the simulator print. No torch."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
@@ -43,6 +46,21 @@ def format_bytes(n: int | float, *, round_up: bool = False) -> str:
             value = math.ceil(n / scale * 100) / 100 if round_up else n / scale
             return f"{value:.2f} {unit}"
     return f"{math.ceil(n) if round_up else int(n)} B"
+
+
+def format_rate(tok_s: float) -> str:
+    """``35.1k`` tokens per second (``k``/``M`` suffixes, three significant digits)."""
+    if tok_s >= 1e6:
+        return f"{tok_s / 1e6:.1f}M"
+    if tok_s >= 1e3:
+        return f"{tok_s / 1e3:.1f}k"
+    return f"{tok_s:.0f}"
+
+
+def section(title: str, rows: list[tuple[str, Any]]) -> str:
+    """A printed block: ``[title]``, then one ``key : value`` line per row, keys aligned."""
+    width = max((len(k) for k, _ in rows), default=0)
+    return "\n".join([f"[{title}]"] + [f"  {k.ljust(width)} : {v}" for k, v in rows])
 
 
 # what a budget stated from this run's measurements leaves for the next run's: the sizes

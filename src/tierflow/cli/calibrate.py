@@ -24,7 +24,7 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Measure, cache and print the cpu profile."""
     from ..sim.calibrate import calibrate
-    from ..train.logger import section
+    from ..units import section
     if args.disk is not None and not args.disk.is_dir():
         raise TierflowError(f"--disk {args.disk} is not a directory: create it or give "
                             "another one")

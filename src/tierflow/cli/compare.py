@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import measure
 from ..config import PLANNERS
+from ..profile.machine import default_matmul_dtype
 from ..units import format_bytes
 from .args import positive_int, size
 
@@ -44,7 +45,7 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """``tierflow compare``: plain PyTorch, then tierflow under the budget, in fresh processes."""
     quick = args.quick
-    dtype = args.dtype if args.dtype != "auto" else measure.default_matmul_dtype()
+    dtype = args.dtype if args.dtype != "auto" else default_matmul_dtype()
     workload = measure.Workload(
         arch=args.arch or ("llama-tiny" if quick else "llama-20m"),
         seq=args.seq or (128 if quick else 512), batch=args.batch or (2 if quick else 4),

@@ -12,11 +12,11 @@ from typing import Any
 import tomllib
 
 from ..errors import TierflowError
+from ..precision.config import CHOICES
 from ..train.options import (
     DTYPES,
     HOST_UPDATES,
     OPTIMIZER_STATES,
-    PRECISION,
     RECOMPUTE,
     STREAM,
     TrainOptions,
@@ -136,7 +136,7 @@ _TYPES = {"seq_len": _int, "batch_size": _int, "grad_accum": _int, "steps": _int
           "eval_steps": _int, "save_every": _int, "dist_timeout": _float, "prefetch": _int}
 
 
-_CHOICES = {**PRECISION, "dtype": DTYPES, "recompute": tuple(RECOMPUTE), "stream": STREAM,
+_CHOICES = {**CHOICES, "dtype": DTYPES, "recompute": tuple(RECOMPUTE), "stream": STREAM,
             "host_updates": HOST_UPDATES, "optimizer_states": OPTIMIZER_STATES}
 # second names for the flags that torchrun would take as an abbreviation of one of its own
 # options (it parses its command line, the training script's arguments included, with
@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     from ..train.preflight import preflight
     opts = from_args(args)
     preflight(opts)  # bad input fails here, before the seconds of importing torch
-    from ..dist import exit_rank
+    from ..distributed import exit_rank
     from ..train.loop import train
     code = train(opts)
     if world_size_from_env() > 1:  # a torchrun rank whose run is over: see exit_rank

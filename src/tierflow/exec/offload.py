@@ -2,7 +2,7 @@
 storage emptied (``untyped_storage().resize_(0)``) while it is not needed.
 
 The ``nn.Parameter`` objects stay where they are, with their shapes, so a model can be built
-(``models.load_model(..., offload=store)``), chained and planned without ever holding all its
+(``tierflow.load_model(..., disk=DIR)``), chained and planned without ever holding all its
 weights: uses are counted, a parameter is read in at its first use and emptied after its last.
 ``on_demand(model)`` fetches a module's own parameters around each of its forward calls
 (runs without autograd only: a tape would keep references to the weights); ``resident``

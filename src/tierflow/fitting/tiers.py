@@ -21,10 +21,10 @@ from ..exec.host_store import HostStore, measure_copy_bandwidth
 from ..exec.memory import meter_for
 from ..exec.offload import OffloadedParameters
 from ..exec.optimizer import stage_owned_parameters
-from ..exec.optimizer_probe import probe_optimizer
 from ..exec.stage_call import storage_key
 from ..exec.storage import TensorStore
 from ..exec.weights import stage_parameters_to_stream
+from ..profile.optimizer_probe import probe_optimizer
 from ..plan.costs import ChainCosts
 from ..plan.tier_candidates import TierProblem, UpdateRates
 from ..plan.tier_costs import LowerTier

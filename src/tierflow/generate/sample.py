@@ -255,7 +255,7 @@ def resolve_dtype(name: str) -> torch.dtype:
         return torch.float32
     if name != "auto":
         raise TierflowError(f"--dtype {name!r} is not one of auto, bf16, fp32")
-    from ..measure import fast_bf16
+    from ..profile.machine import fast_bf16
     return torch.bfloat16 if fast_bf16() else torch.float32
 
 
@@ -267,7 +267,7 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
     continuation to ``out`` (stdout), then a line with tokens/s."""
     from ..data.tokenizer import load_tokenizer
     from ..models.int8 import is_quantized
-    from ..models.load import load_model
+    from ..load import load_model
 
     out = out if out is not None else sys.stdout
     directory, tok_path, budget = check_request(model_dir, prompt, tokenizer=tokenizer,

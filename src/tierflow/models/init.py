@@ -1,25 +1,31 @@
 """Random initialization of a preset, one module at a time, so that a model larger than the
-RAM budget can be built straight onto the disk tier.
+RAM budget can be built without ever being whole in memory.
 
 The model is built with its parameters on the meta device; then every module, children
 before parents (the order of Hugging Face's own initialization), gets its own parameters
 allocated and initialized by the model's ``_initialize_weights``, from a generator seeded by
 ``(seed, module name)``: a module's values do not depend on what was built before it, so the
-model is the same whether it is built in memory or onto disk. With ``offload``, each decoder
-layer and each top-level module moves to disk as soon as it is complete; parameters shared by
-several modules (tied embeddings) stay in memory.
+model is the same however it is built. With ``place``, each parameter of a decoder layer and
+of each top-level module is handed to ``place`` as soon as that module is complete (the
+disk tier takes it there: ``tierflow.load_model(..., disk=DIR)``); parameters shared by
+several modules (tied embeddings) are not handed over. The model knows nothing about where
+its tensors go.
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from ..exec.offload import OffloadedParameters, attach
 from ..seeding import derived_seed
+
+# what takes a tensor of the model as soon as it is complete: (its name, the tensor)
+Place = Callable[[str, torch.Tensor], None]
 
 
 def initialize(model: nn.Module, seed: int, dtype: torch.dtype,
-               offload: OffloadedParameters | None = None) -> None:
+               place: Place | None = None) -> None:
     """Allocate and initialize ``model``'s meta parameters in place (see the module doc)."""
     users: dict[int, int] = {}
     for module in model.modules():
@@ -31,7 +37,8 @@ def initialize(model: nn.Module, seed: int, dtype: torch.dtype,
     built: dict[int, nn.Parameter] = {}  # meta parameter -> its allocated replacement
     names = {id(m): name for name, m in model.named_modules()}
     param_names: dict[int, str] = {}
-    shared: set[int] = set()  # allocated parameters used by several modules: never offloaded
+    shared: set[int] = set()  # allocated parameters used by several modules: never placed
+    placed: set[int] = set()
 
     def visit(module: nn.Module) -> None:
         for child in module.children():
@@ -48,18 +55,17 @@ def initialize(model: nn.Module, seed: int, dtype: torch.dtype,
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             torch.manual_seed(derived_seed(seed, names[id(module)]))
             model._initialize_weights(module)
-        if offload is not None and id(module) in blocks:
+        if place is not None and id(module) in blocks:
             for p in module.parameters():
-                if id(p) not in shared and p not in offload:
-                    offload.offload(param_names[id(p)], p)
+                if id(p) not in shared and id(p) not in placed:
+                    placed.add(id(p))
+                    place(param_names[id(p)], p)
 
     visit(model)
-    if offload is not None:
-        attach(model, offload)
 
 
 def _offload_units(model: nn.Module) -> set[int]:
-    """Modules whose parameters may leave for disk once built: the decoder layers and the
+    """Modules whose parameters are placed once built: the decoder layers and the
     top-level modules that hold no decoder layer (embeddings, final norm, LM head)."""
     from ..chain.hf import decoder_layers
 

@@ -2,11 +2,17 @@
 
 A directory is loaded gpt-fast style: the model is built with its parameters on the meta device
 (nothing allocated, no random init), every tensor is checked against the safetensors headers
-before any is read, the tensors come memory-mapped from ``safe_open`` (or, for a model going
-to the disk tier, read once with ``pread``) and go in with
+before any is read, the tensors come memory-mapped from ``safe_open`` (or, with ``place``,
+read once with ``pread`` and handed over one at a time) and go in with
 ``load_state_dict(assign=True)``, and tied weights are tied again. Buffers that are not in a
 checkpoint (rotary ``inv_freq``) are built on the CPU by the model's own constructor, so they
 are exactly what ``from_pretrained`` computes. Only safetensors is read, never pickle.
+
+``place`` (``init.Place``) is how a caller keeps the model from ever being whole in memory:
+it takes each tensor as soon as it is read or initialized (``tierflow.load_model`` puts it on
+the disk tier). This package knows nothing about memory tiers; the public entry point,
+which picks between a preset and a directory, is ``tierflow.load_model`` (``load.py`` at
+the package root).
 """
 from __future__ import annotations
 
@@ -21,11 +27,10 @@ import torch
 from torch import nn
 
 from ..errors import TierflowError
-from ..exec.offload import OffloadedParameters, attach
 from .files import INDEX_NAME, SINGLE_NAME, read_config_json, require_weight_files
-from .init import initialize
+from .init import Place, initialize
 from .int8 import align_int8, is_quantized, quantize_int8
-from .presets import model_directory, preset_config
+from .presets import preset_config
 from .safetensors_io import read_header, read_tensor
 
 
@@ -48,14 +53,16 @@ def params_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
-def _random_init(name: str, vocab_size: int | None, dtype: torch.dtype, seed: int,
-                 offload: OffloadedParameters | None):
+def random_init(name: str, *, vocab_size: int | None, dtype: torch.dtype, seed: int,
+                place: Place | None = None) -> nn.Module:
+    """Preset ``name`` (with ``vocab_size`` ids when given) initialized from ``seed`` one
+    module at a time (``init.py``), each of its tensors handed to ``place`` when given."""
     from transformers import AutoModelForCausalLM
 
     config = preset_config(name, vocab_size=vocab_size)
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    initialize(model, seed, dtype, offload)
+    initialize(model, seed, dtype, place)
     return model
 
 
@@ -183,10 +190,11 @@ def build_on_meta(directory: Path, dtype: torch.dtype | None, *, config: Any = N
 
 
 def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float32,
-                    offload: OffloadedParameters | None = None, for_generation: bool = False):
-    """Load the causal LM saved in ``directory``. ``dtype=None`` keeps the checkpoint's.
-    With ``offload`` each tensor goes to the disk tier as soon as it is read: the model never
-    exists whole in memory. ``for_generation`` accepts a ``tierflow quantize`` checkpoint."""
+                    place: Place | None = None, for_generation: bool = False) -> nn.Module:
+    """Load the causal LM saved in ``directory``, in eval mode (as ``from_pretrained``).
+    ``dtype=None`` keeps the checkpoint's. With ``place`` each tensor is handed to it as soon
+    as it is read: the model never exists whole in memory. ``for_generation`` accepts a
+    ``tierflow quantize`` checkpoint."""
     config = read_config(directory)
     files = read_safetensors_index(directory)  # checks shard files before building anything
     model = build_on_meta(directory, dtype, config=config, for_generation=for_generation)
@@ -224,21 +232,21 @@ def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float3
                             f"({model.config.model_type}): {'; '.join(parts)}: use the "
                             "config.json saved with these weights")
 
-    if offload is not None:  # tied copies are compared first: they are not kept in memory
+    if place is not None:  # tied copies are compared first: they are not kept in memory
         _check_tied_copies(directory, tied, by_file)
         for target in tied:
             for pairs in by_file.values():
                 pairs[:] = [(n, t) for n, t in pairs if t != target or tied[t] not in present]
     state: dict[str, torch.Tensor] = {}
-    read = _read_once if offload is not None else _read_mapped
+    read = _read_once if place is not None else _read_mapped
     for file, pairs in by_file.items():
         for target, tensor in read(file, pairs, targets):
-            if offload is not None:
-                offload.offload(target, tensor)
+            if place is not None:
+                place(target, tensor)
             state[target] = tensor
 
     # A tied target the checkpoint also holds must equal its source; it is then re-tied.
-    for target, source in list(tied.items()) if offload is None else ():
+    for target, source in list(tied.items()) if place is None else ():
         if target in state and source in state:
             if not torch.equal(state[target], state[source]):
                 raise TierflowError(f"config.json of {directory} ties {target} to {source} but "
@@ -257,8 +265,6 @@ def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float3
     if leftover:
         raise TierflowError(f"the weights in {directory} leave {_short(leftover)} unset: use "
                             "the config.json saved with these weights")
-    if offload is not None:
-        attach(model, offload)
     model.eval()
     return model
 
@@ -286,8 +292,9 @@ def _read_mapped(file: Path, pairs: list[tuple[str, str]], targets: dict[str, to
 def _read_once(file: Path, pairs: list[tuple[str, str]], targets: dict[str, torch.Tensor]
                ) -> Iterator[tuple[str, torch.Tensor]]:
     """The same, each tensor read with ``pread`` into a fresh buffer and dropped from the page
-    cache: for a model going to the disk tier, whose file must not stay mapped (a mapping's
-    touched pages count in the RSS until it is closed)."""
+    cache: for a model whose tensors are handed over as they are read (to the disk tier),
+    whose file must not stay mapped (a mapping's touched pages count in the RSS until it is
+    closed)."""
     stored = read_header(file)
     for name, target in pairs:
         _check_shape(file, name, stored[name].shape, tuple(targets[target].shape))
@@ -316,28 +323,3 @@ def _check_tied_copies(directory: Path, tied: dict[str, str],
             raise TierflowError(f"config.json of {directory} ties {target} to {source} but the "
                                 "checkpoint holds different values: set tie_word_embeddings "
                                 "to false in config.json")
-
-
-def load_model(spec: str | Path, *, vocab_size: int | None = None,
-               dtype: torch.dtype | None = torch.float32, seed: int = 0,
-               offload: OffloadedParameters | None = None, for_generation: bool = False):
-    """A causal LM from ``spec``: a preset name (random init from ``seed``, the vocabulary
-    ``vocab_size`` when given) or a local directory with ``config.json`` and
-    ``model.safetensors`` (or shards and ``model.safetensors.index.json``); for a directory
-    ``vocab_size`` is the tokenizer's, checked against the model's. Preset models are in
-    training mode, loaded ones in eval mode (as ``from_pretrained`` returns them).
-
-    ``offload`` builds or loads the model straight onto the disk tier, one module (preset) or
-    tensor (directory) at a time: its weights live there and visit RAM only when used (see
-    ``models/init.py``), so ``tierflow.fit`` can train a model larger than the RAM budget.
-    ``for_generation`` accepts a directory of int8 weights (``tierflow quantize``)."""
-    directory = model_directory(spec)
-    if directory is None:
-        return _random_init(str(spec), vocab_size, dtype or torch.float32, seed, offload)
-    model = load_pretrained(directory, dtype=dtype, offload=offload,
-                            for_generation=for_generation)
-    if vocab_size is not None and vocab_size > model.config.vocab_size:
-        raise TierflowError(f"the tokenizer's vocabulary ({vocab_size}) is larger than the "
-                            f"model's ({model.config.vocab_size} in {directory / 'config.json'}): "
-                            "tokenize with the model's own tokenizer")
-    return model

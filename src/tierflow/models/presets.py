@@ -41,6 +41,8 @@ PRESETS: dict[str, Preset] = {
                          "a 134M-parameter Llama (peers.py llama-134m)"),
     "tinyllama-1.1b": Preset("llama", 22, 2048, 5632, 32, 4, 32000, 2048, False,
                              "TinyLlama/TinyLlama-1.1B", {"rms_norm_eps": 1e-5}),
+    "llama-tiny": Preset("llama", 2, 128, 352, 4, 4, 4096, 2048, False,
+                         "a 1.5M-parameter Llama for smoke tests (tierflow compare --quick)"),
     "gpt2-124m": Preset("gpt2", 12, 768, 3072, 12, 12, 50257, 1024, True,
                         "openai-community/gpt2"),
     "qwen2.5-0.5b": Preset("qwen2", 24, 896, 4864, 14, 2, 151936, 32768, True,

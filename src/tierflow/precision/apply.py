@@ -1,4 +1,6 @@
-"""Applying a ``PrecisionConfig`` to a built model, its autocast and its optimizer.
+"""Applying a ``PrecisionConfig`` to a built model, its autocast and its optimizer, and
+checking first that the device can run it (``check_device``: one tiny matmul per device type
+and dtype, cached for the process).
 
 ``apply_precision`` is a module swap in the style of gpt-fast's quantization: the model's code
 (Hugging Face or not) never learns about it. Which Linears become fp8:
@@ -15,6 +17,7 @@ Linears whose features are not multiples of 16 stay bf16 too (``torch._scaled_mm
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -23,7 +26,7 @@ import torch
 from torch import nn
 
 from .adamw import AdamW
-from .config import PrecisionConfig
+from .config import PrecisionConfig, PrecisionError
 from .fp8 import ALIGN, Float8Linear
 
 
@@ -34,13 +37,36 @@ def apply_precision(model: nn.Module, config: PrecisionConfig) -> nn.Module:
     ``Float8Linear`` when ``matmul_dtype="fp8"`` (see the module docstring). Returns ``model``.
     Run the model under ``autocast_context(config, device_type)``."""
     first = next(model.parameters(), None)
-    config.validate(first.device if first is not None else "cpu")
+    check_device(config, first.device if first is not None else "cpu")
     if config.model_dtype == "bf16":
-        _cast_parameters(model, config.parameter_dtype)
+        _cast_parameters(model, parameter_dtype(config))
     if config.matmul_dtype == "fp8":
         for block in _fp8_scopes(model):
             _swap_linears(block, config.fp8_grad)
     return model
+
+
+def check_device(config: PrecisionConfig,
+                 device: str | torch.device = "cpu") -> PrecisionConfig:
+    """``config.validate()``, then a one-line PrecisionError for what ``device`` (with this
+    torch) cannot run; returns ``config`` so that it chains."""
+    config.validate()
+    device_type = torch.device(device).type
+    uses_bf16 = "bf16" in (config.model_dtype, config.optim_dtype) or \
+        config.matmul_dtype != "fp32"
+    if uses_bf16 and not _runs(device_type, "bf16"):
+        raise PrecisionError(f"this {device_type} device cannot run bf16 matmuls: use "
+                             "model_dtype, optim_dtype and matmul_dtype 'fp32'")
+    if config.matmul_dtype == "fp8" and not _runs(device_type, "fp8"):
+        raise PrecisionError(f"matmul_dtype='fp8' needs torch._scaled_mm and float8 dtypes "
+                             f"on {device_type}, which torch {torch.__version__} lacks "
+                             "there: use matmul_dtype='bf16'")
+    return config
+
+
+def parameter_dtype(config: PrecisionConfig) -> torch.dtype:
+    """The dtype ``apply_precision`` stores floating parameters in."""
+    return torch.bfloat16 if config.model_dtype == "bf16" else torch.float32
 
 
 def autocast_context(config: PrecisionConfig, device_type: str) -> AbstractContextManager[Any]:
@@ -91,3 +117,22 @@ def _swap_linears(root: nn.Module, grad_dtype: str) -> None:
             if type(child) is nn.Linear and not (child.in_features % ALIGN
                                                  or child.out_features % ALIGN):
                 setattr(parent, name, Float8Linear(child, grad_dtype))
+
+
+@functools.cache
+def _runs(device_type: str, kind: str) -> bool:
+    """Whether a 16x16 matmul of ``kind`` (bf16, or fp8 through ``torch._scaled_mm``) runs on
+    ``device_type``: probed once per process."""
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return False
+    try:
+        if kind == "bf16":
+            a = torch.ones(16, 16, dtype=torch.bfloat16, device=device_type)
+            return bool((a @ a)[0, 0].item() == 16)
+        f8 = torch.float8_e4m3fn
+        a = torch.ones(16, 16, device=device_type).to(f8)
+        one = torch.ones((), device=device_type)
+        out = torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+        return bool(out[0, 0].item() == 16)
+    except (AttributeError, RuntimeError, TypeError):
+        return False

@@ -1,16 +1,14 @@
 """``PrecisionConfig``: which dtype stores the weights, master copy and AdamW moments, and
-which dtype runs the matmuls; its validation and the bytes per parameter the planner counts.
+which dtype runs the matmuls; its contradictions and the bytes per parameter the planner counts.
 
-No tensors are made here except by ``validate``'s capability probe (one tiny matmul per device
-type and dtype, cached for the process).
+The one precision record of a run: the trainer applies it (``apply.py``), the simulator prices
+it (``sim/``) and the planner counts its bytes. Pure data, no torch: what a device can run is
+probed by ``apply.check_device``.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import asdict, dataclass, fields
 from typing import Any
-
-import torch
 
 from ..errors import TierflowError
 
@@ -22,7 +20,8 @@ FP8_GRADS = ("bf16", "e5m2")
 
 BLOCK = 256  # elements per int8 quantization block: one float32 scale each
 _MOMENT_BYTES = {"fp32": 4, "bf16": 2, "int8": 1}
-_CHOICES = {"model_dtype": MODEL_DTYPES, "master": MASTERS, "optim_dtype": OPTIM_DTYPES,
+# each field of PrecisionConfig and its choices (the command line's flags check them too)
+CHOICES = {"model_dtype": MODEL_DTYPES, "master": MASTERS, "optim_dtype": OPTIM_DTYPES,
             "matmul_dtype": MATMUL_DTYPES, "fp8_grad": FP8_GRADS}
 
 
@@ -53,6 +52,12 @@ class BytesPerParameter:
         """What the optimizer itself holds: master copy, moments and their scales."""
         return self.master + self.moments + self.moment_scales
 
+    @property
+    def update_traffic(self) -> float:
+        """Bytes of memory traffic per parameter of one AdamW update: read the gradient
+        (twice, with the norm clip), read and write the states, write the weights."""
+        return self.weights + 2 * self.gradients + 2 * self.optimizer_state
+
 
 @dataclass(frozen=True)
 class PrecisionConfig:
@@ -73,7 +78,7 @@ class PrecisionConfig:
     fp8_grad: str = "bf16"
 
     def __post_init__(self) -> None:
-        for name, choices in _CHOICES.items():
+        for name, choices in CHOICES.items():
             value = getattr(self, name)
             if value not in choices:
                 raise PrecisionError(f"{name}={value!r} is unknown: use one of "
@@ -90,9 +95,21 @@ class PrecisionConfig:
                                               self.model_dtype == "bf16")
 
     @property
-    def parameter_dtype(self) -> torch.dtype:
-        """The dtype ``apply_precision`` stores floating parameters in."""
-        return torch.bfloat16 if self.model_dtype == "bf16" else torch.float32
+    def regime(self) -> str:
+        """How activations are stored: ``fp32``; ``autocast`` (fp32 weights and residual
+        stream, bf16 matmuls: the CPU trainer's default where bf16 is native); or ``low``
+        (bf16 weights, bf16 everywhere)."""
+        if self.model_dtype == "fp32":
+            return "fp32" if self.matmul_dtype == "fp32" else "autocast"
+        return "low"
+
+    def describe(self) -> str:
+        """The choices and their bytes per parameter in words, e.g. ``bf16 weights and
+        gradients, master fp32, fp32 moments, bf16 matmuls: 16 bytes/parameter``."""
+        per = self.bytes_per_parameter()
+        return (f"{self.model_dtype} weights and gradients, master "
+                f"{'fp32' if per.master else 'none'}, {self.optim_dtype} moments, "
+                f"{self.matmul_dtype} matmuls: {per.total:g} bytes/parameter")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrecisionConfig:
@@ -103,9 +120,9 @@ class PrecisionConfig:
                                  f"{sorted(known)}")
         return cls(**data)
 
-    def validate(self, device: str | torch.device = "cpu") -> PrecisionConfig:
-        """Raise a one-line PrecisionError for a contradiction or for what ``device`` (with
-        this torch) cannot run; return self so that it chains."""
+    def validate(self) -> PrecisionConfig:
+        """Raise a one-line PrecisionError for a contradiction; return self so that it
+        chains. What a device cannot run is ``apply.check_device``'s."""
         if self.master == "none" and self.model_dtype == "fp32":
             raise PrecisionError("master='none' updates bf16 weights by stochastic rounding, "
                                  "but model_dtype='fp32': use model_dtype='bf16' or "
@@ -117,15 +134,6 @@ class PrecisionConfig:
             raise PrecisionError(f"fp8_grad='e5m2' applies to fp8 matmuls, but matmul_dtype="
                                  f"{self.matmul_dtype!r}: use matmul_dtype='fp8' or "
                                  "fp8_grad='bf16'")
-        device_type = torch.device(device).type
-        uses_bf16 = "bf16" in (self.model_dtype, self.optim_dtype) or self.matmul_dtype != "fp32"
-        if uses_bf16 and not _runs(device_type, "bf16"):
-            raise PrecisionError(f"this {device_type} device cannot run bf16 matmuls: use "
-                                 "model_dtype, optim_dtype and matmul_dtype 'fp32'")
-        if self.matmul_dtype == "fp8" and not _runs(device_type, "fp8"):
-            raise PrecisionError(f"matmul_dtype='fp8' needs torch._scaled_mm and float8 dtypes "
-                                 f"on {device_type}, which torch {torch.__version__} lacks "
-                                 "there: use matmul_dtype='bf16'")
         return self
 
     def bytes_per_parameter(self) -> BytesPerParameter:
@@ -139,21 +147,3 @@ class PrecisionConfig:
                                  moments=2.0 * _MOMENT_BYTES[self.optim_dtype],
                                  moment_scales=scales)
 
-
-@functools.cache
-def _runs(device_type: str, kind: str) -> bool:
-    """Whether a 16x16 matmul of ``kind`` (bf16, or fp8 through ``torch._scaled_mm``) runs on
-    ``device_type``: probed once per process."""
-    if device_type == "cuda" and not torch.cuda.is_available():
-        return False
-    try:
-        if kind == "bf16":
-            a = torch.ones(16, 16, dtype=torch.bfloat16, device=device_type)
-            return bool((a @ a)[0, 0].item() == 16)
-        f8 = torch.float8_e4m3fn
-        a = torch.ones(16, 16, device=device_type).to(f8)
-        one = torch.ones((), device=device_type)
-        out = torch._scaled_mm(a, a.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
-        return bool(out[0, 0].item() == 16)
-    except (AttributeError, RuntimeError, TypeError):
-        return False

@@ -2,13 +2,16 @@
 
 ``shapes`` reads a model's shape from a preset or ``config.json``; ``stages`` turns it into
 the ``ChainCosts`` the profiler would measure; ``hardware`` holds the published profiles and
-``calibrate`` measures the ``cpu`` one; ``predict`` runs the tier placement planner
+``calibrate`` the ``cpu`` one, measured with the probes of ``profile/`` (its
+``hardware(name)`` returns either); ``predict`` runs the tier placement planner
 (``plan/placement.py``) on them; ``sweep`` repeats it over a grid; ``selection`` and
-``freeze`` say what a partial fine-tune trains. No torch is imported except by
-``calibrate`` and ``freeze`` (which builds the model on the meta device). The commands are
-``cli/plan.py``, ``cli/sweep.py`` and ``cli/calibrate.py``.
+``freeze`` say what a partial fine-tune trains. No torch is imported except while the cpu
+profile is measured and by ``freeze`` (which builds the model on the meta device). The
+commands are ``cli/plan.py``, ``cli/sweep.py`` and ``cli/calibrate.py``.
 """
-from .hardware import Hardware, hardware
-from .predict import Prediction, Setup, predict
+from .calibrate import hardware
+from .hardware import Hardware
+from .predict import Prediction, predict
+from .setup import Setup
 
 __all__ = ["Hardware", "Prediction", "Setup", "hardware", "predict"]

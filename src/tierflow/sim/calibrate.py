@@ -1,48 +1,63 @@
-"""The ``cpu`` hardware profile: this machine's matmul, memcpy and disk rates, measured once.
+"""The ``cpu`` hardware profile: this machine's matmul, memcpy and disk rates, measured once,
+and ``hardware(name)``, which returns it or a published profile.
 
-The matmul peaks are the trainer's own speed-of-light figures (``train/sol.py``: the best of
-2048x2048 matmuls per dtype at the current thread count), so a predicted MFU and the
-trainer's printed SOL % share one denominator. The fractions of those peaks that a training
-step reaches (matmuls, attention, element-wise work) come from one eager decoder layer run
-here (``layer_probe.py``). The profile is cached as
-``hardware-cpu.json`` beside sol's ``calibration.json`` in the user's cache directory,
-keyed by CPU model, thread count, torch version and what the measurement measures (a
-profile measured by an older tierflow is measured again); ``tierflow calibrate`` measures
-it again.
+The figures come from the probes of ``profile/machine.py``. The matmul peaks are the
+trainer's own speed-of-light figures (``peak_matmul_flops``: the best of 2048x2048 matmuls per
+dtype at the current thread count), so a predicted MFU and the trainer's printed SOL % share
+one denominator. The fractions of those peaks that a training step reaches (matmuls,
+attention, element-wise work) come from one eager decoder layer run here
+(``layer_rates.py``). The profile is cached as ``hardware-cpu.json`` beside the matmul peaks'
+``calibration.json`` in the user's cache directory, keyed by CPU model, thread count, torch
+version and what the measurement measures (a profile measured by an older tierflow is
+measured again); ``tierflow calibrate`` measures it again.
 """
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 
-from ..measure import default_matmul_dtype
-from ..train.sol import _cache_dir, cpu_identity, cpu_model, peak_matmul_flops
-from .hardware import Hardware
-from .layer_probe import measure_layer_rates, timed
-from .precision import OPTIM_DTYPES
+from ..errors import TierflowError
+from ..precision.config import OPTIM_DTYPES
+from ..profile.machine import (
+    cache_dir,
+    cpu_identity,
+    cpu_model,
+    default_matmul_dtype,
+    disk_bandwidth,
+    memcpy_bandwidth,
+    optimizer_bandwidth,
+    peak_matmul_flops,
+    torch_threads,
+)
+from .hardware import NAMES, PUBLISHED, Hardware
+from .layer_rates import measure_layer_rates
 
 _VERSION = 6  # of what is measured: 2 times the disk past the page cache (exec/file_io.py),
 # 3 adds the attention kernels' and the trainer's AdamW rates, 4 takes the matmul, attention
 # and element-wise fractions from an eager decoder layer, 5 AdamW with each moment dtype,
 # 6 runs that layer in fp32 where the CPU has no native bf16 (as the trainer then does)
-_OPTIMIZER_PARAMS = 1 << 23  # elements of the parameter the AdamW probe updates
-_COPY_BYTES = 256 << 20
-_DISK_BYTES = 128 << 20
+
+
+def hardware(name: str) -> Hardware:
+    """The profile called ``name``: ``cpu`` (calibrated here, measured on first use) or a
+    published one."""
+    if name == "cpu":
+        return cpu_profile()
+    if name in PUBLISHED:
+        return PUBLISHED[name]
+    raise TierflowError(f"--hardware {name!r} is unknown: use one of {', '.join(NAMES)}")
 
 
 def _key() -> str:
     import torch
-    return (f"{cpu_identity()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
-            f"|v{_VERSION}")
+    return f"{cpu_identity()}|threads={torch_threads()}|torch={torch.__version__}|v{_VERSION}"
 
 
 def _cache_file() -> Path:
-    return _cache_dir() / "hardware-cpu.json"
+    return cache_dir() / "hardware-cpu.json"
 
 
 def cached_profile() -> Hardware | None:
@@ -67,7 +82,7 @@ def cpu_profile() -> Hardware:
 def calibrate(disk_dir: str | Path | None = None) -> Hardware:
     """Measure this machine and cache the profile. ``disk_dir``: where to time the disk
     (default: the cache directory)."""
-    directory = Path(disk_dir) if disk_dir is not None else _cache_dir()
+    directory = Path(disk_dir) if disk_dir is not None else cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
     flops = {dtype: peak_matmul_flops(dtype) for dtype in ("fp32", "bf16")}
     read, write = disk_bandwidth(directory)
@@ -77,7 +92,7 @@ def calibrate(disk_dir: str | Path | None = None) -> Hardware:
     rates = {moments: optimizer_bandwidth(moments=moments) for moments in OPTIM_DTYPES}
     optimizer = rates["fp32"]
     profile = Hardware(
-        name="cpu", about=f"measured on this machine: {cpu_model()}, {_threads()} threads",
+        name="cpu", about=f"measured on this machine: {cpu_model()}, {torch_threads()} threads",
         gpu_bytes=None, peak_flops=flops, memory_bw=copy, host_link_bw=None,
         host_memory_bw=optimizer, disk_read_bw=read, disk_write_bw=write,
         matmul_efficiency=layer.matmul_efficiency, memory_efficiency=layer.memory_efficiency,
@@ -100,50 +115,3 @@ def calibrate(disk_dir: str | Path | None = None) -> Hardware:
                                   indent=1))
         os.replace(tmp, cache)
     return profile
-
-
-def _threads() -> int:
-    import torch
-    return torch.get_num_threads()
-
-
-def memcpy_bandwidth(nbytes: int = _COPY_BYTES) -> float:
-    """Bytes copied per second by ``Tensor.copy_`` of ``nbytes``: the median of five (what
-    a step's copies see, not the luckiest run)."""
-    import torch
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in
-    return nbytes / statistics.median(timed(lambda: dst.copy_(src)) for _ in range(5))
-
-
-def optimizer_bandwidth(n: int = _OPTIMIZER_PARAMS, moments: str = "fp32") -> float:
-    """Bytes per second of the trainer's AdamW (fp32 weights, ``moments`` moments) in the
-    planner's traffic model (``Precision.update_traffic`` bytes per parameter and step). The
-    median of five steps of one ``n``-element parameter. Low-precision moments move fewer
-    bytes but convert them on every step, so their rate is measured, not scaled."""
-    import torch
-
-    from ..precision.adamw import AdamW
-    from .precision import RunPrecision
-    weight = torch.nn.Parameter(torch.zeros(n))
-    weight.grad = torch.full((n,), 1e-3)
-    optimizer = AdamW([weight], lr=1e-4, moment_dtype=moments)
-    optimizer.step()  # creates the moments
-    seconds = statistics.median(timed(optimizer.step) for _ in range(5))
-    traffic = RunPrecision("fp32", "none", moments, "bf16").bytes_per_param().update_traffic
-    return traffic * n / seconds
-
-
-def disk_bandwidth(directory: Path, nbytes: int = _DISK_BYTES) -> tuple[float, float]:
-    """(read, write) bytes/s of a synced write and an uncached read of ``nbytes`` in
-    ``directory``, through the disk tier's own store (``exec/disk.py``)."""
-    import torch
-
-    from ..exec.disk import DiskStore
-    with tempfile.TemporaryDirectory(dir=directory, prefix="tierflow-disk-probe-") as tmp:
-        store = DiskStore(tmp)
-        probe = torch.ones(nbytes // 4, dtype=torch.float32)
-        write = timed(lambda: store.write("probe", [probe]))
-        read = timed(lambda: store.read("probe", [probe]))
-    return nbytes / read, nbytes / write

@@ -1,6 +1,6 @@
 """``tierflow plan/sweep --freeze/--train-only``: a ``Selection`` from glob patterns.
 
-The patterns are matched as ``tierflow train`` matches them (``train/freeze.py``: the same
+The patterns are matched as ``tierflow train`` matches them (``models/freeze.py``: the same
 function, the same one-line errors) against the real parameter names of the model, built
 on the meta device from its config: no memory, even for 8B models. Each parameter is then
 given to the chain stage the trainer's chain would give it (``chain/hf.py``): a decoder
@@ -22,7 +22,7 @@ def selection_for(spec: str, freeze: str | None, train_only: str | None) -> Sele
         return None
     from ..chain.hf import decoder_layers
     from ..models.presets import meta_model
-    from ..train.freeze import freeze_parameters
+    from ..models.freeze import freeze_parameters
 
     model = meta_model(_config(spec))
     try:

@@ -3,8 +3,9 @@
 A profile is a typed, JSON-able record. The published GPU profiles hold datasheet peaks (dense
 tensor-core FLOP/s, HBM size and bandwidth) and the efficiency factors this simulator applies
 to them, stated here and in docs/predictions.md. The ``cpu`` profile is measured on this
-machine by ``tierflow calibrate`` (see ``calibrate.py``): it has no GPU, so RAM is the compute
-tier and the disk the offload tier. No torch here.
+machine by ``tierflow calibrate`` (see ``calibrate.py``, whose ``hardware(name)`` returns
+either): it has no GPU, so RAM is the compute tier and the disk the offload tier. No torch
+here.
 """
 from __future__ import annotations
 
@@ -152,13 +153,3 @@ def effective_attention_flops(hw: Hardware, dtype: str) -> float:
         return effective_flops(hw, dtype)
     return hw.flops(dtype) * hw.attention_efficiency
 
-
-def hardware(name: str) -> Hardware:
-    """The profile called ``name``: ``cpu`` (calibrated here, measured on first use) or a
-    published one."""
-    if name == "cpu":
-        from .calibrate import cpu_profile
-        return cpu_profile()
-    if name in PUBLISHED:
-        return PUBLISHED[name]
-    raise TierflowError(f"--hardware {name!r} is unknown: use one of {', '.join(NAMES)}")

@@ -10,11 +10,18 @@ import os
 from pathlib import Path
 
 from ..errors import TierflowError
-from ..train.options import split_patterns
+from ..models.freeze import split_patterns
+from ..precision.config import (
+    MASTERS,
+    MATMUL_DTYPES,
+    MODEL_DTYPES,
+    OPTIM_DTYPES,
+    PrecisionConfig,
+)
 from ..units import parse_bytes
-from .hardware import NAMES, Hardware, hardware
-from .precision import MASTERS, MATMUL_DTYPES, MODEL_DTYPES, OPTIM_DTYPES, RunPrecision
-from .predict import Setup
+from .calibrate import hardware
+from .hardware import NAMES, Hardware
+from .setup import Setup, default_precision
 from .shapes import ModelShape
 
 GIB = 2 ** 30
@@ -107,11 +114,14 @@ def add_setup_arguments(parser: argparse.ArgumentParser, *, lists: bool) -> None
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
-def precision_from_args(args: argparse.Namespace, hw: Hardware) -> RunPrecision:
-    default = RunPrecision.default_for(hw)
-    prec = RunPrecision(args.model_dtype or default.model, args.master or default.master,
-                        args.optim_dtype or default.optim, args.matmul_dtype or default.matmul)
-    hw.flops(prec.matmul)  # a one-line error when the hardware lacks the dtype
+def precision_from_args(args: argparse.Namespace, hw: Hardware) -> PrecisionConfig:
+    """The precision flags over ``hw``'s default (``predict.default_precision``)."""
+    default = default_precision(hw)
+    prec = PrecisionConfig(args.model_dtype or default.model_dtype,
+                           args.master or default.master,
+                           args.optim_dtype or default.optim_dtype,
+                           args.matmul_dtype or default.matmul_dtype)
+    hw.flops(prec.matmul_dtype)  # a one-line error when the hardware lacks the dtype
     return prec
 
 

@@ -10,42 +10,19 @@ import json
 from dataclasses import asdict, dataclass
 
 from ..plan.placement import place
-from ..plan.placement_problem import Link, Placement, Problem, Tier
+from ..plan.placement_problem import Link, Placement, Precision, Problem, Tier
+from ..precision.config import BytesPerParameter
 from .activations import activation_options, with_grad_bytes
-from .hardware import Hardware
-from .precision import RunPrecision
-from .selection import Selection
-from .shapes import ModelShape
+from .setup import Setup
 from .stages import StepShape, chain_costs, step_flops
 from .tiered import tiered_placement
 
 
-@dataclass(frozen=True)
-class Setup:
-    """One configuration to predict. Budgets in bytes; None: unlimited (the GPU's default is
-    the profile's memory). ``disk``: whether a disk tier exists; ``disk_bw`` overrides the
-    profile's disk read and write rates (bytes/s)."""
-
-    shape: ModelShape
-    hardware: Hardware
-    seq: int
-    batch: int
-    grad_accum: int = 1
-    gpu: int | None = None
-    ram: int | None = None
-    disk: bool = False
-    disk_budget: int | None = None
-    disk_bw: float | None = None
-    precision: RunPrecision | None = None
-    selection: Selection | None = None  # what trains (--freeze/--train-only); None: all
-
-    @property
-    def run_precision(self) -> RunPrecision:
-        return self.precision or RunPrecision.default_for(self.hardware)
-
-    @property
-    def trains(self) -> Selection:
-        return self.selection or Selection.everything(self.shape)
+def placement_precision(per: BytesPerParameter) -> Precision:
+    """The bytes per parameter of ``per`` as the placement planner counts them
+    (``plan/placement_problem.Precision``: the int8 moments' scales among the moments)."""
+    return Precision(weights=per.weights, grads=per.gradients, master=per.master,
+                     moments=per.moments + per.moment_scales)
 
 
 @dataclass(frozen=True)
@@ -78,7 +55,7 @@ class Prediction:
 def problem_for(setup: Setup) -> Problem:
     """The placement problem of ``setup``: per-stage sizes and times, tiers, links."""
     hw, shape, prec, sel = setup.hardware, setup.shape, setup.run_precision, setup.trains
-    per_param = prec.bytes_per_param()
+    per_param = placement_precision(prec.bytes_per_parameter())
     step = StepShape(setup.seq, setup.batch)
     costs = chain_costs(shape, step, prec, hw, selection=setup.selection)
     params = (shape.embed_params(), *[shape.layer_params()] * shape.layers, shape.head_params())
@@ -99,11 +76,12 @@ def problem_for(setup: Setup) -> Problem:
     if setup.disk:
         tiers.append(Tier("disk", setup.disk_budget))
         links.append(Link(disk_read, disk_write))
-    device_bw = hw.memory_bw * hw.memory_efficiency if hw.has_gpu else hw.update_bw(prec.optim)
+    device_bw = hw.memory_bw * hw.memory_efficiency if hw.has_gpu else \
+        hw.update_bw(prec.optim_dtype)
     return Problem(params=params, compute=tuple(s.fwd_time + s.bwd_time for s in costs.stages),
                    precision=per_param, tiers=tuple(tiers), links=tuple(links),
                    activations=options, grad_accum=setup.grad_accum,
-                   host_update_bw=hw.update_bw(prec.optim), device_update_bw=device_bw,
+                   host_update_bw=hw.update_bw(prec.optim_dtype), device_update_bw=device_bw,
                    runtime_bytes=costs.extra["runtime"], trainable=sel.states(),
                    forward_only=sel.forward_only())
 
@@ -126,5 +104,6 @@ def predict(setup: Setup) -> Prediction:
                       forward_only=setup.trains.forward_only(),
                       tokens_per_step=tokens, flops_per_token=flops_token,
                       placement=placement, step_time=placement.step_time,
-                      tokens_per_second=tok_s, mfu=tok_s * flops_token / hw.flops(prec.matmul),
-                      matmul_dtype=prec.matmul, peak_flops=hw.flops(prec.matmul))
+                      tokens_per_second=tok_s,
+                      mfu=tok_s * flops_token / hw.flops(prec.matmul_dtype),
+                      matmul_dtype=prec.matmul_dtype, peak_flops=hw.flops(prec.matmul_dtype))

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..plan.costs import ChainCosts, StageCost
+from ..precision.config import PrecisionConfig
+from ..profile.head_chunk import HEAD_TRANSIENT
 from .hardware import Hardware, effective_attention_flops, effective_flops
-from .precision import RunPrecision
 from .selection import Selection
 from .shapes import ModelShape
 
@@ -29,9 +30,6 @@ ACTIVATION_COEFFS = {"fp32": (28, 8, 16), "autocast": (26, 4, 8), "low": (10, 4,
 # it keeps: eager PyTorch writes and reads them about twice in the forward and four times in
 # the backward; fused GPU kernels ("low") about half of that.
 TRAFFIC = {"fp32": (2.0, 4.0), "autocast": (2.0, 4.0), "low": (1.0, 2.0)}
-# The fused head's chunk logits (fp32) while a forward runs, as a multiple of chunk x vocab x
-# 4 bytes (measured: 1.34 with autocast, 0.84 in fp32; without tape 2.97 and 1.97)
-HEAD_TRANSIENT = {"fp32": (0.85, 2.0), "autocast": (1.35, 3.0), "low": (1.35, 3.0)}
 HEAD_CHUNK = 1024
 # What `tierflow train` on the CPU keeps resident above its post-import RSS besides tensors:
 # about 134 MiB before it plans (torch's kernels and thread pools on first use; measured the
@@ -138,7 +136,7 @@ def head_traffic(shape: ModelShape, step: StepShape, regime: str,
     return chunks * (11 * logits + 10 * weights * weight_grad) + cast
 
 
-def chain_costs(shape: ModelShape, step: StepShape, precision: RunPrecision, hw: Hardware, *,
+def chain_costs(shape: ModelShape, step: StepShape, precision: PrecisionConfig, hw: Hardware, *,
                 reserved: int = 0, head_chunk: int = HEAD_CHUNK,
                 selection: Selection | None = None) -> ChainCosts:
     """The costs the profiler would measure for one micro-batch on ``hw``.
@@ -151,14 +149,14 @@ def chain_costs(shape: ModelShape, step: StepShape, precision: RunPrecision, hw:
     """
     sel = selection or Selection.everything(shape)
     regime = precision.regime
-    flops = effective_flops(hw, precision.matmul)
-    attention_rate = effective_attention_flops(hw, precision.matmul)
+    flops = effective_flops(hw, precision.matmul_dtype)
+    attention_rate = effective_attention_flops(hw, precision.matmul_dtype)
     # one layer's forward matmul time, attention at the rate its kernels reach
     dense_seconds = dense_flops(shape, step) / flops
     attention_seconds = attention_flops(shape, step) / attention_rate
     memory = hw.memory_bw * hw.memory_efficiency
     act = 4 if regime == "fp32" or regime == "autocast" else 2  # residual stream width
-    width = 4 if precision.model == "fp32" else 2
+    width = 4 if precision.model_dtype == "fp32" else 2
     x_bytes = step.tokens * shape.hidden * act
 
     # a forward under autocast casts the layer's weights to bf16, with a tape or without:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import BudgetError
-from .predict import Prediction, Setup, predict
+from .predict import Prediction, predict
+from .setup import Setup
 from .selection import Selection
 from .shapes import ModelShape
 

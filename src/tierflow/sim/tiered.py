@@ -11,7 +11,6 @@ read and write rates of ``tierflow calibrate``. The result is a ``Placement``, s
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from ..config import FitConfig
 from ..errors import BudgetError
@@ -31,16 +30,14 @@ from ..plan.tier_search import (
     TierSearch,
     auto_head_chunk,
 )
+from .setup import Setup
 from .stages import StepShape, chain_costs
-
-if TYPE_CHECKING:
-    from .predict import Setup
 
 COMPUTE_TIER = "ram"
 # Temporaries of one step of the trainer's AdamW (precision/adamw.py), by moment dtype, on
 # fp32 weights: it works through a parameter 4M elements at a time in one step-long workspace,
-# so they do not grow with it. Measured by exec/optimizer_probe.probe_optimizer, the probe the
-# trainer prices them with (tests/test_tiered_prediction.py checks them against it).
+# so they do not grow with it. Measured by profile/optimizer_probe.probe_optimizer, the probe
+# the trainer prices them with (tests/test_tiered_prediction.py checks them against it).
 ADAMW_TRANSIENT_BYTES = {"fp32": 16 << 20, "bf16": 48 << 20, "int8": 48 << 20}
 ADAMW_BF16_GRAD_BYTES = 16 << 20  # bf16 weights: the gradient's float32 copy, one slice more
 
@@ -77,7 +74,7 @@ def _problem(setup: Setup, head_chunk: int) -> TierProblem:
     optimizer's rates, each stage's largest trainable parameter, the disk tier's rate and
     budget."""
     hw, shape, prec = setup.hardware, setup.shape, setup.run_precision
-    per = prec.bytes_per_param()
+    per = prec.bytes_per_parameter()
     costs = chain_costs(shape, StepShape(setup.seq, setup.batch), prec, hw,
                         head_chunk=head_chunk, selection=setup.selection)
     width = per.weights
@@ -92,10 +89,10 @@ def _problem(setup: Setup, head_chunk: int) -> TierProblem:
     disk = LowerTier("disk", bandwidth, setup.disk_budget, "the disk tier")
     return TierProblem(
         costs=costs,
-        rates=UpdateRates(per.states / per.weights,
-                          per.update_traffic / hw.update_bw(prec.optim) / per.weights,
+        rates=UpdateRates(per.optimizer_state / per.weights,
+                          per.update_traffic / hw.update_bw(prec.optim_dtype) / per.weights,
                           transient_per_byte=0.0,
-                          transient_bytes=adamw_transient_bytes(prec.optim, width)),
+                          transient_bytes=adamw_transient_bytes(prec.optim_dtype, width)),
         largest=tuple(int(n * width) for n in setup.trains.largest),
         trainable=int(setup.trains.total * width), streamable=streamable, lower=(disk,),
         deferred=setup.grad_accum > 1, accumulates=setup.grad_accum > 1)

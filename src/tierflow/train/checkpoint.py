@@ -4,7 +4,7 @@
 
 - ``config.json`` and ``model.safetensors``: what ``save_pretrained`` writes (tied weights
   saved once, under the name the model expects), so ``AutoModelForCausalLM.from_pretrained``
-  and ``tierflow.models.load_model`` read the directory as it is;
+  and ``tierflow.load_model`` read the directory as it is;
 - ``tokenizer.json``: a copy of the run's tokenizer, when given;
 - ``optimizer.safetensors``: every tensor of the optimizer states, named by
   ``codec.flatten_optimizer_states`` (``opt.<stage>.state.<param_index>.<state_name>``, e.g.
@@ -320,7 +320,7 @@ def _references(structure: Any) -> list[str]:
 @dataclass
 class Checkpoint:
     """What ``load_checkpoint`` read. The weights stay on disk: load them with
-    ``tierflow.models.load_model(checkpoint.path)``; so do the optimizer's states
+    ``tierflow.load_model(checkpoint.path)``; so do the optimizer's states
     (``optimizer``, read a tensor at a time or whole with ``optimizer_state``)."""
     path: Path
     step: int

@@ -8,12 +8,11 @@ from pathlib import Path
 
 import torch
 
-from .. import measure
+from ..profile.machine import cpu_model, fast_bf16, peak_matmul_flops
+from ..units import section
 from .data_dir import DataDir
 from .device import ComputeTier
-from .logger import section
 from .options import TrainOptions
-from .sol import cpu_model, peak_matmul_flops
 
 
 def print_header(logger, *, opts: TrainOptions, precision, tier: ComputeTier, world,
@@ -35,7 +34,7 @@ def print_header(logger, *, opts: TrainOptions, precision, tier: ComputeTier, wo
     on_cpu = tier.device.type == "cpu"
     peak = peak_matmul_flops(peak_dtype) if on_cpu else 0.0  # SOL is measured on CPUs only
     system = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model(),
-              "bf16 native": measure.fast_bf16(), "device": tier.describe(),
+              "bf16 native": fast_bf16(), "device": tier.describe(),
               "dtype": _autocast_name(matmul), "precision": _precision_words(precision),
               "peak matmul": f"{peak / 1e9:.1f} GFLOP/s ({peak_dtype}, measured)" if on_cpu
               else "- (measured on CPUs only: no SOL on the GPU)"}
@@ -44,7 +43,7 @@ def print_header(logger, *, opts: TrainOptions, precision, tier: ComputeTier, wo
     logger.print()
     logger.print(section("System", list(system.items())))
     logger.record("system", **system, peak_matmul_flops=peak, rss_baseline_bytes=baseline)
-    if on_cpu and peak_dtype == "bf16" and not measure.fast_bf16():
+    if on_cpu and peak_dtype == "bf16" and not fast_bf16():
         fp32 = peak_matmul_flops("fp32")
         logger.print(f"note: this CPU has no native bf16 (AVX512-BF16 or AMX): its bf16 "
                      f"matmuls ran at {peak / 1e9:.1f} GFLOP/s against {fp32 / 1e9:.1f} in fp32; "

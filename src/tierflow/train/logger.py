@@ -13,18 +13,9 @@ from typing import Any, Iterator, TextIO
 
 from ..errors import TierflowError
 from ..plan.tier_costs import UpdatePass, with_update_pass
-from ..units import format_bytes
+from ..units import format_bytes, format_rate, section
 
 GIB = 2 ** 30
-
-
-def format_rate(tok_s: float) -> str:
-    """``35.1k`` tokens per second (``k``/``M`` suffixes, three significant digits)."""
-    if tok_s >= 1e6:
-        return f"{tok_s / 1e6:.1f}M"
-    if tok_s >= 1e3:
-        return f"{tok_s / 1e3:.1f}k"
-    return f"{tok_s:.0f}"
 
 
 def train_line(*, step: int, total: int, ms: float, norm: float, loss: float, tok_s: float,
@@ -46,11 +37,6 @@ def _used(nbytes: int | None, budget: int | None) -> str:
 
 def eval_line(*, step: int, loss: float, ppl: float, ms: float) -> str:
     return f"[V] step {step} | eval loss {loss:.3f} | ppl {ppl:.2f} | {ms:.0f} ms"
-
-
-def section(title: str, rows: list[tuple[str, Any]]) -> str:
-    width = max((len(k) for k, _ in rows), default=0)
-    return "\n".join([f"[{title}]"] + [f"  {k.ljust(width)} : {v}" for k, v in rows])
 
 
 @dataclass(frozen=True)

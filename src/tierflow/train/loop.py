@@ -16,10 +16,11 @@ stochastic-rounding generator included), the data stream position and every RNG,
 resumed steps are bit-identical to an uninterrupted run's in every precision.
 
 Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank runs this loop on its rows of each global
-batch (``tierflow.dist``): gradients are reduce-scattered stage by stage during backward,
-the optimizer updates this rank's shard (ZeRO-2) and the parameters are all-gathered; rank 0
-prints, logs and writes checkpoints in the single-process format. The optimizer is built in
-``optimizer.build_optimizer`` alone, for one process and for the shards alike.
+batch (``tierflow.distributed``): gradients are reduce-scattered stage by stage during
+backward, the optimizer updates this rank's shard (ZeRO-2) and the parameters are
+all-gathered; rank 0 prints, logs and writes checkpoints in the single-process format. The
+optimizer is built in ``optimizer.build_optimizer`` alone, for one process and for the
+shards alike.
 
 With ``--disk DIR`` the model lives on a disk tier and ``tierflow.fit`` owns the optimizer
 (``owned.py``: updates during the backward, checkpoints streamed stage by stage); under
@@ -39,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import TierflowError
+from ..profile.machine import fast_bf16, maxrss_bytes, reset_peak_rss
 from ..seeding import derived_seed
 from ..units import format_bytes
 from .data_dir import DataDir
@@ -71,16 +73,16 @@ def _train(opts: TrainOptions) -> int:
     # ``from transformers import AutoModelForCausalLM`` does not make it
     import transformers.modeling_utils  # noqa: F401  (part of the RSS baseline)
 
-    from .. import api, measure  # noqa: F401  (api: part of the RSS baseline)
-    from ..dist import join_from_env
+    from .. import api  # noqa: F401  (part of the RSS baseline)
+    from ..distributed import join_from_env
     from ..torchrun_env import world_size_from_env
     from .checkpoint import load_checkpoint
     from .preflight import check_paths
 
     # the run's peaks count from here: an earlier peak of this process (the demo's tokenizer)
     # would hide them and make the baseline more than the process holds
-    measure.reset_peak_rss()
-    baseline = measure.maxrss_bytes()
+    reset_peak_rss()
+    baseline = maxrss_bytes()
 
     # --- everything cheap first (the command line's preflight made these checks already,
     # unless the run resumes): resume state, options, data, output directories
@@ -114,13 +116,12 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
     rank). Under a GPU with ``--disk``, a model whose weights fit ``--ram`` is built in host
     RAM; if the plan then finds too little host RAM beside it, it is built again on the disk
     tier (one process only: ranks could decide apart)."""
-    from .. import measure
     from ..errors import BudgetError
     from ..exec.memory import return_free_memory
     from .model import count_model_parameters
 
     # --- the model, with its precision, and the run it belongs to
-    precision = opts.precision(measure.fast_bf16())
+    precision = opts.precision(fast_bf16())
     if not opts.disk and tier.ram is not None:  # built whole in RAM: refused first if its
         # weights and the trainable parameters' AdamW states alone pass --ram
         tier.refuse_states_beyond_ram(opts.model, count_model_parameters(opts, ckpt, data),
@@ -132,7 +133,7 @@ def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path
             from ..exec.disk import scratch_directory
             disk = scratch.enter_context(scratch_directory(opts.disk))
             weights = count_model_parameters(opts, ckpt, data).total * \
-                precision.parameter_dtype.itemsize
+                int(precision.bytes_per_parameter().weights)
         # on disk without a GPU, and under one when host RAM could not hold the weights
         on_disk = disk is not None and (
             tier.gpu is None or (tier.ram is not None and weights > tier.ram))
@@ -160,21 +161,16 @@ def _build_and_train(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_pat
     ``header_shown``: a first attempt printed the header already (it still goes to the log)."""
     from .model import build_model
 
-    offload = None
-    if on_disk:
-        from ..exec.disk import DiskStore
-        from ..exec.offload import OffloadedParameters
-        offload = OffloadedParameters(DiskStore(disk), dtype=precision.parameter_dtype)
-    model = build_model(opts, ckpt, data, precision, offload)
+    model = build_model(opts, ckpt, data, precision, disk if on_disk else None)
     if not opts.disk:
         model = tier.place_model(model)
-    elif tier.simulated and offload is None:
+    elif tier.simulated and not on_disk:
         # into host RAM, as below a real GPU, where fit does this itself (exec/host_model)
         from ..exec.host_model import start_in_host_ram
         start_in_host_ram(model, tier.device)
     # else in host RAM or on disk until fit places it: under a GPU it streams from there
     return _train_model(opts, ckpt, data, out, log_path, tier, world, baseline, precision,
-                        model, disk if offload is None else None, header_shown)
+                        model, None if on_disk else disk, header_shown)
 
 
 def _train_model(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
@@ -223,7 +219,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     optimizer, restore a checkpoint's state, then run the steps (``steps.StepLoop``)."""
     import torch
 
-    from ..dist import ShardedOptimizer
+    from ..distributed import ShardedOptimizer
     from ..exec.memory import configure_host_allocator
     from ..precision import autocast_context
     from .codec import restore_rng

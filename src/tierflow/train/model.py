@@ -21,35 +21,37 @@ from typing import Any
 import torch
 
 from ..errors import TierflowError
-from ..exec.offload import OffloadedParameters
+from ..exec.offload import offloaded_parameters
 from ..models.files import max_positions
-from ..precision import PrecisionConfig, apply_precision
+from ..models.freeze import freeze_parameters
+from ..precision import PrecisionConfig, apply_precision, parameter_dtype
 from .codec import config_hash, differences, model_arch, spec_arch
 from .data_dir import DataDir
-from .freeze import freeze_parameters
 from .model_limits import check_model_limits
 from .options import TrainOptions
 
 
 def build_model(opts: TrainOptions, ckpt, data: DataDir, precision: PrecisionConfig,
-                offload: OffloadedParameters | None = None):
+                disk: Path | None = None):
     """The model to train, in training mode, with ``precision`` applied and the parameters
-    ``--freeze`` and ``--train-only`` name frozen. With ``offload`` (``--disk``) it is built or
-    loaded straight onto the disk tier, a module or a tensor at a time, and never exists whole
-    in memory."""
-    from ..models.load import load_model
+    ``--freeze`` and ``--train-only`` name frozen. With ``disk`` (``--disk``'s scratch
+    directory) it is built or loaded straight onto the disk tier there
+    (``tierflow.load_model``), a module or a tensor at a time, its weights kept in the
+    precision's dtype: it never exists whole in memory."""
+    from ..load import load_model
     from ..models.presets import PRESETS
 
     spec = opts.model
+    on_disk = dict(disk=disk, disk_dtype=parameter_dtype(precision)) if disk is not None else {}
     if ckpt is not None:
-        model = load_model(ckpt.path, dtype=torch.float32, offload=offload)
+        model = load_model(ckpt.path, dtype=torch.float32, **on_disk)
     elif spec in PRESETS:
         model = load_model(spec, vocab_size=data.vocab_size, dtype=torch.float32, seed=opts.seed,
-                           offload=offload)
+                           **on_disk)
     else:
-        model = load_model(spec, dtype=torch.float32, offload=offload)
+        model = load_model(spec, dtype=torch.float32, **on_disk)
     if ckpt is not None or spec not in PRESETS:  # a random init is finite
-        _check_finite(model, ckpt.path if ckpt is not None else spec, offload)
+        _check_finite(model, ckpt.path if ckpt is not None else spec)
     check_model_limits(str(spec), opts.seq_len, data, int(model.config.vocab_size),
                        max_positions(model.config))
     apply_precision(model, precision)
@@ -86,7 +88,8 @@ def count_model_parameters(opts: TrainOptions, ckpt, data: DataDir) -> Parameter
     return ParameterCount(count_parameters(config, model), trainable)
 
 
-def _check_finite(model, source, offload: OffloadedParameters | None) -> None:
+def _check_finite(model, source) -> None:
+    offload = offloaded_parameters(model)
     bad = []
     for name, p in model.named_parameters():
         if not p.is_floating_point():

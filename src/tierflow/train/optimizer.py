@@ -65,7 +65,7 @@ def step_transient_bytes(trainable: list, opts: TrainOptions, precision: Precisi
     parameter as large as the largest of ``trainable`` up to the slice of CHUNK elements
     tierflow's AdamW updates at a time (a larger parameter needs no more)."""
     from ..exec.memory import meter_for
-    from ..exec.optimizer_probe import step_transient
+    from ..profile.optimizer_probe import step_transient
     from ..precision.adamw import CHUNK
 
     if not trainable:
@@ -78,7 +78,7 @@ def step_transient_bytes(trainable: list, opts: TrainOptions, precision: Precisi
 
 class LocalOptimizer:
     """The single process: the optimizer over the full parameters and torch's global-norm
-    clipping, with the interface of ``tierflow.dist.ShardedOptimizer``."""
+    clipping, with the interface of ``tierflow.distributed.ShardedOptimizer``."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, params: list) -> None:
         self.optimizer = optimizer

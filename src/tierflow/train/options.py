@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from ..errors import TierflowError
+from ..models.freeze import split_patterns
+from ..precision.config import CHOICES
 from ..units import parse_bytes
 
 if TYPE_CHECKING:
@@ -31,10 +33,6 @@ HOST_UPDATES = ("auto", "never", "all")
 OPTIMIZER_STATES = ("auto", "compute", "ram", "disk")  # FitConfig's STATES_TIERS
 RECOMPUTE = {"auto": "auto", "none": "keep-all", "all": "checkpoint-all"}
 DTYPES = ("auto", "fp32", "bf16")
-# the precision flags and their choices (tierflow.precision.config's, without importing torch)
-PRECISION = {"model_dtype": ("fp32", "bf16"), "master": ("fp32", "none"),
-             "optim_dtype": ("fp32", "bf16", "int8"), "matmul_dtype": ("fp32", "bf16", "fp8"),
-             "fp8_grad": ("bf16", "e5m2")}
 
 
 @dataclass
@@ -183,7 +181,7 @@ class TrainOptions:
                                 "process")
 
     def _check_precision_flags(self, world_size: int) -> None:
-        for name, choices in PRECISION.items():
+        for name, choices in CHOICES.items():
             value = getattr(self, name)
             if value not in choices and not (name == "matmul_dtype" and value is None):
                 raise TierflowError(f"{flag_of(name)} {value!r} is unknown: use "
@@ -208,10 +206,10 @@ class TrainOptions:
     def _check_precision_support(self) -> None:
         """The precision's contradictions and what this torch and CPU cannot run (imports
         torch)."""
-        from ..measure import fast_bf16
-        from ..precision import PrecisionError
+        from ..precision import PrecisionError, check_device
+        from ..profile.machine import fast_bf16
         try:
-            self.precision(fast_bf16()).validate("cpu")
+            check_device(self.precision(fast_bf16()), "cpu")
         except PrecisionError as e:  # the same line, in flags: --master none, not master='none'
             flags = re.sub(r"\b(model_dtype|master|optim_dtype|matmul_dtype|fp8_grad)='(\w+)'",
                            lambda m: f"{flag_of(m[1])} {m[2]}", str(e))
@@ -248,20 +246,6 @@ class TrainOptions:
         for f in fields(self):
             if f.name in saved and f.name not in self.given and f.name not in never:
                 setattr(self, f.name, saved[f.name])
-
-
-def split_patterns(flag: str, value: str | None) -> list[str]:
-    """The parameter-name globs of ``--freeze`` or ``--train-only`` (comma-separated); one
-    line naming ``flag`` if one is empty."""
-    if value is None:
-        return []
-    give = "give comma-separated parameter-name globs, e.g. 'model.embed_tokens.*,model.layers.0.*'"
-    if not isinstance(value, str):
-        raise TierflowError(f"{flag} {value!r} is not text: {give}")
-    patterns = [p.strip() for p in value.split(",")]
-    if not all(patterns):
-        raise TierflowError(f"{flag} {value!r} has an empty pattern: {give}")
-    return patterns
 
 
 def flag_of(name: str) -> str:

@@ -21,10 +21,10 @@ from torch import nn
 from .. import api
 from ..config import FitConfig
 from ..errors import BudgetError, TierflowError
+from ..models.freeze import tied_frozen
 from ..precision import PrecisionConfig
 from ..units import format_bytes
 from .device import ComputeTier
-from .freeze import tied_frozen
 from .logger import Logger, PlanPrecision, plan_section
 from .optimizer import build_optimizer, param_groups
 from .options import RECOMPUTE, TrainOptions
@@ -155,7 +155,8 @@ def report_plan(module: Any, *, opts: TrainOptions, precision: PrecisionConfig,
     stage's with ``--disk``: each stage's gradients are freed by its update), the optimizer
     step's ``step_temporaries`` (reserved with the states), the precision's bytes per
     parameter and, under torchrun, the measured bus and predicted communication."""
-    from ..dist import bus_bandwidth, step_seconds
+    from ..distributed import step_seconds
+    from ..profile.machine import bus_bandwidth
     ranks = world.size if world is not None else 1
     grads = sum(p.nbytes for p in trainable)
     if opts.disk:

@@ -19,8 +19,8 @@ from typing import Any, Callable, ContextManager
 import torch
 from torch import nn
 
-from .. import measure
 from ..errors import TierflowError
+from ..profile.machine import maxrss_bytes
 from ..units import format_bytes
 from . import checkpoint
 from .checkpoint_dirs import latest_checkpoint
@@ -185,7 +185,7 @@ class StepLoop:
                 interrupted: bool) -> bool:
         """The step's ``[T]`` line, record and scalars, with every rank's peak RSS above the
         baseline; whether any rank was interrupted (then every rank saves)."""
-        ram = max(0, measure.maxrss_bytes() - self.baseline)
+        ram = max(0, maxrss_bytes() - self.baseline)
         per_rank = [[ram, self.optimizer.state_bytes(), interrupted]]
         if self.world is not None:
             per_rank = self.world.all_gather(per_rank[0], "memory report")

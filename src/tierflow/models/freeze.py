@@ -1,4 +1,5 @@
-"""``--freeze`` and ``--train-only``: partial fine-tuning from the command line.
+"""``--freeze`` and ``--train-only``: partial fine-tuning, applied to a built model as a
+function (``tierflow train`` and the simulator's ``tierflow plan`` match the same patterns).
 
 Both take comma-separated glob patterns (``fnmatch``: ``*``, ``?``, ``[0-9]``) over the
 parameter names ``model.named_parameters()`` gives, e.g. ``model.embed_tokens.weight`` or
@@ -16,11 +17,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-
-from torch import nn
+from typing import TYPE_CHECKING
 
 from ..errors import TierflowError
-from .options import split_patterns
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+def split_patterns(flag: str, value: str | None) -> list[str]:
+    """The parameter-name globs of ``--freeze`` or ``--train-only`` (comma-separated); one
+    line naming ``flag`` if one is empty."""
+    if value is None:
+        return []
+    give = "give comma-separated parameter-name globs, e.g. 'model.embed_tokens.*,model.layers.0.*'"
+    if not isinstance(value, str):
+        raise TierflowError(f"{flag} {value!r} is not text: {give}")
+    patterns = [p.strip() for p in value.split(",")]
+    if not all(patterns):
+        raise TierflowError(f"{flag} {value!r} has an empty pattern: {give}")
+    return patterns
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..profile.tensor_ledger import TensorLedger
-from .memory import DeviceMeter, HostMeter, return_free_memory
-from .optimizer import OptimizerFactory
+from ..exec.memory import DeviceMeter, HostMeter, return_free_memory
+from ..exec.optimizer import OptimizerFactory
+from .tensor_ledger import TensorLedger
 
 PROBE_SECONDS = 0.05  # the least time the probe's measured steps take
 # a probe's temporaries grow with its parameter when 4x the elements take more than this

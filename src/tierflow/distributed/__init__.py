@@ -8,11 +8,12 @@ tier, each stage's gradients averaged by ``World.average`` before its update).
 - ``reducer.py``: each stage's gradients reduce-scattered as soon as its backward is done;
 - ``zero.py``: the optimizer over this rank's shard, then parameters all-gathered;
 - ``state.py``: the sharded optimizer state to and from the single-process checkpoint format;
-- ``comm.py``: measured bus bandwidth and the step's predicted communication time.
+- ``comm.py``: the step's predicted communication time (the bus bandwidth it divides by is
+  measured by ``profile/machine.bus_bandwidth``).
 """
-from .comm import bus_bandwidth, step_seconds
+from .comm import step_seconds
 from .world import RankLostError, World, exit_rank, join_from_env
 from .zero import ShardedOptimizer
 
-__all__ = ["RankLostError", "ShardedOptimizer", "World", "bus_bandwidth", "exit_rank",
-           "join_from_env", "step_seconds"]
+__all__ = ["RankLostError", "ShardedOptimizer", "World", "exit_rank", "join_from_env",
+           "step_seconds"]

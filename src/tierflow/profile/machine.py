@@ -1,0 +1,280 @@
+"""Probes of this machine and of this process: what the CPU computes natively, its peak
+matmul rate, the memcpy, disk and AdamW rates, the process's peak RSS, and the bus
+bandwidth between the ranks of a distributed run.
+
+The trainer prints its speed-of-light % over ``peak_matmul_flops``, ``tierflow calibrate``
+builds the ``cpu`` hardware profile from these figures (``sim/calibrate.py``), and
+``tierflow compare`` and the benchmarks measure a run's peak RSS with ``maxrss_bytes``. No
+torch is imported until a probe that needs it runs. Measured figures are cached in the
+user's cache directory (``cache_dir``), keyed by ``cpu_identity``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import re
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..distributed.world import World
+
+_COPY_BYTES = 256 << 20  # memcpy_bandwidth's copy
+_DISK_BYTES = 128 << 20  # disk_bandwidth's file
+_OPTIMIZER_PARAMS = 1 << 23  # elements of the parameter optimizer_bandwidth's AdamW updates
+_BUS_BYTES = 8 << 20  # bus_bandwidth's all-reduce: past gloo's latency, cheap (a few ms)
+
+
+# ---------------------------------------------------------------- the CPU and the process
+
+def fast_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX), from /proc/cpuinfo."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+def default_matmul_dtype() -> str:
+    """The CPU trainer's matmul dtype when none is asked (``--dtype auto``): "bf16" where
+    the CPU computes it natively, else "fp32" (PyTorch's bf16 fallback is far slower)."""
+    return "bf16" if fast_bf16() else "fp32"
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what ``platform`` knows of it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_identity() -> str:
+    """The CPU's model name and whether it computes bf16 natively: the key of measured
+    figures (virtual machines may name different CPU generations alike, e.g. "AMD EPYC")."""
+    return f"{cpu_model()}|bf16 {'native' if fast_bf16() else 'emulated'}"
+
+
+def cache_dir() -> Path:
+    """Where measured figures are cached: ``$TIERFLOW_CACHE``, else ``tierflow`` in the
+    user's cache directory (``$XDG_CACHE_HOME`` or ``~/.cache``)."""
+    base = os.environ.get("TIERFLOW_CACHE")
+    if base:
+        return Path(base)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "tierflow"
+
+
+def maxrss_bytes() -> int:
+    """This process's peak RSS so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+def reset_peak_rss() -> None:
+    """Lower this process's peak RSS (``ru_maxrss``, VmHWM) to its RSS now, so that a peak
+    measured from here is not an earlier one (the demo's tokenizer, work done before
+    ``tierflow train`` was called in the same process). Linux only (``/proc/self/clear_refs``);
+    elsewhere the peak stays as it was."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Seconds one call of ``fn`` takes (never 0: rates divide by it)."""
+    start = time.perf_counter()
+    fn()
+    return max(time.perf_counter() - start, 1e-9)
+
+
+# ---------------------------------------------------------------- peak matmul rate
+
+def peak_matmul_flops(dtype_name: str) -> float:
+    """This machine's peak matmul FLOP/s for ``dtype_name`` (fp32 or bf16) at the current
+    thread count: the best of timed square matmuls, cached in calibration.json, unless other
+    processes kept the CPUs busy while it was timed (a figure measured then would be too low
+    for good)."""
+    import torch
+    key = (f"{cpu_identity()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+           f"|{dtype_name}")
+    cache = cache_dir() / "calibration.json"
+    data: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        data = json.loads(cache.read_text())
+    entry = data.get("matmul", {}).get(key) if isinstance(data, dict) else None
+    if isinstance(entry, (int, float)) and entry > 0:
+        return float(entry)
+    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+    before = _cpu_seconds()
+    a, b, one = _timed_operands(dtype)
+    n = a.shape[0]
+    best, spent = one, one
+    for _ in range(20):
+        if spent > 1.0:
+            break
+        t = time.perf_counter()
+        a @ b
+        dt = time.perf_counter() - t
+        best, spent = min(best, dt), spent + dt
+    flops = 2 * n ** 3 / best
+    if _others_were_busy(before, _cpu_seconds()):
+        return flops
+    with contextlib.suppress(OSError):
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        data = data if isinstance(data, dict) else {}
+        data.setdefault("matmul", {})[key] = flops
+        tmp = cache.with_name(f".calibration.json.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, cache)
+    return flops
+
+
+_BUSY_SHARE = 0.25  # of the machine's CPU time, taken by other processes: too busy to cache
+
+
+def _cpu_seconds() -> tuple[float, float, float] | None:
+    """(wall-clock seconds, CPU seconds all processes have spent busy since boot, this
+    process's CPU seconds), or None where /proc/stat cannot be read (not Linux)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    # cpu user nice system idle iowait irq softirq steal ...; a hypervisor's steal is busy too
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[1:9])
+    own = os.times()
+    return (time.perf_counter(), (user + nice + system + irq + softirq + steal)
+            / os.sysconf("SC_CLK_TCK"), own.user + own.system)
+
+
+def _others_were_busy(before: tuple[float, float, float] | None,
+                      after: tuple[float, float, float] | None) -> bool:
+    """Whether other processes (not this one: a busy training process is no reason to
+    measure again) took more than _BUSY_SHARE of the CPUs between ``before`` and ``after``
+    (``_cpu_seconds``). Without /proc/stat: whether more threads were runnable than there are
+    CPUs, by the load average (which counts this process too)."""
+    cpus = os.cpu_count() or 1
+    if before is None or after is None:
+        return os.getloadavg()[0] > cpus
+    wall, busy, own = (a - b for a, b in zip(after, before))
+    return busy - own > _BUSY_SHARE * cpus * wall
+
+
+_SIZES = (256, 512, 1024, 2048)  # the largest is the peak's reference size
+_LONG_ENOUGH = 0.2  # seconds: a matmul this long is timed well; a larger one only costs time
+
+
+def _timed_operands(dtype) -> tuple[Any, Any, float]:
+    """(a, b, seconds of a @ b after a warm-up), n x n each: n the smallest of ``_SIZES`` whose
+    matmul takes ``_LONG_ENOUGH``, or the largest. A CPU without native bf16 runs bf16
+    matmuls through PyTorch's scalar fallback, hundreds of times slower than fp32 (a 2048
+    matmul took 52 s on a 2-core AVX2 machine), so the size grows only while it is fast."""
+    for n in _SIZES:
+        a, b = _square_operands(n, dtype)
+        a @ b  # warm-up: the kernel chosen, the output allocated
+        start = time.perf_counter()
+        a @ b
+        seconds = time.perf_counter() - start
+        if seconds >= _LONG_ENOUGH:
+            break
+    return a, b, seconds
+
+
+def _square_operands(n: int, dtype):
+    """Two n x n random matrices of ``dtype`` (the global RNG left as it was)."""
+    import torch
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+
+
+# ---------------------------------------------------------------- memory, disk, optimizer
+
+def torch_threads() -> int:
+    """The intra-op threads torch computes with here."""
+    import torch
+    return torch.get_num_threads()
+
+
+def memcpy_bandwidth(nbytes: int = _COPY_BYTES) -> float:
+    """Bytes copied per second by ``Tensor.copy_`` of ``nbytes``: the median of five (what
+    a step's copies see, not the luckiest run)."""
+    import torch
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in
+    return nbytes / statistics.median(timed(lambda: dst.copy_(src)) for _ in range(5))
+
+
+def optimizer_bandwidth(n: int = _OPTIMIZER_PARAMS, moments: str = "fp32") -> float:
+    """Bytes per second of the trainer's AdamW (fp32 weights, ``moments`` moments) in the
+    planner's traffic model (``BytesPerParameter.update_traffic`` bytes per parameter and
+    step). The median of five steps of one ``n``-element parameter. Low-precision moments
+    move fewer bytes but convert them on every step, so their rate is measured, not scaled."""
+    import torch
+
+    from ..precision.adamw import AdamW
+    from ..precision.config import PrecisionConfig
+    weight = torch.nn.Parameter(torch.zeros(n))
+    weight.grad = torch.full((n,), 1e-3)
+    optimizer = AdamW([weight], lr=1e-4, moment_dtype=moments)
+    optimizer.step()  # creates the moments
+    seconds = statistics.median(timed(optimizer.step) for _ in range(5))
+    traffic = PrecisionConfig(optim_dtype=moments).bytes_per_parameter().update_traffic
+    return traffic * n / seconds
+
+
+def disk_bandwidth(directory: Path, nbytes: int = _DISK_BYTES) -> tuple[float, float]:
+    """(read, write) bytes/s of a synced write and an uncached read of ``nbytes`` in
+    ``directory``, through the disk tier's own store (``exec/disk.py``)."""
+    import torch
+
+    from ..exec.disk import DiskStore
+    with tempfile.TemporaryDirectory(dir=directory, prefix="tierflow-disk-probe-") as tmp:
+        store = DiskStore(tmp)
+        probe = torch.ones(nbytes // 4, dtype=torch.float32)
+        write = timed(lambda: store.write("probe", [probe]))
+        read = timed(lambda: store.read("probe", [probe]))
+    return nbytes / read, nbytes / write
+
+
+# ---------------------------------------------------------------- between ranks
+
+def bus_bandwidth(world: World, device: torch.device, nbytes: int = _BUS_BYTES,
+                  rounds: int = 3) -> float:
+    """Bytes per second through each rank's link in an all-reduce of ``nbytes`` over
+    ``world`` (NCCL-tests' bus bandwidth: ``2 (N - 1) / N * nbytes / seconds``; the best of
+    ``rounds``, after one warm-up); every rank gets rank 0's figure."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # (nbytes / 4,)
+    best = float("inf")
+    with world.collective("bandwidth probe"):
+        for i in range(rounds + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:
+                best = min(best, time.perf_counter() - t0)
+        bus = torch.tensor([2 * (world.size - 1) / world.size * nbytes / best],
+                           dtype=torch.float64, device=device)
+        dist.broadcast(bus, src=0)
+    return float(bus)
