@@ -7,7 +7,7 @@ import pytest
 from fresh_process import run_in_fresh_process
 
 from tierflow.config import FitConfig
-from tierflow.plan.placement_problem import PlacementError
+from tierflow.plan.placement import PlacementError
 from tierflow.plan.tier_search import TierSearch, place_on_tiers
 from tierflow.sim.hardware import Hardware
 from tierflow.sim.predict import predict

@@ -92,7 +92,7 @@ def _profile_and_plan(model: nn.Module, sample: Any, request: FitRequest, start:
     if rates is None:
         return chain, TierPlan(make_plan(costs, start.budget, config, tier=start.tier), None)
     tiers = PlacedTiers(start.tier, tuple(start.lower), start.weights_from, request.deferred,
-                        request.grad_accum > 1, config)
+                        request.grad_accum, config)
     return chain, place(costs, chain, rates(), start.budget, tiers)
 
 

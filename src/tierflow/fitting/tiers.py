@@ -76,7 +76,8 @@ def place(costs: ChainCosts, chain: Chain, rates: UpdateRates, budget: int | Non
         trainable=sum(p.nbytes for p in trainable),
         streamable=tuple(stage_parameters_to_stream(chain.stages)),
         lower=tuple(tiers.lower), weights_tiers=tiers.weights_from,
-        deferred=tiers.deferred, accumulates=tiers.accumulates,
+        deferred=tiers.deferred, accumulates=tiers.micro_batches > 1,
+        micro_batches=tiers.micro_batches,
         min_tape_bytes=tape_offload.MIN_BYTES, min_boundary_bytes=boundary_stash.MIN_BYTES,
         host_updatable=host_updatable(chain),
         updated=tuple(i for i, params in enumerate(stage_owned_parameters(chain)) if params))
@@ -88,13 +89,13 @@ class PlacedTiers:
     """What ``place`` plans over besides the costs: the compute ``tier``'s name, the
     ``lower`` tiers, those the weights may stream from (``weights_from``; None: any: a model
     built on a tier streams from it), whether updates are deferred to a pass after the
-    backward (``deferred``), after several micro-batches (``accumulates``), and the config."""
+    backward (``deferred``), the micro-batches of an optimizer step, and the config."""
 
     tier: str
     lower: tuple[LowerTier, ...]
     weights_from: tuple[LowerTier, ...] | None
     deferred: bool
-    accumulates: bool
+    micro_batches: int
     config: FitConfig
 
 

@@ -58,7 +58,8 @@ class TierProblem:
     ``accumulates``: over several micro-batches (each backward adds to gradients it reads
     back); ``host_updatable``: the stages whose parameters the optimizer may step in host
     RAM (those that own trainable parameters); ``updated``: the stages whose parameters the
-    optimizer steps (those that own trainable parameters; None: those with ``param_bytes``)."""
+    optimizer steps (those that own trainable parameters; None: those with ``param_bytes``);
+    ``micro_batches``: per optimizer step, each running the plan once."""
 
     costs: ChainCosts
     rates: UpdateRates
@@ -73,6 +74,7 @@ class TierProblem:
     min_boundary_bytes: int = MIN_BOUNDARY_BYTES
     host_updatable: tuple[int, ...] = ()
     updated: tuple[int, ...] | None = None
+    micro_batches: int = 1  # per optimizer step (gradient accumulation)
 
     @property
     def optimizer_stages(self) -> tuple[int, ...]:

@@ -60,11 +60,13 @@ class TierPlan:
     held: tuple[tuple[str, int], ...] = ()  # (lower tier, bytes it holds) for each one used
     boundaries: LowerTier | None = None  # where the plan's Stash ops put checkpoints
     host_stages: frozenset[int] = frozenset()  # stages the optimizer steps in host RAM
+    micro_batches: int = 1  # per optimizer step, each running the plan once
 
     @property
     def predicted_time(self) -> float:
-        """Seconds per micro-batch, plus the update pass (once per step of the accumulation)."""
-        return self.plan.predicted_time + (self.update_pass.seconds if self.update_pass else 0.0)
+        """Seconds of one optimizer step: its micro-batches, then the update pass (once)."""
+        return self.plan.predicted_time * self.micro_batches + (
+            self.update_pass.seconds if self.update_pass else 0.0)
 
     @property
     def predicted_peak(self) -> int:
@@ -192,7 +194,7 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
     return TierPlan(replace(plan, notes=plan.notes + notes), candidate.states,
                     candidate.weights, candidate.streamed, update_pass, candidate.tapes,
                     candidate.tape_stages, candidate.depth, held, candidate.boundaries,
-                    candidate.host_stages)
+                    candidate.host_stages, problem.micro_batches)
 
 
 def streamed_weights(candidate: Candidate, problem: TierProblem,

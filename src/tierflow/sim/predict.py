@@ -2,27 +2,18 @@
 
 ``predict(Setup(...))`` is what ``tierflow plan`` prints and ``tierflow sweep`` repeats over
 a grid. Nothing is run: the model's shape comes from its config, the machine's rates from a
-hardware profile, and the step from the same planners that plan real runs.
+hardware profile, and the step from the same planner that plans real runs
+(``sim/tiered.py``).
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
 
-from ..plan.placement import place
-from ..plan.placement_problem import Link, Placement, Precision, Problem, Tier
-from ..precision.config import BytesPerParameter
-from .activations import activation_options, with_grad_bytes
+from ..plan.placement import Placement
 from .setup import Setup
-from .stages import StepShape, chain_costs, step_flops
+from .stages import StepShape, step_flops
 from .tiered import tiered_placement
-
-
-def placement_precision(per: BytesPerParameter) -> Precision:
-    """The bytes per parameter of ``per`` as the placement planner counts them
-    (``plan/placement_problem.Precision``: the int8 moments' scales among the moments)."""
-    return Precision(weights=per.weights, grads=per.gradients, master=per.master,
-                     moments=per.moments + per.moment_scales)
 
 
 @dataclass(frozen=True)
@@ -52,47 +43,12 @@ class Prediction:
                           indent=1)
 
 
-def problem_for(setup: Setup) -> Problem:
-    """The placement problem of ``setup``: per-stage sizes and times, tiers, links."""
-    hw, shape, prec, sel = setup.hardware, setup.shape, setup.run_precision, setup.trains
-    per_param = placement_precision(prec.bytes_per_parameter())
-    step = StepShape(setup.seq, setup.batch)
-    costs = chain_costs(shape, step, prec, hw, selection=setup.selection)
-    params = (shape.embed_params(), *[shape.layer_params()] * shape.layers, shape.head_params())
-    grads = tuple(int(p * per_param.grads) for p in sel.trainable)
-    options = activation_options(with_grad_bytes(costs, (0,) * len(params), 0), with_grads=False)
-    if setup.grad_accum == 1:  # gradients appear during the backward, after the forward's peak
-        options += activation_options(with_grad_bytes(costs, grads,
-                                                      int(sel.tied * per_param.grads)),
-                                      with_grads=True)
-    disk_read = setup.disk_bw or hw.disk_read_bw
-    disk_write = setup.disk_bw or hw.disk_write_bw
-    if hw.has_gpu:
-        tiers = [Tier("gpu", setup.gpu if setup.gpu is not None else hw.gpu_bytes),
-                 Tier("ram", setup.ram)]
-        links = [Link(hw.host_link_bw, hw.host_link_bw)]
-    else:
-        tiers, links = [Tier("ram", setup.ram)], []
-    if setup.disk:
-        tiers.append(Tier("disk", setup.disk_budget))
-        links.append(Link(disk_read, disk_write))
-    device_bw = hw.memory_bw * hw.memory_efficiency if hw.has_gpu else \
-        hw.update_bw(prec.optim_dtype)
-    return Problem(params=params, compute=tuple(s.fwd_time + s.bwd_time for s in costs.stages),
-                   precision=per_param, tiers=tuple(tiers), links=tuple(links),
-                   activations=options, grad_accum=setup.grad_accum,
-                   host_update_bw=hw.update_bw(prec.optim_dtype), device_update_bw=device_bw,
-                   runtime_bytes=costs.extra["runtime"], trainable=sel.states(),
-                   forward_only=sel.forward_only())
-
-
-def predict(setup: Setup) -> Prediction:
-    """Plan ``setup``; raises PlacementError (a BudgetError) when nothing fits."""
+def predict(setup: Setup, *, smallest_budgets: bool = True) -> Prediction:
+    """Plan ``setup`` with the trainer's own search; raises PlacementError (a BudgetError)
+    when nothing fits, naming the smallest budget of each tier unless not
+    ``smallest_budgets`` (the closest placement's error then: a sweep's cells)."""
     hw, prec = setup.hardware, setup.run_precision
-    if setup.disk and not hw.has_gpu:  # RAM computes, over a disk: the trainer's own search
-        placement = tiered_placement(setup)
-    else:
-        placement = place(problem_for(setup))
+    placement = tiered_placement(setup, smallest_budgets=smallest_budgets)
     step = StepShape(setup.seq, setup.batch)
     tokens = step.tokens * setup.grad_accum
     flops_token = step_flops(setup.shape, step, setup.selection) / step.tokens

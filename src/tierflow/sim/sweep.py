@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import csv
 import itertools
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -52,16 +54,23 @@ class Cell:
 def sweep(base: Setup, models: list[tuple[ModelShape, Selection | None]], seqs: list[int],
           gpus: list[int | None], rams: list[int | None]) -> list[Cell]:
     """Predict every combination of the models (each with what trains in it: None, all),
-    sequence lengths and budgets; a combination nothing fits becomes a Cell without one."""
-    cells = []
-    for (shape, selection), seq, gpu, ram in itertools.product(models, seqs, gpus, rams):
-        setup = replace(base, shape=shape, seq=seq, gpu=gpu, ram=ram, selection=selection)
-        trainable = setup.trains.total
-        try:
-            cells.append(Cell(shape, seq, gpu, ram, trainable, predict(setup)))
-        except BudgetError as e:
-            cells.append(Cell(shape, seq, gpu, ram, trainable, None, str(e)))
-    return cells
+    sequence lengths and budgets, one process per core; a combination nothing fits becomes
+    a Cell without one, its reason the closest placement's."""
+    setups = [replace(base, shape=shape, seq=seq, gpu=gpu, ram=ram, selection=selection)
+              for (shape, selection), seq, gpu, ram
+              in itertools.product(models, seqs, gpus, rams)]
+    with ProcessPoolExecutor(max_workers=min(len(setups), os.cpu_count() or 1)) as pool:
+        return list(pool.map(_cell, setups))
+
+
+def _cell(setup: Setup) -> Cell:
+    """The cell of one combination (in a worker process)."""
+    trainable = setup.trains.total
+    try:
+        prediction = predict(setup, smallest_budgets=False)
+    except BudgetError as e:
+        return Cell(setup.shape, setup.seq, setup.gpu, setup.ram, trainable, None, str(e))
+    return Cell(setup.shape, setup.seq, setup.gpu, setup.ram, trainable, prediction)
 
 
 def write_csv(cells: list[Cell], path: Path, base: Setup) -> None:

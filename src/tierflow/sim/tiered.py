@@ -1,12 +1,13 @@
-"""``tierflow plan`` on the cpu profile with a disk tier: the trainer's own placement search
-(``plan/tier_search.py``) run on analytic costs.
+"""``tierflow plan`` and ``sweep``: the trainer's own placement search (``plan/tier_search.py``)
+run on analytic costs, for any hardware profile.
 
-``tierflow train --disk`` plans with that search on the costs it profiles. Predicting with
-it too means the prediction chooses among the same placements (optimizer states, streamed
-weights, offloaded tapes, prefetch depth, LM-head chunk), priced the same way, with the
-profile's rates where the trainer has its own measurements: the AdamW rate and the disk's
-read and write rates of ``tierflow calibrate``. The result is a ``Placement``, so that
-``tierflow plan`` and ``tierflow sweep`` report it like the GPU planner's.
+``fit`` and ``tierflow train`` plan with that search on the costs they profile. Predicting
+with it too means that a prediction chooses among exactly the placements a run chooses
+among (optimizer states, streamed weights, host updates, offloaded tapes, stashed
+checkpoints, prefetch depth, LM-head chunk), as the same plan of ops, priced by the same
+task graph (``plan/timeline.py``), with the profile's rates where the trainer has its own
+measurements: the compute tier's matmuls and memory, the host link, the host's AdamW, the
+disk's read and write rates. The result is reported as a ``Placement``.
 """
 from __future__ import annotations
 
@@ -14,8 +15,7 @@ from dataclasses import replace
 
 from ..config import FitConfig
 from ..errors import BudgetError
-from ..plan.ops import Fetch, Forward
-from ..plan.placement_problem import (
+from ..plan.placement import (
     KindPlacement,
     Placement,
     PlacementError,
@@ -33,13 +33,18 @@ from ..plan.tier_search import (
 from .setup import Setup
 from .stages import StepShape, chain_costs
 
-COMPUTE_TIER = "ram"
 # Temporaries of one step of the trainer's AdamW (precision/adamw.py), by moment dtype, on
 # fp32 weights: it works through a parameter 4M elements at a time in one step-long workspace,
 # so they do not grow with it. Measured by profile/optimizer_probe.probe_optimizer, the probe
 # the trainer prices them with (tests/test_tiered_prediction.py checks them against it).
 ADAMW_TRANSIENT_BYTES = {"fp32": 16 << 20, "bf16": 48 << 20, "int8": 48 << 20}
 ADAMW_BF16_GRAD_BYTES = 16 << 20  # bf16 weights: the gradient's float32 copy, one slice more
+BOUNDS = {"compute": "compute-bound: the matmuls, element-wise kernels and updates",
+          "copy up": "the host link up (weights and optimizer states to the GPU)",
+          "copy down": "the host link down (weights and optimizer states back)",
+          "disk read": "the disk's reads (weights, optimizer states)",
+          "disk write": "the disk's writes (weights, optimizer states)",
+          "update pass": "the update pass after the backward"}
 
 
 def adamw_transient_bytes(optim_dtype: str, weight_bytes: float) -> int:
@@ -49,30 +54,44 @@ def adamw_transient_bytes(optim_dtype: str, weight_bytes: float) -> int:
                                                  else 0)
 
 
-def tiered_placement(setup: Setup) -> Placement:
-    """The placement ``tierflow train --disk`` would choose for ``setup`` (RAM the compute
-    tier, a disk tier below it); PlacementError with the smallest budget per tier if none
-    fits."""
+def tiered_placement(setup: Setup, *, smallest_budgets: bool = True) -> Placement:
+    """The placement ``tierflow train`` would choose for ``setup``, with the smallest budget
+    per tier. When none fits: the PlacementError that names them (several more searches).
+    Without ``smallest_budgets``, neither: no smallest budgets, and the closest placement's
+    BudgetError when none fits."""
     config = FitConfig()
+    tier, budget = compute_tier(setup)
     try:
         search, placed = auto_head_chunk(
-            lambda chunk: _searched(_problem(setup, chunk), setup.ram, config),
+            lambda chunk: _searched(_problem(setup, chunk), budget, config, tier),
             lambda result: result[1])
     except BudgetError:
+        if not smallest_budgets:
+            raise
         raise _nothing_fits(setup, config) from None
-    return _as_placement(setup, search.problem, placed, search.smallest_budgets())
+    smallest = search.smallest_budgets() if smallest_budgets else {}
+    return _as_placement(setup, search.problem, placed, smallest)
 
 
-def _searched(problem: TierProblem, ram: int | None,
-              config: FitConfig) -> tuple[TierSearch, TierPlan]:
-    search = TierSearch(problem, ram, config, COMPUTE_TIER)
+def compute_tier(setup: Setup) -> tuple[str, int | None]:
+    """The compute tier's name and budget: the GPU's (its profile's memory unless given),
+    or RAM's on a machine without one."""
+    hw = setup.hardware
+    if hw.has_gpu:
+        return "gpu", setup.gpu if setup.gpu is not None else hw.gpu_bytes
+    return "ram", setup.ram
+
+
+def _searched(problem: TierProblem, budget: int | None, config: FitConfig,
+              tier: str) -> tuple[TierSearch, TierPlan]:
+    search = TierSearch(problem, budget, config, tier)
     return search, search.best()
 
 
 def _problem(setup: Setup, head_chunk: int) -> TierProblem:
     """What the trainer would know before placing: the chain's costs (analytic here), the
-    optimizer's rates, each stage's largest trainable parameter, the disk tier's rate and
-    budget."""
+    optimizer's rates on the compute tier and in host RAM below a GPU, each stage's largest
+    trainable parameter, the tiers below with their rates and budgets."""
     hw, shape, prec = setup.hardware, setup.shape, setup.run_precision
     per = prec.bytes_per_parameter()
     costs = chain_costs(shape, StepShape(setup.seq, setup.batch), prec, hw,
@@ -82,95 +101,103 @@ def _problem(setup: Setup, head_chunk: int) -> TierProblem:
     # nothing else to stream unless it has learned positions
     streamable = tuple(i for i in range(costs.length)
                        if i > 0 or not shape.tied or shape.positions)
-    if setup.disk_bw is not None:
-        bandwidth = setup.disk_bw
-    else:  # a write then a read of the same bytes, as the trainer measures its disk
-        bandwidth = 2 / (1 / hw.disk_read_bw + 1 / hw.disk_write_bw)
-    disk = LowerTier("disk", bandwidth, setup.disk_budget, "the disk tier")
+    host = per.update_traffic / hw.update_bw(prec.optim_dtype) / per.weights
+    if hw.has_gpu:  # the update on the GPU runs at its memory bandwidth
+        seconds_per_byte = per.update_traffic / (hw.memory_bw * hw.memory_efficiency) / width
+    else:
+        seconds_per_byte = host
+    trains = setup.trains
+    updated = tuple(i for i, n in enumerate(trains.trainable) if n)
     return TierProblem(
         costs=costs,
-        rates=UpdateRates(per.optimizer_state / per.weights,
-                          per.update_traffic / hw.update_bw(prec.optim_dtype) / per.weights,
+        rates=UpdateRates(per.optimizer_state / width, seconds_per_byte,
                           transient_per_byte=0.0,
-                          transient_bytes=adamw_transient_bytes(prec.optim_dtype, width)),
-        largest=tuple(int(n * width) for n in setup.trains.largest),
-        trainable=int(setup.trains.total * width), streamable=streamable, lower=(disk,),
-        deferred=setup.grad_accum > 1, accumulates=setup.grad_accum > 1)
+                          transient_bytes=adamw_transient_bytes(prec.optim_dtype, width),
+                          host_seconds_per_byte=host if hw.has_gpu else None),
+        largest=tuple(int(n * width) for n in trains.largest),
+        trainable=int(trains.total * width), streamable=streamable, lower=lower_tiers(setup),
+        deferred=setup.grad_accum > 1, accumulates=setup.grad_accum > 1,
+        micro_batches=setup.grad_accum,
+        host_updatable=updated if hw.has_gpu else (), updated=updated)
+
+
+def lower_tiers(setup: Setup) -> tuple[LowerTier, ...]:
+    """The tiers below the compute tier, nearest first: host RAM below a GPU (over its
+    link), the disk when ``setup`` has one (at the rate of a write then a read of the same
+    bytes, as the trainer measures its disk, unless ``disk_bw`` says)."""
+    hw = setup.hardware
+    tiers = []
+    if hw.has_gpu:
+        tiers.append(LowerTier("ram", hw.host_link_bw, setup.ram,
+                               "host RAM (the tier below the GPU)"))
+    if setup.disk:
+        bandwidth = setup.disk_bw if setup.disk_bw is not None else \
+            2 / (1 / hw.disk_read_bw + 1 / hw.disk_write_bw)
+        tiers.append(LowerTier("disk", bandwidth, setup.disk_budget, "the disk tier"))
+    return tuple(tiers)
 
 
 def _nothing_fits(setup: Setup, config: FitConfig) -> PlacementError:
     """The error naming the smallest budget of each tier, over both LM-head chunks."""
+    tier, budget = compute_tier(setup)
     problems = [_problem(setup, chunk) for chunk in (LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK)]
 
-    def least(budget: int | None, lifted: bool) -> dict[str, int | None]:
+    def least(compute_budget: int | None, lifted: bool) -> dict[str, int | None]:
         found: dict[str, int | None] = {}
         for problem in problems:
             if lifted:
-                problem = _unbounded_lower(problem)
-            search = TierSearch(problem, budget, config, COMPUTE_TIER)
-            for tier, value in search.smallest_budgets().items():
+                problem = replace(problem, lower=tuple(replace(t, budget=None)
+                                                       for t in problem.lower))
+            search = TierSearch(problem, compute_budget, config, tier)
+            for name, value in search.smallest_budgets().items():
                 if value is not None:
-                    found[tier] = value if found.get(tier) is None else min(found[tier], value)
-                found.setdefault(tier, None)
+                    found[name] = value if found.get(name) is None else min(found[name], value)
+                found.setdefault(name, None)
         return found
 
-    budgets = {COMPUTE_TIER: setup.ram, "disk": setup.disk_budget}
-    smallest = least(setup.ram, lifted=False)
-    floors = {COMPUTE_TIER: least(setup.ram, lifted=True)[COMPUTE_TIER] or 0,
-              "disk": least(None, lifted=False)["disk"] or 0}
+    budgets = {tier: budget, **{t.name: t.budget for t in lower_tiers(setup)}}
+    smallest = least(budget, lifted=False)
+    floors = {tier: least(budget, lifted=True)[tier] or 0}
+    unlimited = least(None, lifted=False)
+    floors.update({t.name: unlimited.get(t.name) or 0 for t in lower_tiers(setup)})
     return infeasible_error(budgets, smallest, floors)
-
-
-def _unbounded_lower(problem: TierProblem) -> TierProblem:
-    return replace(problem, lower=tuple(replace(t, budget=None) for t in problem.lower))
 
 
 def _as_placement(setup: Setup, problem: TierProblem, placed: TierPlan,
                   smallest: dict[str, int | None]) -> Placement:
-    """``placed`` in the terms ``tierflow plan`` reports: where each kind lives, the peak
-    and busy time of each tier, the step time and what bounds it."""
-    costs, accum, plan = problem.costs, setup.grad_accum, placed.plan
-    n = costs.length
+    """``placed`` in the terms ``tierflow plan`` reports: where each kind lives, the peak of
+    each tier, each resource's busy seconds per step (the plan's timeline), the step time
+    and what bounds it."""
+    accum, plan = setup.grad_accum, placed.plan
+    tier, budget = compute_tier(setup)
+    n = problem.costs.length
     streamed = tuple(sorted(placed.streamed))
-    weights = KindPlacement(n - len(streamed), "disk", streamed or None)
-    grads = weights if problem.deferred and streamed else KindPlacement(n, "disk")
-    optimizer = KindPlacement(0 if placed.states else n, "disk")
+    home = placed.weights.name if placed.weights else tier
+    weights = KindPlacement(n - len(streamed), home, streamed or None)
+    grads = weights if problem.deferred and streamed else KindPlacement(n, tier)
+    optimizer = KindPlacement(0 if placed.states else n,
+                              placed.states.name if placed.states else tier)
     recomputed = len(plan.recomputed_stages())
-    stashed = plan.stashed_boundaries()
     mode = "offload" if placed.tapes else ("recompute" if recomputed else "keep")
-    mode = "offload+recompute" if stashed else mode
-    peaks = {COMPUTE_TIER: placed.predicted_peak,
-             "disk": dict(placed.held).get("disk", 0)}
-    step = plan.predicted_time * accum + (placed.update_pass.seconds if placed.update_pass
-                                          else 0.0)
-    # bytes over the disk link per step: streamed weights read for each forward and
-    # backward (a forward-only stage's for its forward alone) and the trainable ones written
-    # after the update; states read and written once; offloaded tapes written and read once
-    # per micro-batch, stashed checkpoints written once and read at each fetch
-    weights_read = sum(costs.stages[i].weight_bytes * (1 + costs.stages[i].needs_backward)
-                       for i in streamed)
-    weights_written = sum(costs.stages[i].param_bytes for i in streamed)
-    state_bytes = int(problem.rates.state_per_byte * problem.trainable) if placed.states else 0
-    tape_bytes = sum(costs.stages[i].tape for i in placed.tape_stages)
-    stash_written = sum(plan.costs.x_bytes(i) for i in stashed)
-    stash_read = sum(plan.costs.x_bytes(op.index) for op in plan.ops if isinstance(op, Fetch))
-    bandwidth = problem.lower[0].bandwidth
-    forwards = sum(costs.stages[op.stage].fwd_time for op in plan.ops if isinstance(op, Forward))
-    times = {"compute": accum * (forwards + sum(s.bwd_time for s in costs.stages))
-             + problem.rates.seconds_per_byte * problem.trainable,
-             "disk->ram": (accum * weights_read + state_bytes
-                           + accum * (tape_bytes + stash_read)) / bandwidth,
-             "ram->disk": (weights_written + state_bytes
-                           + accum * (tape_bytes + stash_written)) / bandwidth}
+    mode = "offload+recompute" if plan.stashed_boundaries() else mode
+    line = plan.timeline
+    times = {resource: accum * line.busy(resource) for resource in BOUNDS
+             if resource != "update pass" and (line.busy(resource) or resource == "compute")}
+    if placed.update_pass is not None:
+        times["update pass"] = placed.update_pass.seconds
+    step = placed.predicted_time
     name, seconds = max(times.items(), key=lambda kv: kv[1])
-    what = ("compute-bound: the matmuls, element-wise kernels and AdamW" if name == "compute"
-            else f"the {name} link, moving weights, optimizer states, tapes or checkpoints")
+    lower = lower_tiers(setup)
+    notes = [f"placed by the trainer's own search (plan/tier_search.py) on analytic costs, "
+             f"LM head in chunks of {plan.costs.extra.get('head chunk', '?')} tokens"]
+    if placed.host_stages:
+        notes.append(f"the optimizer steps {len(placed.host_stages)} stages in host RAM")
     return Placement(
-        compute_tier=COMPUTE_TIER, stages=n, weights=weights, grads=grads, optimizer=optimizer,
-        activations=mode, recomputed=recomputed, prefetch=placed.depth, peaks=peaks,
-        budgets={COMPUTE_TIER: setup.ram, "disk": setup.disk_budget}, times=times,
-        step_time=step, bottleneck=f"{what} ({seconds:.3g} s, {seconds / step:.0%} of the step)",
-        smallest=smallest,
-        notes=(f"placed by the trainer's own search (plan/tier_search.py) on analytic costs, "
-               f"LM head in chunks of {plan.costs.extra.get('head chunk', '?')} tokens",
-               *plan.notes))
+        compute_tier=tier, stages=n, weights=weights, grads=grads, optimizer=optimizer,
+        activations=mode, recomputed=recomputed, prefetch=placed.depth,
+        peaks={tier: placed.predicted_peak, **{t.name: dict(placed.held).get(t.name, 0)
+                                               for t in lower}},
+        budgets={tier: budget, **{t.name: t.budget for t in lower}}, times=times,
+        step_time=step,
+        bottleneck=f"{BOUNDS[name]} ({seconds:.3g} s, {seconds / step:.0%} of the step)",
+        smallest=smallest, notes=(*notes, *plan.notes))
