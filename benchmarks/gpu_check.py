@@ -142,10 +142,14 @@ def main() -> None:
     parser.add_argument("--batches", default="8,32")
     parser.add_argument("--configs", default="plain,stream,stream-host")
     parser.add_argument("--tests", default="tests/test_cuda.py", help="pytest's arguments")
+    parser.add_argument("--commit", help="the commit the tree is (a device's copy of the "
+                                         "tree may carry a stale .git)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     check = Check(out, args.deadline)
+    if args.commit:
+        check.record["commit"] = args.commit
 
     proc = check.run("machine", [sys.executable, "-c", PROBE], 60)
     if proc is not None and proc.returncode == 0:
