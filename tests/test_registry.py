@@ -7,12 +7,18 @@ starts or stops training exactly fails its test until they say so.
 """
 from __future__ import annotations
 
+import contextlib
+import io
+
+import numpy as np
 import pytest
 import torch
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from registry import Outcome, check, record
-from registry_configs import tiny_model
+from registry_configs import VOCAB, tiny_model
+from tierflow import cli
+from tierflow.data.tokenfile import write_tokens
 
 FAMILIES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
@@ -28,7 +34,7 @@ REFUSED = {
     # trains on whole axial-position blocks only, its reversible layers inside one Function
     "reformer": "its own loss fails on one sequence",
     "xlm": "draws random numbers between decoder layers",
-    "zaya": "the chained logits differ",  # router states passed from layer to layer
+    "zaya": "that the layers before it compute",  # router states passed layer to layer
 }
 
 # transformers 5.23.0 cannot build these on their own: drafters for speculative decoding
@@ -94,3 +100,23 @@ def test_decoder_only_families_train_exactly():
     decoder_only = [t for t in FAMILIES if t not in NOT_DECODER_ONLY]
     refused = [t for t in decoder_only if t in REFUSED]
     assert len(refused) <= 0.05 * len(decoder_only), refused
+
+
+def test_train_refuses_a_family_in_one_line_with_exit_code_2(tmp_path):
+    """``tierflow train`` on a refused family: the refusal as ``tierflow: error: ...``, exit
+    code 2, before any step."""
+    tiny_model("zaya").model.save_pretrained(tmp_path / "model")
+    (tmp_path / "data").mkdir()
+    write_tokens(tmp_path / "data" / "train.bin",
+                 np.random.default_rng(0).integers(3, VOCAB, 2000), VOCAB)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+            pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data"),
+                  "--seq-len", "16", "--batch-size", "2", "--dtype", "fp32", "--eval-every", "0",
+                  "--steps", "2", "--out", str(tmp_path / "run")])
+    assert exit_.value.code == 2
+    line = "tierflow: error: model type 'zaya' (ZayaForCausalLM) cannot be trained exactly by " \
+           "tierflow: its decoder layer 1 takes an input"
+    assert err.getvalue().startswith(line) and err.getvalue().count("\n") == 1
+    assert "[T] step" not in out.getvalue()

@@ -74,6 +74,18 @@ def hf_chain(model: nn.Module, sample: Any, *, head_chunk_tokens: int = 1024) ->
     if any(not torch.equal(rng_states[0], s) for s in rng_states[1:]):
         raise UnsupportedModelError(model, "it draws random numbers between decoder layers "
                                     "(LayerDrop) in training mode, which a chain cannot replay")
+    # What a layer takes besides the hidden states must not come from the layers before it
+    # (Zaya's router states): the chain gives it as the model computes it with every layer
+    # passed through. Only integers that do not change what the layer returns may differ so
+    # (DeepSeek sparse attention's top-k indices, which a layer with its own indexer ignores)
+    with torch.no_grad(), model_mode(model, False):
+        _, passed = layer_inputs(model, layers, probe_ctx, tiny, parts.layer_output)
+        for i, ((hidden, *real), given) in enumerate(zip(parts.layer_args, passed)):
+            name, floating = _differing(tuple(real), given)
+            if name and (floating or not _same_output(layers[i], hidden, tuple(real), given)):
+                raise UnsupportedModelError(model, f"its decoder layer {i} takes an input "
+                                            f"({name}) that the layers before it compute, which "
+                                            "a chain does not carry")
     recorder, local = _recorder(parts)
     specs = router_specs(recorder)
     routers = [find_routers(layer, f"{local}.{i}", specs) for i, layer in enumerate(layers)]
@@ -138,6 +150,34 @@ def hf_chain(model: nn.Module, sample: Any, *, head_chunk_tokens: int = 1024) ->
     if chain is None:
         raise first
     return chain
+
+
+def _differing(real: tuple[tuple, dict], given: tuple[tuple, dict]) -> tuple[str, bool]:
+    """(the first of a layer's arguments, by position or name, whose tensors differ between
+    the model's run and the chain's, whether any of them is floating point), ("", False) if
+    none differs."""
+    (real_args, real_kwargs), (args, kwargs) = real, given
+    pairs = [(f"argument {k + 1}", a, b) for k, (a, b) in enumerate(zip(real_args, args))]
+    pairs += [(k, v, kwargs.get(k)) for k, v in real_kwargs.items()]
+    for name, a, b in pairs:
+        ta, tb = list(walk_tensors(a)), list(walk_tensors(b))
+        if len(ta) != len(tb) or any(x.shape != y.shape or not torch.equal(x, y)
+                                     for x, y in zip(ta, tb)):
+            return name, any(t.is_floating_point() for t in ta + tb)
+    return "", False
+
+
+def _same_output(layer: nn.Module, hidden: torch.Tensor, real: tuple[tuple, dict],
+                 given: tuple[tuple, dict]) -> bool:
+    """Whether ``layer`` returns the same on ``hidden`` with the model's arguments and with the
+    chain's (False if it fails with the chain's)."""
+    want = list(walk_tensors(layer(hidden, *real[0], **real[1])))
+    try:
+        got = list(walk_tensors(layer(hidden, *given[0], **given[1])))
+    except Exception:  # noqa: BLE001 - it needs what only the layers before it give
+        return False
+    return len(got) == len(want) and all(
+        x.shape == y.shape and torch.equal(x, y) for x, y in zip(got, want))
 
 
 def _wrap_output(x: torch.Tensor, ctx: Context) -> Any:

@@ -36,6 +36,7 @@ class Parts:
     body_output: type  # the ModelOutput class the body returns
     layer_output: tuple[type, int] | None  # (tuple or list, its length) the layer returns, or None
     reference: Any  # the model's own output on the probe
+    layer_args: list[tuple[Any, tuple, dict]]  # each layer's (hidden states, other arguments)
 
 
 def decoder_layers(base: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -72,6 +73,7 @@ def find_parts(model: nn.Module, probe: dict[str, Any]) -> Parts:
     clock = [0]
     calls: dict[int, list[int]] = {}
     layer_calls: dict[int, list[int]] = {k: [] for k in range(len(candidates))}
+    layer_args: dict[int, list[tuple[Any, tuple, dict]]] = {k: [] for k in range(len(candidates))}
     chained = {k: True for k in range(len(candidates))}
     last_out: dict[int, Any] = {}  # candidate -> what its latest element call returned
     layer_end: dict[int, int] = {}
@@ -87,6 +89,9 @@ def find_parts(model: nn.Module, probe: dict[str, Any]) -> Parts:
     def layer_pre(k: int, i: int):
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             layer_calls[k].append(i)
+            layer_args[k].append((args[0] if args else kwargs.get("hidden_states"),
+                                  tuple(args[1:]),
+                                  {n: v for n, v in kwargs.items() if n != "hidden_states"}))
             if i > 0:
                 given = args[0] if args else kwargs.get("hidden_states")
                 chained[k] = chained[k] and given is last_out.get(k)
@@ -158,7 +163,7 @@ def find_parts(model: nn.Module, probe: dict[str, Any]) -> Parts:
     container = (type(layer_out), len(layer_out)) if isinstance(layer_out, (tuple, list)) \
         else None
     return Parts(layers_name, layers, body_name, body, post, type(body_out), container,
-                 reference)
+                 reference, layer_args[chosen])
 
 
 def _ancestors(root: nn.Module, name: str) -> list[nn.Module]:

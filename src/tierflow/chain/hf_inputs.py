@@ -49,10 +49,18 @@ def split_call(signature: inspect.Signature, args: tuple, kwargs: dict, cls: str
     if arguments.get("return_dict") is False:
         raise ChainError(f"{cls}: return_dict=False is not supported in a chain; leave it unset")
     labels, shift_labels = arguments.get("labels"), arguments.get("shift_labels")
+    if shift_labels is not None:  # HF's loss views them flat: a slice of a batch is not
+        shift_labels = shift_labels.contiguous()
+    # for the model's own loss code: shift_labels alone are given as labels too, since a model
+    # makes no loss without labels; its loss function then reads shift_labels (or, unshifted,
+    # the labels: the decoders of encoder-decoder models)
+    label_args = {"labels": shift_labels if labels is None else labels}
+    if shift_labels is not None:
+        label_args["shift_labels"] = shift_labels
     ctx: Context = {
         "labels": shift_labels if shift_labels is not None else labels,
         "shift": shift_labels is None,
-        "label_args": {k: arguments[k] for k in ("labels", "shift_labels") if k in arguments},
+        "label_args": label_args if labels is not None or shift_labels is not None else {},
         "num_items_in_batch": arguments.get("num_items_in_batch"),
     }
     base_kwargs = {k: v for k, v in arguments.items() if k not in _HEAD_ARGS}

@@ -1,7 +1,8 @@
 """Does a chain compute what its Hugging Face causal LM computes? Checked on a probe (one
 sequence of the sample, at most 8 tokens) before any step:
 
-- the logits (eval mode), and the loss with the probe as labels;
+- the logits (eval mode), the loss with the probe as labels, and with the probe shifted as
+  ``shift_labels`` (as ``tierflow train`` gives them);
 - the loss in training mode, both runs from one seed: dropout masks and other random draws
   replayed as the model makes them;
 - the loss's gradient with respect to the input embeddings' output: what flows back through
@@ -27,6 +28,7 @@ from .hf_inputs import model_mode, rng_devices
 class Reference:
     logits: torch.Tensor  # eval mode
     loss: torch.Tensor | None  # eval mode, labels = the probe (None: the input is embeddings)
+    shift_loss: torch.Tensor | None  # eval mode, shift_labels (None: the model takes none)
     train_loss: torch.Tensor | None  # training mode, from seed 0
     gradient: torch.Tensor | None  # d loss / d embeddings' output, eval mode (None: no
     # input embeddings module)
@@ -36,10 +38,16 @@ def reference(model: nn.Module, input_key: str, tiny: torch.Tensor,
               logits: torch.Tensor) -> Reference:
     """The model's own values on the probe (``logits``: its eval-mode logits, already made)."""
     if input_key != "input_ids":
-        return Reference(logits, None, None, None)
+        return Reference(logits, None, None, None, None)
     try:
         with torch.no_grad(), model_mode(model, False):
             loss = model(input_ids=tiny, labels=tiny, use_cache=False).loss
+            try:  # as the chain calls the model's own loss code with shift_labels alone
+                shifted = _shifted(tiny)
+                shift_loss = model(input_ids=tiny, labels=shifted, shift_labels=shifted,
+                                   use_cache=False).loss
+            except TypeError:  # its forward takes no shift_labels
+                shift_loss = None
         with torch.no_grad(), torch.random.fork_rng(devices=rng_devices(tiny)), \
                 model_mode(model, True):
             torch.manual_seed(0)
@@ -50,7 +58,12 @@ def reference(model: nn.Module, input_key: str, tiny: torch.Tensor,
         first = str(e).splitlines()[0][:200] if str(e) else ""
         raise UnsupportedModelError(model, "its own loss fails on one sequence of the sample "
                                     f"({type(e).__name__}: {first})") from e
-    return Reference(logits, loss, train_loss, gradient)
+    return Reference(logits, loss, shift_loss, train_loss, gradient)
+
+
+def _shifted(tiny: torch.Tensor) -> torch.Tensor:
+    """The probe as shift_labels: position t's target is token t + 1, none for the last."""
+    return torch.cat([tiny[:, 1:], torch.full_like(tiny[:, :1], -100)], dim=1)
 
 
 def verify(model: nn.Module, chain: Chain, input_key: str, tiny: torch.Tensor,
@@ -82,6 +95,12 @@ def _compare(model: nn.Module, chain: Chain, input_key: str, tiny: torch.Tensor,
         loss = chain.run(input_ids=tiny, labels=tiny).loss
     if not _close(loss.float(), ref.loss.float(), tolerance):
         return f"the chained loss {loss.item():.6g} differs from the model's {ref.loss.item():.6g}"
+    if ref.shift_loss is not None:
+        with torch.no_grad(), model_mode(model, False):
+            loss = chain.run(input_ids=tiny, shift_labels=_shifted(tiny)).loss
+        if not _close(loss.float(), ref.shift_loss.float(), tolerance):
+            return (f"with shift_labels the chained loss {loss.item():.6g} differs from the "
+                    f"model's {ref.shift_loss.item():.6g}")
     with torch.no_grad(), torch.random.fork_rng(devices=rng_devices(tiny)), \
             model_mode(model, True):  # dropout on: the same draws, the same masks
         torch.manual_seed(0)
@@ -93,10 +112,11 @@ def _compare(model: nn.Module, chain: Chain, input_key: str, tiny: torch.Tensor,
     if ref.gradient is None:
         return ""
     got = _embedding_gradient(model, lambda: chain.run(input_ids=tiny, labels=tiny))
-    scale = ref.gradient.abs().max().item()
-    # a missing path differs by the gradient's own size; rounding by far less
-    if not _close(got, ref.gradient, dict(rtol=1e-3, atol=1e-3 * scale)):
-        diff = (got - ref.gradient).abs().max().item()
+    scale = ref.gradient.nan_to_num(posinf=0.0, neginf=0.0).abs().max().item()
+    # a missing path differs by the gradient's own size; rounding by far less (NaN where the
+    # model's own gradient is NaN: Gemma-3n's magnitude sqrt at a zero vector)
+    if not _close(got, ref.gradient, dict(rtol=1e-3, atol=1e-3 * scale, equal_nan=True)):
+        diff = (got - ref.gradient).nan_to_num().abs().max().item()
         return (f"the chained loss's gradient differs from the model's by up to {diff:.3g} "
                 f"(of {scale:.3g}): something passes between its layers that a chain does "
                 "not carry")
