@@ -203,13 +203,14 @@ def _heads(model: nn.Module, parts: Parts, head_parts: dict[str, nn.Module],
            head_loose: list[nn.Parameter], has_routers: bool,
            chunk_tokens: int) -> list[Callable[[], nn.Module]]:
     """Makers of the head stages to try, in order: the fused head where the model's LM head is
-    an nn.Linear (and the weight of a router loss is known), then the model's own tail."""
+    an nn.Linear (adding the router loss with the weight the model holds for it, if it holds
+    one: a family without a router loss holds none), then the model's own tail."""
     common = (model, parts.body, parts.body_output, parts.post, head_parts, head_loose)
     makers: list[Callable[[], nn.Module]] = []
     linear = model.get_output_embeddings()
     coefs = [v for k, v in vars(model).items()
-             if k.endswith("aux_loss_coef") and isinstance(v, (int, float))]
-    if isinstance(linear, nn.Linear) and (not has_routers or len(coefs) == 1):
+             if k.endswith("aux_loss_coef") and isinstance(v, (int, float))] if has_routers else []
+    if isinstance(linear, nn.Linear) and len(coefs) <= 1:
         softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
         makers.append(lambda: FusedHead(*common, linear, chunk_tokens, softcap or None,
                                         coefs[0] if coefs else None))
