@@ -33,8 +33,9 @@ def run_registry(results: Path) -> None:
     """tests/test_registry.py with its outcomes written to ``results``; exits if it fails."""
     env = {**os.environ, "TIERFLOW_REGISTRY_RESULTS": str(results),
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    code = subprocess.call([sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_registry.py"),
-                            "-q", "-p", "no:cacheprovider"], cwd=ROOT, env=env)
+    test = str(ROOT / "tests" / "test_registry.py")
+    code = subprocess.call([sys.executable, "-m", "pytest", test, "-q", "-p", "no:cacheprovider"],
+                           cwd=ROOT, env=env)
     if code != 0:
         sys.exit(f"tests/test_registry.py failed (exit code {code}): fix it before the table")
 

@@ -3,10 +3,12 @@ test (test_registry.py): 2-4 layers, hidden 64, vocab 256, a few experts.
 
 ``tiny_model(model_type)`` builds one: the family's config class with its defaults, the sizes
 of ``SIZES`` for the fields it has, one layer of each of its layer types, dropout on where it
-has dropout, router logits (and so the auxiliary loss) on where it has routers, then the
-family's own fixes from ``OVERRIDES`` where the generic sizes are inconsistent for it. A
-composite (multimodal) model type is built through its text model, as users fine-tune it:
-the text config's own causal LM where the mapping has one, else the family's class on it.
+has dropout, router logits (and so the auxiliary loss) on where it has routers, its parts
+(a text config, an attention config, ...) made tiny the same way, then the family's own
+fixes from ``OVERRIDES`` where the generic sizes are inconsistent for it, and what a user
+does before training it (``PREPARE``). A multimodal ``...ForConditionalGeneration`` is built
+through its text model's causal LM, as its text part is fine-tuned; a causal LM that
+transformers declares on a text config (Llama-4, Mllama) is built on that config.
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ SIZES: dict[str, Any] = dict(
     qk_head_dim=16, index_head_dim=16, index_n_heads=2, index_topk=4,
     # linear attention and state-space layers
     linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-    linear_num_value_heads=4, linear_head_dim=16, linear_num_heads=4, mamba_d_state=8, ssm_state_size=8, state_size=8,
+    linear_num_value_heads=4, linear_head_dim=16, linear_num_heads=4, mamba_d_state=8,
+    ssm_state_size=8, state_size=8,
     mamba_chunk_size=8, chunk_size=8, time_step_rank=8, mamba_dt_rank=8, mamba_n_heads=8,
     mamba_d_head=16, mamba_d_ssm=128, use_mamba_kernels=False,
     # attention windows shorter than the test's sequences
@@ -51,16 +54,16 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "bamba": dict(attn_layer_indices=[1]),
     "blt": dict(vocab_size=260, encoder_hash_byte_group_vocab=512, patch_size=2,
                 local_attention_window_len=4),
-    "blt/encoder_config": dict(vocab_size=260, hidden_size_global=64, num_hidden_layers=1),
     "blt/decoder_config": dict(vocab_size=260, hidden_size_global=64),
+    "blt/encoder_config": dict(vocab_size=260, hidden_size_global=64, num_hidden_layers=1),
     "blt/patcher_config": dict(vocab_size=260),
-    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
-                 ffn_config=dict(moe_num_experts=4, moe_top_k=2, ffn_hidden_size=32)),
-    "diffllama": dict(attention_dropout=0.0),  # refused by its config: no dropout semantics
     "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default",
                                                                          rope_theta=10000.0)}),
     "cpmant": dict(prompt_length=4, prompt_types=3),
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(moe_num_experts=4, moe_top_k=2, ffn_hidden_size=32)),
     "deepseek_v4": dict(mlp_layer_types=["hash_moe", "moe"]),
+    "diffllama": dict(attention_dropout=0.0),  # refused by its config: no dropout semantics
     "dots3_note_text": dict(swa_num_attention_heads=4, swa_num_key_value_heads=4,
                             swa_q_lora_rank=32, swa_kv_lora_rank=16, swa_head_dim=16,
                             swa_qk_nope_head_dim=8, swa_v_head_dim=16,
@@ -68,12 +71,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "flint": dict(mlp_only_layers=[0]),
     "gemma3n_text": dict(num_kv_shared_layers=0, hidden_size_per_layer_input=16,
                          vocab_size_per_layer_input=VOCAB),
-    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
-                           indexer_budget=8, indexer_compress_ratio=2),
-    "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"]),
-    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"]),
-    "gemma4_assistant/text": dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=4),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "attention"]),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                   expert_layer_offset=1),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1),
@@ -82,13 +81,16 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "moshi/depth_decoder_config": dict(audio_vocab_size=32, input_size=64),
     "musicgen_decoder": dict(num_codebooks=2),
     "musicgen_melody_decoder": dict(num_codebooks=2),
+    "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16,
+                           indexer_budget=8, indexer_compress_ratio=2),
     "recurrent_gemma": dict(block_types=["recurrent", "attention"], lru_width=64,
                             attention_window_size=4),
     "reformer": dict(is_decoder=True, attn_layers=["local", "lsh"], axial_pos_shape=[4, 4],
                      axial_pos_embds_dim=[32, 32], local_attn_chunk_length=4,
                      lsh_attn_chunk_length=4, num_buckets=2),
-    "granitemoehybrid": dict(layer_types=["linear_attention", "attention"]),
     "xlstm": dict(num_heads=4),
+    "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"]),
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid"]),
     "zaya": dict(num_experts_per_tok=1),
 }
 

@@ -65,27 +65,7 @@ def hf_chain(model: nn.Module, sample: Any, *, head_chunk_tokens: int = 1024) ->
     layers = parts.layers
     ref = reference(model, input_key, tiny, parts.reference.logits)
 
-    # Random numbers drawn by the decoder loop itself (LayerDrop) cannot be replayed per stage;
-    # the whole sample, as some families train on whole blocks only (Reformer)
-    rng_states: list[torch.Tensor] = []
-    with torch.no_grad(), torch.random.fork_rng(devices=rng_devices(x0)), \
-            model_mode(model, True):
-        layer_inputs(model, layers, ctx0, x0, parts.layer_output, rng_states)
-    if any(not torch.equal(rng_states[0], s) for s in rng_states[1:]):
-        raise UnsupportedModelError(model, "it draws random numbers between decoder layers "
-                                    "(LayerDrop) in training mode, which a chain cannot replay")
-    # What a layer takes besides the hidden states must not come from the layers before it
-    # (Zaya's router states): the chain gives it as the model computes it with every layer
-    # passed through. Only integers that do not change what the layer returns may differ so
-    # (DeepSeek sparse attention's top-k indices, which a layer with its own indexer ignores)
-    with torch.no_grad(), model_mode(model, False):
-        _, passed = layer_inputs(model, layers, probe_ctx, tiny, parts.layer_output)
-        for i, ((hidden, *real), given) in enumerate(zip(parts.layer_args, passed)):
-            name, floating = _differing(tuple(real), given)
-            if name and (floating or not _same_output(layers[i], hidden, tuple(real), given)):
-                raise UnsupportedModelError(model, f"its decoder layer {i} takes an input "
-                                            f"({name}) that the layers before it compute, which "
-                                            "a chain does not carry")
+    _check_layer_loop(model, parts, ctx0, x0, probe_ctx, tiny)
     recorder, local = _recorder(parts)
     specs = router_specs(recorder)
     routers = [find_routers(layer, f"{local}.{i}", specs) for i, layer in enumerate(layers)]
@@ -150,6 +130,33 @@ def hf_chain(model: nn.Module, sample: Any, *, head_chunk_tokens: int = 1024) ->
     if chain is None:
         raise first
     return chain
+
+
+def _check_layer_loop(model: nn.Module, parts: Parts, ctx0: Context, x0: torch.Tensor,
+                      probe_ctx: Context, tiny: torch.Tensor) -> None:
+    """Refuse a model whose decoder loop does more than call its layers in turn."""
+    # Random numbers drawn by the decoder loop itself (LayerDrop) cannot be replayed per stage;
+    # the whole sample, as some families train on whole blocks only (Reformer)
+    layers = parts.layers
+    rng_states: list[torch.Tensor] = []
+    with torch.no_grad(), torch.random.fork_rng(devices=rng_devices(x0)), \
+            model_mode(model, True):
+        layer_inputs(model, layers, ctx0, x0, parts.layer_output, rng_states)
+    if any(not torch.equal(rng_states[0], s) for s in rng_states[1:]):
+        raise UnsupportedModelError(model, "it draws random numbers between decoder layers "
+                                    "(LayerDrop) in training mode, which a chain cannot replay")
+    # What a layer takes besides the hidden states must not come from the layers before it
+    # (Zaya's router states): the chain gives it as the model computes it with every layer
+    # passed through. Only integers that do not change what the layer returns may differ so
+    # (DeepSeek sparse attention's top-k indices, which a layer with its own indexer ignores)
+    with torch.no_grad(), model_mode(model, False):
+        _, passed = layer_inputs(model, layers, probe_ctx, tiny, parts.layer_output)
+        for i, ((hidden, *real), given) in enumerate(zip(parts.layer_args, passed)):
+            name, floating = _differing(tuple(real), given)
+            if name and (floating or not _same_output(layers[i], hidden, tuple(real), given)):
+                raise UnsupportedModelError(model, f"its decoder layer {i} takes an input "
+                                            f"({name}) that the layers before it compute, which "
+                                            "a chain does not carry")
 
 
 def _differing(real: tuple[tuple, dict], given: tuple[tuple, dict]) -> tuple[str, bool]:
