@@ -1,5 +1,5 @@
 """The head stage of a Hugging Face causal LM's chain: the final norm, then the LM head and the
-loss. Two kinds, chosen by ``hf.py`` (the first whose logits and loss match the model's):
+loss. Three kinds, tried by ``hf.py`` in this order (the first that ``hf_verify`` passes):
 
 - ``FusedHead``: the LM head and the shifted cross-entropy fused in chunks
   (``linear_cross_entropy``), so the (tokens, vocab) logits never exist; final-logit
@@ -44,7 +44,7 @@ class _Head(nn.Module):
 
     def tail(self, hidden: torch.Tensor, ctx: Context, **overrides: Any) -> Any:
         """The causal LM's own forward after its body, ``hidden`` standing for the body's
-        output (with the step's router logits, as leaves, when it records them)."""
+        output (with the step's router logits when it records them: hf_router.py)."""
         model, body, body_output = self._refs
         fields: dict[str, Any] = {"last_hidden_state": hidden}
         record = ctx.get("router")
