@@ -69,6 +69,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                             swa_qk_nope_head_dim=8, swa_v_head_dim=16,
                             shared_experts_intermediate_size=32),
     "flint": dict(mlp_only_layers=[0]),
+    # its text part has no per-layer embeddings, as its config requires
+    "gemma4_assistant/text": dict(hidden_size_per_layer_input=0, vocab_size_per_layer_input=0),
     "gemma3n_text": dict(num_kv_shared_layers=0, hidden_size_per_layer_input=16,
                          vocab_size_per_layer_input=VOCAB),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=4),
