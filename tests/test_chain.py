@@ -188,15 +188,40 @@ def test_unchainable_models_raise_chain_error():
     assert issubclass(ChainError, TypeError)
 
 
-def test_hf_unsupported_head_is_named():
+def test_hf_soft_capped_head_is_fused():
+    """Gemma-2's final-logit soft-capping runs inside the fused head's chunks: the model's
+    loss, logits and gradients."""
     import transformers
+
+    from tierflow.chain.hf_head import FusedHead
 
     config = transformers.Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=64,
                                        num_hidden_layers=2, num_attention_heads=4,
-                                       num_key_value_heads=2, head_dim=8, pad_token_id=0)
+                                       num_key_value_heads=2, head_dim=8, pad_token_id=0,
+                                       final_logit_softcapping=0.5)  # small: it bends
+    torch.manual_seed(0)
     model = transformers.Gemma2ForCausalLM(config)
-    with pytest.raises(ChainError, match="Gemma2ForCausalLM uses final logit soft-capping"):
+    sample = hf_sample()
+    chain = to_chain(model, sample)
+    assert isinstance(chain.stages[-1], FusedHead) and chain.stages[-1].softcap == 0.5
+    _check(model, sample, chain)
+    _check(model, {"input_ids": sample["input_ids"]}, chain)
+
+
+def test_hf_refusal_names_the_family():
+    import transformers
+
+    from tierflow.chain.base import UnsupportedModelError
+    from tierflow.errors import TierflowError
+
+    config = transformers.XLMConfig(vocab_size=128, emb_dim=32, n_layers=2, n_heads=4,
+                                    dropout=0.1, causal=True)
+    model = transformers.XLMWithLMHeadModel(config).train()
+    with pytest.raises(UnsupportedModelError, match=r"^model type 'xlm' \(XLMWithLMHeadModel\) "
+                       "cannot be trained exactly by tierflow: it draws random numbers between "
+                       "decoder layers") as refusal:
         to_chain(model, hf_sample())
+    assert isinstance(refusal.value, TierflowError) and "\n" not in str(refusal.value)
 
 
 def test_core_families_are_covered():

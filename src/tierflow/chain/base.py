@@ -14,11 +14,29 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..errors import TierflowError
+
 Context = dict[str, Any]
 
 
 class ChainError(TypeError):
     """The model (or one of its modules) cannot be cut into a chain."""
+
+
+class UnsupportedModelError(ChainError, TierflowError):
+    """A model family that tierflow cannot train exactly, refused before any step.
+
+    One line that names the family (its ``model_type`` and class) and the reason; a
+    TierflowError, so the CLI prints it and exits with code 2.
+    """
+
+    def __init__(self, model: nn.Module, reason: str):
+        config = getattr(model, "config", None)
+        family = getattr(config, "model_type", None) or "?"
+        self.family = family
+        self.reason = reason
+        super().__init__(f"model type {family!r} ({type(model).__name__}) cannot be trained "
+                         f"exactly by tierflow: {reason}")
 
 
 @dataclass

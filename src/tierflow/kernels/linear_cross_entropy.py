@@ -12,6 +12,10 @@ right away, the gradient of the mean loss with respect to the logits, which it c
 the gradients of ``hidden``, ``weight`` and ``bias``. Those gradients are the only thing the
 autograd graph keeps; backward just scales them by the incoming gradient.
 
+With ``softcap`` (final-logit soft-capping, Gemma-2 and others) the loss is taken on
+``softcap * tanh(logits / softcap)``, computed per chunk in float32, and the gradient goes back
+through the tanh.
+
 Extra memory: O(chunk_tokens * vocab) for one chunk's logits (buffers that every chunk
 reuses), plus a gradient buffer shaped like ``hidden`` and one shaped like ``weight`` (float32
 while accumulating over chunks when the matmul runs in bf16/fp16, then cast to
@@ -45,6 +49,7 @@ def linear_cross_entropy(
     chunk_tokens: int = 1024,
     ignore_index: int = -100,
     shift: bool = True,
+    softcap: float | None = None,
 ) -> Tensor:
     """Mean causal-LM cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels``.
 
@@ -52,10 +57,12 @@ def linear_cross_entropy(
     ``ignore_index`` where no loss is wanted; bias: (V,) or None.
     shift=True predicts ``labels[..., t + 1]`` from position t (Hugging Face causal LMs);
     shift=False uses ``labels`` as given (already-shifted labels).
+    softcap: the logits become ``softcap * tanh(logits / softcap)`` before the loss (None: as
+    they are).
     Under an active autocast the matmuls run in the autocast dtype, as ``nn.Linear`` would.
     Returns a float32 scalar.
     """
-    _check_inputs(hidden, weight, labels, bias, chunk_tokens)
+    _check_inputs(hidden, weight, labels, bias, chunk_tokens, softcap)
     compute_dtype = _compute_dtype(hidden, weight)
     targets = labels.to(device=hidden.device, dtype=torch.long)  # (..., T)
     if shift:
@@ -67,20 +74,22 @@ def linear_cross_entropy(
         t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not wants_grad:
         loss, _, _, _ = _loss_and_grads(hidden, weight, bias, targets, chunk_tokens, ignore_index,
-                                        compute_dtype, (False, False, False))
+                                        compute_dtype, (False, False, False), softcap)
         return loss
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_tokens, ignore_index,
-                                     compute_dtype)
+                                     compute_dtype, softcap)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """Forward computes the loss and the gradients; backward scales the saved gradients."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_tokens, ignore_index, compute_dtype):
+    def forward(ctx, hidden, weight, bias, targets, chunk_tokens, ignore_index, compute_dtype,
+                softcap):
         needs = tuple(ctx.needs_input_grad[:3])  # (hidden, weight, bias)
         loss, grad_hidden, grad_weight, grad_bias = _loss_and_grads(
-            hidden, weight, bias, targets, chunk_tokens, ignore_index, compute_dtype, needs)
+            hidden, weight, bias, targets, chunk_tokens, ignore_index, compute_dtype, needs,
+            softcap)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         return loss
 
@@ -91,12 +100,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # d(out)/d(loss) is almost always exactly 1: hand the buffers over without a copy
         if not torch.equal(grad_loss, torch.ones_like(grad_loss)):
             grads = [None if g is None else g * grad_loss.to(g.dtype) for g in grads]
-        return grads[0], grads[1], grads[2], None, None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None, None
 
 
 def _loss_and_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
                     chunk_tokens: int, ignore_index: int, compute_dtype: torch.dtype,
-                    needs: tuple[bool, bool, bool]):
+                    needs: tuple[bool, bool, bool], softcap: float | None = None):
     """The chunk loop. Returns (loss, grad_hidden, grad_weight, grad_bias), grads None unless needed."""
     need_h, need_w, need_b = needs[0], needs[1], needs[2] and bias is not None
     any_grad = need_h or need_w or need_b
@@ -141,6 +150,9 @@ def _loss_and_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
         logits_low = torch.empty((c, vocab), dtype=compute_dtype, device=device) \
             if low else logits32  # (c, V) what the matmul writes
         grad_low = torch.empty_like(logits_low) if low and any_grad else logits32  # (c, V)
+        # tanh(logits / softcap) of the chunk, kept for the gradient through the cap
+        squashed = torch.empty((c, vocab), dtype=torch.float32, device=device) \
+            if softcap is not None else None  # (c, V)
 
         for start in range(0, n_valid, chunk_tokens):
             r = rows[start:start + chunk_tokens]  # (n,)
@@ -154,6 +166,9 @@ def _loss_and_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
             z = logits32[:n]  # (n, V) fp32, as HF upcasts before the loss
             if low:
                 z.copy_(logits_low[:n])
+            if squashed is not None:  # z = softcap * tanh(z / softcap), as the model does it
+                t = torch.div(z, softcap, out=squashed[:n]).tanh_()  # (n, V)
+                torch.mul(t, softcap, out=z)
             target_logit = z.gather(1, t_c[:, None]).squeeze(1)  # (n,)
             top = z.amax(dim=1)  # (n,)
             z.sub_(top[:, None]).exp_()  # (n, V) exp(logits - max)
@@ -165,6 +180,8 @@ def _loss_and_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
             # d(mean loss)/d(logits) = (softmax - onehot) / n_valid, built in place in `z`
             probs = z.mul_((inv_n / total)[:, None])  # (n, V) softmax / n_valid
             probs.scatter_add_(1, t_c[:, None], probs.new_full((n, 1), -inv_n))
+            if squashed is not None:  # through the cap: d z / d logits = 1 - tanh^2
+                probs.mul_(t.square_().neg_().add_(1.0))
             if need_b:
                 grad_bias += probs.sum(0)  # (V,)
             g = grad_low[:n]  # (n, V), as autograd casts it back through .float()
@@ -187,7 +204,7 @@ def _loss_and_grads(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets
                         grad_weight.copy_(gw_chunk)
                     else:
                         grad_weight += gw_chunk
-        del logits32, logits_low, grad_low
+        del logits32, logits_low, grad_low, squashed
 
         loss = loss_sum / n_valid if n_valid else loss_sum / 0.0  # 0/0 = NaN, like HF
 
@@ -216,7 +233,7 @@ def _compute_dtype(hidden: Tensor, weight: Tensor) -> torch.dtype:
 
 
 def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor | None,
-                  chunk_tokens: int) -> None:
+                  chunk_tokens: int, softcap: float | None) -> None:
     if hidden.dim() < 2:
         raise TierflowError(f"hidden has shape {tuple(hidden.shape)}; expected (..., seq, hidden)")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
@@ -234,3 +251,5 @@ def _check_inputs(hidden: Tensor, weight: Tensor, labels: Tensor, bias: Tensor |
             f"bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},), one per vocab row")
     if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
         raise TierflowError(f"chunk_tokens={chunk_tokens!r}; expected a positive int such as 1024")
+    if softcap is not None and not softcap > 0:
+        raise TierflowError(f"softcap={softcap!r}; expected a positive number (None: no cap)")
