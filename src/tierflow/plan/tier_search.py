@@ -36,6 +36,7 @@ from .tier_costs import (
 )
 from .streaming import TRANSFER_RESOURCES
 from .state_schedule import StoredStates
+from .tape_schedule import OffloadedTapes
 from .transfers import Transfers
 from .weight_schedule import StreamedWeights
 
@@ -190,7 +191,8 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
     held = tuple(_held(candidate, problem, state_of).items())
     plan = plan.with_transfers(Transfers(streamed_weights(candidate, problem, tier),
                                          stored_states(candidate, problem, state_of, tier),
-                                         _update_order(candidate, problem)))
+                                         _update_order(candidate, problem),
+                                         offloaded_tapes(candidate, problem, tier)))
     return TierPlan(replace(plan, notes=plan.notes + notes), candidate.states,
                     candidate.weights, candidate.streamed, update_pass, candidate.tapes,
                     candidate.tape_stages, candidate.depth, held, candidate.boundaries,
@@ -226,6 +228,19 @@ def stored_states(candidate: Candidate, problem: TierProblem, state_of: list[int
     read, write = TRANSFER_RESOURCES[candidate.states.name]
     return StoredStates(sizes, candidate.states.name, "ram" if tier == "ram" else "gpu", read,
                         write, read_ahead=candidate.depth > 0)
+
+
+def offloaded_tapes(candidate: Candidate, problem: TierProblem,
+                    tier: str) -> OffloadedTapes | None:
+    """The tapes ``candidate`` keeps on a lower tier between a stage's forward and its
+    backward (None: none), each its stage's activations (the weights a streamed stage's tape
+    holds stay with the streamer)."""
+    if candidate.tapes is None:
+        return None
+    read, write = TRANSFER_RESOURCES[candidate.tapes.name]
+    sizes = tuple((i, problem.costs.stages[i].tape) for i in sorted(candidate.tape_stages))
+    return OffloadedTapes(sizes, candidate.tapes.name, "ram" if tier == "ram" else "gpu", read,
+                          write, read_ahead=candidate.depth > 0)
 
 
 def _update_order(candidate: Candidate, problem: TierProblem) -> tuple[int, ...] | None:
