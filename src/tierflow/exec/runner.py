@@ -179,8 +179,6 @@ class StepRun:
         elif isinstance(op, Backward):
             if self.before_backward is not None:
                 self.before_backward(op.stage)
-            if self.boundaries is not None:
-                self._prefetch_next_checkpoints(position)
             with span(str(op), "compute"):
                 self._backward(op.stage)
         elif isinstance(op, Free):
@@ -196,15 +194,6 @@ class StepRun:
                 self.update(op.stage)
         if self.ledger is not None:
             self._account()
-
-    def _prefetch_next_checkpoints(self, position: int) -> None:
-        """Start reading back the checkpoints fetched before the next backward: they then
-        arrive while this one runs."""
-        for later in self.ops[position + 1:]:
-            if isinstance(later, Backward):
-                return
-            if isinstance(later, Fetch):
-                self.boundaries.prefetch(later.index)
 
     def _drop(self, i: int) -> None:
         """The plan's reference to x[i] is gone, in memory or stashed."""

@@ -1,20 +1,23 @@
 """Where each of a plan's transfer ops goes: a weights transfer to the streamer of the
 stages' weights, a states transfer to the optimizer that owns them, a tape transfer to the
-tapes' offload."""
+tapes' offload, a checkpoint's to the stash."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..plan.boundary_schedule import BOUNDARY
 from ..plan.ops import WEIGHTS, Transfer
 from ..plan.state_schedule import STATES
 from ..plan.tape_schedule import TAPE
+from .boundaries import BoundaryStash
 from .optimizer import OwnedOptimizer
 from .tapes import TapeOffload
 from .weights import WeightStreamer
 
 
 def transfer_to(weights: WeightStreamer | None, states: OwnedOptimizer | None,
-                tapes: TapeOffload | None = None) -> Callable[[Transfer], None]:
+                tapes: TapeOffload | None = None,
+                boundaries: BoundaryStash | None = None) -> Callable[[Transfer], None]:
     """The function that starts a transfer op on what moves its tensors."""
     def start(op: Transfer) -> None:
         if op.what == WEIGHTS:
@@ -23,6 +26,8 @@ def transfer_to(weights: WeightStreamer | None, states: OwnedOptimizer | None,
             states.dispatch(op)
         elif op.what == TAPE:
             tapes.dispatch(op)
+        elif op.what == BOUNDARY:
+            boundaries.dispatch(op)
         else:
             raise ValueError(f"{op}: nothing moves {op.what!r}")
     return start

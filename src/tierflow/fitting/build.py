@@ -92,7 +92,9 @@ def _with_run_notes(placed: TierPlan, request: FitRequest, start: FitStart) -> P
         moves = plan.transfers
         on_demand = replace(moves, weights=moves.weights and replace(moves.weights, depth=0),
                             states=moves.states and replace(moves.states, read_ahead=False),
-                            tapes=moves.tapes and replace(moves.tapes, read_ahead=False))
+                            tapes=moves.tapes and replace(moves.tapes, read_ahead=False),
+                            boundaries=moves.boundaries and replace(moves.boundaries,
+                                                                    read_ahead=False))
         plan = replace(plan.with_transfers(on_demand), notes=plan.notes + (
             f"every read runs on demand (serial_reads): the plan reads {placed.depth} stage(s) "
             "ahead, and its predicted step assumes it",))
