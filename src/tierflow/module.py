@@ -89,10 +89,12 @@ class TierflowModule(nn.Module):
 
     @property
     def plan(self) -> Plan:
+        """The plan this module runs: its ops, predicted peak and time (``explain()``)."""
         return self._plan
 
     @property
     def chain(self) -> Chain:
+        """The model cut into stages, as the plan runs them."""
         return self._chain
 
     @property
@@ -156,6 +158,7 @@ class TierflowModule(nn.Module):
         return self._update_pass
 
     def explain(self) -> str:
+        """The plan in words: what is kept, recomputed, streamed or offloaded, and why."""
         return self._plan.explain()
 
     def make_room(self, nbytes: int) -> None:
