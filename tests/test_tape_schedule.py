@@ -91,6 +91,8 @@ def test_the_plan_carries_its_tapes_through_json():
                                      ("Drop", 1), ("Drop", 0)]
     back = Plan.from_json(placed.to_json())
     assert back.ops == placed.ops and back.transfers == placed.transfers
+    assert back.decisions() == placed.decisions()
+    assert placed.decisions()["tapes"] == [0, 1] and placed.decisions()["tapes_home"] == "disk"
 
 
 def test_the_executor_writes_the_tapes_the_plan_stores_and_no_other(tmp_path, monkeypatch):
