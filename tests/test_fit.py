@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tierflow
+from tierflow.config import FitConfig
 from tierflow.exec.file_io import ALIGN
 from tierflow.plan import Plan
 from tierflow.plan.rotor import rotor, smallest_budget
@@ -138,18 +139,21 @@ def test_bad_budget_strings():
 
 def test_optimizer_states_on_disk_match_plain_adamw(tmp_path):
     """A budget that cannot hold the AdamW states beside the rest puts them on disk; the
-    parameters still follow plain AdamW, and the disk tier's files hold the states."""
+    parameters still follow plain AdamW, and the disk tier's files hold the states. (Whole
+    tapes: selective ones would make room for the states in memory.)"""
     model = tiny_hf("gpt2", layers=3, dropout=0.1)
     reference = copy.deepcopy(model)
     sample = hf_sample()
     make = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    whole = FitConfig(selective="never")
     tierflow.fit(model, sample, optimizer=make)  # warm: the runtime's first-use bytes are paid
-    resident = tierflow.fit(model, sample, optimizer=make).plan
+    resident = tierflow.fit(model, sample, optimizer=make, config=whole).plan
     states = resident.costs.extra["optimizer states"]
     budget = resident.predicted_peak - states * 9 // 10
     with pytest.raises(tierflow.BudgetError):
-        tierflow.fit(model, sample, optimizer=make, ram=budget)
-    module = tierflow.fit(model, sample, optimizer=make, ram=budget, disk=tmp_path)
+        tierflow.fit(model, sample, optimizer=make, ram=budget, config=whole)
+    module = tierflow.fit(model, sample, optimizer=make, ram=budget, disk=tmp_path,
+                          config=whole)
     assert module.plan.costs.extra["optimizer states on disk"] == states
     assert module.plan.predicted_peak <= budget
     train_side_by_side(module, reference, sample, make)

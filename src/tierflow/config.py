@@ -37,6 +37,9 @@ class FitConfig:
     # where the owned optimizer's states live: the planner's choice (auto), the compute tier,
     # the host RAM below a GPU (ZeRO-Offload's CPU offload) or the disk tier (NVMe offload)
     optimizer_states: str = "auto"
+    # taped forwards keep only their matmul and attention outputs and the backward recomputes
+    # the rest (exec/selective.py), where the planner finds it faster: auto/never/all
+    selective: str = "auto"
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
@@ -59,6 +62,9 @@ class FitConfig:
                              f"of {', '.join(STREAMING)}")
         if self.host_updates not in STREAMING:
             raise ValueError(f"host_updates {self.host_updates!r} is unknown: use one of "
+                             f"{', '.join(STREAMING)}")
+        if self.selective not in STREAMING:
+            raise ValueError(f"selective {self.selective!r} is unknown: use one of "
                              f"{', '.join(STREAMING)}")
         if self.optimizer_states not in STATES_TIERS:
             raise ValueError(f"optimizer_states {self.optimizer_states!r} is unknown: use one "

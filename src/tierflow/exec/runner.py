@@ -175,7 +175,7 @@ class StepRun:
         if isinstance(op, Forward):
             with span(str(op), "compute"):
                 store = self.tape_offload.take_armed(i) if self.tape_offload else None
-                self._forward(op.stage, op.tape, store)
+                self._forward(op.stage, op.tape, store, op.selective)
         elif isinstance(op, Backward):
             if self.before_backward is not None:
                 self.before_backward(op.stage)
@@ -201,8 +201,10 @@ class StepRun:
         if self.boundaries is not None:
             self.boundaries.forget(i)
 
-    def _forward(self, i: int, tape: bool, offload: Store | None = None) -> None:
-        """x[i+1] from x[i]; with ``tape`` keep stage i's tape, sent down by ``offload``."""
+    def _forward(self, i: int, tape: bool, offload: Store | None = None,
+                 selective: bool = False) -> None:
+        """x[i+1] from x[i]; with ``tape`` keep stage i's tape, sent down by ``offload``, or
+        only its matmul and attention outputs when ``selective``."""
         stage = self.chain.stages[i]
         x = self.x[i] if i in self.x else self.tapes[i].xin.detach()
         self.x.pop(i + 1, None)  # a recomputation replaces the previous x[i+1]
@@ -218,7 +220,7 @@ class StepRun:
                 input_grad = i in self.input_grads if i > 0 else self.input_requires_grad
                 hooks = self.tape_offload.hooks(offload) if offload else None
                 taped = forward_taped(stage, x, self.ctx, self.autocast, input_grad=input_grad,
-                                      offload=hooks)
+                                      offload=hooks, selective=selective)
                 self.tapes[i] = taped
                 self.x[i + 1] = taped.y.detach()
             else:

@@ -14,6 +14,7 @@ from torch import nn
 from .compile import is_compiled
 from .context import AutocastMode
 from .recast import FrozenCasts, WeightCast, weight_cast
+from .selective import run_selective
 from .storage import storage_bytes, storage_key
 
 
@@ -68,15 +69,25 @@ def as_leaf(x: torch.Tensor, needs_grad: bool) -> torch.Tensor:
 
 
 def forward_taped(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
-                  *, input_grad: bool, offload: tuple[Any, Any] | None = None) -> Taped:
+                  *, input_grad: bool, offload: tuple[Any, Any] | None = None,
+                  selective: bool = False) -> Taped:
     """Forward with autograd; the graph reaches back only to ``xin`` and the parameters.
     ``offload``: (pack, unpack) hooks that may move saved tensors to a lower tier (see
     exec/tapes.py); what they keep in memory is what the tape holds. Casts of the stage's
-    weights are left out of the tape and made again in backward (exec/recast.py)."""
+    weights are left out of the tape and made again in backward (exec/recast.py).
+    ``selective``: keep only the outputs of the stage's matmuls and attention and recompute
+    the rest in its backward (exec/selective.py); it excludes ``offload`` and a compiled
+    stage, whose hooks and kernels never see what it keeps."""
+    if selective and (offload is not None or is_compiled(stage)):
+        raise ValueError(f"stage {type(stage).__name__}: a selective forward keeps its tape "
+                         "in the checkpoint's cache, which "
+                         + ("offload hooks never see" if offload is not None
+                            else "a compiled stage's kernels never see"))
     recorder = _SavedRecorder()
     move, fetch = offload if offload is not None else (None, recorder.unpack)
     params = {id(p) for p in stage.parameters()}
-    frozen = FrozenCasts.of(stage, autocast) if not is_compiled(stage) else None
+    # a selective forward recomputes casts of frozen weights like the rest: none to watch
+    frozen = FrozenCasts.of(stage, autocast) if not (is_compiled(stage) or selective) else None
 
     def pack(t: torch.Tensor) -> Any:
         cast = weight_cast(t, params, frozen)
@@ -91,7 +102,11 @@ def forward_taped(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autoca
     xin = as_leaf(x, input_grad)
     with torch.enable_grad(), autocast(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
             frozen if frozen is not None else contextlib.nullcontext():
-        y = stage(xin, ctx)
+        if selective:
+            y, policy = run_selective(stage, xin, ctx)
+            recorder.saved.update(policy.saved)
+        else:
+            y = stage(xin, ctx)
     _check_output(stage, y)
     return Taped(xin, y, recorder.saved)
 

@@ -17,7 +17,7 @@ from ..exec.compile import compile_chain
 from ..exec.context import untouched
 from ..exec.memory import caching_allocator, meter_for, return_free_memory
 from ..exec.stage_call import context_tensors, storage_key
-from ..plan.choose import make_plan
+from ..plan.choose import fastest_plan
 from ..plan.costs import ChainCosts
 from ..plan.tier_candidates import UpdateRates
 from ..plan.tier_search import LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK, TierPlan, auto_head_chunk
@@ -81,7 +81,8 @@ def _profile_and_plan(model: nn.Module, sample: Any, request: FitRequest, start:
                                             resident=offloaded.resident if offloaded else None,
                                             repeats=config.profile_repeats, log=say,
                                             timing=caching_allocator if start.exact_host
-                                            else None)
+                                            else None,
+                                            selective=config.selective != "never")
     # what running the model left resident (kernel caches, compiled code, allocator slack; on
     # CUDA the cuBLAS workspaces of the forward's and the autograd thread's handles, 32 MiB
     # each on an H100): it stays for the whole run, so it is planned as static
@@ -90,7 +91,7 @@ def _profile_and_plan(model: nn.Module, sample: Any, request: FitRequest, start:
     runtime = max(0, meter.current() - start.before)
     costs = _chain_costs(model, x0, ctx, stage_costs, shared, runtime, request, start)
     if rates is None:
-        return chain, TierPlan(make_plan(costs, start.budget, config, tier=start.tier), None)
+        return chain, TierPlan(fastest_plan(costs, start.budget, config, tier=start.tier), None)
     tiers = PlacedTiers(start.tier, tuple(start.lower), start.weights_from, request.deferred,
                         request.grad_accum, config)
     return chain, place(costs, chain, rates(), start.budget, tiers)

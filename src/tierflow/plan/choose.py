@@ -7,6 +7,7 @@ from ..units import format_bytes
 from .costs import ChainCosts
 from .plan import Plan
 from .rotor import Infeasible, rotor, smallest_budget
+from .selective import mark_selective, selectable, selective_costs
 from .simulate import simulate
 from .strategies import checkpoint_all, keep_all
 
@@ -15,14 +16,15 @@ def make_plan(costs: ChainCosts, budget: int | None, config: FitConfig, *,
               tier: str = "ram") -> Plan:
     """The plan for ``costs`` under ``budget`` bytes of the compute tier (None: unlimited).
 
-    Raises BudgetError naming the smallest budget that works when nothing fits.
+    Raises BudgetError naming the smallest budget that works when nothing fits. The taped
+    forwards of the stages the costs price as selective run selectively.
     """
     keep = keep_all(costs)
     keep_peak = simulate(costs, keep).peak
     if budget is None:
         ops = checkpoint_all(costs) if config.planner == "checkpoint-all" else keep
-        return Plan(config.planner if config.planner != "auto" else "keep-all", tuple(ops), costs,
-                    None, ("no budget was given, so nothing needs to be recomputed",)
+        return Plan(config.planner if config.planner != "auto" else "keep-all",
+                    _marked(costs, ops), costs, None, ("no budget was given, so nothing needs to be recomputed",)
                     if ops is keep else ())
     usable = int(budget * (1.0 - config.headroom)) - costs.static_bytes
     if config.planner in ("keep-all", "checkpoint-all"):
@@ -33,10 +35,10 @@ def make_plan(costs: ChainCosts, budget: int | None, config: FitConfig, *,
             _raise(tier, budget, costs, peak, config,
                    hint=f"or use planner='rotor', which needs at least "
                         f"{format_bytes(least, round_up=True)}")
-        return Plan(config.planner, tuple(ops), costs, budget,
+        return Plan(config.planner, _marked(costs, ops), costs, budget,
                     (f"planner '{config.planner}' was asked for",))
     if config.planner == "auto" and keep_peak <= usable:
-        return Plan("keep-all", tuple(keep), costs, budget,
+        return Plan("keep-all", _marked(costs, keep), costs, budget,
                     (f"keeping every activation needs {format_bytes(keep_peak)}, within the "
                      f"{format_bytes(usable)} left for activations",))
     try:
@@ -45,7 +47,7 @@ def make_plan(costs: ChainCosts, budget: int | None, config: FitConfig, *,
         _raise(tier, budget, costs, e.smallest, config)
     sim = simulate(costs, ops)
     base = simulate(costs, keep).time
-    return Plan("rotor", tuple(ops), costs, budget,
+    return Plan("rotor", _marked(costs, ops), costs, budget,
                 (f"keeping every activation would need {format_bytes(keep_peak)} but "
                  f"{format_bytes(max(usable, 0))} is left for activations after "
                  f"{format_bytes(costs.static_bytes)} of parameters and optimizer states; rotor "
@@ -54,9 +56,34 @@ def make_plan(costs: ChainCosts, budget: int | None, config: FitConfig, *,
                  f"{format_bytes(keep_peak - sim.peak)} less memory)",))
 
 
+def fastest_plan(costs: ChainCosts, budget: int | None, config: FitConfig, *,
+                 tier: str = "ram") -> Plan:
+    """``make_plan`` of ``costs`` and of their selective variant (every stage that has one
+    runs selectively), as ``config.selective`` allows: the faster that fits; the whole
+    tapes' plan on a tie. The BudgetError of the one that came closer if neither fits."""
+    stages = selectable(costs)
+    variants = [costs] if config.selective != "all" or not stages else []
+    if config.selective != "never" and stages:
+        variants.append(selective_costs(costs, stages))
+    plans, errors = [], []
+    for variant in variants:
+        try:
+            plans.append(make_plan(variant, budget, config, tier=tier))
+        except BudgetError as e:
+            errors.append(e)
+    if not plans:
+        raise min(errors, key=lambda e: e.smallest)
+    return min(plans, key=lambda plan: plan.predicted_time)
+
+
 def budget_for(costs: ChainCosts, activations: int, config: FitConfig) -> int:
     """The tier budget needed for a given activation peak, headroom included."""
     return int((costs.static_bytes + activations) / (1.0 - config.headroom)) + 1
+
+
+def _marked(costs: ChainCosts, ops: list) -> tuple:
+    """``ops`` with the taped forwards of the stages ``costs`` price as selective marked so."""
+    return mark_selective(ops, set(costs.selective))
 
 
 def _raise(tier: str, budget: int, costs: ChainCosts, activations: int, config: FitConfig,

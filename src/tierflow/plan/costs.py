@@ -9,6 +9,24 @@ from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass(frozen=True)
+class SelectiveCost:
+    """Stage i's taped forward run selectively (exec/selective.py): it keeps the outputs of
+    its matmuls and attention and its backward first recomputes the rest from them. ``tape``
+    replaces the stage's tape, ``recompute_time`` adds to its backward, and the transients
+    replace its taped forward's and its backward's (the backward holds what it recomputes)."""
+
+    tape: int
+    recompute_time: float
+    fwd_transient: int
+    bwd_transient: int
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if getattr(self, f.name) < 0:
+                raise ValueError(f"SelectiveCost: {f.name}={getattr(self, f.name)} must be >= 0")
+
+
+@dataclass(frozen=True)
 class StageCost:
     """What running stage i costs.
 
@@ -40,6 +58,9 @@ class StageCost:
     # False when nothing in this stage or before it trains (nor needs the input's gradient):
     # its forward keeps no tape and it has no backward (plan/forward_only.py)
     needs_backward: bool = True
+    # its taped forward run selectively (None: not measured, or it would keep nothing: a
+    # stage without matmuls that autograd records)
+    selective: SelectiveCost | None = None
 
     @property
     def weight_bytes(self) -> int:
@@ -76,6 +97,9 @@ class ChainCosts:
     stashable: tuple[int, ...] = ()
     # bytes per second of each resource a plan's transfers use ("disk read", "copy up", ...)
     bandwidths: dict = field(default_factory=dict)
+    # the stages whose tape, backward and transients are their selective variant's: every
+    # taped forward of theirs runs selectively (plan/selective.py)
+    selective: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict)  # free-form facts for explain(): dtype, shapes
 
     @property
@@ -92,11 +116,13 @@ class ChainCosts:
                 "static_bytes": self.static_bytes, "optimizer_owned": self.optimizer_owned,
                 "shared_grad_bytes": self.shared_grad_bytes,
                 "grads_resident": self.grads_resident, "stashable": list(self.stashable),
-                "bandwidths": dict(self.bandwidths), "extra": dict(self.extra)}
+                "bandwidths": dict(self.bandwidths), "selective": list(self.selective),
+                "extra": dict(self.extra)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ChainCosts":
-        stages = tuple(StageCost(**s) for s in data["stages"])
+        stages = tuple(StageCost(**{**s, "selective": SelectiveCost(**s["selective"])
+                                    if s.get("selective") else None}) for s in data["stages"])
         return cls(stages=stages, input_bytes=data["input_bytes"],
                    context_bytes=data.get("context_bytes", 0),
                    static_bytes=data.get("static_bytes", 0),
@@ -105,4 +131,5 @@ class ChainCosts:
                    grads_resident=data.get("grads_resident", False),
                    stashable=tuple(data.get("stashable", ())),
                    bandwidths=dict(data.get("bandwidths", {})),
+                   selective=tuple(data.get("selective", ())),
                    extra=dict(data.get("extra", {})))

@@ -3,7 +3,9 @@
 Values: x[i] is the input of stage i (x[0] the caller's input, x[L] the chain's output),
 tape[i] what stage i's forward kept for its backward, grad[i] the gradient of x[i].
 
-- ``Forward(i, tape)``: compute x[i+1] from x[i]; with ``tape`` keep tape[i] for backward.
+- ``Forward(i, tape, selective)``: compute x[i+1] from x[i]; with ``tape`` keep tape[i] for
+  backward, with ``selective`` only its matmul and attention outputs (the backward
+  recomputes the rest: exec/selective.py).
 - ``Backward(i)``: from tape[i] and grad[i+1] compute grad[i] and stage i's parameter
   gradients; consumes tape[i], grad[i+1] and the plan's references to x[i] and x[i+1].
 - ``Free(i)``: drop the plan's reference to x[i] (a checkpoint no longer needed).
@@ -34,12 +36,18 @@ from typing import Union
 class Forward:
     stage: int
     tape: bool
+    selective: bool = False  # the tape keeps only the matmul and attention outputs
+
+    def __post_init__(self) -> None:
+        if self.selective and not self.tape:
+            raise ValueError(f"Forward({self.stage}): selective without a tape")
 
     def to_dict(self) -> dict:
-        return {"op": "forward", "stage": self.stage, "tape": self.tape}
+        return {"op": "forward", "stage": self.stage, "tape": self.tape,
+                "selective": self.selective}
 
     def __str__(self) -> str:
-        return f"F{'all' if self.tape else ''}({self.stage})"
+        return f"F{'sel' if self.selective else 'all' if self.tape else ''}({self.stage})"
 
 
 @dataclass(frozen=True)
@@ -164,7 +172,7 @@ def op_from_dict(data: dict) -> Op:
     """Inverse of ``op.to_dict()``; raises ValueError naming an unknown op."""
     kind = data.get("op")
     if kind == "forward":
-        return Forward(int(data["stage"]), bool(data["tape"]))
+        return Forward(int(data["stage"]), bool(data["tape"]), bool(data["selective"]))
     if kind == "backward":
         return Backward(int(data["stage"]))
     if kind == "free":

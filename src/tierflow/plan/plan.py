@@ -25,6 +25,7 @@ from .ops import (
     forward_phase_length,
     op_from_dict,
 )
+from .selective import check_selective
 from .simulate import Simulation, check_complete, simulate
 from .timeline import Timeline, timeline
 from .state_schedule import first_read, with_state_transfers
@@ -33,7 +34,7 @@ from .tape_schedule import with_tape_transfers
 from .transfers import Transfers
 from .weight_schedule import WeightSchedule, check_schedule, schedule_weights
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         check_complete(self.costs, self.ops)
+        check_selective(self.costs, self.ops)
         weights = self.transfers.weights if self.transfers else None
         if weights is not None:
             r = self.routines
@@ -165,6 +167,7 @@ class Plan:
         moves = self.transfers or Transfers()
         weights, states, tapes = moves.weights, moves.states, moves.tapes
         return {"strategy": self.strategy, "recomputed": self.recomputed_stages(),
+                "selective": list(self.costs.selective),
                 "stashed": self.stashed_boundaries(),
                 "streamed": sorted(weights.stages) if weights else [],
                 "weights_home": weights.home if weights else None,
@@ -234,6 +237,10 @@ class Plan:
             lines.append(f"  forward only, once (nothing in or before them trains): "
                          f"{_names(names[:prefix])}")
         lines.append(f"  kept for backward on the first forward: {_names(kept)}")
+        if c.selective:
+            lines.append(f"  selective (their tapes keep the matmul and attention outputs; "
+                         f"the backward recomputes the rest): "
+                         f"{_names([names[i] for i in c.selective])}")
         if recomputed:
             lines.append(f"  recomputed during backward: {_names(recomputed)}; "
                          f"their inputs are kept as checkpoints: "

@@ -26,6 +26,7 @@ from .tier_costs import (
     states_below,
     updated_on_host,
     with_offloaded_tapes,
+    with_selective,
     with_stashed_boundaries,
 )
 
@@ -113,7 +114,8 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
                 tier: str, depth: int) -> list[Candidate]:
     """The placements read ``depth`` stages ahead: the optimizer states on the compute tier
     or on each lower tier, with the weights of the largest stages (or all) streamed from a
-    lower tier too, and each of those with its tapes offloaded."""
+    lower tier too, and each of those run selectively, with its tapes offloaded (of the
+    stages not selective) and its checkpoints stashable."""
     candidates: list[Candidate] = []
     base = problem.costs
     ahead = f"read {depth} stages ahead of use" if depth else "read when needed"
@@ -155,6 +157,8 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
                     candidates.append(streams)
                 if hosted is not None:
                     candidates.append(hosted)
+    if config.selective != "never":
+        candidates = with_selective(candidates, config)
     if problem.lower and config.offload_tapes != "never":
         candidates = with_offloaded_tapes(candidates, problem.lower[0], config,
                                           problem.min_tape_bytes)

@@ -14,6 +14,7 @@ from ..config import FitConfig
 from ..units import format_bytes
 from .boundary_stash import stashable_boundaries, stashed_boundary_costs
 from .costs import ChainCosts
+from .selective import selectable, selective_costs
 from .streaming import TRANSFER_RESOURCES
 from .tape_offload import activation_tape, offloaded_tape_costs
 
@@ -71,8 +72,8 @@ def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier, config: F
     with ``offload_tapes='all'``)."""
     out = [] if config.offload_tapes == "all" else list(candidates)
     for c in candidates:
-        stages = frozenset(i for i in range(c.costs.length)
-                           if activation_tape(c.costs, i, c.streamed) >= min_bytes)
+        stages = frozenset(i for i in range(c.costs.length) if i not in c.costs.selective
+                           and activation_tape(c.costs, i, c.streamed) >= min_bytes)
         if not stages:
             continue
         costs = offloaded_tape_costs(c.costs, set(stages), home=tier.name,
@@ -86,6 +87,26 @@ def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier, config: F
                f"the forward saves them and come back {back}, instead of being recomputed")
         out.append(replace(c, costs=costs, notes=c.notes + (why,), tapes=tier,
                            tape_stages=stages))
+    return out
+
+
+def with_selective(candidates: list[Candidate], config: FitConfig) -> list[Candidate]:
+    """Each candidate also with every stage that has a selective variant run selectively
+    (only those with ``selective='all'``; a candidate without such a stage stays as it is)."""
+    out = [] if config.selective == "all" else list(candidates)
+    for c in candidates:
+        stages = selectable(c.costs)
+        if not stages:
+            if config.selective == "all":
+                out.append(c)
+            continue
+        costs = selective_costs(c.costs, stages)
+        why = (f"{len(stages)} stages run their taped forwards selectively: they keep their "
+               f"matmul and attention outputs and recompute the rest in their backward "
+               f"({format_bytes(costs.extra['selective tape savings'])} less tape in all, "
+               f"{sum(c.costs.stages[i].selective.recompute_time for i in stages):.2f} s "
+               "more backward)")
+        out.append(replace(c, costs=costs, notes=c.notes + (why,)))
     return out
 
 

@@ -10,7 +10,8 @@ ahead, so that their reads overlap it. After an op, a stage's weights are:
   step (the stages updated last are the first the next forward runs: their reads would
   have no compute beside them, so they stay, in the buffers reading ahead uses);
 - dropped after an update the optimizer ran on their copy in host RAM (stale here), and
-  after any other op, unless the stage's tape is in memory (it holds them) or the stage is
+  after any other op, unless the stage's tape is in memory (it holds them, unless the
+  forward was selective) or the stage is
   the next streamed one used (its next op follows at once).
 
 The ops of one micro-batch run from the step's boundary state (what is in memory between
@@ -191,7 +192,8 @@ def _step(ops: Sequence[Op], streamed: StreamedWeights,
         for j in _ahead(ops[position + 1:], streamed, running=i):
             memory.load(j)
         memory.out.append(op)
-        if isinstance(op, Forward) and op.tape and position not in below:
+        # a selective tape keeps no weights: its recomputation reads them after their Load
+        if isinstance(op, Forward) and op.tape and not op.selective and position not in below:
             taped.add(op.stage)
         elif isinstance(op, Backward):
             taped.discard(op.stage)

@@ -10,7 +10,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -20,9 +20,10 @@ from ..chain.base import Chain
 from ..exec.compile import is_compiled
 from ..exec.context import AutocastMode
 from ..exec.memory import DeviceMeter, HostMeter
+from ..exec.selective import SelectiveUnsupported
 from ..exec.stage_call import context_tensors, forward_plain, forward_taped, storage_key, tape_bytes
 from ..exec.weights import stage_parameters_to_stream
-from ..plan.costs import StageCost
+from ..plan.costs import SelectiveCost, StageCost
 from .tensor_ledger import TensorLedger
 
 
@@ -39,6 +40,7 @@ class _Measured:
     fwd_transient_nograd: int
     bwd_transient: int
     largest_block: int  # the largest tensor the round allocated (0: no ledger counted it)
+    selective: SelectiveCost | None = None  # its taped forward run selectively
 
 
 _CACHE: dict[tuple, _Measured] = {}
@@ -51,12 +53,14 @@ def stage_parameters(stage: nn.Module) -> list[nn.Parameter]:
 def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
                   meter: HostMeter | DeviceMeter, *, repeats: int = 2,
                   log: Any = None, resident: Callable[[list[nn.Parameter]], Any] | None = None,
-                  timing: Callable[[], Any] | None = None) -> tuple[list[StageCost], int]:
+                  timing: Callable[[], Any] | None = None,
+                  selective: bool = True) -> tuple[list[StageCost], int]:
     """Costs of every stage (parameter bytes are those the stage alone uses) and the bytes of
     gradients of parameters shared between stages (tied embeddings). ``resident(params)``,
     when given, is a context that holds a stage's weights while it runs (a model whose
     weights start on disk). ``timing``, when given, is a context to time the stages in (the
-    allocator the steps will use, when memory is measured under another)."""
+    allocator the steps will use, when memory is measured under another). ``selective``:
+    also measure each stage's taped forward run selectively (exec/selective.py)."""
     resident = resident or (lambda params: contextlib.nullcontext())
     owners = _parameter_users(chain)
     shared = {key for key, users in owners.items() if len(users) > 1}
@@ -77,13 +81,14 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
     for i, stage in enumerate(chain.stages):
         input_grad = x.is_floating_point() and trains
         trains = trains or any(p.requires_grad for p in stage.parameters())
-        key = (chain.signatures[i], tuple(x.shape), x.dtype, str(x.device), autocast, input_grad)
+        key = (chain.signatures[i], tuple(x.shape), x.dtype, str(x.device), autocast, input_grad,
+               selective)
         fresh = key not in _CACHE
         if fresh:
             started = time.perf_counter()
             with resident(list(stage.parameters())):
                 _CACHE[key] = _measure(stage, x, ctx, autocast, meter, held, input_grad,
-                                       repeats, timing)
+                                       repeats, timing, selective)
             if log is not None:
                 log(f"profiled {chain.names[i]} in {time.perf_counter() - started:.1f} s")
         m = _CACHE[key]
@@ -103,7 +108,7 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
                                fwd_transient_nograd=m.fwd_transient_nograd,
                                bwd_transient=m.bwd_transient, input_grad=input_grad,
                                largest_block=m.largest_block, frozen_bytes=frozen[i],
-                               needs_backward=trains))
+                               needs_backward=trains, selective=m.selective))
         if i + 1 < len(chain.stages):
             with resident(list(stage.parameters())):
                 x = forward_plain(stage, x, ctx, autocast)
@@ -112,7 +117,29 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
 
 def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
              meter: HostMeter | DeviceMeter, held: set[int], input_grad: bool,
-             repeats: int, timing: Callable[[], Any] | None) -> _Measured:
+             repeats: int, timing: Callable[[], Any] | None, selective: bool) -> _Measured:
+    """The stage's rounds (``_rounds``) and, when ``selective`` and the stage is not compiled,
+    those of its selective variant: kept when the stage can run so (``SelectiveUnsupported``),
+    keeps something (a stage without matmuls that autograd records would recompute all of
+    itself) and less than the whole tape. Its
+    recomputation is what its backward takes beyond the whole tape's backward."""
+    whole = _rounds(stage, x, ctx, autocast, meter, held, input_grad, repeats, timing, False)
+    if not selective or is_compiled(stage):
+        return whole
+    try:
+        part = _rounds(stage, x, ctx, autocast, meter, held, input_grad, repeats, timing, True)
+    except SelectiveUnsupported:
+        return whole
+    if not 0 < part.tape < whole.tape:
+        return whole
+    return replace(whole, selective=SelectiveCost(
+        tape=part.tape, recompute_time=max(0.0, part.bwd_time - whole.bwd_time),
+        fwd_transient=part.fwd_transient, bwd_transient=part.bwd_transient))
+
+
+def _rounds(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
+            meter: HostMeter | DeviceMeter, held: set[int], input_grad: bool,
+            repeats: int, timing: Callable[[], Any] | None, selective: bool) -> _Measured:
     """Memory from ``repeats`` rounds after a warm-up round; times from the same rounds, or,
     when ``timing`` is given (a context that sets the allocator the steps will run with),
     from ``repeats`` rounds inside it after one more warm-up round. Memory measured apart
@@ -120,7 +147,7 @@ def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: A
     counted = timing is not None and isinstance(meter, HostMeter) and not is_compiled(stage)
     ledger = TensorLedger() if counted else None
     run = lambda counter: measure_round(stage, x, ctx, autocast, meter, held,  # noqa: E731
-                                        input_grad, counter)
+                                        input_grad, counter, selective)
     with ledger if ledger is not None else contextlib.nullcontext():
         memory = [run(ledger) for _ in range(repeats + 1)][1:]
     timed = memory
@@ -161,10 +188,12 @@ class _Window:
 
 def measure_round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any],
                   autocast: AutocastMode, meter: HostMeter | DeviceMeter, held: set[int],
-                  input_grad: bool, ledger: TensorLedger | None) -> _Measured:
+                  input_grad: bool, ledger: TensorLedger | None,
+                  selective: bool = False) -> _Measured:
     """One round of ``stage`` on ``x``: a forward without a tape, one with (``held``: the
-    storages that are no tape, such as parameters) and its backward, timed and measured by
-    ``meter`` and, when given, ``ledger`` (whose dispatch mode must be active)."""
+    storages that are no tape, such as parameters; ``selective``: run selectively) and its
+    backward, timed and measured by ``meter`` and, when given, ``ledger`` (whose dispatch
+    mode must be active)."""
     params = stage_parameters(stage)
     window = _Window(meter, ledger)
     y = forward_plain(stage, x, ctx, autocast)
@@ -175,7 +204,7 @@ def measure_round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any],
 
     window = _Window(meter, ledger)
     start = time.perf_counter()
-    taped = forward_taped(stage, x, ctx, autocast, input_grad=input_grad)
+    taped = forward_taped(stage, x, ctx, autocast, input_grad=input_grad, selective=selective)
     meter.finish()
     fwd_time = time.perf_counter() - start
     tape = tape_bytes(taped, held)

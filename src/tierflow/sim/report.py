@@ -41,7 +41,9 @@ def plan_text(pred: Prediction, hw: Hardware) -> str:
         ("optimizer states", pl.describe("optimizer")
          + (", updated on the host" if pl.optimizer.resident < pl.stages and hw.has_gpu
             else "")),
-        ("activations", acts[pl.activations]),
+        ("activations", acts[pl.activations]
+         + (f"; {pl.selective} stages selective (matmul and attention outputs kept, the rest "
+            "recomputed in their backward)" if pl.selective else "")),
     ]
     rows += [(f"peak {tier}", f"{format_bytes(peak)} of {_budget(pl.budgets[tier])}")
              for tier, peak in pl.peaks.items()]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan.costs import ChainCosts, StageCost
+from ..plan.costs import ChainCosts, SelectiveCost, StageCost
 from ..precision.config import PrecisionConfig
 from ..profile.head_chunk import HEAD_TRANSIENT
 from .hardware import Hardware, effective_attention_flops, effective_flops
@@ -26,6 +26,14 @@ from .shapes import ModelShape
 # matmuls save are left out of the tape and made again in backward: exec/recast.py).
 # "low" (bf16 everywhere, fused kernels) is DESIGN's 12h + 4kv + 6i less the 2h input.
 ACTIVATION_COEFFS = {"fp32": (28, 8, 16), "autocast": (26, 4, 8), "low": (10, 4, 6)}
+# What a selective forward keeps of it (exec/selective.py): the matmul and attention outputs,
+# per token q and attention's output (h each), k and v (kv each), the output projection's and
+# the MLP down projection's (h each; their consumers are residual adds, but a kept op is
+# kept whoever reads it), the gate and up projections (i each; a plain MLP's one, half):
+# 4h + 2kv + 2i elements, in the matmuls' dtype (bf16 under autocast), and attention's
+# log-sum-exp (the 4 bytes per head of ``layer_activation_bytes``). The norms, rotary
+# embeddings, activations and residual adds are recomputed.
+SELECTIVE_COEFFS = {"fp32": (16, 8, 8), "autocast": (8, 4, 4), "low": (8, 4, 4)}
 # Element-wise traffic of a stage, as (forward, backward) multiples of the activation bytes
 # it keeps: eager PyTorch writes and reads them about twice in the forward and four times in
 # the backward; fused GPU kernels ("low") about half of that.
@@ -98,9 +106,11 @@ def head_factor(sel: Selection) -> float:
     return 1.0 + sel.input_grad(last) + sel.head_weight_trains
 
 
-def layer_activation_bytes(shape: ModelShape, step: StepShape, regime: str) -> int:
-    """Bytes one decoder layer keeps for backward beyond its input and output."""
-    ch, ckv, ci = ACTIVATION_COEFFS[regime]
+def layer_activation_bytes(shape: ModelShape, step: StepShape, regime: str,
+                           selective: bool = False) -> int:
+    """Bytes one decoder layer keeps for backward beyond its input and output (``selective``:
+    those of a selective forward, ``SELECTIVE_COEFFS``)."""
+    ch, ckv, ci = (SELECTIVE_COEFFS if selective else ACTIVATION_COEFFS)[regime]
     ci = ci if shape.gated else ci / 2
     per_token = ch * shape.hidden + ckv * shape.kv_width + ci * shape.mlp + 4 * shape.heads + 8
     return int(per_token * step.tokens)
@@ -171,6 +181,11 @@ def chain_costs(shape: ModelShape, step: StepShape, precision: PrecisionConfig, 
                 "input_grad": sel.input_grad(i), "needs_backward": sel.needs_backward(i)}
 
     layer_tape = layer_activation_bytes(shape, step, regime)
+    kept = layer_activation_bytes(shape, step, regime, selective=True)
+    # a selective backward first runs the forward's element-wise work (and weight casts)
+    # again, its matmuls and attention read from the tape, and holds what it recomputed
+    selective = SelectiveCost(kept, fwd_bytes / memory, fwd_transient=casts,
+                              bwd_transient=casts + layer_tape - kept)
 
     def layer(i: int) -> StageCost:
         dense, attention = layer_factors(shape, sel, i)
@@ -179,7 +194,8 @@ def chain_costs(shape: ModelShape, step: StepShape, precision: PrecisionConfig, 
                          + fwd_bytes / memory,
                          backward + bwd_bytes / memory if sel.needs_backward(i) else 0.0,
                          output_bytes=x_bytes, tape=layer_tape, fwd_transient=casts,
-                         fwd_transient_nograd=casts, **trains(i, shape.layer_params()))
+                         fwd_transient_nograd=casts, selective=selective,
+                         **trains(i, shape.layer_params()))
 
     tied = shape.vocab * shape.hidden if shape.tied else 0  # shared: in neither stage
     embed = StageCost("embed", x_bytes / memory,

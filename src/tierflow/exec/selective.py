@@ -1,0 +1,111 @@
+"""Selective recomputation inside a stage: its taped forward keeps the outputs of its matmuls
+and attention and drops everything else (norms, activations, rotary embeddings, residual adds
+and other element-wise work), which its backward recomputes from what was kept.
+
+PyTorch's own mechanism runs it: ``torch.utils.checkpoint`` without reentrancy, under the
+dispatch modes of ``create_selective_checkpoint_contexts`` and the policy ``KeepMatmuls``.
+What the stage saves for backward is then a cache of the kept outputs, held by the
+checkpoint's frame, not tensors packed by the caller's ``saved_tensors_hooks``: the policy
+itself records the bytes it keeps, which are the stage's tape. Weight casts (exec/recast.py)
+are recomputed like any other cheap op, and offload hooks (exec/tapes.py) never see the
+cache, so an offloaded tape and a selective forward exclude each other.
+
+A stage that changes a kept output in place later in its forward (an in-place ReLU after a
+batch norm) cannot run selectively: the recomputation would read the changed values.
+``run_selective`` raises ``SelectiveUnsupported`` at the end of such a forward, before any
+backward, and the profiler then measures no selective variant for it.
+
+Exactness: the checkpoint restores the forward's RNG state for the recomputation
+(``preserve_rng_state``), and an op that draws random numbers (attention with dropout) is
+never kept, so the recomputation draws the same numbers in the same order. Batch norm with
+running statistics is kept rather than run again, so the statistics move once per forward,
+as in plain autograd.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from .storage import storage_bytes, storage_key
+
+aten = torch.ops.aten
+# the expensive ops: their outputs are kept
+MATMULS = frozenset({
+    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+    aten._scaled_mm.default, aten._int_mm.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+    aten._flash_attention_forward.default, aten._efficient_attention_forward.default,
+})
+# ops that update state outside the stage (running statistics): kept, never run twice
+STATEFUL = frozenset({
+    aten._native_batch_norm_legit.default, aten.native_batch_norm.default,
+    aten.cudnn_batch_norm.default, aten._batch_norm_with_update.default,
+})
+
+
+class SelectiveUnsupported(ValueError):
+    """The stage changed one of its kept outputs in place: it cannot run selectively."""
+
+
+class KeepMatmuls:
+    """The selective policy: keep the outputs of ``MATMULS`` that autograd records (grad
+    mode on: the ops inside a custom ``autograd.Function``'s forward record nothing) and draw
+    no random numbers, and of ``STATEFUL`` ops; recompute the rest. ``saved`` notes the
+    storages kept (key -> bytes), which are the stage's tape; ``kept`` each kept tensor
+    with its version while the forward runs."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, int] = {}
+        self.kept: list[tuple[torch.Tensor, int]] = []
+
+    def __call__(self, ctx: SelectiveCheckpointContext, op: Any, *args: Any,
+                 **kwargs: Any) -> CheckpointPolicy:
+        keep = op in STATEFUL or (op in MATMULS and torch.is_grad_enabled()
+                                  and not _draws_random(op, args, kwargs))
+        if not keep:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        for t in tree_leaves(ctx.op_output):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self.saved[storage_key(t)] = storage_bytes(t)
+                self.kept.append((t, t._version))
+        return CheckpointPolicy.MUST_SAVE
+
+
+def _draws_random(op: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether ``op`` called with these arguments uses dropout (attention with dropout_p)."""
+    names = [a.name for a in op._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    at = names.index("dropout_p")
+    p = kwargs.get("dropout_p", args[at] if at < len(args) else 0.0)
+    return float(p) > 0.0
+
+
+def run_selective(stage: Callable[..., torch.Tensor], x: torch.Tensor,
+                  ctx: dict[str, Any]) -> tuple[torch.Tensor, KeepMatmuls]:
+    """``stage(x, ctx)`` with autograd, keeping only what ``KeepMatmuls`` keeps; returns the
+    output and the policy (its ``saved``: the bytes kept). Run it under the grad mode,
+    autocast and hooks of the taped forward: the recomputation re-enters the same autocast.
+    ``SelectiveUnsupported`` if the forward changed a kept output in place."""
+    policy = KeepMatmuls()
+    contexts = functools.partial(create_selective_checkpoint_contexts, policy)
+    y = checkpoint(stage, x, ctx, use_reentrant=False, context_fn=contexts,
+                   preserve_rng_state=True)
+    changed = any(t._version != version for t, version in policy.kept)
+    policy.kept.clear()  # the outputs themselves, which hold their autograd nodes
+    if changed:
+        raise SelectiveUnsupported(f"{type(stage).__name__} changes the output of a matmul "
+                                   "or batch norm in place: it cannot run selectively")
+    return y, policy
