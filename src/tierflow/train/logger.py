@@ -70,8 +70,8 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
     when updates are deferred: its time is part of the step and its peak may be the step's.
     Under torchrun ``dist`` holds ``world_size``, ``backend``, ``bus_bandwidth`` (bytes/s),
     ``comm_bytes``, ``predicted_comm_s`` and ``replicas`` (True: every rank holds every
-    state, ``--disk``; False: ZeRO-2 shards); every figure is this rank's (budgets are per
-    rank)."""
+    state, ``roles.ranks_hold_replicas``; False: ZeRO-2 shards); every figure is this
+    rank's (budgets are per rank)."""
     extra = plan.costs.extra
     peak = with_update_pass(plan.predicted_peak, update_pass)
     per, dtypes = precision.per, precision.dtypes

@@ -22,13 +22,14 @@ all-gathered; rank 0 prints, logs and writes checkpoints in the single-process f
 optimizer is built in ``optimizer.build_optimizer`` alone, for one process and for the
 shards alike.
 
-With ``--disk DIR`` the model lives on a disk tier and ``tierflow.fit`` owns the optimizer
-(``owned.py``: updates during the backward, checkpoints streamed stage by stage); under
-torchrun every rank then holds the whole model and its states on a disk tier of its own
-(a replica: no shards), and each stage's gradients are averaged over the ranks before its
-update (``TierflowModule.reduce_gradients_with``); ``--gpu``
-moves the compute to CUDA or a simulated GPU (``device.py``), where an out-of-memory error
-re-plans the step once (``planning.StepPlanner.replan_after_oom``).
+Who steps the optimizer, and what follows from that, are the rules of ``roles.py``: with a
+disk tier (``--disk DIR``) ``tierflow.fit`` owns the optimizer (``owned.py``: updates during
+the backward, checkpoints streamed stage by stage) and places the model, which is built on
+the disk tier or in host RAM; under torchrun every rank then holds the whole model and its
+states on a disk tier of its own (a replica: no shards), and each stage's gradients are
+averaged over the ranks before its update (``TierflowModule.reduce_gradients_with``).
+``--gpu`` moves the compute to CUDA or a simulated GPU (``device.py``), where an
+out-of-memory error re-plans the step once (``planning.StepPlanner.replan_after_oom``).
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from .data_dir import DataDir
 from .device import ComputeTier
 from .header import print_header
 from .options import TrainOptions
+from .roles import builds_on_disk, fit_owns_optimizer, ranks_hold_replicas
 from .sol import model_flops_per_token
 
 DEFAULT_STEPS = 100
@@ -112,31 +114,30 @@ def _train(opts: TrainOptions) -> int:
 
 def _train_in_world(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_path: Path,
                     tier: ComputeTier, world, baseline: int) -> int:
-    """Build or load the model (onto the disk tier with ``--disk``), then train it (every
-    rank). Under a GPU with ``--disk``, a model whose weights fit ``--ram`` is built in host
-    RAM; if the plan then finds too little host RAM beside it, it is built again on the disk
-    tier (one process only: ranks could decide apart)."""
+    """Build or load the model, onto the disk tier where ``roles.builds_on_disk`` says, then
+    train it (every rank). Under a GPU with a disk tier, a model whose weights fit ``--ram``
+    is built in host RAM; if the plan then finds too little host RAM beside it, it is built
+    again on the disk tier (one process only: ranks could decide apart)."""
     from ..errors import BudgetError
     from ..exec.memory import return_free_memory
     from .model import count_model_parameters
 
     # --- the model, with its precision, and the run it belongs to
     precision = opts.precision(fast_bf16())
-    if not opts.disk and tier.ram is not None:  # built whole in RAM: refused first if its
-        # weights and the trainable parameters' AdamW states alone pass --ram
+    if not fit_owns_optimizer(opts) and tier.ram is not None:
+        # the trainer's model is built whole in RAM: refused first if its weights and the
+        # trainable parameters' AdamW states alone pass --ram
         tier.refuse_states_beyond_ram(opts.model, count_model_parameters(opts, ckpt, data),
                                       precision.bytes_per_parameter(),
                                       world.size if world is not None else 1)
     with contextlib.ExitStack() as scratch:
-        disk = None
+        disk, on_disk = None, False
         if opts.disk:  # the disk tier: a scratch directory of this run, removed at the end
             from ..exec.disk import scratch_directory
             disk = scratch.enter_context(scratch_directory(opts.disk))
             weights = count_model_parameters(opts, ckpt, data).total * \
                 int(precision.bytes_per_parameter().weights)
-        # on disk without a GPU, and under one when host RAM could not hold the weights
-        on_disk = disk is not None and (
-            tier.gpu is None or (tier.ram is not None and weights > tier.ram))
+            on_disk = builds_on_disk(tier, weights)
         try:
             return _build_and_train(opts, ckpt, data, out, log_path, tier, world, baseline,
                                     precision, disk, on_disk)
@@ -162,7 +163,7 @@ def _build_and_train(opts: TrainOptions, ckpt, data: DataDir, out: Path, log_pat
     from .model import build_model
 
     model = build_model(opts, ckpt, data, precision, disk if on_disk else None)
-    if not opts.disk:
+    if not fit_owns_optimizer(opts):  # the trainer steps it: whole on the compute device
         model = tier.place_model(model)
     elif tier.simulated and not on_disk:
         # into host RAM, as below a real GPU, where fit does this itself (exec/host_model)
@@ -246,22 +247,24 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
     autocast = functools.partial(autocast_context, precision, tier.device.type)
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    if tier.ram is not None and not opts.disk:
+    owned = fit_owns_optimizer(opts)
+    if tier.ram is not None and not owned:
         # as fit will under a RAM budget: freed memory leaves the RSS at once, so the
         # optimizer step's temporaries are measured below as fresh memory (malloc's dynamic
         # threshold would otherwise count heap growth: 25 MB for a 4 MB parameter's step)
         configure_host_allocator()
-    # on the GPU: a model still in host RAM (--disk) is placed there by fit, never whole
+    # on the GPU: a model still in host RAM (fit owns the optimizer) is placed there by fit,
+    # never whole
     sample_batch = torch.zeros(opts.batch_size // ranks, opts.seq_len + 1, dtype=torch.long,
                                device=tier.device)  # (rows, seq_len + 1)
     planner = StepPlanner(
         opts, model, {"input_ids": sample_batch[:, :-1], "shift_labels": sample_batch[:, 1:]},
         config=fit_config(opts, tier), precision=precision,
-        # with --disk, the per-stage optimizers' stochastic-rounding streams (owned.py)
+        # the stochastic-rounding streams of the optimizers fit owns (owned.py)
         rounding=RoundingStreams.seeded(tier.device, opts.seed, model),
         reserve=-(-reserved_bytes(trainable, precision) // ranks),  # this rank's shard
-        step_temporaries=0 if opts.disk else step_transient_bytes(trainable, opts, precision,
-                                                                  tier.device),
+        step_temporaries=step_transient_bytes(trainable, opts, precision, tier.device)
+        if not owned else 0,
         disk=disk, baseline=baseline, logger=logger, autocast=autocast)
     module = planner.plan(tier)
     logger.keep()  # planned: this run's log replaces an earlier run's in its place
@@ -269,22 +272,23 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
                 trainable=trainable, step_temporaries=planner.step_temporaries, logger=logger)
 
     groups = param_groups(params, opts)
-    if opts.disk:
+    if owned:
         optimizer: Any = FitOwnedOptimizer(module, params, opts, planner.rounding)
-        if world is not None:  # replicas: each stage's gradients averaged before its update
-            module.reduce_gradients_with(world.average)
     elif world is None:
         optimizer = LocalOptimizer(build_optimizer(groups, opts, precision), params)
     else:
         optimizer = ShardedOptimizer(world, [list(stage.parameters())
                                              for stage in module.chain.stages],
                                      groups, lambda shard: build_optimizer(shard, opts, precision))
+    if world is not None and ranks_hold_replicas(opts):
+        # each stage's gradients averaged over the ranks before its update
+        module.reduce_gradients_with(world.average)
     batches = Batches(data.train, opts.seq_len, opts.batch_size, opts.seed,
                       part=(world.rank, ranks) if world is not None else (0, 1))
     start = 0
     if ckpt is not None:
         state = ckpt.trainer_state
-        if opts.disk:  # stage by stage, straight to the disk tier
+        if owned:  # fit's own: stage by stage, straight to their tiers
             optimizer.load_checkpoint(ckpt)
         elif ckpt.optimizer is not None:
             optimizer.load_state_dict(ckpt.optimizer_state[0])

@@ -3,9 +3,10 @@ less what the process already holds (``StepPlanner.plan``); again under a smalle
 after an out-of-memory error, from the costs already measured (``StepPlanner.replan_after_oom``);
 and the ``[Plan]`` section that shows the plan (``report_plan``).
 
-With ``--disk`` tierflow owns the optimizer (``owned.py``): the plan places the weights, the
-gradients and the optimizer's states on the tiers; without it the optimizer's states are
-``reserve``d in the plan's budget.
+When fit owns the optimizer (``roles.fit_owns_optimizer``: a run with a disk tier) the plan
+places the weights, the gradients and the optimizer's states on the tiers; when the trainer
+steps its own, the optimizer's states and its step's temporaries are ``reserve``d in the
+plan's budget.
 """
 from __future__ import annotations
 
@@ -29,32 +30,35 @@ from .logger import Logger, PlanPrecision, plan_section
 from .optimizer import build_optimizer, param_groups
 from .options import RECOMPUTE, TrainOptions
 from .owned import RoundingStreams
+from .roles import fit_owns_optimizer, ranks_hold_replicas
 
-# of the RAM the plan gets without --disk, kept free for what a plan cannot predict: the
-# measured peak of llama-20m runs that filled --ram 500MiB and 600MiB came out up to 5.7 MiB
-# (1%) above their prediction (benchmarks/ram_budget.py)
+# of the RAM the plan gets when the trainer steps its own optimizer, kept free for what a plan
+# cannot predict: the measured peak of llama-20m runs that filled --ram 500MiB and 600MiB came
+# out up to 5.7 MiB (1%) above their prediction (benchmarks/ram_budget.py)
 RAM_HEADROOM = 0.02
 
 
 def fit_config(opts: TrainOptions, tier: ComputeTier) -> FitConfig:
-    """The ``FitConfig`` of the run's flags. A plan of the CPU under --ram without --disk
-    keeps ``RAM_HEADROOM`` of its budget free."""
+    """The ``FitConfig`` of the run's flags. A plan of the CPU under --ram in which the
+    trainer steps its own optimizer keeps ``RAM_HEADROOM`` of its budget free."""
+    trainer_steps = not fit_owns_optimizer(opts)
     return FitConfig(planner=RECOMPUTE[opts.recompute], compile=opts.compile,
                      stream=opts.stream, prefetch_depth=opts.prefetch,
                      serial_reads=opts.serial_reads, simulated_gpu=tier.simulated,
                      host_updates=opts.host_updates, optimizer_states=opts.optimizer_states,
                      headroom=RAM_HEADROOM if tier.gpu is None and tier.ram is not None
-                     and not opts.disk else 0.0)
+                     and trainer_steps else 0.0)
 
 
 @dataclasses.dataclass
 class StepPlanner:
     """What planning the step needs besides the tier: ``sample`` is one micro-batch of this
-    rank (zeros); without ``--disk``, ``reserve`` the optimizer's states and
+    rank (zeros); when the trainer steps its own optimizer, ``reserve`` its states and
     ``step_temporaries`` what its step allocates besides (both reserved in the plan: the
-    step runs after the backward, with every gradient present); ``rounding`` the owned
-    optimizers' stochastic-rounding streams (with ``--disk``), ``baseline`` the RSS after
-    the imports."""
+    step runs after the backward, with every gradient present); ``rounding`` the
+    stochastic-rounding streams of the optimizers fit owns, ``disk`` the disk tier's
+    directory for fit (None when the model was built onto it: it brings its own),
+    ``baseline`` the RSS after the imports."""
     opts: TrainOptions
     model: nn.Module
     sample: dict[str, torch.Tensor]
@@ -77,9 +81,10 @@ class StepPlanner:
             self.logger.print(f"{format_bytes(held)} of --ram is held before planning "
                               "(torch's first-use caches, the model's objects): the plan gets "
                               "the rest")
+        owned = fit_owns_optimizer(opts)
         try:
             with torch.random.fork_rng(devices=[]), self.autocast():
-                if opts.disk:  # tierflow owns the optimizer: weights and states may be on disk
+                if owned:  # weights and states may be on the tiers below, the disk's included
                     fitted = api.fit(self.model, self.sample, **tier.fit_budgets(held),
                                      config=self.config, disk=self.disk,
                                      optimizer=self._owned_optimizer,
@@ -93,7 +98,7 @@ class StepPlanner:
                                config=self.config)
         except BudgetError as e:
             error = tier.over_budget(e, held)
-            raise (error if opts.disk else tier.suggest_lower_tiers(error)) from None
+            raise (error if owned else tier.suggest_lower_tiers(error)) from None
 
     def _owned_optimizer(self, params: Any) -> torch.optim.Optimizer:
         """One stage's optimizer, as ``fit`` builds it for the stages it owns."""
@@ -152,28 +157,30 @@ def report_plan(module: Any, *, opts: TrainOptions, precision: PrecisionConfig,
                 tier: ComputeTier, world: Any, trainable: list[nn.Parameter],
                 step_temporaries: int, logger: Logger) -> None:
     """Print the ``[Plan]`` section and its record: placement, peaks, the gradient bytes (one
-    stage's with ``--disk``: each stage's gradients are freed by its update), the optimizer
+    stage's when fit owns the optimizer: each stage's gradients are freed by its update), the
+    optimizer
     step's ``step_temporaries`` (reserved with the states), the precision's bytes per
     parameter and, under torchrun, the measured bus and predicted communication."""
     from ..distributed import step_seconds
     from ..profile.machine import bus_bandwidth
     ranks = world.size if world is not None else 1
     grads = sum(p.nbytes for p in trainable)
-    if opts.disk:
+    if fit_owns_optimizer(opts):
         grads = max((sum(p.nbytes for p in ps) for ps in module.optimizer.stage_params),
                     default=0)
+    replicas = ranks_hold_replicas(opts)
     dist_figures = None
     if world is not None:
         bus = bus_bandwidth(world, torch.device("cpu"))
-        # ZeRO-2: gradients reduce-scattered, parameters all-gathered; replicas (--disk):
-        # gradients all-reduced, which moves the same bytes
+        # ZeRO-2: gradients reduce-scattered, parameters all-gathered; replicas: gradients
+        # all-reduced, which moves the same bytes
         moved = sum(p.nbytes for p in trainable)
         dist_figures = {"world_size": ranks, "backend": world.backend, "bus_bandwidth": bus,
-                        "comm_bytes": 2 * moved, "replicas": bool(opts.disk),
+                        "comm_bytes": 2 * moved, "replicas": replicas,
                         "predicted_comm_s": step_seconds(ranks, moved, moved, bus)}
     per = precision.bytes_per_parameter()
     count = sum(p.numel() for p in trainable)
-    shards = 1 if opts.disk else ranks  # with --disk each rank holds every state
+    shards = 1 if replicas else ranks  # replicas: each rank holds every state
     frozen = sum(p.numel() for p in {id(p): p for stage in module.chain.stages
                                      for p in stage.parameters()}.values()
                  if not p.requires_grad)

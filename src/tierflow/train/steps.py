@@ -32,6 +32,7 @@ from .guards import Interrupt, traced
 from .logger import Logger, eval_line, train_line
 from .options import TrainOptions
 from .planning import StepPlanner
+from .roles import fit_owns_optimizer
 from .schedule import lr_at
 
 INTERRUPTED = 130
@@ -233,11 +234,13 @@ class StepLoop:
             self.board.scalars(step, {"eval/loss": loss})
 
     def _save(self, step: int) -> Path:
-        """Checkpoint ``step`` (rank 0 writes; every rank gathers its optimizer shard). With
-        ``--disk`` the weights and states are read from the disk tier as they are written."""
+        """Checkpoint ``step`` (rank 0 writes; every rank gathers its optimizer shard). The
+        weights and states of an optimizer that fit owns are read from their tiers as they
+        are written, stage by stage."""
         opts, optimizer = self.opts, self.optimizer
         main = self.world is None or self.world.is_main
-        if opts.disk:
+        streamed = fit_owns_optimizer(opts)
+        if streamed:
             if not main:  # replicas: rank 0's weights and states are every rank's
                 return self.out / f"step_{step}"
             from ..exec.offload import offloaded_parameters
@@ -261,7 +264,7 @@ class StepLoop:
                                "options": opts.as_dict(), "total_steps": self.total,
                                "tokens": step * self.tokens_per_step})
         finally:
-            if opts.disk:
+            if streamed:
                 optimizer.finished_writing()  # drop the last stage's states read for it
         self.logger.record("checkpoint", step=step, path=str(path))
         return path
