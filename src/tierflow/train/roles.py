@@ -61,5 +61,5 @@ def builds_on_disk(tier: ComputeTier, weights: int) -> bool:
     time: never whole in memory) rather than in host RAM. On the CPU, always: the disk is
     where its weights wait for fit's plan. Under a GPU, when its ``weights`` (bytes in the
     precision's dtype) pass ``--ram``; a model built in host RAM whose step then finds too
-    little RAM beside it is built again on disk (``loop._train_in_world``)."""
+    little RAM beside it is built again on disk (``loop._train_on``)."""
     return tier.gpu is None or (tier.ram is not None and weights > tier.ram)
