@@ -1,5 +1,5 @@
 """The records one run of ``tierflow train`` is made of, handed down the loop instead of long
-lists of parameters. ``loop.py`` makes each once, in this order, and none changes after:
+lists of parameters. ``loop.py`` makes each once, in this order, and none is replaced after:
 
 - ``Run``: what the run is once its inputs are checked: the options, the checkpoint it
   resumes, the data, where it writes and its ``Schedule``;
