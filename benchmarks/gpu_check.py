@@ -144,6 +144,10 @@ def main() -> None:
     parser.add_argument("--tests", default="tests/test_cuda.py", help="pytest's arguments")
     parser.add_argument("--commit", help="the commit the tree is (a device's copy of the "
                                          "tree may carry a stale .git)")
+    parser.add_argument("--no-tests", action="store_true", help="skip tests/test_cuda.py")
+    parser.add_argument("--trace", action="store_true",
+                        help="a trace of each streamed configuration in OUT, its predicted "
+                             "timeline beside it, and busy seconds per resource in the JSON")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -157,7 +161,7 @@ def main() -> None:
     check.save()
 
     junit = out / "test-cuda.xml"
-    proc = check.run("test_cuda", [sys.executable, "-m", "pytest", *args.tests.split(), "-q",
+    proc = None if args.no_tests else check.run("test_cuda", [sys.executable, "-m", "pytest", *args.tests.split(), "-q",
                                    "-rfE", "-p", "no:cacheprovider", f"--junitxml={junit}"], 240)
     if proc is not None and junit.exists():
         outcomes = junit_outcomes(junit)
@@ -174,7 +178,8 @@ def main() -> None:
         for config in args.configs.split(","):
             proc = check.run(f"stream-b{batch}-{config}",
                              [sys.executable, "benchmarks/gpu_stream.py", "--one", config,
-                              "--batch", str(batch), "--gpu", gpu, "--ram", ram, "--steps", "4"],
+                              "--batch", str(batch), "--gpu", gpu, "--ram", ram, "--steps", "4",
+                              *(["--trace", str(out)] if args.trace else [])],
                              120, need_s=40, env=stream_env)
             row = last_json(proc.stdout) if proc is not None and proc.returncode == 0 else None
             if row is not None:

@@ -34,6 +34,7 @@ PREDICTED step and peak of tierflow's plan.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -56,6 +57,7 @@ def run_one(config: str, args: argparse.Namespace) -> dict:
 
     import tierflow
     from tierflow import FitConfig
+    from tierflow.exec.trace import recording
     from tierflow.models.presets import preset_config
 
     device = torch.device("cpu" if args.simulate else "cuda")
@@ -116,12 +118,21 @@ def run_one(config: str, args: argparse.Namespace) -> dict:
         gpu.synchronize()
         gpu.reset_peak_memory_stats()
     times, losses = [], []
-    for _ in range(args.steps + 1):
-        start = time.perf_counter()
-        losses.append(step())
-        if gpu:
-            gpu.synchronize()
-        times.append(time.perf_counter() - start)
+    trace = args.trace and config != "plain"
+    with recording() if trace else contextlib.nullcontext() as recorder:
+        for _ in range(args.steps + 1):
+            start = time.perf_counter()
+            losses.append(step())
+            if gpu:
+                gpu.synchronize()
+            times.append(time.perf_counter() - start)
+    if trace:  # the measured spans beside the plan's predicted timeline, per resource
+        timeline = module.plan.timeline
+        recorder.write(Path(args.trace) / f"trace-b{args.batch}-{config}.json", timeline)
+        micro = max(1, len(recorder.micro_batches()))
+        plan["busy_s_predicted_measured"] = {
+            row: [round(timeline.busy(row), 4), round(recorder.working_seconds(row) / micro, 4)]
+            for row in sorted({s.resource for s in timeline.spans})}
     median = statistics.median(times[1:])
     peaks = {"gpu_peak_allocated_gib": round(gpu.max_memory_allocated() / 2**30, 2),
              "gpu_peak_reserved_gib": round(gpu.max_memory_reserved() / 2**30, 2)} if gpu else {}
@@ -155,6 +166,9 @@ def main() -> None:
     parser.add_argument("--expandable-segments", action="store_true",
                         help="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True in every run "
                              "(what tierflow train --gpu sets)")
+    parser.add_argument("--trace", help="a folder: each tierflow configuration's steps as a "
+                                         "Chrome trace there, the plan's predicted timeline "
+                                         "beside them")
     parser.add_argument("--simulate", action="store_true",
                         help="run on the CPU as a simulated GPU (a check of the script)")
     parser.add_argument("--one", choices=CONFIGS, help=argparse.SUPPRESS)  # the child's run

@@ -17,7 +17,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from registry import Outcome, check, record
 from registry_configs import VOCAB, tiny_model
-from tierflow import cli
+from tierflow.cli import main as cli
 from tierflow.data.tokenfile import write_tokens
 
 FAMILIES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)

@@ -48,11 +48,7 @@ def test_disk_run_matches_the_in_memory_run(train_env, tmp_path, capsys, grad_ac
     for name in final[0]:
         torch.testing.assert_close(final[1][name], final[0][name], rtol=1e-4, atol=1e-6)
     assert list(disk.iterdir()) == []  # the run's scratch directory is gone
-    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-    process = {e["args"]["name"]: e["pid"] for e in trace if e["name"] == "process_name"}
-    rows = {e["args"]["name"]: e["tid"] for e in trace if e["name"] == "thread_name"}
-    spans = {kind: [e for e in trace if e["ph"] == "X" and e["pid"] == pid]
-             for kind, pid in process.items()}
+    spans, rows = trace_sides(tmp_path / "trace.json")
     reads = [e for e in spans["measured"] if e["tid"] == rows["disk read"]]
     assert any(e["name"].startswith("load(w") for e in reads)
     assert any(e["name"].startswith("load(s") for e in reads)  # optimizer states
@@ -62,6 +58,37 @@ def test_disk_run_matches_the_in_memory_run(train_env, tmp_path, capsys, grad_ac
     assert predicted <= {e["name"] for e in spans["measured"]}
     [record] = records(tmp_path / "disk-run" / "log.jsonl", "trace")
     assert {"compute", "disk read"} <= set(record["busy_s"])
+
+
+def trace_sides(path) -> tuple[dict, dict]:
+    """The measured and the predicted spans of a trace, by process, and its rows by name."""
+    trace = json.loads(path.read_text())["traceEvents"]
+    process = {e["args"]["name"]: e["pid"] for e in trace if e["name"] == "process_name"}
+    rows = {e["args"]["name"]: e["tid"] for e in trace if e["name"] == "thread_name"}
+    spans = {kind: [e for e in trace if e["ph"] == "X" and e["pid"] == pid]
+             for kind, pid in process.items()}
+    return spans, rows
+
+
+def test_a_simulated_gpu_over_ram_and_disk_traces_predicted_beside_measured(train_env,
+                                                                           tmp_path, capsys):
+    """Three tiers (a simulated GPU over host RAM over a disk, the weights on disk): the
+    trace holds the plan's predicted spans beside the measured ones, op by op under the same
+    names, each on the row of the resource that runs it."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    train(capsys, *train_args(train_env, tmp_path / "run", "--gpu", "64MiB", "--simulate-gpu",
+                              "--ram", "48KiB", "--disk", str(disk), "--stream", "all",
+                              "--trace", str(tmp_path / "trace.json")))
+    spans, rows = trace_sides(tmp_path / "trace.json")
+    names = {side: {e["name"] for e in spans[side]} for side in ("measured", "predicted")}
+    assert any(name.startswith("load(w") and "disk>gpu" in name for name in names["predicted"])
+    assert names["predicted"] <= names["measured"]
+    measured_rows = {e["name"]: e["tid"] for e in spans["measured"]}
+    for e in spans["predicted"]:  # the same op on the same resource's row
+        assert measured_rows[e["name"]] == e["tid"], e["name"]
+    [record] = records(tmp_path / "run" / "log.jsonl", "trace")
+    assert {"compute", "disk read"} <= set(record["busy_s"]) and "disk read" in rows
 
 
 LOW_PRECISION = {"bf16-weights": ("--model-dtype", "bf16", "--dtype", "bf16",  # the last wins

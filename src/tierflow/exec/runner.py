@@ -194,7 +194,7 @@ class StepRun:
                 self.x[op.index] = self.boundaries.fetch(op.index)
         elif isinstance(op, Update):
             assert self.update is not None, "plan updates parameters but no optimizer is owned"
-            with span(str(op), "optimizer"):
+            with span(str(op), "compute"):
                 self.update(op.stage)
         if self.ledger is not None:
             self._account()

@@ -1,8 +1,9 @@
 """What the executor did and when, per resource, as Chrome-trace JSON (open it in Perfetto or
 chrome://tracing) so that a user can see transfers overlapping compute.
 
-Resources are rows: ``compute`` (stage forwards, backwards and updates on the calling thread),
-``disk read`` and ``disk write`` (the I/O threads of weights and optimizer states),
+Resources are rows: ``compute`` (stage forwards, backwards and updates on the calling thread,
+and its waits for transfers), ``optimizer`` (the host RAM's updates and the deferred update
+pass), ``disk read`` and ``disk write`` (the I/O threads of weights and optimizer states),
 ``copy up`` and ``copy down`` (weights moved between host RAM and a GPU, real or simulated),
 ``communication`` (gradients averaged over data-parallel workers before an update). Beside
 them a counter track, ``host RSS``, follows the process's resident set (sampled every few
@@ -66,10 +67,12 @@ class Recorder:
         with self._lock:
             self.events.append(event)
 
-    def busy_seconds(self, row: str) -> float:
-        """Total time ``row`` was busy (a summary for logs and tests)."""
+    def working_seconds(self, row: str) -> float:
+        """Time ``row`` was busy with work, not waiting for a transfer (the spans named
+        "wait for ..."): what a plan's timeline predicts for that resource."""
         tid = _ROWS.index(row)
-        return sum(e["dur"] for e in self.events if e.get("tid") == tid and e["ph"] == "X") / 1e6
+        return sum(e["dur"] for e in self.events if e.get("tid") == tid and e["ph"] == "X"
+                   and not e["name"].startswith("wait for")) / 1e6
 
     def micro_batches(self) -> list[float]:
         """When each micro-batch began, in the trace's microseconds."""

@@ -58,7 +58,7 @@ def traced(path: str | None, logger, plan_of: Callable[[], Plan], rank: int = 0
                          "timeline beside them; open it in https://ui.perfetto.dev or "
                          "chrome://tracing)")
             micro = max(1, len(recorder.micro_batches()))
-            busy = {row: (predicted.busy(row), recorder.busy_seconds(row) / micro)
+            busy = {row: (predicted.busy(row), recorder.working_seconds(row) / micro)
                     for row in sorted({s.resource for s in predicted.spans})}
             logger.print("busy seconds per micro-batch, predicted / measured: " + ", ".join(
                 f"{row} {p:.3g} / {m:.3g}" for row, (p, m) in busy.items()))

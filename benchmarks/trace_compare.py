@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""A trace's measured spans against the plan's predicted ones (the `predicted` process that
+`--trace` and `gpu_stream.py --trace` write beside them): per kind of op, the mean duration
+of each, and per resource the busy seconds of a micro-batch, the first (warm-up) left out.
+
+    ./run python benchmarks/trace_compare.py TRACE.json [TRACE.json ...]
+
+Kinds: F (a forward without tape), Fall (with tape), B, U, and each transfer by what it
+moves (load w, load s, store w, store s); the compute thread's waits for transfers are
+counted apart. On a GPU the measured compute spans are the kernels' launches on the host
+thread, not their run on the GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def kind(name: str) -> str:
+    """``load(w3 disk>ram)`` -> ``load w``; ``Fall(3)`` -> ``Fall``."""
+    head, _, rest = name.partition("(")
+    return f"{head} {rest[0]}" if head in ("load", "store") and rest else head
+
+
+def compare(path: Path) -> dict:
+    events = json.loads(path.read_text())["traceEvents"]
+    processes = {e["args"]["name"]: e["pid"] for e in events if e["name"] == "process_name"}
+    measured, predicted = processes["measured"], processes.get("predicted")
+    rows = {e["tid"]: e["args"]["name"] for e in events
+            if e["name"] == "thread_name" and e["pid"] == measured}
+    marks = sorted(e["ts"] for e in events if e["ph"] == "i" and e["name"] == "micro-batch")
+    start, count = marks[1], len(marks) - 1  # after the warm-up micro-batch
+    spans: dict[tuple[str, str], list[float]] = defaultdict(list)
+    busy: dict[tuple[str, str], float] = defaultdict(float)
+    for e in events:
+        if e["ph"] != "X" or e["ts"] < start or e["pid"] not in (measured, predicted):
+            continue
+        side = "measured" if e["pid"] == measured else "predicted"
+        spans[side, kind(e["name"])].append(e["dur"] / 1e3)
+        if not e["name"].startswith("wait for"):
+            busy[side, rows[e["tid"]]] += e["dur"] / 1e6
+    kinds = sorted({k for _, k in spans})
+    return {"trace": str(path), "micro_batches": count,
+            "mean_ms": {k: {side: round(sum(spans[side, k]) / len(spans[side, k]), 2)
+                            for side in ("predicted", "measured") if spans[side, k]}
+                        for k in kinds},
+            "busy_s_per_micro_batch": {row: {side: round(busy[side, row] / count, 3)
+                                             for side in ("predicted", "measured")}
+                                       for row in sorted({r for _, r in busy})}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("traces", nargs="+", type=Path)
+    for path in parser.parse_args().traces:
+        print(json.dumps(compare(path), indent=1))
+
+
+if __name__ == "__main__":
+    main()
