@@ -73,7 +73,8 @@ class Schedule:
 class Run:
     """One run after its checks, before anything is built: the options (a resumed run's
     completed with its checkpoint's, ``--out`` resolved), the checkpoint it resumes (or
-    None), the checked data directory, the output directory and the JSON log's path."""
+    None), the checked data directory, the output directory, the JSON log's path and the
+    ``Schedule`` of its steps."""
     opts: TrainOptions
     ckpt: Checkpoint | None
     data: DataDir
@@ -95,6 +96,7 @@ class Site:
 
     @property
     def ranks(self) -> int:
+        """The processes that train: torchrun's ranks, or 1."""
         return self.world.size if self.world is not None else 1
 
     @property
