@@ -16,7 +16,12 @@ from tierflow.config import FitConfig
 from tierflow.plan import Plan
 from tierflow.plan.boundary_stash import stashable_boundaries, stashed_boundary_costs
 from tierflow.plan.costs import ChainCosts, StageCost
-from tierflow.plan.ops import Fetch, Forward, Stash
+from tierflow.plan.boundary_schedule import (
+    BOUNDARY,
+    StashedBoundaries,
+    with_boundary_transfers,
+)
+from tierflow.plan.ops import Backward, Fetch, Forward, Load, Stash, Store
 from tierflow.plan.rotor import _min_memory, rotor, smallest_budget
 from tierflow.plan.simulate import InvalidPlan, check_complete, simulate
 from tierflow.plan.strategies import checkpoint_all
@@ -107,8 +112,55 @@ def test_only_boundaries_whose_io_hides_are_stashable():
     assert stashable_boundaries(costs, read_bytes_per_s=1e6, write_bytes_per_s=1e9) == []
     assert stashable_boundaries(costs, read_bytes_per_s=1e9, write_bytes_per_s=1e9,
                                 min_bytes=2 << 20) == []
-    moved = stashed_boundary_costs(costs, fast)
+    moved = stashed_boundary_costs(costs, fast, home="disk", read_bytes_per_s=1e9,
+                                   write_bytes_per_s=1e9)
     assert moved.static_bytes == 2 << 20  # one write and one read in flight
+    assert moved.bandwidths["disk read"] == moved.bandwidths["disk write"] == 1e9
+
+
+# stage 0 keeps x[1] to recompute stages 1 and 2 from: stashed between
+RECOMPUTING = (Forward(0, False), Stash(1), Forward(1, False), Forward(2, True), Backward(2),
+               Fetch(1), Forward(1, True), Backward(1), Forward(0, True), Backward(0))
+
+
+def _stashed(read_ahead: bool = True) -> StashedBoundaries:
+    return StashedBoundaries(((1, 400),), "disk", "ram", "disk read", "disk write", read_ahead)
+
+
+def test_a_stashed_checkpoint_is_written_after_its_stash_and_read_one_backward_ahead():
+    ops = with_boundary_transfers(RECOMPUTING, _stashed())
+    names = [type(op).__name__ for op in ops]
+    assert names.index("Store") == names.index("Stash") + 1
+    assert ops[names.index("Load") + 1] == Backward(2)  # read while B(2) runs
+    on_demand = with_boundary_transfers(RECOMPUTING, _stashed(read_ahead=False))
+    names = [type(op).__name__ for op in on_demand]
+    assert on_demand[names.index("Load") + 1] == Fetch(1)
+
+
+def test_a_checkpoint_stashed_again_before_it_is_freed_is_stored_once():
+    twice = (Forward(0, False), Stash(1), Forward(1, False), Forward(2, True), Backward(2),
+             Fetch(1), Forward(1, False), Stash(1), Fetch(1), Forward(1, True), Backward(1),
+             Forward(0, True), Backward(0))
+    ops = with_boundary_transfers(twice, _stashed())
+    assert sum(isinstance(op, Store) and op.what == BOUNDARY for op in ops) == 1
+    assert sum(isinstance(op, Load) and op.what == BOUNDARY for op in ops) == 2
+
+
+def test_a_slow_tier_makes_the_fetch_wait_for_its_read():
+    """Priced on the timeline: the Fetch waits for its Load, which a slow disk makes long."""
+    from tierflow.plan.timeline import timeline
+
+    stage = StageCost("s", 1.0, 2.0, 0, 400, 0, input_grad=True)
+    base = ChainCosts((stage,) * 3, input_bytes=400)
+    compute = timeline(base, RECOMPUTING).time
+
+    def priced(bytes_per_s):
+        costs = stashed_boundary_costs(base, [1], home="disk", read_bytes_per_s=bytes_per_s,
+                                       write_bytes_per_s=bytes_per_s)
+        return timeline(costs, with_boundary_transfers(RECOMPUTING, _stashed())).time
+
+    assert priced(1e9) == pytest.approx(compute)
+    assert priced(40.0) > compute + 5.0  # 10 s a read: more than B(2) hides
 
 
 def _fit_stashing(model, sample, tmp_path, planner, **options):
@@ -141,7 +193,8 @@ def test_stashed_checkpoints_train_like_plain_pytorch(tmp_path, family, planner,
     written = []
     original = boundaries.BoundaryStash._write
     monkeypatch.setattr(boundaries.BoundaryStash, "_write",
-                        lambda self, i, key, x: (written.append(i), original(self, i, key, x)))
+                        lambda self, store, key, x: (written.append(store.stage),
+                                                     original(self, store, key, x)))
     model = tiny_hf(family, layers=3, dropout=0.1)
     reference = copy.deepcopy(model)
     sample = hf_sample()
@@ -151,6 +204,9 @@ def test_stashed_checkpoints_train_like_plain_pytorch(tmp_path, family, planner,
     train_side_by_side(module, reference, sample, _adamw)
     assert sorted(set(written)) == sorted({op.index for op in module.plan.ops
                                            if isinstance(op, Stash)})
+    stores = {op.stage for op in module.plan.ops
+              if isinstance(op, Store) and op.what == BOUNDARY}
+    assert stores == set(written)  # written where the plan's Stores are, and only there
     assert any(tmp_path.glob("boundary-*.bin"))
     gathered = gathered_parameters(module)
     for name, q in reference.named_parameters():

@@ -17,8 +17,9 @@ import tierflow
 from tierflow.config import FitConfig
 from tierflow.exec.file_io import file_bytes
 from tierflow.plan.costs import ChainCosts, StageCost
-from tierflow.plan.ops import TRANSFERS, Forward, Load, stage_of
+from tierflow.plan.ops import TRANSFERS, Forward, Load, Store, stage_of
 from tierflow.plan.streaming import streamed_costs
+from tierflow.plan.tape_schedule import TAPE
 
 
 def _adamw(params):
@@ -321,7 +322,7 @@ def test_an_offloaded_tape_of_a_streamed_stage_moves_only_its_activations():
     costs = ChainCosts(stages=(stage, stage, stage), input_bytes=10, static_bytes=1000)
     moved = streamed_costs(costs, {1, 2}, home="disk", read_bytes_per_s=50.0,
                            write_bytes_per_s=25.0, depth=1)
-    offloaded = offloaded_tape_costs(moved, {0, 1, 2}, read_bytes_per_s=10.0,
+    offloaded = offloaded_tape_costs(moved, {0, 1, 2}, home="disk", read_bytes_per_s=10.0,
                                      write_bytes_per_s=10.0, streamed={1, 2})
     assert offloaded.static_bytes == moved.static_bytes + 2 * 30  # two tapes in flight
     assert offloaded.extra["offloaded tape bytes"] == 3 * 30
@@ -329,7 +330,8 @@ def test_an_offloaded_tape_of_a_streamed_stage_moves_only_its_activations():
         assert after.tape == 0
         assert after.fwd_transient == before.fwd_transient + 30
         assert after.bwd_transient == before.bwd_transient + 30
-        assert after.fwd_time == max(before.fwd_time, 3.0)  # 30 bytes written at 10 B/s
+        assert after.fwd_time == before.fwd_time  # the writes are ops of their own
+    assert offloaded.bandwidths["disk write"] == offloaded.bandwidths["disk read"] == 10.0
 
 
 def test_a_streamed_stage_whose_tape_is_offloaded_reads_its_weights_again_for_backward():
@@ -544,8 +546,9 @@ def test_tapes_offloaded_instead_of_recomputed(tmp_path, family, monkeypatch):
     written = []
     original = tapes_module.TapeOffload._write
     monkeypatch.setattr(tapes_module.TapeOffload, "_write",
-                        lambda self, i, key, t, order: (written.append(key),
-                                                        original(self, i, key, t, order)))
+                        lambda self, store, key, t, order: (written.append(key),
+                                                            original(self, store, key, t,
+                                                                     order)))
     monkeypatch.setattr(tapes_module, "MIN_BYTES", 1)  # tiny tapes: offload them all
     model = tiny_hf(family, layers=3, dropout=0.1)
     reference = copy.deepcopy(model)
@@ -566,13 +569,13 @@ def test_offloaded_tapes_keep_their_strides(tmp_path, layout):
     from tierflow.exec.disk import DiskStore
     from tierflow.exec.tapes import TapeOffload
 
-    offload = TapeOffload(DiskStore(tmp_path), {0}, set(), min_bytes=1)
+    offload = TapeOffload(DiskStore(tmp_path), set(), min_bytes=1)
     base = torch.randn(4, 6, 8)
     saved = base.transpose(1, 2) if layout == "transposed" else base[:, ::2]
-    pack, unpack = offload.hooks(0)
+    pack, unpack = offload.hooks(Store(TAPE, 0, "ram", "disk", "disk write", saved.nbytes))
     handle = pack(saved)
     assert not isinstance(handle, torch.Tensor)  # it went to disk
-    offload.prefetch(0)
+    offload.dispatch(Load(TAPE, 0, "disk", "ram", "disk read", saved.nbytes))
     back = unpack(handle)
     assert back.shape == saved.shape and back.stride() == saved.stride()
     torch.testing.assert_close(back, saved)

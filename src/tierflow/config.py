@@ -78,10 +78,12 @@ class FitConfig:
         return cls(planner=planner)
 
     def to_json(self) -> str:
+        """These settings as JSON (``from_json`` reads it back)."""
         return json.dumps({"format": "tierflow-fit-config", **asdict(self)}, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "FitConfig":
+        """The settings ``to_json`` wrote; an error for another format or an unknown key."""
         data = json.loads(text)
         if data.pop("format", None) != "tierflow-fit-config":
             raise ValueError("not a tierflow fit config (missing format: tierflow-fit-config)")
@@ -92,8 +94,10 @@ class FitConfig:
         return cls(**data)
 
     def save(self, path: str | Path) -> None:
+        """Write ``to_json()`` to ``path``."""
         Path(path).write_text(self.to_json() + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> "FitConfig":
+        """The settings ``save`` wrote to ``path``."""
         return cls.from_json(Path(path).read_text())

@@ -79,7 +79,8 @@ class TierflowModule(nn.Module):
                                 + cost.largest_block
                                 for stage, cost in zip(chain.stages, plan.costs.stages)]
         self._cold = True  # nothing read yet: the next step first runs the plan's cold routine
-        self._transfer = transfer_to(streamer, optimizer)  # starts one of its transfer ops
+        self._transfer = transfer_to(streamer, optimizer, self._tapes,  # starts a transfer op
+                                     self._boundaries)
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
         self._forward_count = len(plan.forward_ops)
         self.ledger = Ledger({storage_key(p) for p in model.parameters()})
@@ -88,10 +89,12 @@ class TierflowModule(nn.Module):
 
     @property
     def plan(self) -> Plan:
+        """The plan this module runs: its ops, predicted peak and time (``explain()``)."""
         return self._plan
 
     @property
     def chain(self) -> Chain:
+        """The model cut into stages, as the plan runs them."""
         return self._chain
 
     @property
@@ -155,6 +158,7 @@ class TierflowModule(nn.Module):
         return self._update_pass
 
     def explain(self) -> str:
+        """The plan in words: what is kept, recomputed, streamed or offloaded, and why."""
         return self._plan.explain()
 
     def make_room(self, nbytes: int) -> None:

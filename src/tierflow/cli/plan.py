@@ -8,6 +8,7 @@ import argparse
 from dataclasses import replace
 from typing import Any
 
+from ..errors import BudgetError, TierflowError
 from .args import memory_bytes
 
 
@@ -20,7 +21,9 @@ def register(sub: Any) -> None:
                     "profile under memory budgets: where weights, gradients and optimizer "
                     "states live, what is recomputed or offloaded, the peak per tier, the step "
                     "time, tokens/s, MFU, the bottleneck and the smallest budgets that work. "
-                    "Exit code 2 with one line when nothing fits.")
+                    "When nothing fits: exit code 2 and one line naming the smallest budgets "
+                    "and the cheapest changes that fit (precision, a disk tier, a shorter "
+                    "sequence), each with its predicted tok/s.")
     add_setup_arguments(plan, lists=False)
     plan.set_defaults(func=run)
 
@@ -39,6 +42,68 @@ def run(args: argparse.Namespace) -> int:
     seq = one_positive(args.seq_len, "--seq-len")
     setup = base_setup(args, hw, shape)
     selection = selection_for(args.model, args.freeze, args.train_only)
-    prediction = predict(replace(setup, seq=seq, gpu=gpu, ram=ram, selection=selection))
+    setup = replace(setup, seq=seq, gpu=gpu, ram=ram, selection=selection)
+    try:
+        prediction = predict(setup)
+    except BudgetError as err:
+        raise TierflowError(f"{err}; {changes_that_fit(setup)}") from None
     print(prediction.to_json() if args.json else plan_text(prediction, hw), flush=True)
     return 0
+
+
+SHORTER_SEQUENCES = 3  # halvings of --seq-len tried when nothing fits
+
+
+def changes_that_fit(setup: Any) -> str:
+    """The cheapest changes to ``setup`` (a ``sim.setup.Setup`` that nothing fits) under
+    which a plan fits, each with its predicted tok/s, in words: the precision that needs the
+    fewest bytes short of int8 moments (``--master none --optim-dtype bf16``), a disk tier,
+    both, and the longest shorter sequence (halvings) that fits. Each is one more search of
+    the trainer's planner (``sim/tiered.py``), without the smallest budgets."""
+    from ..precision.config import PrecisionConfig
+    from ..sim.predict import predict
+
+    def tok_s(candidate: Any) -> float | None:
+        try:
+            return predict(candidate, smallest_budgets=False).tokens_per_second
+        except (BudgetError, TierflowError):
+            return None
+
+    prec = setup.run_precision
+    lean = PrecisionConfig("bf16", "none", "bf16", prec.matmul_dtype, prec.fp8_grad)
+    lean_flags = " ".join(f"--{flag} {new}" for flag, old, new in (
+        ("model-dtype", prec.model_dtype, "bf16"), ("master", prec.master, "none"),
+        ("optim-dtype", prec.optim_dtype, "bf16")) if old != new)
+    try:
+        lean.validate()
+    except TierflowError:
+        lean_flags = ""
+    options: list[tuple[str, Any]] = []
+    if lean_flags and lean.bytes_per_parameter().total < prec.bytes_per_parameter().total:
+        options.append((lean_flags, replace(setup, precision=lean)))
+    if not setup.disk:
+        options.append(("--disk DIR", replace(setup, disk=True)))
+        if lean_flags:
+            options.append((f"{lean_flags} --disk DIR", replace(setup, precision=lean,
+                                                                 disk=True)))
+    fits = []
+    for flags, candidate in options:
+        if any(flags.startswith(done) or flags.endswith(done) for done, _ in fits):
+            continue  # a cheaper change in it already fits
+        rate = tok_s(candidate)
+        if rate is not None:
+            fits.append((flags, rate))
+    seq = setup.seq
+    for _ in range(SHORTER_SEQUENCES):
+        seq //= 2
+        if seq < 1:
+            break
+        rate = tok_s(replace(setup, seq=seq))
+        if rate is not None:
+            fits.append((f"--seq-len {seq}", rate))
+            break
+    if not fits:
+        return ("neither bf16 weights and moments without a master copy, a disk tier nor a "
+                f"sequence down to {max(seq, 1)} tokens fits either")
+    return "these fit: " + "; ".join(f"{flags} (PREDICTED {rate:,.0f} tok/s)"
+                                     for flags, rate in fits)

@@ -18,6 +18,7 @@ from ..plan.ops import (
     Free,
     Op,
     Stash,
+    Store,
     Transfer,
     Update,
     stage_of,
@@ -173,18 +174,13 @@ class StepRun:
                     self.streamer.wait_stored(i)
         if isinstance(op, Forward):
             with span(str(op), "compute"):
-                self._forward(op.stage, op.tape, self._offloads_tape(position))
+                store = self.tape_offload.take_armed(i) if self.tape_offload else None
+                self._forward(op.stage, op.tape, store)
         elif isinstance(op, Backward):
             if self.before_backward is not None:
                 self.before_backward(op.stage)
-            if self.tape_offload is not None:
-                self._prefetch_next_tape(position)
-            if self.boundaries is not None:
-                self._prefetch_next_checkpoints(position)
             with span(str(op), "compute"):
                 self._backward(op.stage)
-            if self.tape_offload is not None:
-                self.tape_offload.drop(op.stage)
         elif isinstance(op, Free):
             self._drop(op.index)
         elif isinstance(op, Stash):
@@ -199,41 +195,14 @@ class StepRun:
         if self.ledger is not None:
             self._account()
 
-    def _offloads_tape(self, position: int) -> bool:
-        """The tape of ``ops[position]`` goes to the lower tier: its stage is one the plan
-        offloads and the tape is held across other operations (not used right away)."""
-        op = self.ops[position]
-        if self.tape_offload is None or not op.tape or op.stage not in self.tape_offload.stages:
-            return False
-        after = next((later for later in self.ops[position + 1:]
-                      if not isinstance(later, TRANSFERS)), None)
-        return not (isinstance(after, Backward) and after.stage == op.stage)
-
-    def _prefetch_next_tape(self, position: int) -> None:
-        """Read back this backward's tape (if not on its way yet) and the next backward's,
-        which then arrives while this one runs."""
-        self.tape_offload.prefetch(self.ops[position].stage)
-        for later in self.ops[position + 1:]:
-            if isinstance(later, Backward):
-                self.tape_offload.prefetch(later.stage)
-                return
-
-    def _prefetch_next_checkpoints(self, position: int) -> None:
-        """Start reading back the checkpoints fetched before the next backward: they then
-        arrive while this one runs."""
-        for later in self.ops[position + 1:]:
-            if isinstance(later, Backward):
-                return
-            if isinstance(later, Fetch):
-                self.boundaries.prefetch(later.index)
-
     def _drop(self, i: int) -> None:
         """The plan's reference to x[i] is gone, in memory or stashed."""
         self.x.pop(i, None)
         if self.boundaries is not None:
             self.boundaries.forget(i)
 
-    def _forward(self, i: int, tape: bool, offload: bool = False) -> None:
+    def _forward(self, i: int, tape: bool, offload: Store | None = None) -> None:
+        """x[i+1] from x[i]; with ``tape`` keep stage i's tape, sent down by ``offload``."""
         stage = self.chain.stages[i]
         x = self.x[i] if i in self.x else self.tapes[i].xin.detach()
         self.x.pop(i + 1, None)  # a recomputation replaces the previous x[i+1]
@@ -247,7 +216,7 @@ class StepRun:
         with replay, replay_buffers(None if first else self.buffers.get(i)):
             if tape:  # x[i] needs a gradient when the plan backpropagates stage i - 1
                 input_grad = i in self.input_grads if i > 0 else self.input_requires_grad
-                hooks = self.tape_offload.hooks(i) if offload else None
+                hooks = self.tape_offload.hooks(offload) if offload else None
                 taped = forward_taped(stage, x, self.ctx, self.autocast, input_grad=input_grad,
                                       offload=hooks)
                 self.tapes[i] = taped

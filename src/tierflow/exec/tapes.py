@@ -1,13 +1,14 @@
 """Tapes on a lower tier: what a stage's forward saves for its backward, written out as it is
-saved and read back one stage ahead of that backward (or, without read-ahead, as the backward
-unpacks it), instead of being recomputed.
+saved and read back for that backward, instead of being recomputed, where the plan's tape ops
+(``plan/tape_schedule.py``) say.
 
-``TapeOffload.hooks(i)`` gives the pack/unpack pair of ``saved_tensors_hooks`` for stage i's
-forward: a saved tensor of at least ``min_bytes`` that is not a parameter or a step-constant
-context tensor is handed to a writer thread (the tensor is freed once it is written, unless
-something else holds it) and replaced by a handle; ``prefetch(i)`` starts reading stage i's
-handles back; ``unpack`` waits for a handle's read (or reads it then). Recomputing a stage
-costs its forward again; offloading its tape costs a write and a read that run beside other
+``dispatch(op)`` runs one of those ops: a Store arms stage i's next forward, whose
+``hooks(store)`` then give the pack/unpack pair of ``saved_tensors_hooks`` (a saved tensor of at
+least ``min_bytes`` that is not a parameter or a step-constant context tensor is handed to a
+writer thread, freed once written unless something else holds it, and replaced by a
+handle); a Load starts reading stage i's handles back; a Drop forgets them after the
+backward. ``unpack`` waits for a handle's read (or reads it then). Recomputing a stage costs
+its forward again; offloading its tape costs a write and a read that run beside other
 stages' compute: on a CPU with a fast disk the second is the cheaper one.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ..plan.ops import Drop, Load, Store, Transfer
 from ..plan.tape_offload import MIN_TAPE_BYTES
 from .disk import DiskStore
 from .host_store import HostStore
@@ -49,20 +51,36 @@ class _StageTape:
 class TapeOffload:
     """The offloaded tapes of one fitted module, in ``store``."""
 
-    def __init__(self, store: DiskStore | HostStore, stages: set[int], keep: set[int],
-                 min_bytes: int | None = None, read_ahead: bool = True):
+    def __init__(self, store: DiskStore | HostStore, keep: set[int],
+                 min_bytes: int | None = None):
         self.store = store
-        self.stages = stages  # whose tapes go down when held across other operations
         self.keep = keep  # storage keys never offloaded: the parameters
         self.context: set[int] = set()  # and this step's context tensors (masks, rotary tables)
         self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
-        self.read_ahead = read_ahead  # read a tape one backward ahead, or when it is unpacked
+        self._armed: dict[int, Store] = {}  # stage -> the Store its next taped forward runs
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-tape-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-tape-read")
         self._tapes: dict[int, _StageTape] = {}
         self._unwritten: list[Future] = []  # writes of the stage whose forward ran last
 
-    def hooks(self, i: int) -> tuple[Any, Any]:
+    def dispatch(self, op: Transfer) -> None:
+        """Run one of the plan's tape ops: Store(i) arms stage i's next forward, Load(i)
+        starts reading its tape back, Drop(i) forgets it."""
+        if isinstance(op, Store):
+            self._armed[op.stage] = op
+        elif isinstance(op, Load):
+            self._prefetch(op)
+        elif isinstance(op, Drop):
+            self._tapes.pop(op.stage, None)
+        else:
+            raise ValueError(f"{op}: not a tape transfer")
+
+    def take_armed(self, i: int) -> Store | None:
+        """The Store that sends down the tape of stage i's forward about to run (None: the
+        tape stays in memory)."""
+        return self._armed.pop(i, None)
+
+    def hooks(self, store: Store) -> tuple[Any, Any]:
         """(pack, unpack) for stage i's taped forward. The tapes of the stages before it
         must be on the lower tier first: the plan counts one stage's tape in memory while it
         is written, not a queue that grows while the disk writes slower than the forward
@@ -70,6 +88,7 @@ class TapeOffload:
         for write in self._unwritten:
             write.result()
         self._unwritten.clear()
+        i = store.stage
         tape = self._tapes.setdefault(i, _StageTape())
 
         def pack(t: torch.Tensor) -> torch.Tensor | _Handle:
@@ -79,25 +98,19 @@ class TapeOffload:
             name = f"tape-{i}-{len(tape.handles)}"
             order = _dense_order(t)
             handle = _Handle(name, t.shape, t.stride(), t.dtype, t.device, order,
-                             self._writer.submit(self._write, i, name, t.detach(), order))
+                             self._writer.submit(self._write, store, name, t.detach(), order))
             tape.handles.append(handle)
             self._unwritten.append(handle.written)
             return handle
 
         return pack, self._unpack
 
-    def prefetch(self, i: int) -> None:
-        """Start reading stage i's offloaded tensors back (a no-op if it has none, or without
-        read-ahead)."""
-        if not self.read_ahead:
-            return
-        for handle in self._tapes.get(i, _StageTape()).handles:
+    def _prefetch(self, load: Load) -> None:
+        """Start reading the offloaded tensors of ``load``'s stage back (a no-op if it has
+        none)."""
+        for handle in self._tapes.get(load.stage, _StageTape()).handles:
             if handle.read is None:
-                handle.read = self._reader.submit(self._read, handle)
-
-    def drop(self, i: int) -> None:
-        """Stage i's backward is done: forget its handles."""
-        self._tapes.pop(i, None)
+                handle.read = self._reader.submit(self._read, handle, load)
 
     def forget_all(self) -> None:
         """After a step that failed: no tape held, none in flight (each write and read
@@ -109,19 +122,22 @@ class TapeOffload:
                     handle.read.exception()
         self._tapes.clear()
         self._unwritten.clear()
+        self._armed.clear()
 
-    def _write(self, i: int, key: str, t: torch.Tensor, order: list[int] | None) -> None:
+    def _write(self, store: Store, key: str, t: torch.Tensor, order: list[int] | None) -> None:
         data = t.permute(order) if order is not None else t.contiguous()  # no copy if dense
-        with span(f"write tape {i}", "disk write"):
+        with span(str(store), store.resource):
             self.store.write(key, [data])
 
-    def _read(self, handle: _Handle) -> torch.Tensor:
-        """The saved tensor with its own strides (compiled backward kernels assert them)."""
+    def _read(self, handle: _Handle, load: Load | None) -> torch.Tensor:
+        """The saved tensor with its own strides (compiled backward kernels assert them);
+        ``load``: the plan's op that reads it (None: read when the backward needs it)."""
         handle.written.result()
         shape = [handle.shape[d] for d in handle.order] if handle.order is not None \
             else handle.shape
         buffer = torch.empty(shape, dtype=handle.dtype, device=handle.device)
-        with span(f"read tape {handle.key}", "disk read"):
+        with span(str(load) if load else f"read {handle.key}",
+                  load.resource if load else "compute"):
             self.store.read(handle.key, [buffer])
         if handle.order is not None:  # the same dense layout, dimensions in their own order
             return buffer.as_strided(handle.shape, handle.stride)
@@ -133,7 +149,7 @@ class TapeOffload:
         if isinstance(saved, torch.Tensor):
             return saved
         if saved.read is None:
-            saved.read = self._reader.submit(self._read, saved)
+            saved.read = self._reader.submit(self._read, saved, None)
         return saved.read.result()
 
 

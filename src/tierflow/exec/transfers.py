@@ -1,23 +1,33 @@
 """Where each of a plan's transfer ops goes: a weights transfer to the streamer of the
-stages' weights, a states transfer to the optimizer that owns them."""
+stages' weights, a states transfer to the optimizer that owns them, a tape transfer to the
+tapes' offload, a checkpoint's to the stash."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..plan.boundary_schedule import BOUNDARY
 from ..plan.ops import WEIGHTS, Transfer
 from ..plan.state_schedule import STATES
+from ..plan.tape_schedule import TAPE
+from .boundaries import BoundaryStash
 from .optimizer import OwnedOptimizer
+from .tapes import TapeOffload
 from .weights import WeightStreamer
 
 
-def transfer_to(weights: WeightStreamer | None,
-                states: OwnedOptimizer | None) -> Callable[[Transfer], None]:
+def transfer_to(weights: WeightStreamer | None, states: OwnedOptimizer | None,
+                tapes: TapeOffload | None = None,
+                boundaries: BoundaryStash | None = None) -> Callable[[Transfer], None]:
     """The function that starts a transfer op on what moves its tensors."""
     def start(op: Transfer) -> None:
         if op.what == WEIGHTS:
             weights.dispatch(op)
         elif op.what == STATES:
             states.dispatch(op)
+        elif op.what == TAPE:
+            tapes.dispatch(op)
+        elif op.what == BOUNDARY:
+            boundaries.dispatch(op)
         else:
             raise ValueError(f"{op}: nothing moves {op.what!r}")
     return start

@@ -69,9 +69,8 @@ def build_module(model: nn.Module, chain: Chain, placed: TierPlan, request: FitR
     start.say(f"planned in {time.perf_counter() - start.started:.1f} s: {plan.strategy}")
     tapes = None
     if placed.tapes is not None:
-        tapes = TapeOffload(stores[placed.tapes.name], set(placed.tape_stages),
-                            {storage_key(p) for p in model.parameters()},
-                            read_ahead=depth > 0)
+        tapes = TapeOffload(stores[placed.tapes.name],
+                            {storage_key(p) for p in model.parameters()})
     boundaries = BoundaryStash(stores[placed.boundaries.name]) if placed.boundaries else None
     return TierflowModule(model, chain, plan, Executors(
         start.autocast, start.device, start.log, owned, streamer, deferred,
@@ -92,7 +91,10 @@ def _with_run_notes(placed: TierPlan, request: FitRequest, start: FitStart) -> P
     if request.config.serial_reads and placed.depth and plan.transfers is not None:
         moves = plan.transfers
         on_demand = replace(moves, weights=moves.weights and replace(moves.weights, depth=0),
-                            states=moves.states and replace(moves.states, read_ahead=False))
+                            states=moves.states and replace(moves.states, read_ahead=False),
+                            tapes=moves.tapes and replace(moves.tapes, read_ahead=False),
+                            boundaries=moves.boundaries and replace(moves.boundaries,
+                                                                    read_ahead=False))
         plan = replace(plan.with_transfers(on_demand), notes=plan.notes + (
             f"every read runs on demand (serial_reads): the plan reads {placed.depth} stage(s) "
             "ahead, and its predicted step assumes it",))

@@ -1,12 +1,12 @@
 """Costs of a chain whose checkpoints (stage boundaries x[i] a plan keeps to recompute from)
 may wait on a lower tier instead of in the compute tier: offloading beside recomputation.
 
-Pure data. A stashed x[a] is written out after Forward(a) has read it, while the next
-stage's forward runs, and read back while a later stage's backward runs (the executor
-reads it one backward ahead of its Fetch). A boundary is stashable only when both hide
-behind that compute, so a stash costs the plan no time; it is worth a file only from
-``MIN_BOUNDARY_BYTES``. At most one write and one read are in flight: the static bytes
-this adds. Rotor, given stashable boundaries, then recomputes less at a small budget: it
+Pure data: the memory side. A stashed x[a] is written out after Forward(a) has read it,
+while the next stage's forward runs, and read back while a later stage's backward runs
+(one backward ahead of its Fetch). A boundary is stashable only when both would hide
+behind that compute; it is worth a file only from ``MIN_BOUNDARY_BYTES``. At most one
+write and one read are in flight: the static bytes this adds. The writes and reads are the
+plan's ops (``plan/boundary_schedule.py``), priced at the ``bandwidths`` set here. Rotor, given stashable boundaries, then recomputes less at a small budget: it
 no longer pays for a checkpoint's memory while later segments run (``rotor.py``).
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .costs import ChainCosts
+from .streaming import TRANSFER_RESOURCES
 
 MIN_BOUNDARY_BYTES = 1 << 20  # smaller boundaries stay in memory: not worth a file
 
@@ -36,12 +37,17 @@ def stashable_boundaries(costs: ChainCosts, *, read_bytes_per_s: float,
     return out
 
 
-def stashed_boundary_costs(costs: ChainCosts, boundaries: list[int]) -> ChainCosts:
-    """``costs`` with ``boundaries`` stashable and their bytes in flight static."""
+def stashed_boundary_costs(costs: ChainCosts, boundaries: list[int], *, home: str,
+                           read_bytes_per_s: float, write_bytes_per_s: float) -> ChainCosts:
+    """``costs`` with ``boundaries`` stashable on the lower tier ``home`` and their bytes in
+    flight static."""
     if not boundaries:
         return costs
     sizes = [costs.x_bytes(a) for a in boundaries]
     extra = {**costs.extra, "stashable boundaries": sorted(boundaries),
              "stashable boundary bytes": sum(sizes)}
+    read, write = TRANSFER_RESOURCES[home]
     return replace(costs, stashable=tuple(sorted(boundaries)),
-                   static_bytes=costs.static_bytes + 2 * max(sizes), extra=extra)
+                   static_bytes=costs.static_bytes + 2 * max(sizes), extra=extra,
+                   bandwidths={**costs.bandwidths, read: read_bytes_per_s,
+                               write: write_bytes_per_s})

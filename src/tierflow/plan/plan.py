@@ -28,10 +28,12 @@ from .ops import (
 from .simulate import Simulation, check_complete, simulate
 from .timeline import Timeline, timeline
 from .state_schedule import first_read, with_state_transfers
+from .boundary_schedule import with_boundary_transfers
+from .tape_schedule import with_tape_transfers
 from .transfers import Transfers
 from .weight_schedule import WeightSchedule, check_schedule, schedule_weights
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,9 @@ class Plan:
         """This plan's compute ops with the transfers of ``transfers`` placed among them and
         in its routines: the loads, stores and drops of streamed weights
         (``plan/weight_schedule.py``), the loads and stores of optimizer states beside the
-        updates (``plan/state_schedule.py``), and the update pass of deferred updates."""
+        updates (``plan/state_schedule.py``), the update pass of deferred updates, the
+        stores, loads and drops of the tapes kept below (``plan/tape_schedule.py``) and the
+        stores and loads of the stashed checkpoints (``plan/boundary_schedule.py``)."""
         compute = tuple(op for op in self.ops if not isinstance(op, TRANSFERS))
         order = transfers.update_order
         step, routines = compute, Routines(update_pass=tuple(Update(i) for i in order or ()))
@@ -121,6 +125,10 @@ class Plan:
                 routines = replace(routines, update_pass=placed, cold=cold)
             else:
                 step, routines = placed, replace(routines, cold=cold)
+        if transfers.tapes is not None:
+            step = with_tape_transfers(step, transfers.tapes)
+        if transfers.boundaries is not None:
+            step = with_boundary_transfers(step, transfers.boundaries)
         return replace(self, ops=step, routines=routines, transfers=transfers)
 
     @property

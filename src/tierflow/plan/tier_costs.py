@@ -75,7 +75,8 @@ def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier, config: F
                            if activation_tape(c.costs, i, c.streamed) >= min_bytes)
         if not stages:
             continue
-        costs = offloaded_tape_costs(c.costs, set(stages), read_bytes_per_s=tier.bandwidth,
+        costs = offloaded_tape_costs(c.costs, set(stages), home=tier.name,
+                                     read_bytes_per_s=tier.bandwidth,
                                      write_bytes_per_s=tier.bandwidth, read_ahead=c.depth > 0,
                                      streamed=c.streamed)
         costs = replace(costs, extra={**costs.extra, "tapes tier": tier.name})
@@ -102,7 +103,9 @@ def with_stashed_boundaries(candidates: list[Candidate], tier: LowerTier, config
             if config.stash_boundaries == "all":
                 out.append(c)
             continue
-        costs = stashed_boundary_costs(c.costs, boundaries)
+        costs = stashed_boundary_costs(c.costs, boundaries, home=tier.name,
+                                       read_bytes_per_s=tier.bandwidth,
+                                       write_bytes_per_s=tier.bandwidth)
         costs = replace(costs, extra={**costs.extra, "boundaries tier": tier.name})
         why = (f"the checkpoints a plan recomputes from may wait in {tier.about} until "
                f"their recomputation ({len(boundaries)} boundaries, "

@@ -35,7 +35,9 @@ from .tier_costs import (
     with_update_pass,
 )
 from .streaming import TRANSFER_RESOURCES
+from .boundary_schedule import StashedBoundaries
 from .state_schedule import StoredStates
+from .tape_schedule import OffloadedTapes
 from .transfers import Transfers
 from .weight_schedule import StreamedWeights
 
@@ -190,7 +192,9 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
     held = tuple(_held(candidate, problem, state_of).items())
     plan = plan.with_transfers(Transfers(streamed_weights(candidate, problem, tier),
                                          stored_states(candidate, problem, state_of, tier),
-                                         _update_order(candidate, problem)))
+                                         _update_order(candidate, problem),
+                                         offloaded_tapes(candidate, problem, tier),
+                                         stashed_boundaries(candidate, costs, tier)))
     return TierPlan(replace(plan, notes=plan.notes + notes), candidate.states,
                     candidate.weights, candidate.streamed, update_pass, candidate.tapes,
                     candidate.tape_stages, candidate.depth, held, candidate.boundaries,
@@ -226,6 +230,32 @@ def stored_states(candidate: Candidate, problem: TierProblem, state_of: list[int
     read, write = TRANSFER_RESOURCES[candidate.states.name]
     return StoredStates(sizes, candidate.states.name, "ram" if tier == "ram" else "gpu", read,
                         write, read_ahead=candidate.depth > 0)
+
+
+def offloaded_tapes(candidate: Candidate, problem: TierProblem,
+                    tier: str) -> OffloadedTapes | None:
+    """The tapes ``candidate`` keeps on a lower tier between a stage's forward and its
+    backward (None: none), each its stage's activations (the weights a streamed stage's tape
+    holds stay with the streamer)."""
+    if candidate.tapes is None:
+        return None
+    read, write = TRANSFER_RESOURCES[candidate.tapes.name]
+    sizes = tuple((i, problem.costs.stages[i].tape) for i in sorted(candidate.tape_stages))
+    return OffloadedTapes(sizes, candidate.tapes.name, "ram" if tier == "ram" else "gpu", read,
+                          write, read_ahead=candidate.depth > 0)
+
+
+def stashed_boundaries(candidate: Candidate, costs: ChainCosts,
+                       tier: str) -> StashedBoundaries | None:
+    """The checkpoints the plan made on ``costs`` may stash on ``candidate``'s lower tier
+    (None: none), each read one backward ahead whatever the prefetch depth (one checkpoint
+    in flight, as the costs count it)."""
+    if candidate.boundaries is None or not costs.stashable:
+        return None
+    read, write = TRANSFER_RESOURCES[candidate.boundaries.name]
+    sizes = tuple((a, costs.x_bytes(a)) for a in costs.stashable)
+    return StashedBoundaries(sizes, candidate.boundaries.name, "ram" if tier == "ram" else "gpu",
+                             read, write, read_ahead=True)
 
 
 def _update_order(candidate: Candidate, problem: TierProblem) -> tuple[int, ...] | None:

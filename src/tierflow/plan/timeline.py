@@ -9,12 +9,14 @@ Pure data. One dispatcher walks the ops in order, as the executor does:
   that resource's earlier transfers, once the dispatcher reaches it and what it waits for
   is done, and takes its bytes over the resource's bandwidth (``ChainCosts.bandwidths``);
   the dispatcher goes on at once;
-- a Drop waits (on the dispatcher) for the stage's Store in flight; Free, Stash and Fetch
-  take no time (their transfers are priced in the stages' costs).
+- a Drop waits (on the dispatcher) for the stage's Store in flight, and the Store of a
+  tape or a checkpoint for the Store of the one before it (the executor writes one of each
+  at a time); a Fetch waits (on the dispatcher) for its checkpoint's Load; Free and Stash
+  take no time.
 What an op waits for: a compute op of a streamed stage, the last Load of its weights; an
 Update also the last Store of its weights (a kept stage's write reads them) and the last
-Load of its optimizer states; a Load, the last Store of the same tensors (read only once
-written). The same ops run step after step, so a
+Load of its optimizer states; a Backward the Load of its tape (when it went down); a Load,
+the last Store of the same tensors (read only once written). The same ops run step after step, so a
 step's time is the steady state's: the dispatcher's time over one repetition after two.
 """
 from __future__ import annotations
@@ -23,10 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .costs import ChainCosts
-from .ops import WEIGHTS, Backward, Drop, Forward, Load, Op, Store, Update
+from .ops import WEIGHTS, Backward, Drop, Fetch, Forward, Load, Op, Store, Update
 from .state_schedule import STATES
+from .tape_schedule import TAPE
+from .boundary_schedule import BOUNDARY
 
 COMPUTE = "compute"
+ONE_WRITE_AT_A_TIME = (TAPE, BOUNDARY)  # a Store of these waits for the one before
 WARM_UP = 2  # repetitions before the one that is measured
 
 
@@ -60,6 +65,7 @@ def timeline(costs: ChainCosts, ops: Sequence[Op]) -> Timeline:
     loaded: dict[tuple[str, int], float] = {}  # (what, stage) -> when its last Load ends
     stored: dict[tuple[str, int], float] = {}  # (what, stage) -> when its last Store ends
     spans: list[Span] = []
+    written: dict[str, float] = {}  # what -> when its last Store ends (ONE_WRITE_AT_A_TIME)
     start = 0.0
     for repetition in range(WARM_UP + 1):
         measured = repetition == WARM_UP
@@ -74,17 +80,27 @@ def timeline(costs: ChainCosts, ops: Sequence[Op]) -> Timeline:
                 if isinstance(op, Update):
                     ready = max(ready, stored.get((WEIGHTS, op.stage), 0.0),
                                 loaded.get((STATES, op.stage), 0.0))
+                elif isinstance(op, Backward):
+                    ready = max(ready, loaded.get((TAPE, op.stage), 0.0))
                 clock = free[COMPUTE] = ready + seconds
                 span = Span(position, str(op), COMPUTE, ready, clock)
             elif isinstance(op, (Load, Store)):
+                serial = isinstance(op, Store) and op.what in ONE_WRITE_AT_A_TIME
+                if serial:
+                    clock = max(clock, written.get(op.what, 0.0))
                 key = (op.what, op.stage)
                 after = stored.get(key, 0.0) if isinstance(op, Load) else clock
                 ready = max(clock, free.get(op.resource, 0.0), after)
                 end = free[op.resource] = ready + op.nbytes / costs.bandwidths[op.resource]
                 (loaded if isinstance(op, Load) else stored)[key] = end
+                if serial:
+                    written[op.what] = end
                 span = Span(position, str(op), op.resource, ready, end)
             elif isinstance(op, Drop):
                 clock = max(clock, stored.get((op.what, op.stage), 0.0))
+                continue
+            elif isinstance(op, Fetch):
+                clock = max(clock, loaded.get((BOUNDARY, op.index), 0.0))
                 continue
             else:
                 continue

@@ -1,6 +1,7 @@
-"""What a plan moves between tiers besides its activations: the weights of its streamed
-stages and the optimizer states that live below the compute tier, and whether its updates
-run inside the backward or in a pass after it. ``Plan.with_transfers`` places their ops.
+"""What a plan moves between tiers: the weights of its streamed stages, the optimizer states
+that live below the compute tier, the tapes it keeps there between a stage's forward and
+its backward, the checkpoints it stashes there, and whether its updates run inside the backward or in a pass after it.
+``Plan.with_transfers`` places their ops.
 
 Pure data.
 """
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .boundary_schedule import StashedBoundaries
 from .state_schedule import StoredStates
+from .tape_schedule import OffloadedTapes
 from .weight_schedule import StreamedWeights
 
 
@@ -21,6 +24,8 @@ class Transfers:
     weights: StreamedWeights | None = None
     states: StoredStates | None = None
     update_order: tuple[int, ...] | None = None
+    tapes: OffloadedTapes | None = None
+    boundaries: StashedBoundaries | None = None
 
     @property
     def deferred(self) -> bool:
@@ -29,11 +34,16 @@ class Transfers:
     def to_dict(self) -> dict:
         return {"weights": self.weights.to_dict() if self.weights else None,
                 "states": self.states.to_dict() if self.states else None,
-                "update_order": None if self.update_order is None else list(self.update_order)}
+                "update_order": None if self.update_order is None else list(self.update_order),
+                "tapes": self.tapes.to_dict() if self.tapes else None,
+                "boundaries": self.boundaries.to_dict() if self.boundaries else None}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Transfers":
         order = data["update_order"]
         return cls(weights=StreamedWeights.from_dict(data["weights"]) if data["weights"] else None,
                    states=StoredStates.from_dict(data["states"]) if data["states"] else None,
-                   update_order=None if order is None else tuple(order))
+                   update_order=None if order is None else tuple(order),
+                   tapes=OffloadedTapes.from_dict(data["tapes"]) if data["tapes"] else None,
+                   boundaries=StashedBoundaries.from_dict(data["boundaries"])
+                   if data["boundaries"] else None)

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .ops import WEIGHTS, Backward, Drop, Forward, Load, Op, Store, Update, stage_of
+from .tape_schedule import tapes_below
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,7 @@ def _step(ops: Sequence[Op], streamed: StreamedWeights,
     """One micro-batch's ops with their transfers, from ``start``; the state at its end."""
     memory = _Memory(streamed, start)
     stages = streamed.stages
+    below = tapes_below(ops, streamed.tapes_below)  # forwards whose tapes go down
     taped: set[int] = set()  # stages whose tape is in memory
     for position, op in enumerate(ops):
         i = stage_of(op)
@@ -189,7 +191,7 @@ def _step(ops: Sequence[Op], streamed: StreamedWeights,
         for j in _ahead(ops[position + 1:], streamed, running=i):
             memory.load(j)
         memory.out.append(op)
-        if isinstance(op, Forward) and op.tape and not _tape_below(ops, position, streamed):
+        if isinstance(op, Forward) and op.tape and position not in below:
             taped.add(op.stage)
         elif isinstance(op, Backward):
             taped.discard(op.stage)
@@ -284,16 +286,6 @@ def _ahead(ops: Sequence[Op], streamed: StreamedWeights, running: int | None) ->
             if len(upcoming) == streamed.depth:
                 break
     return upcoming
-
-
-def _tape_below(ops: Sequence[Op], position: int, streamed: StreamedWeights) -> bool:
-    """The tape of ``ops[position]`` (a forward with tape) waits on a lower tier: its stage
-    offloads its tape and the tape is held across other ops (not used right away)."""
-    op = ops[position]
-    if op.stage not in streamed.tapes_below:
-        return False
-    after = ops[position + 1] if position + 1 < len(ops) else None
-    return not (isinstance(after, Backward) and after.stage == op.stage)
 
 
 def _kept_across_steps(ops: Sequence[Op], position: int, streamed: StreamedWeights) -> bool:

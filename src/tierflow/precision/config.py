@@ -85,6 +85,7 @@ class PrecisionConfig:
                                      f"{', '.join(choices)}")
 
     def to_dict(self) -> dict[str, str]:
+        """The choices by field name."""
         return asdict(self)
 
     @property
@@ -113,6 +114,7 @@ class PrecisionConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrecisionConfig:
+        """The config of ``to_dict``'s fields; a one-line error for a field it does not know."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

@@ -1,0 +1,117 @@
+"""The tape transfers a plan places among its ops (plan/tape_schedule.py), their price on the
+plan's timeline, and the executor doing exactly what they say."""
+import copy
+
+import pytest
+import torch
+from models import hf_sample, tiny_hf
+from side_by_side import train_side_by_side
+
+import tierflow
+from tierflow.config import FitConfig
+from tierflow.plan.costs import ChainCosts, StageCost
+from tierflow.plan.ops import Backward, Drop, Forward, Load, Store
+from tierflow.plan.plan import Plan
+from tierflow.plan.strategies import keep_all
+from tierflow.plan.tape_offload import offloaded_tape_costs
+from tierflow.plan.tape_schedule import TAPE, OffloadedTapes, with_tape_transfers
+from tierflow.plan.timeline import timeline
+from tierflow.plan.transfers import Transfers
+
+STAGE = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
+                  tape=300)
+
+
+def _tapes(stages, read_ahead: bool = True) -> OffloadedTapes:
+    return OffloadedTapes(tuple((i, 300) for i in stages), "disk", "ram", "disk read",
+                          "disk write", read_ahead)
+
+
+def _tape_ops(ops):
+    return [(type(op).__name__, op.stage) for op in ops
+            if isinstance(op, (Store, Load, Drop)) and op.what == TAPE]
+
+
+KEEP_ALL = (Forward(0, True), Forward(1, True), Forward(2, True),
+            Backward(2), Backward(1), Backward(0))
+
+
+def test_a_tape_held_across_other_ops_goes_down_and_comes_back_one_backward_ahead():
+    """The last stage's tape is used at once (its backward follows): it stays. The others
+    are written as their forwards save them, each read back while the backward before its
+    own runs, and forgotten after their backward."""
+    ops = with_tape_transfers(KEEP_ALL, _tapes({0, 1, 2}))
+    assert [str(op) if not isinstance(op, (Store, Load, Drop)) else type(op).__name__
+            for op in ops] == [
+        "Store", "Fall(0)", "Store", "Fall(1)", "Fall(2)", "Load", "B(2)", "Load", "B(1)",
+        "Drop", "B(0)", "Drop"]
+    assert _tape_ops(ops) == [("Store", 0), ("Store", 1), ("Load", 1), ("Load", 0),
+                              ("Drop", 1), ("Drop", 0)]
+
+
+def test_without_read_ahead_a_tape_is_read_right_before_its_backward():
+    ops = with_tape_transfers(KEEP_ALL, _tapes({0, 1, 2}, read_ahead=False))
+    position = {(type(op).__name__, getattr(op, "stage", None)): n for n, op in enumerate(ops)}
+    assert position[("Load", 1)] == position[("Backward", 1)] - 1
+    assert position[("Load", 0)] == position[("Backward", 0)] - 1
+
+
+def _costs(disk_bytes_per_s: float) -> ChainCosts:
+    base = ChainCosts(stages=(STAGE,) * 3, input_bytes=10, static_bytes=1000)
+    return offloaded_tape_costs(base, {0, 1, 2}, home="disk", read_bytes_per_s=disk_bytes_per_s,
+                                write_bytes_per_s=disk_bytes_per_s)
+
+
+@pytest.mark.parametrize("read_ahead", [True, False])
+def test_a_slow_disk_makes_the_step_wait_for_its_tapes(read_ahead):
+    """Priced as a task graph: a disk fast enough hides the tapes' writes and (read ahead)
+    reads behind compute (the step is its compute), a slow one makes the backwards wait for their reads;
+    reading ahead hides more of it than reading on demand."""
+    compute = 3 * (STAGE.fwd_time + STAGE.bwd_time)
+    ops = with_tape_transfers(KEEP_ALL, _tapes({0, 1, 2}, read_ahead))
+    exposed = 0.0 if read_ahead else 2 * 300 / 1e6  # reads on demand: two tapes come back
+    assert timeline(_costs(1e6), ops).time == pytest.approx(compute + exposed)
+    slow = timeline(_costs(100.0), ops)  # 3 s a tape each way
+    assert slow.time > compute + 1.0
+    spans = {(s.name.split("(")[0], s.resource) for s in slow.spans}
+    assert any(resource == "disk write" for _, resource in spans)
+    assert any(resource == "disk read" for _, resource in spans)
+    if read_ahead:
+        on_demand = with_tape_transfers(KEEP_ALL, _tapes({0, 1, 2}, read_ahead=False))
+        assert slow.time < timeline(_costs(100.0), on_demand).time
+
+
+def test_the_plan_carries_its_tapes_through_json():
+    """A plan with tape transfers reads back from its JSON with the same ops and
+    transfers."""
+    costs = _costs(100.0)
+    plan = Plan(costs=costs, ops=tuple(keep_all(costs)), strategy="keep-all")
+    placed = plan.with_transfers(Transfers(tapes=_tapes({0, 1})))
+    assert _tape_ops(placed.ops) == [("Store", 0), ("Store", 1), ("Load", 1), ("Load", 0),
+                                     ("Drop", 1), ("Drop", 0)]
+    back = Plan.from_json(placed.to_json())
+    assert back.ops == placed.ops and back.transfers == placed.transfers
+
+
+def test_the_executor_writes_the_tapes_the_plan_stores_and_no_other(tmp_path, monkeypatch):
+    """fit with every tape offloaded: the stages whose tapes the executor wrote are exactly
+    those of the plan's tape Stores, and training is plain PyTorch's."""
+    from tierflow.exec import tapes as tapes_module
+
+    written: set[int] = set()
+    original = tapes_module.TapeOffload._write
+    monkeypatch.setattr(tapes_module.TapeOffload, "_write",
+                        lambda self, store, key, t, order: (written.add(store.stage),
+                                                            original(self, store, key, t, order)))
+    monkeypatch.setattr(tapes_module, "MIN_BYTES", 1)
+    model = tiny_hf("llama", layers=4)
+    reference = copy.deepcopy(model)
+    sample = hf_sample()
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
+    module = tierflow.fit(model, sample, optimizer=adamw, disk=tmp_path,
+                          config=FitConfig(planner="keep-all", offload_tapes="all",
+                                           stream="never"))
+    stored = {op.stage for op in module.plan.ops if isinstance(op, Store) and op.what == TAPE}
+    assert stored and module.plan.transfers.tapes is not None
+    train_side_by_side(module, reference, sample, adamw)
+    assert written == stored
