@@ -13,7 +13,11 @@ REF's source is checked out into a temporary git worktree. Configurations:
   tier (its model built onto it).
 Both on random tokens, AdamW lr 1e-4 without clipping or warm-up. Reported per tree: the
 median step after the first, the peak RAM above the post-import baseline (the trainer's
-`ram` figure), the plan's predicted step and peak, and the ratios of this tree to the base.
+`ram` figure), the plan's predicted step and peak, and the ratios of this tree to the base;
+for this tree, how far the prediction is off, and for W2 whether the plan `tierflow plan
+--hardware cpu ... --json` prints (fresh process, right after the run) made the same
+decisions (`Plan.decisions`: strategy, recomputed and stashed stages, what streams where,
+how far ahead) as the plan `tierflow train` ran.
 Writes benchmarks/results/against-base-<date>[-TAG].{md,json} (the JSON names both commits
 and the CPU). Run it on a quiet machine.
 """
@@ -74,11 +78,29 @@ def train(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
         records.setdefault(record["kind"], []).append(record)
     steps_s = [r["ms"] / 1e3 for r in records["train"]]
     plan = records["plan"][0]
-    return {"step_s": round(statistics.median(steps_s[1:]), 3),
-            "steps_s": [round(s, 3) for s in steps_s],
-            "peak_gib": round(max(r["ram_bytes"] for r in records["train"]) / GIB, 3),
-            "predicted_step_s": round(plan["predicted_step_s"], 3),
-            "predicted_peak_gib": round(plan["predicted_peak"] / GIB, 3)}
+    row = {"step_s": round(statistics.median(steps_s[1:]), 3),
+           "steps_s": [round(s, 3) for s in steps_s],
+           "peak_gib": round(max(r["ram_bytes"] for r in records["train"]) / GIB, 3),
+           "predicted_step_s": round(plan["predicted_step_s"], 3),
+           "predicted_peak_gib": round(plan["predicted_peak"] / GIB, 3)}
+    if "decisions" in plan:  # trees that log them
+        row["decisions"] = plan["decisions"]
+    return row
+
+
+def predicted_decisions(tree: Path, model: str, batch: int, ram: str, disk: Path) -> dict:
+    """What `tierflow plan --hardware cpu --json` of ``tree`` decides for the same run."""
+    cmd = [sys.executable, "-m", "tierflow", "plan", "--model", model, "--hardware", "cpu",
+           "--ram", ram, "--disk", str(disk), "--seq-len", "1024", "--batch-size", str(batch),
+           "--matmul-dtype", "bf16", "--json"]
+    env = dict(os.environ, PYTHONPATH=str(tree / "src"))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    prediction = json.loads(proc.stdout)
+    return {"decisions": prediction["placement"]["decisions"],
+            "predicted_step_s": round(prediction["step_time"], 3),
+            "predicted_peak_gib": round(prediction["placement"]["peaks"]["ram"] / GIB, 3)}
 
 
 def main() -> None:
@@ -112,9 +134,18 @@ def main() -> None:
                     row[name] = train(trees[name], model, batch, ram, args.steps, data,
                                       tmp / f"{workload}-{label}-{name}")
                     print(f"{workload} {label} {name}: {row[name]}", flush=True)
-                if "step_s" in row["base"] and "step_s" in row["head"]:
-                    row["step_ratio"] = round(row["head"]["step_s"] / row["base"]["step_s"], 3)
-                    row["peak_ratio"] = round(row["head"]["peak_gib"] / row["base"]["peak_gib"], 3)
+                head = row["head"]
+                if "step_s" in row["base"] and "step_s" in head:
+                    row["step_ratio"] = round(head["step_s"] / row["base"]["step_s"], 3)
+                    row["peak_ratio"] = round(head["peak_gib"] / row["base"]["peak_gib"], 3)
+                if "step_s" in head:  # how far this tree's own prediction is off
+                    row["step_error"] = round(head["predicted_step_s"] / head["step_s"] - 1, 3)
+                    row["peak_error"] = round(head["predicted_peak_gib"] / head["peak_gib"] - 1,
+                                              3)
+                if workload == "W2" and "decisions" in head:
+                    row["plan_command"] = predicted_decisions(
+                        ROOT, model, batch, ram, tmp / f"{workload}-{label}-head" / "disk")
+                    row["same_plan"] = row["plan_command"].get("decisions") == head["decisions"]
                 rows.append(row)
             result = {"date": stamp, "cpu": platform.processor() or platform.machine(),
                       "cores": os.cpu_count(), "base": commit_of(base), "head": commit_of(ROOT),
@@ -128,20 +159,33 @@ def main() -> None:
              f"head {result['head'][:12]}; {result['cores']} cores; {args.steps} steps, the "
              "median after the first. `benchmarks/against_base.py`.", "",
              "| workload | budget | base step s | head step s | head/base | base peak GiB | "
-             "head peak GiB | head/base | head PREDICTED step s | PREDICTED peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "head peak GiB | head/base | head PREDICTED step s (off) | PREDICTED peak GiB "
+             "(off) | `tierflow plan` the same plan |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b, h = r["base"], r["head"]
         if "step_s" not in b or "step_s" not in h:
             lines.append(f"| {r['workload']} | {r['budget']} | {b.get('error', '')} | "
-                         f"{h.get('error', '')} | | | | | | |")
+                         f"{h.get('error', '')} | | | | | | | |")
             continue
         lines.append(f"| {r['workload']} | {r['budget']} ({r['ram']}) | {b['step_s']} | "
                      f"{h['step_s']} | {r['step_ratio']} | {b['peak_gib']} | {h['peak_gib']} "
-                     f"| {r['peak_ratio']} | {h['predicted_step_s']} | "
-                     f"{h['predicted_peak_gib']} |")
+                     f"| {r['peak_ratio']} | {h['predicted_step_s']} ({r['step_error']:+.0%}) | "
+                     f"{h['predicted_peak_gib']} ({r['peak_error']:+.0%}) | "
+                     f"{_same(r)} |")
     (RESULTS / f"against-base-{stamp}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _same(row: dict) -> str:
+    """The same-plan cell: yes, no (what differs), or - where not compared."""
+    if "same_plan" not in row:
+        return "-"
+    if row["same_plan"]:
+        return "yes"
+    theirs = row["plan_command"].get("decisions") or {}
+    differ = [k for k, v in row["head"]["decisions"].items() if theirs.get(k) != v]
+    return "no: " + (", ".join(differ) or row["plan_command"].get("error", "?"))
 
 
 if __name__ == "__main__":

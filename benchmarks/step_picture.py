@@ -22,7 +22,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from tierflow.plan.costs import ChainCosts, StageCost  # noqa: E402
 from tierflow.plan.plan import Plan  # noqa: E402
-from tierflow.plan.state_schedule import StoredStates  # noqa: E402
+from tierflow.plan.kept_below import KeptBelow  # noqa: E402
+from tierflow.plan.state_schedule import STATES  # noqa: E402
 from tierflow.plan.strategies import checkpoint_all  # noqa: E402
 from tierflow.plan.transfers import Transfers  # noqa: E402
 from tierflow.plan.weight_schedule import StreamedWeights  # noqa: E402
@@ -39,7 +40,7 @@ def example_plan() -> Plan:
                        bandwidths={"disk read": 100.0, "disk write": 100.0})
     weights = StreamedWeights(tuple((i, 200, 200) for i in range(6)), "disk", "ram",
                               "disk read", "disk write", depth=1)
-    states = StoredStates(tuple((i, 100) for i in range(6)), "disk", "ram", "disk read",
+    states = KeptBelow(STATES, tuple((i, 100) for i in range(6)), "disk", "ram", "disk read",
                           "disk write", read_ahead=True)
     plan = Plan("checkpoint-all", tuple(checkpoint_all(costs)), costs)
     return plan.with_transfers(Transfers(weights, states))

@@ -14,13 +14,10 @@ from test_rotor import keep_all_peak, random_chain
 import tierflow
 from tierflow.config import FitConfig
 from tierflow.plan import Plan
+from tierflow.plan.boundary_schedule import BOUNDARY, with_boundary_transfers
 from tierflow.plan.boundary_stash import stashable_boundaries, stashed_boundary_costs
 from tierflow.plan.costs import ChainCosts, StageCost
-from tierflow.plan.boundary_schedule import (
-    BOUNDARY,
-    StashedBoundaries,
-    with_boundary_transfers,
-)
+from tierflow.plan.kept_below import KeptBelow
 from tierflow.plan.ops import Backward, Fetch, Forward, Load, Stash, Store
 from tierflow.plan.rotor import _min_memory, rotor, smallest_budget
 from tierflow.plan.simulate import InvalidPlan, check_complete, simulate
@@ -123,8 +120,8 @@ RECOMPUTING = (Forward(0, False), Stash(1), Forward(1, False), Forward(2, True),
                Fetch(1), Forward(1, True), Backward(1), Forward(0, True), Backward(0))
 
 
-def _stashed(read_ahead: bool = True) -> StashedBoundaries:
-    return StashedBoundaries(((1, 400),), "disk", "ram", "disk read", "disk write", read_ahead)
+def _stashed(read_ahead: bool = True) -> KeptBelow:
+    return KeptBelow(BOUNDARY, ((1, 400),), "disk", "ram", "disk read", "disk write", read_ahead)
 
 
 def test_a_stashed_checkpoint_is_written_after_its_stash_and_read_one_backward_ahead():

@@ -28,6 +28,9 @@ def test_plan_json(capsys):
     data = json.loads(out)
     assert data["predicted"] is True and data["tokens_per_second"] > 0
     assert data["placement"]["peaks"]["gpu"] <= 80 * 2 ** 30
+    decisions = data["placement"]["decisions"]  # the plan's own, as the trainer logs them
+    assert decisions["strategy"] in ("keep-all", "checkpoint-all", "rotor")
+    assert set(decisions) >= {"recomputed", "streamed", "states_home", "tapes"}
 
 
 @pytest.mark.parametrize("args, fragments", [

@@ -10,11 +10,12 @@ from side_by_side import train_side_by_side
 import tierflow
 from tierflow.config import FitConfig
 from tierflow.plan.costs import ChainCosts, StageCost
+from tierflow.plan.kept_below import KeptBelow
 from tierflow.plan.ops import Backward, Drop, Forward, Load, Store
 from tierflow.plan.plan import Plan
 from tierflow.plan.strategies import keep_all
 from tierflow.plan.tape_offload import offloaded_tape_costs
-from tierflow.plan.tape_schedule import TAPE, OffloadedTapes, with_tape_transfers
+from tierflow.plan.tape_schedule import TAPE, with_tape_transfers
 from tierflow.plan.timeline import timeline
 from tierflow.plan.transfers import Transfers
 
@@ -22,8 +23,8 @@ STAGE = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_b
                   tape=300)
 
 
-def _tapes(stages, read_ahead: bool = True) -> OffloadedTapes:
-    return OffloadedTapes(tuple((i, 300) for i in stages), "disk", "ram", "disk read",
+def _tapes(stages, read_ahead: bool = True) -> KeptBelow:
+    return KeptBelow(TAPE, tuple((i, 300) for i in stages), "disk", "ram", "disk read",
                           "disk write", read_ahead)
 
 
@@ -91,6 +92,8 @@ def test_the_plan_carries_its_tapes_through_json():
                                      ("Drop", 1), ("Drop", 0)]
     back = Plan.from_json(placed.to_json())
     assert back.ops == placed.ops and back.transfers == placed.transfers
+    assert back.decisions() == placed.decisions()
+    assert placed.decisions()["tapes"] == [0, 1] and placed.decisions()["tapes_home"] == "disk"
 
 
 def test_the_executor_writes_the_tapes_the_plan_stores_and_no_other(tmp_path, monkeypatch):

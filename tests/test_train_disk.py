@@ -58,6 +58,8 @@ def test_disk_run_matches_the_in_memory_run(train_env, tmp_path, capsys, grad_ac
     assert predicted <= {e["name"] for e in spans["measured"]}
     [record] = records(tmp_path / "disk-run" / "log.jsonl", "trace")
     assert {"compute", "disk read"} <= set(record["busy_s"])
+    [plan] = records(tmp_path / "disk-run" / "log.jsonl", "plan")  # what the run decided
+    assert plan["decisions"]["weights_home"] == "disk" and plan["decisions"]["streamed"]
 
 
 def trace_sides(path) -> tuple[dict, dict]:

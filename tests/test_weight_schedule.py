@@ -10,7 +10,8 @@ from tierflow.plan.ops import Backward, Drop, Forward, Load, Store, Update
 from tierflow.plan.plan import Plan
 from tierflow.plan.rotor import rotor, smallest_budget
 from tierflow.plan.strategies import checkpoint_all, keep_all
-from tierflow.plan.state_schedule import StoredStates
+from tierflow.plan.kept_below import KeptBelow
+from tierflow.plan.state_schedule import STATES
 from tierflow.plan.timeline import timeline
 from tierflow.plan.transfers import Transfers
 from tierflow.plan.weight_schedule import check_schedule, schedule_weights
@@ -75,7 +76,7 @@ def test_a_plan_with_transfers_round_trips_through_json():
     costs = _costs()
     plan = Plan("checkpoint-all", tuple(checkpoint_all(costs)), costs).with_transfers(
         Transfers(streaming(costs, {1, 2, 3}, 1, written_back=False),
-                  StoredStates(((4, 200), (3, 200), (1, 200)), "disk", "ram", "disk read",
+                  KeptBelow(STATES, ((4, 200), (3, 200), (1, 200)), "disk", "ram", "disk read",
                                "disk write", read_ahead=True),
                   update_order=(4, 3, 2, 1, 0)))
     again = Plan.from_json(plan.to_json())

@@ -12,42 +12,16 @@ Fetch waits for it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from .ops import Backward, Fetch, Free, Load, Op, Stash, Store
+from .kept_below import KeptBelow
+from .ops import Backward, Fetch, Free, Op, Stash
 
 BOUNDARY = "boundary"  # what these transfers move: a checkpoint x[a]
 
 
-@dataclass(frozen=True)
-class StashedBoundaries:
-    """Per stashable checkpoint x[a], its bytes (``sizes``: (a, bytes)), kept on the lower
-    tier ``home`` and moved from and to the ``compute`` tier on the resources ``write`` and
-    ``read``, read one backward ahead of its Fetch or at it."""
-
-    sizes: tuple[tuple[int, int], ...]
-    home: str
-    compute: str
-    read: str
-    write: str
-    read_ahead: bool
-
-    def to_dict(self) -> dict:
-        return {"sizes": [list(pair) for pair in self.sizes], "home": self.home,
-                "compute": self.compute, "read": self.read, "write": self.write,
-                "read_ahead": self.read_ahead}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "StashedBoundaries":
-        return cls(sizes=tuple((int(a), int(n)) for a, n in data["sizes"]), home=data["home"],
-                   compute=data["compute"], read=data["read"], write=data["write"],
-                   read_ahead=bool(data["read_ahead"]))
-
-
 def with_boundary_transfers(ops: Sequence[Op],
-                            boundaries: StashedBoundaries) -> tuple[Op, ...]:
+                            boundaries: KeptBelow) -> tuple[Op, ...]:
     """``ops`` with the Stores and Loads of the checkpoints their Stash and Fetch ops move."""
-    sizes = dict(boundaries.sizes)
     loads: dict[int, list[int]] = {}  # position -> the checkpoints read before that op
     in_store: set[int] = set()
     stored_at: dict[int, int] = {}  # a -> position of the Stash its Store follows
@@ -66,13 +40,11 @@ def with_boundary_transfers(ops: Sequence[Op],
     out: list[Op] = []
     in_store.clear()
     for position, op in enumerate(ops):
-        out += [Load(BOUNDARY, a, boundaries.home, boundaries.compute, boundaries.read,
-                     sizes[a]) for a in loads.get(position, ())]
+        out += [boundaries.load(a) for a in loads.get(position, ())]
         out.append(op)
         if isinstance(op, Stash) and op.index not in in_store:
             in_store.add(op.index)
-            out.append(Store(BOUNDARY, op.index, boundaries.compute, boundaries.home,
-                             boundaries.write, sizes[op.index]))
+            out.append(boundaries.store(op.index))
         elif isinstance(op, (Free, Backward)):
             in_store -= _forgotten(op)
     return tuple(out)

@@ -40,6 +40,7 @@ class Placement:
     bottleneck: str
     smallest: dict[str, int | None]  # per tier, the smallest budget that works with the others
     notes: tuple[str, ...] = field(default_factory=tuple)
+    decisions: dict = field(default_factory=dict)  # the plan's own (``Plan.decisions``)
 
     def to_json(self) -> str:
         return json.dumps({"format": "tierflow-placement", **asdict(self)}, indent=1)

@@ -158,6 +158,24 @@ class Plan:
         """Checkpoints x[i] that wait on the tier below between their uses."""
         return sorted({op.index for op in self.ops if isinstance(op, Stash)})
 
+    def decisions(self) -> dict:
+        """What this plan chose, in a form two plans compare by (``tierflow plan --json``'s
+        and the trainer's log's): the strategy, what is recomputed and stashed, and what
+        its transfers move, where, and how far ahead."""
+        moves = self.transfers or Transfers()
+        weights, states, tapes = moves.weights, moves.states, moves.tapes
+        return {"strategy": self.strategy, "recomputed": self.recomputed_stages(),
+                "stashed": self.stashed_boundaries(),
+                "streamed": sorted(weights.stages) if weights else [],
+                "weights_home": weights.home if weights else None,
+                "read_ahead": weights.depth if weights else None,
+                "host_updated": sorted(weights.host_updated) if weights else [],
+                "states": sorted(dict(states.sizes)) if states else [],
+                "states_home": states.home if states else None,
+                "tapes": sorted(tapes.stages) if tapes else [],
+                "tapes_home": tapes.home if tapes else None,
+                "deferred_updates": moves.deferred}
+
     def to_json(self) -> str:
         return json.dumps({"format": "tierflow-plan", "version": FORMAT_VERSION,
                            "strategy": self.strategy, "budget": self.budget,

@@ -1,7 +1,7 @@
 """Where a plan moves the optimizer states that live on a lower tier between updates:
 ``Load`` and ``Store`` ops of ``what="states"`` placed beside its updates.
 
-Pure data. Each update of a stage whose states live below (``StoredStates``) is preceded by
+Pure data. Each update of a stage whose states live below (``KeptBelow``) is preceded by
 the Load of its states and followed by their Store. Reading ahead, the Load starts right
 after the update before it, so that the read overlaps that update and what runs until the
 stage's own (the first update of a list is read after its last, the same list running
@@ -12,49 +12,14 @@ but an update of theirs still starts the read of the next stage's states.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from .ops import Load, Op, Store, Update
+from .kept_below import KeptBelow
+from .ops import Op, Update
 
 STATES = "states"  # what these transfers move
 
 
-@dataclass(frozen=True)
-class StoredStates:
-    """Per stage, the bytes of the optimizer states that live on the lower tier ``home``
-    (``sizes``: (stage, bytes)), moved to and from the ``compute`` tier on the resources
-    ``read`` and ``write``, read ahead of their update or when it needs them."""
-
-    sizes: tuple[tuple[int, int], ...]
-    home: str
-    compute: str
-    read: str
-    write: str
-    read_ahead: bool
-
-    @property
-    def stages(self) -> dict[int, int]:
-        return dict(self.sizes)
-
-    def load(self, i: int) -> Load:
-        return Load(STATES, i, self.home, self.compute, self.read, self.stages[i])
-
-    def store(self, i: int) -> Store:
-        return Store(STATES, i, self.compute, self.home, self.write, self.stages[i])
-
-    def to_dict(self) -> dict:
-        return {"sizes": [list(pair) for pair in self.sizes], "home": self.home,
-                "compute": self.compute, "read": self.read, "write": self.write,
-                "read_ahead": self.read_ahead}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "StoredStates":
-        return cls(sizes=tuple((int(i), int(n)) for i, n in data["sizes"]), home=data["home"],
-                   compute=data["compute"], read=data["read"], write=data["write"],
-                   read_ahead=bool(data["read_ahead"]))
-
-
-def with_state_transfers(ops: Sequence[Op], states: StoredStates) -> tuple[Op, ...]:
+def with_state_transfers(ops: Sequence[Op], states: KeptBelow) -> tuple[Op, ...]:
     """``ops`` with the Loads and Stores of the states of the stages their Updates step."""
     stages = states.stages
     updates = [op.stage for op in ops if isinstance(op, Update)]
@@ -72,7 +37,7 @@ def with_state_transfers(ops: Sequence[Op], states: StoredStates) -> tuple[Op, .
     return tuple(out)
 
 
-def first_read(ops: Sequence[Op], states: StoredStates) -> tuple[Op, ...]:
+def first_read(ops: Sequence[Op], states: KeptBelow) -> tuple[Op, ...]:
     """The read a list's first update needs when nothing was read ahead of it (the first
     step, reading ahead: later, the list's last update reads it)."""
     first = next((op.stage for op in ops if isinstance(op, Update)), None)

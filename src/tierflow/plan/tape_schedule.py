@@ -1,7 +1,7 @@
 """Where a plan moves the tapes it keeps on a lower tier: ``Store``, ``Load`` and ``Drop`` ops
 of ``what="tape"`` placed among its ops.
 
-Pure data. A taped forward of a stage in ``OffloadedTapes`` whose backward does not follow at
+Pure data. A taped forward of a stage whose tape is kept below (a ``KeptBelow``) whose backward does not follow at
 once sends its tape down as the forward saves it: a Store right before that Forward (its
 writes run beside the forward; the next such Store waits until this one is written, as the
 executor bounds the tapes in flight). The tape comes back for the stage's backward: its Load
@@ -11,40 +11,11 @@ right before its own; a Drop after its backward forgets it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from .ops import TRANSFERS, Backward, Drop, Forward, Load, Op, Store
+from .kept_below import KeptBelow
+from .ops import TRANSFERS, Backward, Drop, Forward, Op
 
 TAPE = "tape"  # what these transfers move
-
-
-@dataclass(frozen=True)
-class OffloadedTapes:
-    """Per stage, the bytes of the tape it may keep on the lower tier ``home`` (``sizes``:
-    (stage, bytes)), moved from and to the ``compute`` tier on the resources ``write`` and
-    ``read``, read one backward ahead or when its backward needs it."""
-
-    sizes: tuple[tuple[int, int], ...]
-    home: str
-    compute: str
-    read: str
-    write: str
-    read_ahead: bool
-
-    @property
-    def stages(self) -> dict[int, int]:
-        return dict(self.sizes)
-
-    def to_dict(self) -> dict:
-        return {"sizes": [list(pair) for pair in self.sizes], "home": self.home,
-                "compute": self.compute, "read": self.read, "write": self.write,
-                "read_ahead": self.read_ahead}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "OffloadedTapes":
-        return cls(sizes=tuple((int(i), int(n)) for i, n in data["sizes"]), home=data["home"],
-                   compute=data["compute"], read=data["read"], write=data["write"],
-                   read_ahead=bool(data["read_ahead"]))
 
 
 def tapes_below(ops: Sequence[Op], stages: set[int] | frozenset[int]) -> set[int]:
@@ -60,7 +31,7 @@ def tapes_below(ops: Sequence[Op], stages: set[int] | frozenset[int]) -> set[int
     return out
 
 
-def with_tape_transfers(ops: Sequence[Op], tapes: OffloadedTapes) -> tuple[Op, ...]:
+def with_tape_transfers(ops: Sequence[Op], tapes: KeptBelow) -> tuple[Op, ...]:
     """``ops`` with the Stores, Loads and Drops of the tapes that go down."""
     sizes = tapes.stages
     below = tapes_below(ops, set(sizes))
@@ -70,19 +41,15 @@ def with_tape_transfers(ops: Sequence[Op], tapes: OffloadedTapes) -> tuple[Op, .
     out: list[Op] = []
     for position, op in enumerate(ops):
         if position in below:
-            out.append(Store(TAPE, op.stage, tapes.compute, tapes.home, tapes.write,
-                             sizes[op.stage]))
+            out.append(tapes.store(op.stage))
         if isinstance(op, Backward):
             read = ahead.get(op.stage) if tapes.read_ahead else op.stage
             if tapes.read_ahead and op.stage == backwards[0] and op.stage in down:
-                out.append(_load(tapes, op.stage))  # the first backward's, nothing before
+                out.append(tapes.load(op.stage))  # the first backward's, nothing before
             if read in down:
-                out.append(_load(tapes, read))
+                out.append(tapes.load(read))
         out.append(op)
         if isinstance(op, Backward) and op.stage in down:
             out.append(Drop(TAPE, op.stage, tapes.compute))
     return tuple(out)
 
-
-def _load(tapes: OffloadedTapes, i: int) -> Load:
-    return Load(TAPE, i, tapes.home, tapes.compute, tapes.read, tapes.stages[i])

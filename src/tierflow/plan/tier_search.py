@@ -35,9 +35,10 @@ from .tier_costs import (
     with_update_pass,
 )
 from .streaming import TRANSFER_RESOURCES
-from .boundary_schedule import StashedBoundaries
-from .state_schedule import StoredStates
-from .tape_schedule import OffloadedTapes
+from .boundary_schedule import BOUNDARY
+from .kept_below import KeptBelow
+from .state_schedule import STATES
+from .tape_schedule import TAPE
 from .transfers import Transfers
 from .weight_schedule import StreamedWeights
 
@@ -218,44 +219,44 @@ def streamed_weights(candidate: Candidate, problem: TierProblem,
 
 
 def stored_states(candidate: Candidate, problem: TierProblem, state_of: list[int],
-                  tier: str) -> StoredStates | None:
+                  tier: str) -> KeptBelow | None:
     """The optimizer states ``candidate`` keeps on a lower tier and moves beside the updates
     of the compute tier (None: none; the host RAM's own stages move theirs there)."""
     if candidate.states is None:
         return None
     sizes = tuple((i, state_of[i]) for i in problem.optimizer_stages
                   if i not in candidate.host_stages and state_of[i])
-    if not sizes:
-        return None
-    read, write = TRANSFER_RESOURCES[candidate.states.name]
-    return StoredStates(sizes, candidate.states.name, "ram" if tier == "ram" else "gpu", read,
-                        write, read_ahead=candidate.depth > 0)
+    return _kept_below(STATES, sizes, candidate.states, tier, candidate.depth > 0)
 
 
-def offloaded_tapes(candidate: Candidate, problem: TierProblem,
-                    tier: str) -> OffloadedTapes | None:
+def offloaded_tapes(candidate: Candidate, problem: TierProblem, tier: str) -> KeptBelow | None:
     """The tapes ``candidate`` keeps on a lower tier between a stage's forward and its
     backward (None: none), each its stage's activations (the weights a streamed stage's tape
     holds stay with the streamer)."""
     if candidate.tapes is None:
         return None
-    read, write = TRANSFER_RESOURCES[candidate.tapes.name]
     sizes = tuple((i, problem.costs.stages[i].tape) for i in sorted(candidate.tape_stages))
-    return OffloadedTapes(sizes, candidate.tapes.name, "ram" if tier == "ram" else "gpu", read,
-                          write, read_ahead=candidate.depth > 0)
+    return _kept_below(TAPE, sizes, candidate.tapes, tier, candidate.depth > 0)
 
 
-def stashed_boundaries(candidate: Candidate, costs: ChainCosts,
-                       tier: str) -> StashedBoundaries | None:
+def stashed_boundaries(candidate: Candidate, costs: ChainCosts, tier: str) -> KeptBelow | None:
     """The checkpoints the plan made on ``costs`` may stash on ``candidate``'s lower tier
     (None: none), each read one backward ahead whatever the prefetch depth (one checkpoint
     in flight, as the costs count it)."""
-    if candidate.boundaries is None or not costs.stashable:
+    if candidate.boundaries is None:
         return None
-    read, write = TRANSFER_RESOURCES[candidate.boundaries.name]
     sizes = tuple((a, costs.x_bytes(a)) for a in costs.stashable)
-    return StashedBoundaries(sizes, candidate.boundaries.name, "ram" if tier == "ram" else "gpu",
-                             read, write, read_ahead=True)
+    return _kept_below(BOUNDARY, sizes, candidate.boundaries, tier, read_ahead=True)
+
+
+def _kept_below(what: str, sizes: tuple[tuple[int, int], ...], home: LowerTier, tier: str,
+                read_ahead: bool) -> KeptBelow | None:
+    """``sizes`` of ``what`` kept on ``home`` below the compute tier ``tier`` (None: none)."""
+    if not sizes:
+        return None
+    read, write = TRANSFER_RESOURCES[home.name]
+    return KeptBelow(what, sizes, home.name, "ram" if tier == "ram" else "gpu", read, write,
+                     read_ahead)
 
 
 def _update_order(candidate: Candidate, problem: TierProblem) -> tuple[int, ...] | None:

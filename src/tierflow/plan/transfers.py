@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .boundary_schedule import StashedBoundaries
-from .state_schedule import StoredStates
-from .tape_schedule import OffloadedTapes
+from .kept_below import KeptBelow
 from .weight_schedule import StreamedWeights
 
 
@@ -22,10 +20,10 @@ class Transfers:
     stage is updated inside the backward."""
 
     weights: StreamedWeights | None = None
-    states: StoredStates | None = None
+    states: KeptBelow | None = None
     update_order: tuple[int, ...] | None = None
-    tapes: OffloadedTapes | None = None
-    boundaries: StashedBoundaries | None = None
+    tapes: KeptBelow | None = None
+    boundaries: KeptBelow | None = None
 
     @property
     def deferred(self) -> bool:
@@ -42,8 +40,8 @@ class Transfers:
     def from_dict(cls, data: dict) -> "Transfers":
         order = data["update_order"]
         return cls(weights=StreamedWeights.from_dict(data["weights"]) if data["weights"] else None,
-                   states=StoredStates.from_dict(data["states"]) if data["states"] else None,
+                   states=KeptBelow.from_dict(data["states"]) if data["states"] else None,
                    update_order=None if order is None else tuple(order),
-                   tapes=OffloadedTapes.from_dict(data["tapes"]) if data["tapes"] else None,
-                   boundaries=StashedBoundaries.from_dict(data["boundaries"])
+                   tapes=KeptBelow.from_dict(data["tapes"]) if data["tapes"] else None,
+                   boundaries=KeptBelow.from_dict(data["boundaries"])
                    if data["boundaries"] else None)

@@ -200,4 +200,4 @@ def _as_placement(setup: Setup, problem: TierProblem, placed: TierPlan,
         budgets={tier: budget, **{t.name: t.budget for t in lower}}, times=times,
         step_time=step,
         bottleneck=f"{BOUNDS[name]} ({seconds:.3g} s, {seconds / step:.0%} of the step)",
-        smallest=smallest, notes=(*notes, *plan.notes))
+        smallest=smallest, notes=(*notes, *plan.notes), decisions=plan.decisions())

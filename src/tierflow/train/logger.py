@@ -187,7 +187,7 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                   predicted_peak=int(peak), budget=budget, held_outside_the_plan=int(held),
                   strategy=plan.strategy, predicted_step_s=seconds,
                   disk_bytes=below["disk"], ram_tier_bytes=below["ram"],
-                  prefetch_depth=extra.get("prefetch depth"))
+                  prefetch_depth=extra.get("prefetch depth"), decisions=plan.decisions())
     if dist is not None:
         n = dist["world_size"]
         parallel = (f"{n} ranks ({dist['backend']}); ZeRO-2: AdamW moments and reduced "
