@@ -49,14 +49,12 @@ _HELP = {
                     "host RAM (--ram) below it"),
     "simulate_gpu": (None, "with --gpu: plan and run on the CPU as if it were a GPU of that "
                            "size (host RAM and --disk below it), to try a GPU plan without one"),
-    "disk": ("DIR", "an existing directory for the disk tier: the weights and AdamW states "
-                    "that do not fit --ram live there between uses (a scratch subdirectory, "
-                    "removed at the end; checkpoints still go to --out); with --gpu, "
-                    "tierflow owns AdamW and the model starts in host RAM (on disk when its "
-                    "weights pass --ram or leave too little of it), streamed to the GPU from "
-                    "RAM or disk; under torchrun each rank holds the whole model and its "
-                    "states in a subdirectory of its own (replicas, gradients averaged); "
-                    "--resume keeps the run's --disk unless given, 'none' for no disk tier"),
+    "disk": ("DIR", "an existing directory for the disk tier: a scratch subdirectory there "
+                    "(one per rank under torchrun), removed at the end, holds the weights and "
+                    "AdamW states that do not fit the budgets between uses (checkpoints still "
+                    "go to --out); --resume keeps the run's --disk unless given, 'none' for no "
+                    "disk tier. For now a disk tier also decides who steps AdamW: see the end "
+                    "of this help"),
     "seq_len": ("N", "tokens per sequence (default 256)"),
     "batch_size": ("N", "sequences per micro-batch over all ranks (the global batch): under "
                         "torchrun each rank takes batch-size / ranks of them (default 4)"),
@@ -113,15 +111,16 @@ _HELP = {
     "serial_reads": (None, "with --disk: run the plan made for its prefetch depth with every "
                            "weight, optimizer state and tape read on demand, to measure what "
                            "reading ahead saves (the [Plan] prediction still assumes it)"),
-    "host_updates": (None, "with --disk under --gpu: auto lets the planner step AdamW in host "
-                           "RAM, on the CPU, for the stages whose optimizer states live there "
-                           "or on disk (their gradients go down and their new weights up, or "
-                           "back to disk, instead of the states coming up and back), never "
-                           "keeps every update on the GPU, all steps every such stage there"),
-    "optimizer_states": (None, "with --disk: the tier where AdamW's states live between "
-                               "updates: auto lets the planner choose, compute keeps them on "
-                               "the GPU (or, without --gpu, in RAM), ram in the host RAM below "
-                               "--gpu, disk in --disk DIR"),
+    "host_updates": (None, "tierflow's own AdamW (with --disk) under --gpu: auto lets the "
+                           "planner step it in host RAM, on the CPU, for the stages whose "
+                           "optimizer states live there or on disk (their gradients go down and "
+                           "their new weights up, or back to disk, instead of the states coming "
+                           "up and back), never keeps every update on the GPU, all steps every "
+                           "such stage there"),
+    "optimizer_states": (None, "tierflow's own AdamW (with --disk): the tier where its states "
+                               "live between updates: auto lets the planner choose, compute "
+                               "keeps them on the GPU (or, without --gpu, in RAM), ram in the "
+                               "host RAM below --gpu, disk in --disk DIR"),
     "trace": ("FILE", "write a Chrome-trace JSON of every step (compute, disk reads and "
                       "writes, optimizer, gradient averaging, the RSS as a counter), for "
                       "Perfetto or chrome://tracing; under torchrun rank r > 0 writes "
@@ -130,6 +129,17 @@ _HELP = {
                           "stops with an error naming the rank that died (default 300)"),
     "config": ("FILE", "a TOML file of options; flags win over it"),
 }
+# the rule of train/roles.py, as the help says it
+OWNERSHIP = ("Who steps AdamW: in a run with a disk tier (--disk DIR) tierflow owns it, one "
+             "AdamW per stage stepped during the backward or right after it, its states on the "
+             "tier the plan (or --optimizer-states, --host-updates) chooses; the model starts "
+             "on disk, or in host RAM under --gpu unless its weights pass --ram or leave too "
+             "little of it, and streams to the compute tier; under torchrun every rank holds "
+             "the whole model and its states (replicas, gradients averaged). Without a disk "
+             "tier the trainer steps AdamW with every state on the compute tier (reserved in "
+             "the plan) and the model whole there; under torchrun its states are sharded "
+             "(ZeRO-2). Runs behave so today, under --gpu too, where tierflow could own AdamW "
+             "without a disk tier; that is left for a later change.")
 _TYPES = {"seq_len": _int, "batch_size": _int, "grad_accum": _int, "steps": _int,
           "epochs": _float, "lr": _float, "warmup": _int, "min_lr": _float,
           "weight_decay": _float, "clip": _float, "seed": _int, "eval_every": _int,
@@ -220,7 +230,8 @@ def register(sub: Any) -> None:
         description="Train a preset (random init) or a local Hugging Face model on the token "
                     "files of 'tierflow tokenize', planned by tierflow under --ram; evaluate, "
                     "checkpoint (every --save-every steps, at the end, on Ctrl-C) and resume "
-                    "exactly. Any flag can also come from --config FILE.toml; flags win.")
+                    "exactly. Any flag can also come from --config FILE.toml; flags win.",
+        epilog=OWNERSHIP)
     add_arguments(train)
     train.set_defaults(func=run)
 

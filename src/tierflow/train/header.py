@@ -4,27 +4,30 @@ measured peak matmul rate that SOL is relative to) and ``[Dataset]``; each also 
 ``[Plan]`` follows from ``logger.plan_section`` once the step is planned."""
 from __future__ import annotations
 
-from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from ..profile.machine import cpu_model, fast_bf16, peak_matmul_flops
 from ..units import section
-from .data_dir import DataDir
-from .device import ComputeTier
-from .options import TrainOptions
+
+if TYPE_CHECKING:
+    from .logger import Logger
+    from .run import Run, Site
 
 
-def print_header(logger, *, opts: TrainOptions, precision, tier: ComputeTier, world,
-                 data: DataDir, model, total: int, warmup: int, min_lr: float, out: Path,
-                 tokens_per_step: int, baseline: int) -> float:
-    """Print and record the three sections; returns the peak matmul FLOP/s (0 off the CPU)."""
+def print_header(logger: Logger, run: Run, site: Site, model: nn.Module) -> float:
+    """Print and record the three sections of ``run`` training ``model`` on ``site``;
+    returns the peak matmul FLOP/s (0 off the CPU)."""
+    opts, precision, tier, data = run.opts, site.precision, site.tier, run.data
+    total, tokens_per_step = run.schedule.total, run.schedule.tokens_per_step
     # [Options]
     matmul = precision.matmul_dtype
     shown = opts.as_dict()
-    shown.update({"steps": total, "warmup": warmup, "min_lr": min_lr,
-                  "dtype": _autocast_name(matmul), "matmul_dtype": matmul, "out": str(out),
-                  "log": str(logger.path)})
+    shown.update({"steps": total, "warmup": run.schedule.warmup,
+                  "min_lr": run.schedule.min_lr, "dtype": _autocast_name(matmul),
+                  "matmul_dtype": matmul, "out": str(run.out), "log": str(logger.path)})
     logger.print(section("Options", [(k.replace("_", "-"), "-" if v is None else v)
                                      for k, v in shown.items()]))
     logger.record("options", **shown)
@@ -38,11 +41,13 @@ def print_header(logger, *, opts: TrainOptions, precision, tier: ComputeTier, wo
               "dtype": _autocast_name(matmul), "precision": _precision_words(precision),
               "peak matmul": f"{peak / 1e9:.1f} GFLOP/s ({peak_dtype}, measured)" if on_cpu
               else "- (measured on CPUs only: no SOL on the GPU)"}
-    if world is not None:
-        system["ranks"] = f"{world.size} ({world.backend}); this machine's figures are rank 0's"
+    if site.world is not None:
+        system["ranks"] = (f"{site.world.size} ({site.world.backend}); this machine's figures "
+                           "are rank 0's")
     logger.print()
     logger.print(section("System", list(system.items())))
-    logger.record("system", **system, peak_matmul_flops=peak, rss_baseline_bytes=baseline)
+    logger.record("system", **system, peak_matmul_flops=peak,
+                  rss_baseline_bytes=site.baseline)
     if on_cpu and peak_dtype == "bf16" and not fast_bf16():
         fp32 = peak_matmul_flops("fp32")
         logger.print(f"note: this CPU has no native bf16 (AVX512-BF16 or AMX): its bf16 "

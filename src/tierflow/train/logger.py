@@ -18,16 +18,34 @@ from ..units import format_bytes, format_rate, section
 GIB = 2 ** 30
 
 
-def train_line(*, step: int, total: int, ms: float, norm: float, loss: float, tok_s: float,
-               sol: float | None, ram_bytes: int | None, budget: int | None,
-               gpu_bytes: int | None = None, gpu_budget: int | None = None) -> str:
-    """``[T] step 12 [ 3.1%] | 1869 ms | norm 4.31 | loss 3.282 | 35.1k tok/s | sol 42.9% |
-    ram 3.1/4.0 GiB``, and ``| gpu 7.2/8.0 GiB`` when a CUDA GPU trains."""
-    pct = 100.0 * step / total if total else 100.0
-    sol_text = f"{100 * sol:.1f}%" if sol is not None else "-"
-    line = (f"[T] step {step} [{pct:4.1f}%] | {ms:.0f} ms | norm {norm:.2f} | loss {loss:.3f} | "
-            f"{format_rate(tok_s)} tok/s | sol {sol_text} | ram {_used(ram_bytes, budget)}")
-    return line + (f" | gpu {_used(gpu_bytes, gpu_budget)}" if gpu_bytes is not None else "")
+@dataclass(frozen=True)
+class StepLine:
+    """The figures of one step's ``[T]`` line: its time, gradient norm, loss, tokens/s, SOL
+    (None: not measured), the peak RSS above the baseline against ``budget`` and, when a
+    CUDA GPU trains, its allocator's peak against ``gpu_budget``."""
+    step: int
+    total: int
+    ms: float
+    norm: float
+    loss: float
+    tok_s: float
+    sol: float | None
+    ram_bytes: int | None
+    budget: int | None
+    gpu_bytes: int | None = None
+    gpu_budget: int | None = None
+
+    def text(self) -> str:
+        """``[T] step 12 [ 3.1%] | 1869 ms | norm 4.31 | loss 3.282 | 35.1k tok/s | sol 42.9% |
+        ram 3.1/4.0 GiB``, and ``| gpu 7.2/8.0 GiB`` when a CUDA GPU trains."""
+        pct = 100.0 * self.step / self.total if self.total else 100.0
+        sol_text = f"{100 * self.sol:.1f}%" if self.sol is not None else "-"
+        line = (f"[T] step {self.step} [{pct:4.1f}%] | {self.ms:.0f} ms | norm {self.norm:.2f} | "
+                f"loss {self.loss:.3f} | {format_rate(self.tok_s)} tok/s | sol {sol_text} | "
+                f"ram {_used(self.ram_bytes, self.budget)}")
+        if self.gpu_bytes is None:
+            return line
+        return line + f" | gpu {_used(self.gpu_bytes, self.gpu_budget)}"
 
 
 def _used(nbytes: int | None, budget: int | None) -> str:
@@ -70,8 +88,8 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
     when updates are deferred: its time is part of the step and its peak may be the step's.
     Under torchrun ``dist`` holds ``world_size``, ``backend``, ``bus_bandwidth`` (bytes/s),
     ``comm_bytes``, ``predicted_comm_s`` and ``replicas`` (True: every rank holds every
-    state, ``--disk``; False: ZeRO-2 shards); every figure is this rank's (budgets are per
-    rank)."""
+    state, ``roles.ranks_hold_replicas``; False: ZeRO-2 shards); every figure is this
+    rank's (budgets are per rank)."""
     extra = plan.costs.extra
     peak = with_update_pass(plan.predicted_peak, update_pass)
     per, dtypes = precision.per, precision.dtypes

@@ -16,7 +16,7 @@ import contextlib
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,21 +26,22 @@ from ..models.files import max_positions
 from ..models.freeze import freeze_parameters
 from ..precision import PrecisionConfig, apply_precision, parameter_dtype
 from .codec import config_hash, differences, model_arch, spec_arch
-from .data_dir import DataDir
 from .model_limits import check_model_limits
-from .options import TrainOptions
+
+if TYPE_CHECKING:
+    from .run import Run
 
 
-def build_model(opts: TrainOptions, ckpt, data: DataDir, precision: PrecisionConfig,
-                disk: Path | None = None):
-    """The model to train, in training mode, with ``precision`` applied and the parameters
-    ``--freeze`` and ``--train-only`` name frozen. With ``disk`` (``--disk``'s scratch
+def build_model(run: Run, precision: PrecisionConfig, disk: Path | None = None):
+    """The model ``run`` trains, in training mode, with ``precision`` applied and the
+    parameters ``--freeze`` and ``--train-only`` name frozen. With ``disk`` (the disk tier's
     directory) it is built or loaded straight onto the disk tier there
     (``tierflow.load_model``), a module or a tensor at a time, its weights kept in the
     precision's dtype: it never exists whole in memory."""
     from ..load import load_model
     from ..models.presets import PRESETS
 
+    opts, ckpt, data = run.opts, run.ckpt, run.data
     spec = opts.model
     on_disk = dict(disk=disk, disk_dtype=parameter_dtype(precision)) if disk is not None else {}
     if ckpt is not None:
@@ -68,7 +69,7 @@ class ParameterCount:
     trainable: int
 
 
-def count_model_parameters(opts: TrainOptions, ckpt, data: DataDir) -> ParameterCount:
+def count_model_parameters(run: Run) -> ParameterCount:
     """The parameters of the model ``build_model`` would build, counted on the meta device
     from its config with the run's frozen selection applied: nothing allocated, whatever the
     model's size, and a pattern that matches no parameter is refused before anything is
@@ -76,10 +77,11 @@ def count_model_parameters(opts: TrainOptions, ckpt, data: DataDir) -> Parameter
     from ..models.load import read_config
     from ..models.presets import PRESETS, count_parameters, meta_model, preset_config
 
+    opts, ckpt = run.opts, run.ckpt
     if ckpt is not None:
         config = read_config(ckpt.path)
     elif opts.model in PRESETS:
-        config = preset_config(opts.model, vocab_size=data.vocab_size)
+        config = preset_config(opts.model, vocab_size=run.data.vocab_size)
     else:
         config = read_config(Path(opts.model))
     model = meta_model(config)
@@ -109,9 +111,10 @@ def _check_finite(model, source) -> None:
                             "the original model")
 
 
-def run_identity(opts: TrainOptions, ckpt, data: DataDir, model,
-                 precision: PrecisionConfig) -> tuple[dict[str, Any], str]:
-    """(identity, its hash); with a checkpoint, refuse it unless the hashes match."""
+def run_identity(run: Run, model, precision: PrecisionConfig) -> tuple[dict[str, Any], str]:
+    """(identity, its hash) of ``run`` training ``model``; with a checkpoint, refuse it
+    unless the hashes match."""
+    opts, ckpt, data = run.opts, run.ckpt, run.data
     arch = model_arch(model)
     if ckpt is not None and "model" in opts.given:  # the checkpoint's weights, the given model
         arch = spec_arch(opts.model, data.vocab_size)

@@ -24,6 +24,7 @@ from ..errors import TierflowError
 from ..models.freeze import split_patterns
 from ..precision.config import CHOICES
 from ..units import parse_bytes
+from .roles import fit_owns_optimizer, ranks_hold_replicas
 
 if TYPE_CHECKING:
     from ..precision import PrecisionConfig
@@ -42,12 +43,12 @@ class TrainOptions:
     ram: str | None = None  # RAM budget, e.g. "4GiB"; None: no budget
     gpu: str | None = None  # GPU budget: train on CUDA with host RAM (--ram) below
     simulate_gpu: bool = False  # with --gpu: plan and run the CPU as a GPU of that size
-    disk: str | None = None  # a directory for the disk tier (weights and optimizer states)
+    disk: str | None = None  # the disk tier's directory; None (or "none"): no disk tier
     stream: str = "auto"  # with --disk: stream the weights that must (auto) or all of them
     prefetch: int | None = None  # with --disk: stages read ahead (0: on demand); None: planned
     serial_reads: bool = False  # with --disk: the plan's reads on demand (the overlap ablation)
-    host_updates: str = "auto"  # with --disk and --gpu: AdamW steps in host RAM (auto/never/all)
-    optimizer_states: str = "auto"  # with --disk: the tier of AdamW's states (or the planner's)
+    host_updates: str = "auto"  # fit's AdamW under --gpu: steps in host RAM (auto/never/all)
+    optimizer_states: str = "auto"  # fit's AdamW: the tier of its states (or the planner's)
     seq_len: int = 256
     batch_size: int = 4
     grad_accum: int = 1
@@ -98,6 +99,8 @@ class TrainOptions:
         if not self.data and not self.resume:
             raise TierflowError("--data is missing: give a directory written by "
                                 "'tierflow tokenize' (train.bin, eval.bin, tokenizer.json)")
+        if self.disk == "none":  # resuming a run that had a disk tier without one
+            self.disk = None
         for name in ("seq_len", "batch_size", "grad_accum", "steps", "eval_steps"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("warmup", "seed", "eval_every", "save_every", "prefetch"):
@@ -117,8 +120,6 @@ class TrainOptions:
         if self.dtype not in DTYPES:
             raise TierflowError(f"--dtype {self.dtype!r} is unknown: use fp32, bf16 or auto")
         self._check_precision_flags(world_size)
-        if self.disk == "none":  # resuming a --disk run in memory
-            self.disk = None
         if self.stream not in STREAM:
             raise TierflowError(f"--stream {self.stream!r} is unknown: use auto or all")
         if self.disk is None and self.stream != "auto":
@@ -137,16 +138,18 @@ class TrainOptions:
         if self.host_updates not in HOST_UPDATES:
             raise TierflowError(f"--host-updates {self.host_updates!r} is unknown: use "
                                 f"{', '.join(HOST_UPDATES)}")
-        if self.host_updates != "auto" and (self.disk is None or self.gpu is None):
-            raise TierflowError(f"--host-updates {self.host_updates} chooses where AdamW steps "
-                                "the stages whose states live in the host RAM below a GPU: give "
-                                "--gpu and --disk DIR too")
+        if self.host_updates != "auto" and (not fit_owns_optimizer(self) or self.gpu is None):
+            raise TierflowError(f"--host-updates {self.host_updates} chooses where tierflow's "
+                                "own AdamW (that of a run with a disk tier) steps the stages "
+                                "whose states live in the host RAM below a GPU: give --gpu and "
+                                "--disk DIR too")
         if self.optimizer_states not in OPTIMIZER_STATES:
             raise TierflowError(f"--optimizer-states {self.optimizer_states!r} is unknown: use "
                                 f"{', '.join(OPTIMIZER_STATES)}")
-        if self.optimizer_states != "auto" and self.disk is None:
-            raise TierflowError(f"--optimizer-states {self.optimizer_states} places AdamW's "
-                                "states among the tiers of a run with --disk DIR: give it too")
+        if self.optimizer_states != "auto" and not fit_owns_optimizer(self):
+            raise TierflowError(f"--optimizer-states {self.optimizer_states} places the states "
+                                "of tierflow's own AdamW (that of a run with a disk tier) among "
+                                "its tiers: give --disk DIR too")
         if self.optimizer_states == "compute" and self.stream == "all":
             raise TierflowError("--optimizer-states compute keeps AdamW's states on the "
                                 "compute tier, but --stream all keeps them below it, beside "
@@ -194,8 +197,8 @@ class TrainOptions:
                                 f"--matmul-dtype {matmul}")
         rounding = self.optim_dtype != "fp32" or (self.model_dtype == "bf16"
                                                  and self.master == "none")
-        if world_size > 1 and rounding and self.disk in (None, "none"):
-            # with --disk every rank holds and steps the whole model: replicas, no shards
+        if world_size > 1 and rounding and not ranks_hold_replicas(self):
+            # ZeRO-2 shards: the states of a rank are a slice of each stage's
             raise TierflowError(f"--optim-dtype {self.optim_dtype} with --model-dtype "
                                 f"{self.model_dtype} --master {self.master} cannot run on "
                                 f"{world_size} ranks: ZeRO sharding needs element-wise optimizer "

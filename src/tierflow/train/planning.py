@@ -1,105 +1,185 @@
 """How ``tierflow train`` plans its step: ``tierflow.fit`` under the compute tier's budgets,
 less what the process already holds (``StepPlanner.plan``); again under a smaller GPU budget
 after an out-of-memory error, from the costs already measured (``StepPlanner.replan_after_oom``);
-and the ``[Plan]`` section that shows the plan (``report_plan``).
+and the ``[Plan]`` section that shows the plan (``StepPlanner.report``).
 
-With ``--disk`` tierflow owns the optimizer (``owned.py``): the plan places the weights, the
-gradients and the optimizer's states on the tiers; without it the optimizer's states are
-``reserve``d in the plan's budget.
+When fit owns the optimizer (``roles.fit_owns_optimizer``: a run with a disk tier) the plan
+places the weights, the gradients and the optimizer's states on the tiers; when the trainer
+steps its own, the optimizer's states and its step's temporaries are ``reserve``d in the
+plan's budget.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
-from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any
 
 import torch
-from torch import nn
 
 from .. import api
 from ..config import FitConfig
 from ..errors import BudgetError, TierflowError
 from ..models.freeze import tied_frozen
-from ..precision import PrecisionConfig
 from ..units import format_bytes
 from .device import ComputeTier
 from .logger import Logger, PlanPrecision, plan_section
-from .optimizer import build_optimizer, param_groups
+from .optimizer import (
+    build_optimizer,
+    param_groups,
+    reserved_bytes,
+    step_transient_bytes,
+)
 from .options import RECOMPUTE, TrainOptions
 from .owned import RoundingStreams
+from .roles import fit_owns_optimizer, ranks_hold_replicas
+from .run import BuiltModel, Run, Site
 
-# of the RAM the plan gets without --disk, kept free for what a plan cannot predict: the
-# measured peak of llama-20m runs that filled --ram 500MiB and 600MiB came out up to 5.7 MiB
-# (1%) above their prediction (benchmarks/ram_budget.py)
+# of the RAM the plan gets when the trainer steps its own optimizer, kept free for what a plan
+# cannot predict: the measured peak of llama-20m runs that filled --ram 500MiB and 600MiB came
+# out up to 5.7 MiB (1%) above their prediction (benchmarks/ram_budget.py)
 RAM_HEADROOM = 0.02
 
 
 def fit_config(opts: TrainOptions, tier: ComputeTier) -> FitConfig:
-    """The ``FitConfig`` of the run's flags. A plan of the CPU under --ram without --disk
-    keeps ``RAM_HEADROOM`` of its budget free."""
+    """The ``FitConfig`` of the run's flags. A plan of the CPU under --ram in which the
+    trainer steps its own optimizer keeps ``RAM_HEADROOM`` of its budget free."""
+    trainer_steps = not fit_owns_optimizer(opts)
     return FitConfig(planner=RECOMPUTE[opts.recompute], compile=opts.compile,
                      stream=opts.stream, prefetch_depth=opts.prefetch,
                      serial_reads=opts.serial_reads, simulated_gpu=tier.simulated,
                      host_updates=opts.host_updates, optimizer_states=opts.optimizer_states,
                      headroom=RAM_HEADROOM if tier.gpu is None and tier.ram is not None
-                     and not opts.disk else 0.0)
+                     and trainer_steps else 0.0)
 
 
 @dataclasses.dataclass
 class StepPlanner:
     """What planning the step needs besides the tier: ``sample`` is one micro-batch of this
-    rank (zeros); without ``--disk``, ``reserve`` the optimizer's states and
-    ``step_temporaries`` what its step allocates besides (both reserved in the plan: the
-    step runs after the backward, with every gradient present); ``rounding`` the owned
-    optimizers' stochastic-rounding streams (with ``--disk``), ``baseline`` the RSS after
-    the imports."""
+    rank (zeros); ``rounding`` the stochastic-rounding streams of the optimizers fit owns;
+    when the trainer steps its own optimizer, ``reserve`` is this rank's share of its states
+    and ``step_temporaries`` what its step allocates besides (both reserved in the plan: the
+    step runs after the backward, with every gradient present; 0 when fit owns it)."""
     opts: TrainOptions
-    model: nn.Module
+    site: Site
+    built: BuiltModel
     sample: dict[str, torch.Tensor]
-    config: FitConfig
-    precision: PrecisionConfig
     rounding: RoundingStreams
     reserve: int
     step_temporaries: int
-    disk: Path | None
-    baseline: int
     logger: Logger
-    autocast: Callable[[], ContextManager]
+
+    @classmethod
+    def for_run(cls, run: Run, site: Site, built: BuiltModel, logger: Logger) -> StepPlanner:
+        """The planner of ``run``'s step on ``site``; per rank (budgets are per rank, and
+        each rank runs batch-size / ranks rows). Measures the trainer's optimizer step."""
+        from ..exec.memory import configure_host_allocator
+        opts, precision, device = run.opts, site.precision, site.tier.device
+        trainable = [p for p in built.model.parameters() if p.requires_grad]
+        trainer_steps = not fit_owns_optimizer(opts)
+        if site.tier.ram is not None and trainer_steps:
+            # as fit will under a RAM budget: freed memory leaves the RSS at once, so the
+            # optimizer step's temporaries are measured below as fresh memory (malloc's
+            # dynamic threshold would otherwise count heap growth: 25 MB for a 4 MB
+            # parameter's step)
+            configure_host_allocator()
+        # on the GPU: a model still in host RAM (fit owns the optimizer) is placed there by
+        # fit, never whole
+        batch = torch.zeros(opts.batch_size // site.ranks, opts.seq_len + 1, dtype=torch.long,
+                            device=device)  # (rows, seq_len + 1)
+        return cls(opts, site, built, {"input_ids": batch[:, :-1], "shift_labels": batch[:, 1:]},
+                   rounding=RoundingStreams.seeded(device, opts.seed, built.model),
+                   reserve=-(-reserved_bytes(trainable, precision) // site.ranks)
+                   if trainer_steps else 0,
+                   step_temporaries=step_transient_bytes(trainable, opts, precision, device)
+                   if trainer_steps else 0,
+                   logger=logger)
+
+    @functools.cached_property
+    def config(self) -> FitConfig:
+        """The ``FitConfig`` of the plan and of every re-plan (``fit_config``)."""
+        return fit_config(self.opts, self.site.tier)
 
     def plan(self, tier: ComputeTier) -> Any:
         """``tierflow.fit`` under ``tier``'s budgets, less what the process already holds of
         --ram; the fitted module."""
-        opts = self.opts
-        held = tier.held_outside_the_plan(self.model, self.baseline)
+        opts, model = self.opts, self.built.model
+        held = tier.held_outside_the_plan(model, self.site.baseline)
         if held:
             self.logger.print(f"{format_bytes(held)} of --ram is held before planning "
                               "(torch's first-use caches, the model's objects): the plan gets "
                               "the rest")
+        owned = fit_owns_optimizer(opts)
         try:
-            with torch.random.fork_rng(devices=[]), self.autocast():
-                if opts.disk:  # tierflow owns the optimizer: weights and states may be on disk
-                    fitted = api.fit(self.model, self.sample, **tier.fit_budgets(held),
-                                     config=self.config, disk=self.disk,
+            with torch.random.fork_rng(devices=[]), self.site.autocast():
+                if owned:  # weights and states may be on the tiers below, the disk's included
+                    fitted = api.fit(model, self.sample, **tier.fit_budgets(held),
+                                     config=self.config,
+                                     # a model built onto the disk tier brings its own
+                                     disk=None if self.built.on_disk else self.site.disk,
                                      optimizer=self._owned_optimizer,
                                      grad_accum=opts.grad_accum,
                                      max_grad_norm=opts.clip if opts.clip > 0 else None)
                     self.rounding.reseed(opts.seed)  # the optimizer probe drew from it
                     return fitted
-                return api.fit(self.model, self.sample, **tier.fit_budgets(held),
+                return api.fit(model, self.sample, **tier.fit_budgets(held),
                                reserve=self.reserve + self.step_temporaries,
                                grad_accum=opts.grad_accum,
                                config=self.config)
         except BudgetError as e:
             error = tier.over_budget(e, held)
-            raise (error if opts.disk else tier.suggest_lower_tiers(error)) from None
+            raise (error if owned else tier.suggest_lower_tiers(error)) from None
 
     def _owned_optimizer(self, params: Any) -> torch.optim.Optimizer:
         """One stage's optimizer, as ``fit`` builds it for the stages it owns."""
         params = list(params)
-        return build_optimizer(param_groups(params, self.opts), self.opts, self.precision,
+        return build_optimizer(param_groups(params, self.opts), self.opts, self.site.precision,
                                self.rounding.for_params(params))
+
+    def report(self, module: Any) -> None:
+        """Print the ``[Plan]`` section of the planned ``module`` and its record: placement,
+        peaks, the gradient bytes (one stage's when fit owns the optimizer: each stage's
+        gradients are freed by its update), the optimizer step's ``step_temporaries``
+        (reserved with the states), the precision's bytes per parameter and, under
+        torchrun, the measured bus and predicted communication."""
+        from ..distributed import step_seconds
+        from ..profile.machine import bus_bandwidth
+        opts, site, precision = self.opts, self.site, self.site.precision
+        world, ranks = site.world, site.ranks
+        trainable = [p for p in self.built.model.parameters() if p.requires_grad]
+        grads = sum(p.nbytes for p in trainable)
+        if fit_owns_optimizer(opts):
+            grads = max((sum(p.nbytes for p in ps) for ps in module.optimizer.stage_params),
+                        default=0)
+        replicas = ranks_hold_replicas(opts)
+        dist_figures = None
+        if world is not None:
+            bus = bus_bandwidth(world, torch.device("cpu"))
+            # ZeRO-2: gradients reduce-scattered, parameters all-gathered; replicas:
+            # gradients all-reduced, which moves the same bytes
+            moved = sum(p.nbytes for p in trainable)
+            dist_figures = {"world_size": ranks, "backend": world.backend, "bus_bandwidth": bus,
+                            "comm_bytes": 2 * moved, "replicas": replicas,
+                            "predicted_comm_s": step_seconds(ranks, moved, moved, bus)}
+        per = precision.bytes_per_parameter()
+        count = sum(p.numel() for p in trainable)
+        shards = 1 if replicas else ranks  # replicas: each rank holds every state
+        frozen = sum(p.numel() for p in {id(p): p for stage in module.chain.stages
+                                         for p in stage.parameters()}.values()
+                     if not p.requires_grad)
+        table, fields = plan_section(
+            module.plan, grads=grads, budget=site.tier.plan_budget, grad_accum=opts.grad_accum,
+            dist=dist_figures,
+            precision=PlanPrecision(per, trainable=count,
+                                    master=int(per.master * count) // shards,
+                                    dtypes=precision.to_dict(), frozen=frozen,
+                                    tied_frozen=tuple(tied_frozen(module.model))),
+            update_pass=module.update_pass, step_temporaries=self.step_temporaries)
+        self.logger.print()
+        self.logger.print(table)
+        self.logger.print(module.plan.explain())
+        self.logger.record("plan", **fields)
 
     def replan_after_oom(self, module: Any, tier: ComputeTier, optimizer: Any,
                          step: int) -> tuple[Any, ComputeTier]:
@@ -146,45 +226,3 @@ def _no_smaller_plan(step: int, peak: int, least: int) -> TierflowError:
                          f"than the {format_bytes(peak)} that did not fit (the least that "
                          f"works is {format_bytes(least)}): give a smaller --batch-size or "
                          "--seq-len, or free the GPU")
-
-
-def report_plan(module: Any, *, opts: TrainOptions, precision: PrecisionConfig,
-                tier: ComputeTier, world: Any, trainable: list[nn.Parameter],
-                step_temporaries: int, logger: Logger) -> None:
-    """Print the ``[Plan]`` section and its record: placement, peaks, the gradient bytes (one
-    stage's with ``--disk``: each stage's gradients are freed by its update), the optimizer
-    step's ``step_temporaries`` (reserved with the states), the precision's bytes per
-    parameter and, under torchrun, the measured bus and predicted communication."""
-    from ..distributed import step_seconds
-    from ..profile.machine import bus_bandwidth
-    ranks = world.size if world is not None else 1
-    grads = sum(p.nbytes for p in trainable)
-    if opts.disk:
-        grads = max((sum(p.nbytes for p in ps) for ps in module.optimizer.stage_params),
-                    default=0)
-    dist_figures = None
-    if world is not None:
-        bus = bus_bandwidth(world, torch.device("cpu"))
-        # ZeRO-2: gradients reduce-scattered, parameters all-gathered; replicas (--disk):
-        # gradients all-reduced, which moves the same bytes
-        moved = sum(p.nbytes for p in trainable)
-        dist_figures = {"world_size": ranks, "backend": world.backend, "bus_bandwidth": bus,
-                        "comm_bytes": 2 * moved, "replicas": bool(opts.disk),
-                        "predicted_comm_s": step_seconds(ranks, moved, moved, bus)}
-    per = precision.bytes_per_parameter()
-    count = sum(p.numel() for p in trainable)
-    shards = 1 if opts.disk else ranks  # with --disk each rank holds every state
-    frozen = sum(p.numel() for p in {id(p): p for stage in module.chain.stages
-                                     for p in stage.parameters()}.values()
-                 if not p.requires_grad)
-    table, fields = plan_section(
-        module.plan, grads=grads, budget=tier.plan_budget, grad_accum=opts.grad_accum,
-        dist=dist_figures,
-        precision=PlanPrecision(per, trainable=count, master=int(per.master * count) // shards,
-                                dtypes=precision.to_dict(), frozen=frozen,
-                                tied_frozen=tuple(tied_frozen(module.model))),
-        update_pass=module.update_pass, step_temporaries=step_temporaries)
-    logger.print()
-    logger.print(table)
-    logger.print(module.plan.explain())
-    logger.record("plan", **fields)

@@ -1,0 +1,65 @@
+"""Who does what in a run of ``tierflow train``: the decisions that a run with a disk tier makes
+differently, each one named rule, here and nowhere else.
+
+``--disk DIR`` names the directory of a disk tier and nothing more. What changes with one
+follows from these rules, so the loop reads ``fit_owns_optimizer(opts)`` where it decides
+who steps the optimizer, not ``if opts.disk``:
+
+- ``fit_owns_optimizer``: ``tierflow.fit`` owns the optimizer, or the trainer does;
+- ``ranks_hold_replicas``: under torchrun, replicas or ZeRO-2 shards;
+- ``builds_on_disk``: the model is built onto the disk tier, or in host RAM.
+
+No torch here: the command line applies the first two to its flags before importing torch.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .device import ComputeTier
+    from .options import TrainOptions
+
+
+def fit_owns_optimizer(opts: TrainOptions) -> bool:
+    """Whether ``tierflow.fit`` owns the optimizer (one AdamW per stage, stepped during the
+    backward or in a pass right after it; ``owned.FitOwnedOptimizer``) rather than the
+    trainer (``optimizer.LocalOptimizer``, or ``distributed.ShardedOptimizer`` under
+    torchrun).
+
+    The rule: fit owns it exactly when the run has a disk tier (``--disk DIR``). A disk tier
+    is there to hold what does not fit the budgets between uses: AdamW's states and the
+    weights of the stages that stream. Only the executor can step an optimizer whose states
+    are never all in memory, reading and writing them back stage by stage as the plan says;
+    the trainer's optimizer holds every state in memory at once, so its plan only reserves
+    room for them. For now this is the only case: under ``--gpu`` without ``--disk`` the
+    trainer steps its optimizer with every state on the GPU, although fit could own it there
+    and keep the states in the host RAM below; that would change what such runs hold and
+    print, so it is left for a change of its own.
+
+    What follows, at each place that names this rule: the trainer moves a model it steps
+    whole to the compute device (refused first if its weights and states alone pass
+    ``--ram``), while fit places and streams a model it steps; the plan counts fit's states
+    itself (nothing reserved, no optimizer-step temporaries measured, no ``RAM_HEADROOM``);
+    checkpoints are written and read stage by stage; ``--host-updates`` and
+    ``--optimizer-states`` place fit's optimizer, so they need it; under torchrun the ranks
+    hold replicas (``ranks_hold_replicas``)."""
+    return bool(opts.disk)  # a directory: ``TrainOptions.check_flags`` turns "none" into None
+
+
+def ranks_hold_replicas(opts: TrainOptions) -> bool:
+    """Under torchrun, whether every rank holds the whole model and its optimizer states
+    (replicas, each stage's gradients averaged over the ranks before its update) rather than
+    a 1/ranks shard of the states (ZeRO-2, ``distributed.ShardedOptimizer``). Replicas
+    exactly when fit owns the optimizer: its per-stage optimizers step whole stages, and
+    only the trainer's optimizer is sharded. Replicas may round stochastically and keep int8
+    moments; shards may not (they need element-wise states without a random stream)."""
+    return fit_owns_optimizer(opts)
+
+
+def builds_on_disk(tier: ComputeTier, weights: int) -> bool:
+    """Whether a run with a disk tier builds its model onto it (a module or a tensor at a
+    time: never whole in memory) rather than in host RAM. On the CPU, always: the disk is
+    where its weights wait for fit's plan. Under a GPU, when its ``weights`` (bytes in the
+    precision's dtype) pass ``--ram``; a model built in host RAM whose step then finds too
+    little RAM beside it is built again on disk (``loop._train_on``)."""
+    return tier.gpu is None or (tier.ram is not None and weights > tier.ram)
