@@ -22,6 +22,7 @@ from .checkpoint_dirs import checkpoint_directory
 from .data_dir import DataDir, open_data
 from .model_limits import check_model_limits
 from .options import TrainOptions
+from .tokenizer_match import check_tokenizer
 
 
 def preflight(opts: TrainOptions) -> None:
@@ -47,6 +48,7 @@ def check_paths(opts: TrainOptions, *, create: bool) -> DataDir:
     ``--tensorboard``, ``--trace``'s; made with ``create``, else only checked that they could
     be) and ``--disk``; one line for the first that fails."""
     data = open_data(opts.data)
+    check_tokenizer(opts.model, data, opts.allow_other_tokenizer)
     writable = require_writable_dir if create else check_writable_dir
     writable(Path(opts.out) if opts.out else Path("out"), "--out")
     if opts.tensorboard:

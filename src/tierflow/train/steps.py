@@ -33,6 +33,7 @@ from .logger import Logger, eval_line, train_line
 from .options import TrainOptions
 from .planning import StepPlanner
 from .schedule import lr_at
+from .tokenizer_match import travelling_files
 
 INTERRUPTED = 130
 
@@ -252,9 +253,11 @@ class StepLoop:
             stream = {}
         if not main:
             return self.out / f"step_{step}"
+        tokenizer_file, extras = travelling_files(opts.model, self.data)
         try:
             path = checkpoint.save_checkpoint(
-                self.out, step, self.model, tokenizer_file=self.data.tokenizer_file,
+                self.out, step, self.model, tokenizer_file=tokenizer_file,
+                tokenizer_extras=extras,
                 optimizer_state=[optimizer_state], **stream,
                 trainer_state={"step": step, "data": self.batches.state(), "rng": capture_rng(),
                                "identity": self.identity, "config_hash": self.run_hash,
