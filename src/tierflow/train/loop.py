@@ -232,6 +232,7 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
         step_transient_bytes,
     )
     from .owned import FitOwnedOptimizer, RoundingStreams
+    from .packing import PackedBatches, packed_eval_batches, planning_sample
     from .planning import StepPlanner, fit_config, report_plan
     from .steps import StepLoop
 
@@ -252,10 +253,14 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
         # threshold would otherwise count heap growth: 25 MB for a 4 MB parameter's step)
         configure_host_allocator()
     # on the GPU: a model still in host RAM (--disk) is placed there by fit, never whole
-    sample_batch = torch.zeros(opts.batch_size // ranks, opts.seq_len + 1, dtype=torch.long,
-                               device=tier.device)  # (rows, seq_len + 1)
+    packed = data.train.mask is not None  # fine-tuning data: packed rows, masked loss
+    if packed and world is not None:
+        raise TierflowError(f"--data {data.path} holds fine-tuning records (a loss mask), which "
+                            f"torchrun does not train yet (the ranks' target counts differ); "
+                            f"fix: train them in one process")
+    sample = planning_sample(opts.batch_size // ranks, opts.seq_len, packed, tier.device)
     planner = StepPlanner(
-        opts, model, {"input_ids": sample_batch[:, :-1], "shift_labels": sample_batch[:, 1:]},
+        opts, model, sample,
         config=fit_config(opts, tier), precision=precision,
         # with --disk, the per-stage optimizers' stochastic-rounding streams (owned.py)
         rounding=RoundingStreams.seeded(tier.device, opts.seed, model),
@@ -279,8 +284,9 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
         optimizer = ShardedOptimizer(world, [list(stage.parameters())
                                              for stage in module.chain.stages],
                                      groups, lambda shard: build_optimizer(shard, opts, precision))
-    batches = Batches(data.train, opts.seq_len, opts.batch_size, opts.seed,
-                      part=(world.rank, ranks) if world is not None else (0, 1))
+    kind = PackedBatches if packed else Batches
+    batches = kind(data.train, opts.seq_len, opts.batch_size, opts.seed,
+                   part=(world.rank, ranks) if world is not None else (0, 1))
     start = 0
     if ckpt is not None:
         state = ckpt.trainer_state
@@ -299,7 +305,8 @@ def _run(*, opts: TrainOptions, data: DataDir, out: Path, logger, tier: ComputeT
         torch.manual_seed(derived_seed(opts.seed, "rank", world.rank, "step", start))
     evals = []
     if opts.eval_every and data.eval is not None:
-        evals = eval_batches(data.eval, opts.seq_len, opts.batch_size, opts.eval_steps)
+        evals = (packed_eval_batches if packed else eval_batches)(
+            data.eval, opts.seq_len, opts.batch_size, opts.eval_steps)
         if not evals:
             logger.print(f"note: eval.bin holds {len(data.eval)} tokens, less than one window of "
                          f"{opts.seq_len + 1}: evaluation is off")

@@ -33,6 +33,7 @@ from .logger import Logger, eval_line, train_line
 from .options import TrainOptions
 from .planning import StepPlanner
 from .schedule import lr_at
+from .packing import step_inputs, targets
 from .tokenizer_match import travelling_files
 
 INTERRUPTED = 130
@@ -170,17 +171,21 @@ class StepLoop:
                              f"{again}; what else uses the GPU is not in the budget")
 
     def _forward_backward(self) -> float:
-        """One step's micro-batches, forward and backward; their mean loss."""
+        """One step's micro-batches, forward and backward; their mean loss (packed batches:
+        the step's summed loss over its targets, ``packing.step_inputs``)."""
         micro = []
         accum = self.opts.grad_accum
-        for k in range(accum):
+        batches = [self.batches.next() for _ in range(accum)]  # window or packed batches
+        packed = isinstance(batches[0], dict)
+        counted = sum(targets(b) for b in batches) if packed else None
+        for k, batch in enumerate(batches):
             self.optimizer.micro_batch(last=k == accum - 1)
-            batch = self.batches.next().to(self.tier.device)  # (rows, seq_len + 1)
             with self.autocast():
-                loss = self.module(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
-            (loss / accum).backward()
+                loss = self.module(**step_inputs(batch, self.tier.device, counted)).loss
+            (loss if packed else loss / accum).backward()
             micro.append(loss.detach().float())
-        return float(torch.stack(micro).mean())
+        losses = torch.stack(micro)
+        return float(losses.sum() if packed else losses.mean())
 
     def _report(self, step: int, lr: float, loss: float, norm: float, step_s: float,
                 interrupted: bool) -> bool:
@@ -216,11 +221,13 @@ class StepLoop:
         self.model.eval()
         world, ranks = self.world, self.ranks
         mine = self.evals if world is None else self.evals[world.rank::ranks]  # whole batches
+        packed = bool(mine) and isinstance(mine[0], dict)
+        counted = sum(targets(b) for b in mine) if packed else None
         with torch.no_grad(), self.autocast():
-            losses = [float(self.module(input_ids=b[:, :-1], shift_labels=b[:, 1:]).loss)
-                      for b in (b.to(self.tier.device) for b in mine)]
+            losses = [float(self.module(**step_inputs(b, self.tier.device, counted)).loss)
+                      for b in mine]
         self.model.train()
-        total_loss, count = sum(losses), len(losses)
+        total_loss, count = sum(losses), 1 if packed else len(losses)
         if world is not None:
             per_rank = world.all_gather([total_loss, count], "evaluation loss average")
             total_loss, count = sum(r[0] for r in per_rank), sum(r[1] for r in per_rank)
