@@ -129,7 +129,7 @@ def _cases(root: Path) -> dict[str, tuple[list[str], list[str]]]:
         "data is a file": (with_data("a-file"), [f"--data {root / 'a-file'} is a file"]),
         "no train.bin": (with_data("no-train"), ["has no train.bin", "tierflow tokenize"]),
         "wrong magic": (with_data("bad-magic"), ["wrong magic b'NOTTOKEN'", "tierflow tokenize"]),
-        "wrong version": (with_data("bad-version"), ["format version 9", "reads version 1",
+        "wrong version": (with_data("bad-version"), ["format version 9", "reads versions 1, 2",
                                                      "tierflow tokenize"]),
         "truncated token file": (with_data("truncated"), ["is truncated", "promises 3000 tokens",
                                                           "tierflow tokenize"]),

@@ -56,6 +56,9 @@ _HELP = {
                     "disk tier. For now a disk tier also decides who steps AdamW: see the end "
                     "of this help"),
     "seq_len": ("N", "tokens per sequence (default 256)"),
+    "allow_other_tokenizer": (None, "train on --data tokenized with another tokenizer than "
+                                    "the model directory's (refused by default: the ids "
+                                    "would mean other tokens)"),
     "batch_size": ("N", "sequences per micro-batch over all ranks (the global batch): under "
                         "torchrun each rank takes batch-size / ranks of them (default 4)"),
     "grad_accum": ("N", "micro-batches per optimizer step (default 1)"),
@@ -161,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         metavar, help_text = _HELP[f.name]
         names = (flag_of(f.name), *_ALIASES.get(f.name, ()))
-        if f.name in ("compile", "simulate_gpu", "serial_reads"):
+        if f.name in ("compile", "simulate_gpu", "serial_reads", "allow_other_tokenizer"):
             parser.add_argument(*names, dest=f.name, action="store_true", default=None,
                                 help=help_text)
         elif f.name in _CHOICES:

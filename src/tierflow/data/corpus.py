@@ -1,7 +1,8 @@
 """Collect documents from the INPUT paths of ``tierflow tokenize``.
 
-A text file is one document; each line of a ``.jsonl`` file is one document (its
-``text_field``). Directories are walked recursively in sorted order (hidden entries skipped);
+A text file is one document; each record of a ``.jsonl``, ``.json``, ``.parquet`` or ``.csv``
+file is one (``records.py`` reads them, ``examples.py`` says what a record holds: a chat, a
+prompt/completion pair or its ``text_field``). Directories are walked recursively in sorted order (hidden entries skipped);
 files inside them that are binary or not UTF-8 are skipped and counted, while a binary file
 named explicitly is an error, since the user clearly meant it. The embedded default corpus is
 the Python standard library's own source, which every Python installation has offline.
@@ -9,7 +10,6 @@ the Python standard library's own source, which every Python installation has of
 from __future__ import annotations
 
 import codecs
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +17,8 @@ from typing import Iterator, Sequence
 
 from ..errors import TierflowError
 from . import STDLIB
+from .examples import TEXT, Example, check_columns, example_of
+from .records import columns, is_record_file, read_records
 
 _SNIFF_BYTES = 8192
 _READ_BYTES = 1 << 20
@@ -50,19 +52,31 @@ class Corpus:
     skipped: list[Path] = field(default_factory=list)
     text_field: str = "text"
 
-    def documents(self) -> Iterator[str]:
-        """Every non-empty document, in a fixed order (files sorted, JSONL lines in order)."""
+    def examples(self) -> Iterator[Example]:
+        """Every non-empty document, in a fixed order (files sorted, records in order)."""
         for path in self.files:
-            if path.suffix == ".jsonl":
-                yield from _jsonl_documents(path, self.text_field)
+            if is_record_file(path):
+                for where, record in read_records(path):
+                    example = example_of(record, where, self.text_field)
+                    if example is not None:
+                        yield example
             else:
                 text = _read_text(path)
                 if text and text.strip():
-                    yield text
+                    yield Example(TEXT, str(path), text=text)
 
-    def count_documents(self) -> int:
-        """The number of documents; reads the corpus once and validates every JSONL line."""
-        return sum(1 for _ in self.documents())
+    def documents(self) -> Iterator[str]:
+        """Every non-empty document's text (what a tokenizer is trained on)."""
+        for example in self.examples():
+            yield example.plain_text()
+
+    def count_documents(self) -> dict[str, int]:
+        """The number of documents of each kind; reads the corpus once and validates every
+        record."""
+        counts: dict[str, int] = {}
+        for example in self.examples():
+            counts[example.kind] = counts.get(example.kind, 0) + 1
+        return counts
 
 
 def collect(inputs: Sequence[str | os.PathLike[str]], text_field: str = "text") -> Corpus:
@@ -86,11 +100,15 @@ def collect(inputs: Sequence[str | os.PathLike[str]], text_field: str = "text") 
             skipped.extend(binary)
         else:
             files.append(_explicit_file(path))
+    for path in files:
+        names = columns(path) if is_record_file(path) else None
+        if names is not None:
+            check_columns(path, names, text_field)
     if not files:
         note = f" ({len(skipped)} binary or non-UTF-8 files skipped)" if skipped else ""
         raise TierflowError(f"the corpus is empty: no text files in {', '.join(map(str, inputs))}"
                             f"{note}; fix: name text files, directories of text files or "
-                            f".jsonl files")
+                            f".jsonl, .json, .parquet or .csv files")
     return Corpus([str(i) for i in inputs], files, skipped, text_field)
 
 
@@ -101,7 +119,7 @@ def _explicit_file(path: Path) -> Path:
     if not path.is_file() or not os.access(path, os.R_OK):
         raise TierflowError(f"INPUT {path} is not a readable file or directory; fix: check its "
                             f"type and permissions")
-    problem = _binary_problem(path)
+    problem = None if path.suffix.lower() == ".parquet" else _binary_problem(path)
     if problem:
         raise TierflowError(f"INPUT {path} is not text: {problem}; fix: pass UTF-8 text, .jsonl "
                             f"or a directory")
@@ -120,7 +138,8 @@ def _walk(root: Path) -> tuple[list[Path], list[Path]]:
             path = Path(folder, name)
             if name.startswith(".") or not path.is_file():
                 continue
-            (binary if _binary_problem(path) else text).append(path)
+            parquet = path.suffix.lower() == ".parquet"
+            (binary if not parquet and _binary_problem(path) else text).append(path)
     return text, binary
 
 
@@ -153,29 +172,3 @@ def _binary_problem(path: Path) -> str | None:
 def _read_text(path: Path) -> str:
     """The file decoded as UTF-8 (a leading byte-order mark dropped)."""
     return path.read_bytes().decode("utf-8-sig")
-
-
-def _jsonl_documents(path: Path, text_field: str) -> Iterator[str]:
-    """The ``text_field`` of every line of a JSONL file; blank lines and empty texts are skipped."""
-    with open(path, encoding="utf-8-sig") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise TierflowError(f"{where} is not valid JSON ({err.msg}); fix: one JSON object "
-                                    f"per line") from None
-            if not isinstance(record, dict) or text_field not in record:
-                keys = (", ".join(sorted(record)) if isinstance(record, dict)
-                        else f"a {type(record).__name__}")
-                raise TierflowError(f"{where} has no field {text_field!r} (found: {keys}); fix: "
-                                    f"name the text field with --text-field")
-            text = record[text_field]
-            if not isinstance(text, str):
-                raise TierflowError(f"{where}: field {text_field!r} is a "
-                                    f"{type(text).__name__}, not a string; fix: name the text "
-                                    f"field with --text-field")
-            if text.strip():
-                yield text

@@ -1,9 +1,16 @@
 """Token files: a 64-byte header, then the tokens, little-endian.
 
 Header (little-endian): magic ``b"TFTOKENS"`` (8 bytes), format version (uint32), bytes per
-token (uint32: 2 or 4), token count (uint64), vocab size (uint64), zero padding to 64 bytes.
-Tokens are uint16 when the vocab has at most 65536 ids, else uint32. The header lets a reader
-refuse a truncated or foreign file with a clear message instead of training on garbage.
+token (uint32: 2 or 4), token count (uint64), vocab size (uint64), then in version 2 the
+document count (uint64) and flags (uint32: bit 0, a loss mask follows), zero padding to 64
+bytes. Tokens are uint16 when the vocab has at most 65536 ids, else uint32. The header lets a
+reader refuse a truncated or foreign file with a clear message instead of training on garbage.
+
+Version 2 (written since fine-tuning data) appends, each section starting on an 8-byte
+boundary: the loss mask when flagged (one uint8 per token: 1 where the token is a target, the
+answers of a chat or completion record; 0 where it is context only), then the document
+boundaries (document count + 1 uint64 offsets, the first 0, the last the token count).
+Version 1 files (tokens only) still read: no mask, no boundaries.
 
 nanoGPT's ``.bin`` files (raw uint16, no header) are read too: a file without the magic is
 taken as one, unless its first 8 bytes are printable text (another format's magic, or a text
@@ -26,9 +33,12 @@ from ..errors import TierflowError
 from ..page_cache import drop_from_page_cache
 
 MAGIC = b"TFTOKENS"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)  # the format versions this tierflow reads
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<8sIIQQ")  # magic, version, bytes per token, token count, vocab size
+_HEADER_V2 = struct.Struct("<8sIIQQQI")  # ..., document count, flags
+MASKED = 1  # flag: a loss mask follows the tokens
 _CHUNK = 1 << 22  # tokens per chunk when scanning or buffering (8-16 MiB)
 _REWRITE = "rewrite it with 'tierflow tokenize'"
 
@@ -50,24 +60,35 @@ class TokenWriter:
     Use as a context manager: leaving the block normally commits, an exception discards.
     """
 
-    def __init__(self, path: str | os.PathLike[str], vocab_size: int):
+    def __init__(self, path: str | os.PathLike[str], vocab_size: int, masked: bool = False):
         if vocab_size < 1:
             raise TierflowError(f"vocab size {vocab_size} for token file {path} must be at least 1")
         self.path = Path(path)
         self.vocab_size = int(vocab_size)
         self.dtype = dtype_for_vocab(vocab_size)
+        self.masked = masked
         self.count = 0
+        self.ends: list[int] = []  # the token offset where each finished document ends
         self._tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self._file = open(self._tmp, "wb")
+        self._mask = open(self._tmp.with_name(self._tmp.name + ".mask"), "w+b") if masked else None
         self._file.write(self._header(0))
 
     def _header(self, count: int) -> bytes:
-        head = _HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, count, self.vocab_size)
+        head = _HEADER_V2.pack(MAGIC, VERSION, self.dtype.itemsize, count, self.vocab_size,
+                               len(self.ends), MASKED if self.masked else 0)
         return head.ljust(HEADER_BYTES, b"\0")
 
-    def write(self, tokens: Sequence[int] | np.ndarray) -> None:
-        """Append ``tokens``, ids in [0, vocab size); an id out of range is a TierflowError."""
+    def write(self, tokens: Sequence[int] | np.ndarray, mask: np.ndarray | None = None,
+              end_document: bool = True) -> None:
+        """Append ``tokens``, ids in [0, vocab size) (an id out of range is a TierflowError),
+        with their loss ``mask`` (1: a target; a masked writer without one counts every token);
+        ``end_document``: a document ends after them (else the next write continues it)."""
         array = np.asarray(tokens)
+        if mask is not None and (self._mask is None or np.shape(mask) != array.shape):
+            raise TierflowError(f"a loss mask of shape {np.shape(mask)} for {array.shape} tokens "
+                                f"cannot be written to {self.path}; fix: one mask value per "
+                                f"token, in a writer made with masked=True")
         if array.size == 0:
             return
         low, high = int(array.min()), int(array.max())
@@ -77,22 +98,47 @@ class TokenWriter:
                                 f"[0, {self.vocab_size}) for vocab size {self.vocab_size}; fix: "
                                 f"pass the tokenizer's full vocab size (added tokens included)")
         self._file.write(array.astype(self.dtype, copy=False).tobytes())
+        if self._mask is not None:
+            ones = np.ones(array.size, np.uint8) if mask is None else mask
+            self._mask.write(np.asarray(ones, dtype=np.uint8).reshape(-1).tobytes())
         self.count += int(array.size)
+        if end_document:
+            self.ends.append(self.count)
 
     def commit(self) -> int:
-        """Write the final header, fsync, rename onto ``path``; returns the token count."""
+        """Append the mask and the boundaries, write the final header, fsync, rename onto
+        ``path``; returns the token count."""
+        if self.count > (self.ends[-1] if self.ends else 0):
+            self.ends.append(self.count)  # the open document ends with the file
+        if self._mask is not None:
+            self._pad()
+            self._mask.seek(0)
+            while chunk := self._mask.read(_CHUNK):
+                self._file.write(chunk)
+        self._pad()
+        self._file.write(np.asarray([0, *self.ends], dtype="<u8").tobytes())
         self._file.seek(0)
         self._file.write(self._header(self.count))
         self._file.flush()
         os.fsync(self._file.fileno())
-        self._file.close()
+        self._close()
         os.replace(self._tmp, self.path)
         _fsync_dir(self.path.parent)
         return self.count
 
-    def discard(self) -> None:
-        """Close and delete the temporary file; ``path`` is left as it was."""
+    def _pad(self) -> None:
+        """Zeros up to the next 8-byte boundary: every section starts aligned."""
+        self._file.write(b"\0" * (-self._file.tell() % 8))
+
+    def _close(self) -> None:
         self._file.close()
+        if self._mask is not None:
+            self._mask.close()
+            Path(self._mask.name).unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        """Close and delete the temporary files; ``path`` is left as it was."""
+        self._close()
         self._tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> "TokenWriter":
@@ -109,11 +155,12 @@ def write_tokens(path: str | os.PathLike[str], tokens: np.ndarray | Iterable[int
                  Iterable[Sequence[int]], vocab_size: int) -> int:
     """Write a token file atomically; returns the token count.
 
-    ``tokens`` is an array, an iterable of ids, or an iterable of chunks (arrays or lists).
+    ``tokens`` is an array, an iterable of ids, or an iterable of chunks (arrays or lists),
+    written as one document without a mask.
     """
     with TokenWriter(path, vocab_size) as writer:
         for chunk in _chunks(tokens):
-            writer.write(chunk)
+            writer.write(chunk, end_document=False)
     return writer.count
 
 
@@ -163,11 +210,16 @@ class TokenFile:
     :meth:`open`, which validates the header and the size against the count.
     """
 
-    def __init__(self, path: Path, tokens: np.ndarray, vocab_size: int | None, headerless: bool):
+    def __init__(self, path: Path, tokens: np.ndarray, vocab_size: int | None, headerless: bool,
+                 mask: np.ndarray | None = None, offsets: np.ndarray | None = None,
+                 version: int = 1):
         self.path = path
         self.tokens = tokens
         self.vocab_size = vocab_size
         self.headerless = headerless
+        self.mask = mask  # (tokens,) uint8, 1 where a token is a target; None: every token
+        self.offsets = offsets  # (documents + 1,) uint64 boundaries; None: unknown (v1)
+        self.version = version
         self._first_byte = 0 if headerless else HEADER_BYTES
 
     @classmethod
@@ -208,20 +260,40 @@ class TokenFile:
             raise TierflowError(f"token file {path} is truncated: {size} bytes, shorter than its "
                                 f"{HEADER_BYTES}-byte header; fix: {_REWRITE}")
         _, version, width, count, header_vocab = _HEADER.unpack_from(head)
-        if version != VERSION:
+        if version not in READS:
             raise TierflowError(f"token file {path} has format version {version}, but this "
-                                f"tierflow reads version {VERSION}; fix: {_REWRITE} (or use the "
-                                f"tierflow that wrote it)")
+                                f"tierflow reads versions {', '.join(map(str, READS))}; fix: "
+                                f"{_REWRITE} (or use the tierflow that wrote it)")
         if width not in (2, 4) or width != dtype_for_vocab(header_vocab).itemsize:
             raise TierflowError(f"token file {path} has a corrupt header: {width} bytes per token "
                                 f"for vocab size {header_vocab}; fix: {_REWRITE}")
-        expected = HEADER_BYTES + count * width
+        documents, flags = _HEADER_V2.unpack_from(head)[5:] if version >= 2 else (0, 0)
+        end = HEADER_BYTES + count * width
+        mask_at = _aligned(end) if flags & MASKED else None
+        if mask_at is not None:
+            end = mask_at + count
+        offsets_at = _aligned(end) if version >= 2 else None
+        expected = end if offsets_at is None else offsets_at + (documents + 1) * 8
         if size != expected:
             what = "is truncated" if size < expected else "has trailing bytes"
             raise TierflowError(f"token file {path} {what}: its header promises {count} tokens "
                                 f"({expected} bytes) but it holds {size} bytes; fix: {_REWRITE}")
         tokens = _map(path, np.dtype(f"<u{width}"), HEADER_BYTES, count)
-        return cls(path, tokens, int(header_vocab), headerless=False)
+        mask = None if mask_at is None else _map(path, np.dtype("u1"), mask_at, count)
+        offsets = None
+        if offsets_at is not None:
+            offsets = np.fromfile(path, dtype="<u8", count=documents + 1, offset=offsets_at)
+            steps = np.diff(offsets.astype(np.int64))  # (documents,) lengths
+            if offsets[0] != 0 or offsets[-1] != count or np.any(steps < 0):
+                raise TierflowError(f"token file {path} has corrupt document boundaries; fix: "
+                                    f"{_REWRITE}")
+        return cls(path, tokens, int(header_vocab), headerless=False, mask=mask,
+                   offsets=offsets, version=int(version))
+
+    @property
+    def documents(self) -> int | None:
+        """The number of documents (None in a version-1 or nanoGPT file, which do not say)."""
+        return None if self.offsets is None else len(self.offsets) - 1
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -301,7 +373,7 @@ class TokenFile:
         return first
 
     def __repr__(self) -> str:
-        kind = "nanoGPT uint16" if self.headerless else f"v{VERSION}"
+        kind = "nanoGPT uint16" if self.headerless else f"v{self.version}"
         return (f"TokenFile({str(self.path)!r}, {len(self)} tokens, {kind}, "
                 f"vocab_size={self.vocab_size})")
 
@@ -318,6 +390,11 @@ def _file_size(path: Path) -> int:
         return path.stat().st_size
     except OSError as err:
         raise TierflowError(f"cannot read token file {path}: {err.strerror}") from None
+
+
+def _aligned(offset: int) -> int:
+    """``offset`` rounded up to a multiple of 8, where each section after the tokens starts."""
+    return offset + (-offset % 8)
 
 
 def _map(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:

@@ -4,6 +4,7 @@ and ``train`` load them back).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -14,6 +15,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from ..errors import TierflowError
 
 EOT = "<|endoftext|>"
+# the files beside tokenizer.json that transformers reads to load a tokenizer as it was saved
+# (special tokens, chat template), and the model's generation settings (its end token)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
 _EOS_NAMES = (EOT, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
 
 
@@ -42,6 +48,13 @@ def tokenizer_file(path: Path) -> Path:
         raise TierflowError(f"--tokenizer {path} does not exist; fix: give a tokenizer.json file "
                             f"or a Hugging Face model directory")
     return path
+
+
+def vocab_hash(tok: Tokenizer) -> str:
+    """A hash of the vocabulary, added tokens included: every (token, id) pair, so that two
+    tokenizers of one size but other ids differ."""
+    pairs = sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(pairs, ensure_ascii=False).encode()).hexdigest()[:16]
 
 
 def train_tokenizer(documents: Iterable[str], vocab_size: int, n_documents: int | None = None,

@@ -5,7 +5,9 @@
 - ``config.json`` and ``model.safetensors``: what ``save_pretrained`` writes (tied weights
   saved once, under the name the model expects), so ``AutoModelForCausalLM.from_pretrained``
   and ``tierflow.load_model`` read the directory as it is;
-- ``tokenizer.json``: a copy of the run's tokenizer, when given;
+- ``tokenizer.json``: a copy of the run's tokenizer, when given, and the files given beside it
+  (``tokenizer_config.json`` with the chat template, ``generation_config.json``, ...: the
+  model directory's, so that transformers loads the checkpoint as it loaded the model);
 - ``optimizer.safetensors``: every tensor of the optimizer states, named by
   ``codec.flatten_optimizer_states`` (``opt.<stage>.state.<param_index>.<state_name>``, e.g.
   ``opt.0.state.3.exp_avg``); the rest of the state dicts (param_groups, non-tensor values)
@@ -193,6 +195,7 @@ def _config_json(model) -> str:
 
 def save_checkpoint(out_dir: str | Path, step: int, model, *,
                     tokenizer_file: str | Path | None = None,
+                    tokenizer_extras: Sequence[Path] = (),
                     optimizer_state: Sequence[dict | None] | None = None,
                     trainer_state: dict | None = None,
                     materialize_weights: Materialize | None = None,
@@ -237,8 +240,9 @@ def save_checkpoint(out_dir: str | Path, step: int, model, *,
         _write_bytes(temp / "config.json", config_text.encode())
         write_safetensors(temp / "model.safetensors", model_state, {"format": "pt"},
                           materialize_weights)
-        if tokenizer_file is not None:
-            with open(tokenizer_file, "rb") as src, open(temp / "tokenizer.json", "wb") as dst:
+        for source, name in ([(tokenizer_file, "tokenizer.json")] if tokenizer_file else []) \
+                + [(p, Path(p).name) for p in tokenizer_extras]:
+            with open(source, "rb") as src, open(temp / name, "wb") as dst:
                 while chunk := src.read(1 << 20):
                     _write(dst, chunk)
                 dst.flush()

@@ -21,6 +21,7 @@ class DataDir:
     vocab_size: int
     tokenizer_file: Path | None
     max_token: int
+    vocab_hash: str | None = None  # meta.json's (tokenizer.vocab_hash), None in older data
 
     def identity(self) -> dict[str, Any]:
         tok = None
@@ -47,12 +48,14 @@ def open_data(path: str | Path) -> DataDir:
     evalf = TokenFile.open(path / "eval.bin") if (path / "eval.bin").is_file() else None
     tokenizer_file = path / "tokenizer.json"
     tokenizer_file = tokenizer_file if tokenizer_file.is_file() else None
-    vocab = None
+    vocab, vocab_hash = None, None
     meta = path / "meta.json"
     if meta.is_file():
         try:
-            vocab = int(json.loads(meta.read_text())["vocab_size"])
-        except (ValueError, KeyError, TypeError):
+            record = json.loads(meta.read_text())
+            vocab_hash = record.get("vocab_hash") or None
+            vocab = int(record["vocab_size"])
+        except (ValueError, KeyError, TypeError, AttributeError):
             vocab = None
     if vocab is None and tokenizer_file is not None:
         try:
@@ -68,4 +71,4 @@ def open_data(path: str | Path) -> DataDir:
     if top >= vocab:
         raise TierflowError(f"--data {path} holds token id {top}, but its vocab size is {vocab}: "
                             "the token files and tokenizer do not belong together; tokenize again")
-    return DataDir(path, train, evalf, int(vocab), tokenizer_file, top)
+    return DataDir(path, train, evalf, int(vocab), tokenizer_file, top, vocab_hash)

@@ -124,6 +124,10 @@ def _train_on(run: Run, tier: ComputeTier, world: World | None, baseline: int) -
     from .model import count_model_parameters
 
     opts = run.opts
+    if world is not None and run.data.train.mask is not None:
+        raise TierflowError(f"--data {run.data.path} holds fine-tuning records (a loss mask), "
+                            "which torchrun does not train yet (the ranks' target counts "
+                            "differ); fix: train them in one process")
     precision = opts.precision(fast_bf16())
     if not fit_owns_optimizer(opts) and tier.ram is not None:
         # the trainer's model is built whole in RAM: refused first if its weights and the

@@ -79,6 +79,7 @@ class TrainOptions:
     tensorboard: str | None = None  # a directory for TensorBoard event files
     trace: str | None = None  # a Chrome-trace JSON file of the executed steps
     dist_timeout: float = 300.0  # seconds a rank waits for the others (torchrun runs)
+    allow_other_tokenizer: bool = False  # train on data tokenized with another tokenizer
     config: str | None = None
     # the options given by a flag or the config file (the rest may come from a checkpoint)
     given: frozenset = field(default=frozenset(), repr=False, compare=False)

@@ -33,6 +33,7 @@ from .optimizer import (
 )
 from .options import RECOMPUTE, TrainOptions
 from .owned import RoundingStreams
+from .packing import planning_sample
 from .roles import fit_owns_optimizer, ranks_hold_replicas
 from .run import BuiltModel, Run, Site
 
@@ -86,9 +87,9 @@ class StepPlanner:
             configure_host_allocator()
         # on the GPU: a model still in host RAM (fit owns the optimizer) is placed there by
         # fit, never whole
-        batch = torch.zeros(opts.batch_size // site.ranks, opts.seq_len + 1, dtype=torch.long,
-                            device=device)  # (rows, seq_len + 1)
-        return cls(opts, site, built, {"input_ids": batch[:, :-1], "shift_labels": batch[:, 1:]},
+        sample = planning_sample(opts.batch_size // site.ranks, opts.seq_len,
+                                 run.data.train.mask is not None, device)
+        return cls(opts, site, built, sample,
                    rounding=RoundingStreams.seeded(device, opts.seed, built.model),
                    reserve=-(-reserved_bytes(trainable, precision) // site.ranks)
                    if trainer_steps else 0,

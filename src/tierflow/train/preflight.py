@@ -19,9 +19,11 @@ from ..models.presets import model_directory
 from ..paths import check_writable_dir, require_disk_directory, require_writable_dir
 from ..torchrun_env import world_size_from_env
 from .checkpoint_dirs import checkpoint_directory
+from ..data.packing import check_fits
 from .data_dir import DataDir, open_data
 from .model_limits import check_model_limits
 from .options import TrainOptions
+from .tokenizer_match import check_tokenizer
 
 
 def preflight(opts: TrainOptions) -> None:
@@ -47,6 +49,10 @@ def check_paths(opts: TrainOptions, *, create: bool) -> DataDir:
     ``--tensorboard``, ``--trace``'s; made with ``create``, else only checked that they could
     be) and ``--disk``; one line for the first that fails."""
     data = open_data(opts.data)
+    check_tokenizer(opts.model, data, opts.allow_other_tokenizer)
+    for tokens in (data.train, data.eval):
+        if tokens is not None and tokens.mask is not None:  # packed: whole documents a row
+            check_fits(tokens, opts.seq_len)
     writable = require_writable_dir if create else check_writable_dir
     writable(Path(opts.out) if opts.out else Path("out"), "--out")
     if opts.tensorboard:

@@ -30,10 +30,12 @@ from .data import Batches, eval_batches
 from .device import ComputeTier
 from .guards import Interrupt, traced
 from .logger import StepLine, eval_line
+from .packing import PackedBatches, packed_eval_batches, step_inputs, targets
 from .planning import StepPlanner
 from .roles import fit_owns_optimizer
 from .run import BuiltModel, Reports, Run, Site
 from .sol import model_flops_per_token
+from .tokenizer_match import travelling_files
 
 INTERRUPTED = 130
 
@@ -55,14 +57,16 @@ class StepLoop:
     optimizer: Any
     peak: float
     tier: ComputeTier = dataclasses.field(init=False)
-    batches: Batches = dataclasses.field(init=False)  # this rank's rows of the train batches
+    # this rank's rows of the train batches: windows, or packed documents (fine-tuning data)
+    batches: Batches | PackedBatches = dataclasses.field(init=False)
     flops_per_step: float = dataclasses.field(init=False)  # the model's, of one step's tokens
 
     def __post_init__(self) -> None:
         opts = self.run.opts
         self.tier = self.site.tier
-        self.batches = Batches(self.run.data.train, opts.seq_len, opts.batch_size, opts.seed,
-                               part=self.site.rank_part)
+        kind = PackedBatches if self.run.data.train.mask is not None else Batches
+        self.batches = kind(self.run.data.train, opts.seq_len, opts.batch_size, opts.seed,
+                            part=self.site.rank_part)
         self.flops_per_step = model_flops_per_token(self.built.model, opts.seq_len) \
             * self.run.schedule.tokens_per_step
 
@@ -143,7 +147,8 @@ class StepLoop:
         opts, data = self.run.opts, self.run.data
         if not (opts.eval_every and data.eval is not None):
             return []
-        evals = eval_batches(data.eval, opts.seq_len, opts.batch_size, opts.eval_steps)
+        evals = (packed_eval_batches if data.train.mask is not None else eval_batches)(
+            data.eval, opts.seq_len, opts.batch_size, opts.eval_steps)
         if not evals:
             self.reports.logger.print(f"note: eval.bin holds {len(data.eval)} tokens, less "
                                       f"than one window of {opts.seq_len + 1}: evaluation is "
@@ -207,17 +212,21 @@ class StepLoop:
                              f"{again}; what else uses the GPU is not in the budget")
 
     def _forward_backward(self) -> float:
-        """One step's micro-batches, forward and backward; their mean loss."""
+        """One step's micro-batches, forward and backward; their mean loss (packed batches:
+        the step's summed loss over its targets, ``packing.step_inputs``)."""
         micro = []
         accum = self.run.opts.grad_accum
-        for k in range(accum):
+        batches = [self.batches.next() for _ in range(accum)]  # window or packed batches
+        packed = isinstance(batches[0], dict)
+        counted = sum(targets(b) for b in batches) if packed else None
+        for k, batch in enumerate(batches):
             self.optimizer.micro_batch(last=k == accum - 1)
-            batch = self.batches.next().to(self.tier.device)  # (rows, seq_len + 1)
             with self.site.autocast():
-                loss = self.module(input_ids=batch[:, :-1], shift_labels=batch[:, 1:]).loss
-            (loss / accum).backward()
+                loss = self.module(**step_inputs(batch, self.tier.device, counted)).loss
+            (loss if packed else loss / accum).backward()
             micro.append(loss.detach().float())
-        return float(torch.stack(micro).mean())
+        losses = torch.stack(micro)
+        return float(losses.sum() if packed else losses.mean())
 
     def _report(self, step: int, lr: float, loss: float, norm: float, step_s: float,
                 interrupted: bool) -> bool:
@@ -257,11 +266,13 @@ class StepLoop:
         model.eval()
         world, ranks = self.site.world, self.site.ranks
         mine = evals if world is None else evals[world.rank::ranks]  # whole batches
+        packed = bool(mine) and isinstance(mine[0], dict)
+        counted = sum(targets(b) for b in mine) if packed else None
         with torch.no_grad(), self.site.autocast():
-            losses = [float(self.module(input_ids=b[:, :-1], shift_labels=b[:, 1:]).loss)
-                      for b in (b.to(self.tier.device) for b in mine)]
+            losses = [float(self.module(**step_inputs(b, self.tier.device, counted)).loss)
+                      for b in mine]
         model.train()
-        total_loss, count = sum(losses), len(losses)
+        total_loss, count = sum(losses), 1 if packed else len(losses)
         if world is not None:
             per_rank = world.all_gather([total_loss, count], "evaluation loss average")
             total_loss, count = sum(r[0] for r in per_rank), sum(r[1] for r in per_rank)
@@ -296,9 +307,10 @@ class StepLoop:
             stream = {}
         if not main:
             return run.out / f"step_{step}"
+        tokenizer_file, extras = travelling_files(run.opts.model, run.data)
         try:
             path = checkpoint.save_checkpoint(
-                run.out, step, model, tokenizer_file=run.data.tokenizer_file,
+                run.out, step, model, tokenizer_file=tokenizer_file, tokenizer_extras=extras,
                 optimizer_state=[optimizer_state], **stream,
                 trainer_state={"step": step, "data": self.batches.state(), "rng": capture_rng(),
                                "identity": self.built.identity,
