@@ -11,6 +11,7 @@ from torch import nn
 
 from .config import FitConfig
 from .fitting.build import build_module
+from .fitting.kernel_limit import hold_to_budget
 from .fitting.profile_step import profile_and_place
 from .fitting.request import OptimizerFactory, check_model, make_request
 from .fitting.start import start_fit
@@ -57,4 +58,6 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     check_model(model, sample)
     start = start_fit(model, sample, request)  # the tiers, and where the weights wait
     chain, placed = profile_and_place(model, sample, request, start)
-    return build_module(model, chain, placed, request, start)
+    module = build_module(model, chain, placed, request, start)
+    hold_to_budget(request, start)  # under FitConfig(enforce=True): the kernel holds the budget
+    return module
