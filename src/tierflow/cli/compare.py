@@ -10,7 +10,7 @@ from typing import Any
 from .. import measure
 from ..config import PLANNERS
 from ..profile.machine import default_matmul_dtype
-from ..units import format_bytes
+from ..units import format_bytes, format_margin
 from .args import positive_int, size
 
 
@@ -103,7 +103,8 @@ def comparison_table(plain: dict[str, Any], fitted: dict[str, Any], budget: int)
     pred_peak, pred_time = fitted["predicted_peak_bytes"], fitted["predicted_step_s"]
     lines.append("")
     lines.append(f"tierflow predicted peak {format_bytes(pred_peak)} "
-                 f"({_err(pred_peak, fitted['peak_above_baseline_bytes'])} vs measured), "
+                 f"({_err(pred_peak, fitted['peak_above_baseline_bytes'])} vs measured; "
+                 f"margin {format_margin(pred_peak, budget)}), "
                  f"predicted step {pred_time:.3f} s ({_err(pred_time, fitted['step_s_median'])}); "
                  f"fit took {fitted['fit_s']:.1f} s")
     diff = max(abs(a - b) for a, b in zip(plain["losses"], fitted["losses"]))

@@ -29,7 +29,7 @@ from .data import Batches
 from .data_dir import DataDir
 from .device import ComputeTier
 from .guards import Interrupt, traced
-from .logger import Logger, eval_line, train_line
+from .logger import Logger, eval_line, near_budget, train_line
 from .options import TrainOptions
 from .planning import StepPlanner
 from .schedule import lr_at
@@ -65,6 +65,7 @@ class StepLoop:
     baseline: int
     flops_per_step: float  # the model's training FLOPs of one step's tokens
     peak: float  # the matmul FLOP/s of the compute tier
+    near_budget_said: bool = False  # the warning of a peak within NEAR_BUDGET of --ram, once
 
     @property
     def ranks(self) -> int:
@@ -197,6 +198,10 @@ class StepLoop:
                                      loss=loss, tok_s=tok_s, sol=sol, ram_bytes=max(ram_ranks),
                                      budget=tier.rss_budget, gpu_bytes=tier.gpu_peak(),
                                      gpu_budget=tier.gpu))
+        warning = near_budget(max(ram_ranks), tier.rss_budget)
+        if warning and not self.near_budget_said:
+            self.near_budget_said = True
+            self.logger.print(warning)
         self.logger.record("train", step=step, total=self.total, loss=loss, norm=norm, lr=lr,
                            ms=step_s * 1e3, tok_s=tok_s, sol=sol, ram_bytes=max(ram_ranks),
                            ram_bytes_per_rank=ram_ranks, budget=tier.rss_budget,
