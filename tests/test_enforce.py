@@ -168,3 +168,26 @@ def test_train_under_enforce_runs_in_its_cgroup(train_env, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "[memory cgroup] enforced by the kernel: cgroup v" in proc.stdout, proc.stdout[-3000:]
     assert proc.stdout.count("[T] step") == 2
+
+
+def test_without_a_cgroup_fit_says_why_and_runs_on_only_if_asked(monkeypatch):
+    """No cgroup here (both versions' parents refused): an EnforceError naming why, or with
+    unenforced_ok a note in fit's log and a module that trains. Nothing moves this process."""
+    import torch
+    from torch import nn
+
+    import tierflow
+    monkeypatch.setattr(enforce, "v2_parent", lambda pid: "no cgroup v2 is mounted (test)")
+    monkeypatch.setattr(enforce, "v1_parent", lambda pid: "/x is not writable (test)")
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    x = torch.randn(8, 64)
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    with pytest.raises(enforce.EnforceError, match="no cgroup v2 is mounted .test.; /x is not"):
+        tierflow.fit(model, x, ram="512MiB", optimizer=sgd,
+                     config=tierflow.FitConfig(enforce=True))
+    module = tierflow.fit(model, x, ram="512MiB", optimizer=sgd,
+                          config=tierflow.FitConfig(enforce=True, unenforced_ok=True))
+    assert any(m.startswith(enforce.NOTE) and "running unenforced" in m for m in module.fit_log)
+    module(x).sum().backward()
+    with pytest.raises(ValueError, match="unenforced_ok=True only matters with enforce=True"):
+        tierflow.FitConfig(unenforced_ok=True)
