@@ -17,7 +17,7 @@ a run the kernel killed is recorded as such.
 
 Models: llama-20m, llama-134m and gpt2-124m (presets, random init), ``qwen2-tiny`` (a Qwen2
 checkpoint built here with ``save_pretrained``: 4 layers, hidden 256) and ``resnet`` (a
-ResNet of basic blocks, 64x64 images). Modes: ``ram`` (in RAM), ``disk`` (``--disk``),
+ResNet of basic blocks, 32 images of 128x128). Modes: ``ram`` (in RAM), ``disk`` (``--disk``),
 ``bf16`` (bf16 weights and AdamW moments), ``accum`` (``--grad-accum 2``) and ``frozen``
 (the first two decoder layers frozen); the ResNet runs in RAM only.
 
@@ -150,8 +150,10 @@ def table(records: list[dict[str, Any]]) -> str:
     for r in records:
         peak = r.get("peak_above_baseline_bytes")
         share = f"{peak / r['budget']:.1%}" if peak else "-"
+        status = r["status"] + (f" (smallest {format_bytes(r['smallest'])})"
+                                if r["status"] == "refused" else "")
         rows.append(f"| {r['model']} | {r['mode']} | {r['label']} ({format_bytes(r['budget'])})"
-                    f" | {r['status']} | {format_bytes(peak) if peak else '-'} | {share} |")
+                    f" | {status} | {format_bytes(peak) if peak else '-'} | {share} |")
     ran = [r for r in records if r["status"] == "ok"]
     if ran:
         worst = max(ran, key=lambda r: r["peak_above_baseline_bytes"] / r["budget"])
