@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
@@ -60,19 +61,21 @@ SHORT = {"models": ("llama-tiny",), "modes": ("ram",), "budgets": ("smallest",),
 
 
 def machine() -> dict[str, Any]:
-    """The machine the sweep ran on: CPU model and flags that matter, cores, memory."""
-    cpu = "unknown"
-    flags: set[str] = set()
+    """The machine the sweep ran on: CPU model (family and model numbers: "AMD EPYC" names
+    several), the flags that matter, cores, memory, the torch measured."""
+    info: dict[str, str] = {}
     for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name") and cpu == "unknown":
-            cpu = line.split(":", 1)[1].strip()
-        if line.startswith("flags") and not flags:
-            flags = set(line.split(":", 1)[1].split())
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    cpu = f"{info.get('model name', 'unknown')} (family {info.get('cpu family', '?')}, " \
+          f"model {info.get('model', '?')})"
+    flags = set(info.get("flags", "").split())
     mem = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text()
                .splitlines() if line.startswith("MemTotal"))
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem,
             "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
-            "python": platform.python_version(), "kernel": platform.release()}
+            "python": platform.python_version(), "kernel": platform.release(),
+            "torch": importlib.metadata.version("torch")}
 
 
 def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:
