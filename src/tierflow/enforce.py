@@ -78,7 +78,10 @@ def enforce(limit: int, pid: int | None = None) -> Enforced:
         try:
             path = (enter_v2 if version == 2 else enter_v1)(parent, limit, pid)
         except OSError as e:
-            reasons.append(f"cgroup v{version} at {parent} refused it ({e.strerror or e})")
+            hint = (": a v2 cgroup that holds processes gives its children no controller; "
+                    "run under systemd-run --scope -p MemoryMax=SIZE -p MemorySwapMax=0 "
+                    "instead" if version == 2 else "")
+            reasons.append(f"cgroup v{version} at {parent} refused it ({e.strerror or e}){hint}")
             continue
         atexit.register(_leave, path, parent)
         return Enforced(path, version, limit)
