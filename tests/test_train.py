@@ -51,7 +51,7 @@ def test_train_prints_logs_and_saves_a_loadable_checkpoint(env, tmp_path, capsys
         assert title in out
     for word in ("seq-len", "grad-accum", "recompute", "torch", "threads", "cpu", "bf16",
                  "tokens per step", "parameters", "gradients", "optimizer states",
-                 "activations", "free", "predicted step"):
+                 "activations", "margin", "predicted step"):
         assert word in out, word
     t_lines = [line for line in out.splitlines() if line.startswith("[T]")]
     assert len(t_lines) == 4 and all(T_LINE.match(line) for line in t_lines), t_lines
@@ -66,9 +66,9 @@ def test_train_prints_logs_and_saves_a_loadable_checkpoint(env, tmp_path, capsys
     assert train[-1]["tokens"] == 4 * 64
 
     path = tmp_path / "run" / "step_4"
-    assert sorted(p.name for p in path.iterdir()) == [
-        "config.json", "model.safetensors", "optimizer.safetensors", "tokenizer.json",
-        "trainer_state.json"]
+    assert sorted(p.name for p in path.iterdir()) == [  # the tokenizer travels with its config
+        "config.json", "generation_config.json", "model.safetensors", "optimizer.safetensors",
+        "tokenizer.json", "tokenizer_config.json", "trainer_state.json"]
     theirs = AutoModelForCausalLM.from_pretrained(path)
     trained = saved[-1]
     trained.eval()
@@ -404,14 +404,14 @@ def test_the_plan_table_counts_the_update_pass():
 
 def test_the_plan_table_counts_the_optimizer_step_and_what_is_held_outside_the_plan():
     """The [Plan] table lists the optimizer step's temporaries apart from its states (both are
-    reserved), and its free bytes are the budget less the peak and less what the process held
+    reserved), and its margin is the budget less the peak and less what the process held
     before planning (the plan got only the rest)."""
     from tierflow.config import FitConfig
     from tierflow.plan.choose import make_plan
     from tierflow.plan.costs import ChainCosts, StageCost
     from tierflow.precision.config import PrecisionConfig
     from tierflow.train.logger import PlanPrecision, plan_section
-    from tierflow.units import format_bytes
+    from tierflow.units import format_margin
 
     stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
                       tape=30)
@@ -424,7 +424,7 @@ def test_the_plan_table_counts_the_optimizer_step_and_what_is_held_outside_the_p
                                 precision=precision, step_temporaries=400)
     assert record["optimizer states (reserved)"] == record["moments"] == 800
     assert record["optimizer step (reserved)"] == 400
-    free = format_bytes(5000 - 1000 - plan.predicted_peak)
-    assert f"free                        : {free} of the 4.88 KiB budget (1000 B is held " \
-           "outside the plan)" in text, text
+    free = format_margin(plan.predicted_peak + 1000, 5000)
+    assert f"margin                      : {free} between the predicted peak and the budget " \
+           "(1000 B is held outside the plan)" in text, text
     assert "optimizer step              : 400 B (float32 temporaries" in text, text

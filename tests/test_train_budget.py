@@ -284,3 +284,31 @@ def _step_temporaries_are_reserved(model_dtype: str, optim_dtype: str, low: str,
     small = [nn.Parameter(torch.zeros(CHUNK // 16, dtype=dtype))]
     small_transient = step_transient_bytes(small, opts, precision, cpu)
     assert small_transient < transient / 4, (small_transient, transient)
+
+
+def test_fit_counts_what_the_process_holds_above_a_baseline_in_its_plan():
+    """fit(baseline=RSS): the budget covers the RSS above that baseline, and what the process
+    held above it before fit (besides the parameters) is static in the plan, by name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(128, 128), nn.GELU()) for _ in range(4)])
+    x = torch.randn(32, 128)
+    return_free_memory()
+    held = 40 * MIB  # as if the process had built 40 MiB of objects since its baseline
+    baseline = rss_bytes() - sum(p.nbytes for p in model.parameters()) - held
+    module = tierflow.fit(model, x, ram=600 * MIB, baseline=baseline,
+                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    counted = module.plan.costs.extra["held before fit"]
+    assert held <= counted < held + 8 * MIB, counted
+    assert module.plan.costs.static_bytes >= counted + module.plan.costs.extra["parameters"]
+    assert "held before fit" in module.plan.explain()
+    with pytest.raises(BudgetError):  # the budget must hold what was held before fit
+        tierflow.fit(model, x, ram=held // 2, baseline=baseline,
+                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+
+
+def test_a_peak_within_two_percent_of_the_budget_is_warned():
+    from tierflow.train.logger import near_budget
+    warning = near_budget(99 * MIB, 100 * MIB)
+    assert warning.startswith("[!] the peak RSS, 99.00 MiB") and "99.0%" in warning
+    assert "--ram 100.00 MiB" in warning and "--enforce" in warning
+    assert near_budget(97 * MIB, 100 * MIB) is None and near_budget(99 * MIB, None) is None

@@ -11,6 +11,7 @@ from torch import nn
 
 from .config import FitConfig
 from .fitting.build import build_module
+from .fitting.kernel_limit import hold_to_budget
 from .fitting.profile_step import profile_and_place
 from .fitting.request import OptimizerFactory, check_model, make_request
 from .fitting.start import start_fit
@@ -21,7 +22,8 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
         gpu: int | str | None = None, planner: str = "auto",
         optimizer: OptimizerFactory | None = None, disk: str | Path | None = None,
         reserve: int | str = 0, grad_accum: int = 1, max_grad_norm: float | None = None,
-        config: FitConfig | None = None, verbose: bool = False) -> TierflowModule:
+        config: FitConfig | None = None, verbose: bool = False,
+        baseline: int | None = None) -> TierflowModule:
     """Plan ``model``'s training step for ``sample`` under the budgets and return a drop-in.
 
     ``sample`` is what you call the model with: a tensor, a tuple of arguments or a dict of
@@ -50,11 +52,19 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     after the last micro-batch's backward; ``last_grad_norm`` then gives the norm. Without
     it, ``grad_accum`` > 1 says that your optimizer steps after that many backwards: the
     gradients then live for the whole step, and the plan holds them as static bytes.
+    A RAM budget covers the process's RSS above what it held when ``fit`` began, less the
+    model's parameters; with ``baseline`` (bytes of RSS, e.g. right after the imports, as
+    ``tierflow.measure`` and ``tierflow train`` measure a peak) it covers the RSS above that,
+    and what the process holds above it before ``fit`` (the model's objects, the kernels'
+    first-use caches) is planned as static bytes, "held before fit".
     """
     request = make_request(ram=ram, gpu=gpu, planner=planner, optimizer=optimizer, disk=disk,
                            reserve=reserve, grad_accum=grad_accum,
-                           max_grad_norm=max_grad_norm, config=config, verbose=verbose)
+                           max_grad_norm=max_grad_norm, config=config, verbose=verbose,
+                           baseline=baseline)
     check_model(model, sample)
     start = start_fit(model, sample, request)  # the tiers, and where the weights wait
     chain, placed = profile_and_place(model, sample, request, start)
-    return build_module(model, chain, placed, request, start)
+    module = build_module(model, chain, placed, request, start)
+    hold_to_budget(request, start)  # under FitConfig(enforce=True): the kernel holds the budget
+    return module

@@ -40,6 +40,11 @@ class FitConfig:
     # taped forwards keep only their matmul and attention outputs and the backward recomputes
     # the rest (exec/selective.py), where the planner finds it faster: auto/never/all
     selective: str = "auto"
+    # the kernel holds the process to the RAM budget: a memory cgroup (v2, else v1) entered
+    # once the step is planned, page cache counted, no swap (``tierflow/enforce.py``)
+    enforce: bool = False
+    # with enforce: where no cgroup can be made, say why and run on unenforced (else an error)
+    unenforced_ok: bool = False
 
     def __post_init__(self) -> None:
         if self.planner not in PLANNERS:
@@ -75,6 +80,8 @@ class FitConfig:
                              "contradicts it; use stream='auto', or another states tier")
         if self.prefetch_depth is not None and self.prefetch_depth < 0:
             raise ValueError(f"prefetch_depth={self.prefetch_depth} must be at least 0")
+        if self.unenforced_ok and not self.enforce:
+            raise ValueError("unenforced_ok=True only matters with enforce=True: give both")
         if not 0.0 <= self.headroom < 1.0:
             raise ValueError(f"headroom={self.headroom} must be in [0, 1)")
 

@@ -6,7 +6,9 @@ benchmark scripts run their children with the same ``run_json``).
 
 prints one JSON line: the median step time over ``--steps`` timed steps after one warm-up
 step, tokens/s, the loss of every step, and the process's peak RSS above its RSS right after
-imports (``profile/machine.maxrss_bytes``). ``--arch`` is one of the Llama presets of
+imports (``profile/machine.maxrss_bytes``; transformers' model code imported too, as the
+trainer and the peers take their baselines). ``fit`` is given that baseline: the budget covers
+everything above it, the model's objects included. ``--arch`` is one of the Llama presets of
 ``models/presets.py``, built as ``peers.py`` builds its Llamas (the same config,
 ``torch.manual_seed(0)``, tokens drawn right after), so its losses can be compared with the
 peers' and with each other.
@@ -196,11 +198,17 @@ def child_main(argv: list[str] | None = None) -> int:
 
     import torch
     import transformers
+    # transformers' model code (some 130 MiB, imported when the first model is built) is part
+    # of the baseline, as in tierflow train and the peers: imports are not the workload
+    import transformers.modeling_utils  # noqa: F401
+    import transformers.models.llama.modeling_llama  # noqa: F401
 
     import tierflow
+    from tierflow.exec.memory import rss_bytes
     if args.mode == "tierflow":
         import tierflow.api  # noqa: F401  (part of the baseline: imports are not the workload)
     base = maxrss_bytes()
+    base_rss = rss_bytes()  # fit's budget counts from here: what the model's build holds too
     base_hwm = _status_bytes("VmHWM")
 
     model = build(args.arch, args.seq)
@@ -232,7 +240,7 @@ def child_main(argv: list[str] | None = None) -> int:
                 config = tierflow.FitConfig(planner=args.planner, compile=args.compile)
                 module = tierflow.fit(model, {"input_ids": tokens, "labels": tokens}, ram=args.ram,
                                       optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
-                                      disk=args.disk, config=config)
+                                      disk=args.disk, config=config, baseline=base_rss)
         except tierflow.BudgetError as err:
             record.update(status="infeasible", error=str(err), smallest=_smallest(err))
             print(json.dumps(record), flush=True)

@@ -79,3 +79,11 @@ def with_rerun_margin(smallest: int) -> int:
 def budget_to_give(smallest: int) -> str:
     """``with_rerun_margin(smallest)`` as a flag's value, e.g. ``"234MiB"``."""
     return f"{with_rerun_margin(smallest) // 2**20}MiB"
+
+
+def format_margin(peak: int, budget: int) -> str:
+    """The room between a predicted ``peak`` and its ``budget``: ``40.00 MiB (2.0% of the
+    1.99 GiB budget)``, negative where the peak passes the budget."""
+    room = budget - peak
+    return (f"{'-' if room < 0 else ''}{format_bytes(abs(room))} ({room / budget:.1%} of the "
+            f"{format_bytes(budget)} budget)")

@@ -124,6 +124,12 @@ _HELP = {
                                "live between updates: auto lets the planner choose, compute "
                                "keeps them on the GPU (or, without --gpu, in RAM), ram in the "
                                "host RAM below --gpu, disk in --disk DIR"),
+    "enforce": (None, "the kernel holds the run to --ram: it moves itself into a memory cgroup "
+                      "(v2's memory.max, else v1's memory.limit_in_bytes; page cache counted, "
+                      "no swap) of --ram above its post-import RSS before the first step; "
+                      "where none can be made, it says why and stops (exit code 2)"),
+    "unenforced_ok": (None, "with --enforce: where no memory cgroup can be made, say why and "
+                            "train on without one"),
     "trace": ("FILE", "write a Chrome-trace JSON of every step (compute, disk reads and "
                       "writes, optimizer, gradient averaging, the RSS as a counter), for "
                       "Perfetto or chrome://tracing; under torchrun rank r > 0 writes "
@@ -164,7 +170,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         metavar, help_text = _HELP[f.name]
         names = (flag_of(f.name), *_ALIASES.get(f.name, ()))
-        if f.name in ("compile", "simulate_gpu", "serial_reads", "allow_other_tokenizer"):
+        if f.name in ("compile", "simulate_gpu", "serial_reads", "allow_other_tokenizer",
+                      "enforce", "unenforced_ok"):
             parser.add_argument(*names, dest=f.name, action="store_true", default=None,
                                 help=help_text)
         elif f.name in _CHOICES:

@@ -102,13 +102,14 @@ def _chain_costs(model: nn.Module, x0: Any, ctx: dict[str, Any], stage_costs: li
                  start: FitStart) -> ChainCosts:
     """The planner's input: the stages' measured costs, the chain's input and context, and
     what is static for the whole step (parameters, the caller's accumulated gradients, the
-    runtime's share, what the caller reserved for its optimizer)."""
+    runtime's share, what the caller reserved for its optimizer, what the process held above
+    the caller's baseline before fit)."""
     param_bytes = sum(p.nbytes for p in model.parameters())
     grads = sum(p.nbytes for p in model.parameters() if p.requires_grad) \
         if request.grads_resident else 0
     extra = {"autocast": start.autocast.describe(), "device": str(start.device),
              "parameters": param_bytes, "gradients": grads, "reserved": request.reserve,
-             "runtime": runtime}
+             "runtime": runtime, "held before fit": start.held_before}
     inputs = [x0] if isinstance(x0, torch.Tensor) else []
     x0_keys = {storage_key(t) for t in inputs}
     context = {storage_key(t): t.untyped_storage().nbytes() for t in context_tensors(ctx)
@@ -116,7 +117,8 @@ def _chain_costs(model: nn.Module, x0: Any, ctx: dict[str, Any], stage_costs: li
     return ChainCosts(stages=tuple(stage_costs),
                       input_bytes=sum(t.untyped_storage().nbytes() for t in inputs),
                       context_bytes=sum(context.values()),
-                      static_bytes=param_bytes + grads + runtime + request.reserve,
+                      static_bytes=param_bytes + grads + runtime + request.reserve
+                      + start.held_before,
                       shared_grad_bytes=shared, grads_resident=request.grads_resident,
                       extra=extra)
 

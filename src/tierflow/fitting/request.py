@@ -31,6 +31,7 @@ class FitRequest:
     max_grad_norm: float | None
     config: FitConfig
     verbose: bool
+    baseline: int | None = None  # the RSS a RAM budget counts from (None: fit's start)
 
     @property
     def deferred(self) -> bool:
@@ -47,7 +48,8 @@ class FitRequest:
 def make_request(*, ram: int | str | None, gpu: int | str | None, planner: str,
                  optimizer: OptimizerFactory | None, disk: str | Path | None,
                  reserve: int | str, grad_accum: int, max_grad_norm: float | None,
-                 config: FitConfig | None, verbose: bool) -> FitRequest:
+                 config: FitConfig | None, verbose: bool,
+                 baseline: int | None = None) -> FitRequest:
     """``fit``'s keyword arguments as a ``FitRequest``; a TierflowError names the first one
     that contradicts itself or another."""
     config = config or FitConfig(planner=planner)
@@ -63,8 +65,11 @@ def make_request(*, ram: int | str | None, gpu: int | str | None, planner: str,
                             "optimizer= too, or clip around your own optimizer as in plain "
                             "PyTorch")
     reserved = parse_bytes(reserve, what="reserve") if reserve else 0
+    if baseline is not None and baseline < 0:
+        raise TierflowError(f"baseline={baseline} is negative: give the process's RSS in bytes "
+                            "(e.g. right after its imports), or None")
     return FitRequest(ram, gpu, optimizer, disk, reserved, grad_accum, max_grad_norm, config,
-                      verbose)
+                      verbose, baseline)
 
 
 def check_model(model: nn.Module, sample: Any) -> None:

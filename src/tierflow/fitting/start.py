@@ -32,7 +32,8 @@ class FitStart:
     where the weights wait (``offloaded``; None: in memory); the bytes of weights above the
     budget the caller held in RAM (``came_in_ram``); whether memory is measured with malloc's
     exact thresholds (``exact_host``: a RAM budget); the meter's reading when fit began
-    (``before``) and the RSS the budget does not cover (``outside_budget``); the caller's
+    (``before``), the RSS the budget does not cover (``outside_budget``) and what the budget
+    covers of the RSS before fit besides the parameters (``held_before``); the caller's
     autocast mode; what fit says (``log``). ``stores``: each lower tier's store, by name."""
 
     device: torch.device
@@ -46,6 +47,7 @@ class FitStart:
     exact_host: bool
     before: int
     outside_budget: int
+    held_before: int
     autocast: AutocastMode
     say: Callable[[str], Any]
     log: list[str] = field(default_factory=list)
@@ -99,9 +101,14 @@ def start_fit(model: nn.Module, sample: Any, request: FitRequest) -> FitStart:
     if device.type == "cpu":
         return_free_memory()  # what malloc cached before fit is not the process's to keep
     before = meter_for(device).current()  # what the first runs leave resident counts from here
-    # the RSS the budget does not cover: the process itself, less the parameters it holds
+    # the RSS the budget does not cover: the process itself, less the parameters it holds, or
+    # the caller's baseline, above which what the process holds is the plan's
+    outside = before - _held(model)
+    if request.baseline is not None and tier == "ram":
+        outside = min(outside, request.baseline)
     return FitStart(device, tier, budget, lower, stores, disk, offloaded, came_in_ram,
-                    exact_host, before, before - _held(model), autocast, say, log)
+                    exact_host, before, outside, before - _held(model) - outside, autocast,
+                    say, log)
 
 
 def _held(model: nn.Module) -> int:

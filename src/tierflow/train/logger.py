@@ -13,7 +13,7 @@ from typing import Any, Iterator, TextIO
 
 from ..errors import TierflowError
 from ..plan.tier_costs import UpdatePass, with_update_pass
-from ..units import format_bytes, format_rate, section
+from ..units import format_bytes, format_margin, format_rate, section
 
 GIB = 2 ** 30
 
@@ -46,6 +46,21 @@ class StepLine:
         if self.gpu_bytes is None:
             return line
         return line + f" | gpu {_used(self.gpu_bytes, self.gpu_budget)}"
+
+
+# a measured peak this close to --ram (a fraction of it) is worth a warning: the plan's
+# prediction has missed by a few MiB between runs (docs/benchmarks.md), which would then pass
+NEAR_BUDGET = 0.02
+
+
+def near_budget(ram_bytes: int | None, budget: int | None) -> str | None:
+    """A warning when the peak RSS above the baseline, ``ram_bytes``, comes within
+    ``NEAR_BUDGET`` of the RAM ``budget`` (None otherwise); the step loop says it once."""
+    if not budget or ram_bytes is None or ram_bytes < budget * (1 - NEAR_BUDGET):
+        return None
+    return (f"[!] the peak RSS, {format_bytes(ram_bytes)} above the baseline, is within "
+            f"{NEAR_BUDGET:.0%} of --ram {format_bytes(budget)} ({ram_bytes / budget:.1%}): "
+            "the plan predicted less; a larger --ram, or --enforce to have the kernel hold it")
 
 
 def _used(nbytes: int | None, budget: int | None) -> str:
@@ -163,7 +178,7 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
     # the plan was made for the budget less what the process held before planning (under
     # --ram: torch's first-use caches, the model's objects): that is not free either
     held = budget - plan.budget if budget and plan.budget is not None else 0
-    free = (f"{format_bytes(budget - held - peak)} of the {format_bytes(budget)} budget"
+    free = (format_margin(peak + held, budget) + " between the predicted peak and the budget"
             + (f" ({format_bytes(held)} is held outside the plan)" if held else "")
             if budget else "- (no --ram budget)")
     seconds = plan.predicted_time * grad_accum
@@ -176,7 +191,7 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
         updates = "optimizer not included"
     step = (f"{seconds * 1e3:.0f} ms ({grad_accum} x {plan.predicted_time * 1e3:.0f} ms "
             f"forward+backward, {updates})")
-    rows += [("free", free), ("strategy", plan.strategy), ("predicted step", step)]
+    rows += [("margin", free), ("strategy", plan.strategy), ("predicted step", step)]
     fields: dict[str, Any] = {k: int(v) for k, v in kinds if k != "optimizer step"}
     fields["optimizer states (reserved)"] = int(reserved)  # master + moments
     fields["optimizer step (reserved)"] = int(step_temporaries)

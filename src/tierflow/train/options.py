@@ -47,6 +47,8 @@ class TrainOptions:
     stream: str = "auto"  # with --disk: stream the weights that must (auto) or all of them
     prefetch: int | None = None  # with --disk: stages read ahead (0: on demand); None: planned
     serial_reads: bool = False  # with --disk: the plan's reads on demand (the overlap ablation)
+    enforce: bool = False  # with --ram: a memory cgroup holds the process to it
+    unenforced_ok: bool = False  # with --enforce: where no cgroup can be made, run on anyway
     host_updates: str = "auto"  # fit's AdamW under --gpu: steps in host RAM (auto/never/all)
     optimizer_states: str = "auto"  # fit's AdamW: the tier of its states (or the planner's)
     seq_len: int = 256
@@ -133,6 +135,14 @@ class TrainOptions:
             parse_bytes(self.ram, what="--ram")
         self._validate_gpu(world_size)
         self._require_bool("serial_reads")
+        self._require_bool("enforce")
+        self._require_bool("unenforced_ok")
+        if self.enforce and (self.ram is None or self.gpu is not None):
+            raise TierflowError("--enforce holds the CPU's --ram budget with a memory cgroup: "
+                                "give --ram SIZE (and no --gpu)")
+        if self.unenforced_ok and not self.enforce:
+            raise TierflowError("--unenforced-ok says what --enforce does where no cgroup can "
+                                "be made: give --enforce too")
         if self.serial_reads and self.disk is None:
             raise TierflowError("--serial-reads runs the disk tier's reads on demand: give "
                                 "--disk DIR too")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .. import api
+from .. import api, enforce
 from ..config import FitConfig
 from ..errors import BudgetError, TierflowError
 from ..models.freeze import tied_frozen
@@ -51,6 +51,7 @@ def fit_config(opts: TrainOptions, tier: ComputeTier) -> FitConfig:
                      stream=opts.stream, prefetch_depth=opts.prefetch,
                      serial_reads=opts.serial_reads, simulated_gpu=tier.simulated,
                      host_updates=opts.host_updates, optimizer_states=opts.optimizer_states,
+                     enforce=opts.enforce, unenforced_ok=opts.unenforced_ok,
                      headroom=RAM_HEADROOM if tier.gpu is None and tier.ram is not None
                      and trainer_steps else 0.0)
 
@@ -123,14 +124,22 @@ class StepPlanner:
                                      grad_accum=opts.grad_accum,
                                      max_grad_norm=opts.clip if opts.clip > 0 else None)
                     self.rounding.reseed(opts.seed)  # the optimizer probe drew from it
+                    self._say_enforcement(fitted)
                     return fitted
-                return api.fit(model, self.sample, **tier.fit_budgets(held),
-                               reserve=self.reserve + self.step_temporaries,
-                               grad_accum=opts.grad_accum,
-                               config=self.config)
+                fitted = api.fit(model, self.sample, **tier.fit_budgets(held),
+                                 reserve=self.reserve + self.step_temporaries,
+                                 grad_accum=opts.grad_accum, config=self.config)
+                self._say_enforcement(fitted)
+                return fitted
         except BudgetError as e:
             error = tier.over_budget(e, held)
             raise (error if owned else tier.suggest_lower_tiers(error)) from None
+
+    def _say_enforcement(self, fitted: Any) -> None:
+        """Print what ``fit`` said of the memory cgroup (--enforce): entered, or why not."""
+        for note in fitted.fit_log:
+            if note.startswith(enforce.NOTE):
+                self.logger.print(note)
 
     def _owned_optimizer(self, params: Any) -> torch.optim.Optimizer:
         """One stage's optimizer, as ``fit`` builds it for the stages it owns."""

@@ -29,7 +29,7 @@ from .codec import capture_rng, restore_rng
 from .data import Batches, eval_batches
 from .device import ComputeTier
 from .guards import Interrupt, traced
-from .logger import StepLine, eval_line
+from .logger import StepLine, eval_line, near_budget
 from .packing import PackedBatches, packed_eval_batches, step_inputs, targets
 from .planning import StepPlanner
 from .roles import fit_owns_optimizer
@@ -60,6 +60,7 @@ class StepLoop:
     # this rank's rows of the train batches: windows, or packed documents (fine-tuning data)
     batches: Batches | PackedBatches = dataclasses.field(init=False)
     flops_per_step: float = dataclasses.field(init=False)  # the model's, of one step's tokens
+    near_budget_said: bool = dataclasses.field(init=False, default=False)  # warned, once
 
     def __post_init__(self) -> None:
         opts = self.run.opts
@@ -246,6 +247,10 @@ class StepLoop:
                               tok_s=tok_s, sol=sol, ram_bytes=max(ram_ranks),
                               budget=tier.rss_budget, gpu_bytes=tier.gpu_peak(),
                               gpu_budget=tier.gpu).text())
+        warning = near_budget(max(ram_ranks), tier.rss_budget)
+        if warning and not self.near_budget_said:  # a peak within NEAR_BUDGET of --ram
+            self.near_budget_said = True
+            logger.print(warning)
         logger.record("train", step=step, total=total, loss=loss, norm=norm, lr=lr,
                       ms=step_s * 1e3, tok_s=tok_s, sol=sol, ram_bytes=max(ram_ranks),
                       ram_bytes_per_rank=ram_ranks, budget=tier.rss_budget,
