@@ -102,6 +102,21 @@ _HELP = {
     "train_only": ("GLOBS", "train only the parameters whose names match one of these "
                             "comma-separated globs, e.g. 'model.layers.21.*,lm_head.*'; every "
                             "other one is frozen (--freeze may then freeze some of them too)"),
+    "lora": ("RANK", "fine-tune LoRA adapters of this rank (peft's, e.g. 16) on the frozen "
+                     "model: only the adapters train (AdamW), the base weights take no gradient "
+                     "and, with --disk, stream from there and are never written back; "
+                     "checkpoints are PEFT adapter directories (adapter_config.json, "
+                     "adapter_model.safetensors) that peft.PeftModel.from_pretrained loads"),
+    "lora_alpha": ("F", "with --lora: the adapters' scale is alpha / rank (default: the rank, "
+                        "a scale of 1)"),
+    "lora_dropout": ("P", "with --lora: dropout on the adapters' input (default 0)"),
+    "lora_targets": ("NAMES", "with --lora: the modules that get adapters, comma-separated "
+                              "names or name suffixes, e.g. 'q_proj,v_proj' (default "
+                              "all-linear: every Linear of the decoder layers, the attention "
+                              "and MLP projections; the LM head never)"),
+    "merge": (None, "with --lora: the run's last checkpoint also holds merged/, the model "
+                    "with the adapters merged into its weights: a Hugging Face checkpoint "
+                    "that AutoModelForCausalLM loads alone (written a tensor at a time)"),
     "tensorboard": ("DIR", "also write TensorBoard event files (loss, grad norm, lr, tok/s, "
                            "RAM, eval loss) to DIR"),
     "stream": (None, "with --disk: auto streams the weights of the fewest stages that make the "
@@ -152,7 +167,8 @@ OWNERSHIP = ("Who steps AdamW: in a run with a disk tier (--disk DIR) tierflow o
 _TYPES = {"seq_len": _int, "batch_size": _int, "grad_accum": _int, "steps": _int,
           "epochs": _float, "lr": _float, "warmup": _int, "min_lr": _float,
           "weight_decay": _float, "clip": _float, "seed": _int, "eval_every": _int,
-          "eval_steps": _int, "save_every": _int, "dist_timeout": _float, "prefetch": _int}
+          "eval_steps": _int, "save_every": _int, "dist_timeout": _float, "prefetch": _int,
+          "lora": _int, "lora_alpha": _float, "lora_dropout": _float}
 
 
 _CHOICES = {**CHOICES, "dtype": DTYPES, "recompute": tuple(RECOMPUTE), "stream": STREAM,
@@ -171,7 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar, help_text = _HELP[f.name]
         names = (flag_of(f.name), *_ALIASES.get(f.name, ()))
         if f.name in ("compile", "simulate_gpu", "serial_reads", "allow_other_tokenizer",
-                      "enforce", "unenforced_ok"):
+                      "enforce", "unenforced_ok", "merge"):
             parser.add_argument(*names, dest=f.name, action="store_true", default=None,
                                 help=help_text)
         elif f.name in _CHOICES:
@@ -222,10 +238,11 @@ def read_toml(path: Path) -> dict[str, Any]:
                     "trace") \
                 and value is not None:
             value = str(value)
-        if name in ("freeze", "train_only") and isinstance(value, list) \
+        if name in ("freeze", "train_only", "lora_targets") and isinstance(value, list) \
                 and all(isinstance(v, str) for v in value):
             value = ",".join(value)  # a TOML list of globs
-        if name in ("epochs", "lr", "min_lr", "weight_decay", "clip", "dist_timeout") \
+        if name in ("epochs", "lr", "min_lr", "weight_decay", "clip", "dist_timeout",
+                    "lora_alpha", "lora_dropout") \
                 and isinstance(value, int) \
                 and not isinstance(value, bool):
             value = float(value)

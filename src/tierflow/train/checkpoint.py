@@ -4,7 +4,10 @@
 
 - ``config.json`` and ``model.safetensors``: what ``save_pretrained`` writes (tied weights
   saved once, under the name the model expects), so ``AutoModelForCausalLM.from_pretrained``
-  and ``tierflow.load_model`` read the directory as it is;
+  and ``tierflow.load_model`` read the directory as it is; a run of LoRA adapters writes
+  ``adapter_config.json`` and ``adapter_model.safetensors`` instead (``adapter_files.py``:
+  what ``PeftModel.save_pretrained`` writes), and with ``--merge`` a ``merged/`` directory of
+  the first kind. ``WeightFiles`` says which files a checkpoint's weights go in;
 - ``tokenizer.json``: a copy of the run's tokenizer, when given, and the files given beside it
   (``tokenizer_config.json`` with the chat template, ``generation_config.json``, ...: the
   model directory's, so that transformers loads the checkpoint as it loaded the model);
@@ -53,6 +56,8 @@ from .codec import (
 )
 
 STATE_FORMAT = "tierflow-trainer-state"
+ADAPTER_CONFIG = "adapter_config.json"  # peft's names for an adapter directory's files
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER_FORMAT = "tierflow-optimizer"
 VERSION = 1
 Materialize = Callable[[str, torch.Tensor], torch.Tensor]
@@ -177,7 +182,7 @@ def model_state_for_saving(model) -> dict[str, torch.Tensor]:
     return state
 
 
-def _config_json(model) -> str:
+def config_json(model) -> str:
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "to_json_string"):
         raise TierflowError(f"cannot checkpoint a {type(model).__name__}: pass the transformers "
@@ -188,6 +193,41 @@ def _config_json(model) -> str:
     if floats:
         config.dtype = str(floats[0]).removeprefix("torch.")
     return config.to_json_string(use_diff=True)
+
+
+@dataclass(frozen=True)
+class TensorFile:
+    """One safetensors file of a checkpoint: its path in the step directory, its tensors by
+    name (meta or emptied ones allowed with ``materialize``, see ``write_safetensors``) and
+    its header's metadata."""
+    path: str
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    materialize: Materialize | None = None
+
+
+@dataclass(frozen=True)
+class WeightFiles:
+    """What a checkpoint's weights are written as: ``texts`` (JSON files by their path in the
+    step directory), ``tensors`` (safetensors files) and ``homes``, the directories (relative
+    to the step directory, "" itself) that each get a copy of the tokenizer's files."""
+    texts: dict[str, str]
+    tensors: tuple[TensorFile, ...]
+    homes: tuple[str, ...] = ("",)
+
+    @classmethod
+    def of_model(cls, model, materialize: Materialize | None = None,
+                 home: str = "") -> WeightFiles:
+        """``model`` as ``save_pretrained`` writes it, in ``home``: config.json and
+        model.safetensors (``materialize`` reads the weights not in memory)."""
+        prefix = f"{home}/" if home else ""
+        return cls({prefix + "config.json": config_json(model)},
+                   (TensorFile(prefix + "model.safetensors", model_state_for_saving(model),
+                               {"format": "pt"}, materialize),), (home,))
+
+    def __add__(self, other: WeightFiles) -> WeightFiles:
+        return WeightFiles({**self.texts, **other.texts}, self.tensors + other.tensors,
+                           self.homes + other.homes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +242,8 @@ def save_checkpoint(out_dir: str | Path, step: int, model, *,
                     materialize_optimizer: Materialize | None = None) -> Path:
     """Write ``out_dir/step_<step>/`` (see the module docstring) and return its path.
 
-    ``optimizer_state`` is a list of torch optimizer ``state_dict()``s (one per stage, None
+    ``model``: the model, or the ``WeightFiles`` to write (``materialize_weights`` is then
+    theirs). ``optimizer_state`` is a list of torch optimizer ``state_dict()``s (one per stage, None
     where a stage has none), or one state dict. ``trainer_state`` is any JSON-like dict
     (tensors allowed): the data position, ``capture_rng()``, the run's ``config_hash``.
     ``materialize_weights`` and ``materialize_optimizer`` read the values of weights and
@@ -219,8 +260,8 @@ def save_checkpoint(out_dir: str | Path, step: int, model, *,
     if isinstance(optimizer_state, dict):
         optimizer_state = [optimizer_state]
     # Everything that can fail without touching the disk is done first.
-    config_text = _config_json(model)
-    model_state = model_state_for_saving(model)
+    weights = model if isinstance(model, WeightFiles) else \
+        WeightFiles.of_model(model, materialize_weights)
     opt_tensors, opt_structure = (flatten_optimizer_states(optimizer_state)
                                   if optimizer_state is not None else ({}, None))
     state_json = json.dumps({"format": STATE_FORMAT, "version": VERSION, "step": step,
@@ -237,16 +278,19 @@ def save_checkpoint(out_dir: str | Path, step: int, model, *,
         if temp.exists():
             shutil.rmtree(temp)
         temp.mkdir()
-        _write_bytes(temp / "config.json", config_text.encode())
-        write_safetensors(temp / "model.safetensors", model_state, {"format": "pt"},
-                          materialize_weights)
+        for home in weights.homes:
+            (temp / home).mkdir(exist_ok=True)
+        for name, text in weights.texts.items():
+            _write_bytes(temp / name, text.encode())
+        for file in weights.tensors:
+            write_safetensors(temp / file.path, file.tensors, file.metadata, file.materialize)
         for source, name in ([(tokenizer_file, "tokenizer.json")] if tokenizer_file else []) \
                 + [(p, Path(p).name) for p in tokenizer_extras]:
-            with open(source, "rb") as src, open(temp / name, "wb") as dst:
-                while chunk := src.read(1 << 20):
-                    _write(dst, chunk)
-                dst.flush()
-                os.fsync(dst.fileno())
+            for home in weights.homes:
+                _copy_file(Path(source), temp / home / name)
+        for home in weights.homes:
+            if home:
+                _fsync_dir(temp / home)
         if opt_structure is not None:
             write_safetensors(temp / "optimizer.safetensors", opt_tensors,
                               {"format": OPTIMIZER_FORMAT, "version": str(VERSION),
@@ -275,6 +319,15 @@ def save_checkpoint(out_dir: str | Path, step: int, model, *,
         raise
     shutil.rmtree(replaced, ignore_errors=True)
     return final
+
+
+def _copy_file(source: Path, target: Path) -> None:
+    """Copy ``source`` to ``target`` through ``_write``, synced."""
+    with open(source, "rb") as src, open(target, "wb") as dst:
+        while chunk := src.read(1 << 20):
+            _write(dst, chunk)
+        dst.flush()
+        os.fsync(dst.fileno())
 
 
 class OptimizerFile:
@@ -330,8 +383,9 @@ class Checkpoint:
     step: int
     trainer_state: dict
     optimizer: OptimizerFile | None
-    config: dict  # config.json
+    config: dict  # config.json (a checkpoint of adapters: adapter_config.json)
     has_tokenizer: bool
+    adapter: bool = False  # LoRA adapters only (adapter_files.py): the base is the run's model
 
     @property
     def optimizer_state(self) -> list[dict | None] | None:
@@ -354,16 +408,22 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise TierflowError(f"{path / STATE_FILE} is not a valid trainer state ({e}): "
                             "resume from an earlier step_N") from None
+    adapter = (path / ADAPTER_CONFIG).is_file()
+    config_file = path / (ADAPTER_CONFIG if adapter else "config.json")
     try:
-        config = json.loads((path / "config.json").read_text())
+        config = json.loads(config_file.read_text())
     except FileNotFoundError:
         raise TierflowError(f"no config.json in {path}: the checkpoint is incomplete; resume "
                             "from an earlier step_N") from None
     except ValueError as e:
-        raise TierflowError(f"{path / 'config.json'} is not valid JSON ({e}): resume from an "
+        raise TierflowError(f"{config_file} is not valid JSON ({e}): resume from an "
                             "earlier step_N") from None
-    from ..models.load import read_safetensors_index
-    read_safetensors_index(path)  # the weights are there and their headers parse
+    if adapter:  # the adapters' file is there and its header parses
+        with _open_safetensors(path / ADAPTER_WEIGHTS):
+            pass
+    else:
+        from ..models.load import read_safetensors_index
+        read_safetensors_index(path)  # the weights are there and their headers parse
     optimizer = None
     opt_file = path / "optimizer.safetensors"
     if opt_file.is_file():
@@ -378,4 +438,4 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
                                     "from an earlier step_N") from None
         optimizer = OptimizerFile(opt_file, structure)
     return Checkpoint(path, step, trainer_state, optimizer, config,
-                      (path / "tokenizer.json").is_file())
+                      (path / "tokenizer.json").is_file(), adapter)

@@ -165,7 +165,7 @@ def _build_and_train(run: Run, site: Site, on_disk: bool, header_shown: bool = F
     already (it still goes to the log)."""
     from .model import build_model, run_identity
 
-    model = build_model(run, site.precision, site.disk if on_disk else None)
+    model, adapters = build_model(run, site.precision, site.disk if on_disk else None)
     if not fit_owns_optimizer(run.opts):  # the trainer steps it: whole on the compute device
         model = site.tier.place_model(model)
     elif site.tier.simulated and not on_disk:
@@ -175,8 +175,8 @@ def _build_and_train(run: Run, site: Site, on_disk: bool, header_shown: bool = F
     # else in host RAM or on disk until fit places it: under a GPU it streams from there
     identity, run_hash = run_identity(run, model, site.precision)
     with Reports.opened(run, site) as reports:
-        return _run(run, site, BuiltModel(model, on_disk, identity, run_hash), reports,
-                    header_shown)
+        return _run(run, site, BuiltModel(model, on_disk, identity, run_hash, adapters),
+                    reports, header_shown)
 
 
 def _run(run: Run, site: Site, built: BuiltModel, reports: Reports, header_shown: bool) -> int:

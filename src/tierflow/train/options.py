@@ -78,6 +78,11 @@ class TrainOptions:
     recompute: str = "auto"
     freeze: str | None = None  # comma-separated parameter-name globs to freeze (freeze.py)
     train_only: str | None = None  # comma-separated globs: every other parameter is frozen
+    lora: int | None = None  # LoRA adapters of this rank on a frozen base (models/lora.py)
+    lora_alpha: float | None = None  # the adapters' scale is alpha / rank; default: the rank
+    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_targets: str | None = None  # comma-separated module names; default all-linear
+    merge: bool = False  # with --lora: also write the base with the adapters merged in
     tensorboard: str | None = None  # a directory for TensorBoard event files
     trace: str | None = None  # a Chrome-trace JSON file of the executed steps
     dist_timeout: float = 300.0  # seconds a rank waits for the others (torchrun runs)
@@ -172,7 +177,39 @@ class TrainOptions:
         self._require_bool("compile")
         for name in ("freeze", "train_only"):
             split_patterns(flag_of(name), getattr(self, name))
+        self._check_lora()
         return self
+
+    def _check_lora(self) -> None:
+        """``--lora RANK`` and its options (``models/lora.py``); a target that names no module
+        of the model is refused once the model's structure is known."""
+        from ..models.lora import split_targets
+        self._require_bool("merge")
+        if self.lora is None:
+            given = [flag_of(n) for n in ("lora_alpha", "lora_targets") if getattr(self, n)
+                     is not None] + (["--lora-dropout"] if self.lora_dropout else []) + \
+                (["--merge"] if self.merge else [])
+            if given:
+                raise TierflowError(f"{given[0]} sets up LoRA adapters: give --lora RANK too "
+                                    "(e.g. --lora 16)")
+            return
+        if isinstance(self.lora, bool) or not isinstance(self.lora, int) or self.lora < 1:
+            raise TierflowError(f"--lora {self.lora!r} is not a rank: give a whole number of "
+                                "at least 1, e.g. --lora 16")
+        _check_float("lora_alpha", self.lora_alpha, positive=True)
+        _check_float("lora_dropout", self.lora_dropout, positive=False)
+        if self.lora_dropout >= 1:
+            raise TierflowError(f"--lora-dropout {self.lora_dropout} must be below 1: give a "
+                                "probability such as 0.05 (0: none)")
+        split_targets(self.lora_targets)
+        import importlib.util
+        if importlib.util.find_spec("peft") is None:
+            raise TierflowError("--lora injects peft's adapters, and peft is not installed: "
+                                "pip install 'tierflow[lora]' (or peft)")
+        for name in ("freeze", "train_only"):
+            if getattr(self, name) is not None:
+                raise TierflowError(f"--lora trains its adapters and freezes every weight of "
+                                    f"the model: drop {flag_of(name)}")
 
     def _require_bool(self, name: str) -> None:
         """A flag's value from a config file must be true or false (argparse gives bools)."""

@@ -5,8 +5,8 @@ lists of parameters. ``loop.py`` makes each once, in this order, and none is rep
   resumes, the data, where it writes and its ``Schedule``;
 - ``Site``: where it computes: the compute tier, the ranks under torchrun, the RSS baseline,
   the precision and the disk tier's directory;
-- ``BuiltModel``: the model as built, whether on the disk tier, and the identity a
-  checkpoint of the run carries;
+- ``BuiltModel``: the model as built, whether on the disk tier, the identity a checkpoint
+  of the run carries and, under ``--lora``, peft's wrapper of its adapters;
 - ``Reports``: where it reports: the printed lines with the JSON log, and TensorBoard.
 
 A GPU out-of-memory error re-plans the step under a smaller budget; that tier is the step
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from .schedule import lr_at
 
 if TYPE_CHECKING:
+    from peft import PeftModel
     from torch import nn
 
     from ..distributed import World
@@ -119,11 +120,14 @@ class Site:
 class BuiltModel:
     """The model a run trains, in training mode with its precision applied, built onto the
     disk tier (``on_disk``: it carries that tier with it) or in memory; ``identity`` is what
-    decides its sequence of losses and ``run_hash`` its hash (``model.run_identity``)."""
+    decides its sequence of losses and ``run_hash`` its hash (``model.run_identity``).
+    ``adapters``: under ``--lora``, the ``PeftModel`` around ``model`` (whose adapters were
+    injected in place): checkpoints are its adapter directory (``adapter_files.py``)."""
     model: nn.Module
     on_disk: bool
     identity: dict[str, Any]
     run_hash: str
+    adapters: PeftModel | None = None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from ..profile.machine import maxrss_bytes
 from ..seeding import derived_seed
 from ..units import format_bytes
 from . import checkpoint
+from .adapter_files import Current, adapter_weights, merged_weights
 from .checkpoint_dirs import latest_checkpoint
 from .codec import capture_rng, restore_rng
 from .data import Batches, eval_batches
@@ -293,10 +294,12 @@ class StepLoop:
     def _save(self, step: int) -> Path:
         """Checkpoint ``step`` (rank 0 writes; every rank gathers its optimizer shard). The
         weights and states of an optimizer that fit owns are read from their tiers as they
-        are written, stage by stage."""
+        are written, stage by stage. A run of adapters writes their adapter directory (and,
+        at its last step under ``--merge``, the merged model): ``_weights``."""
         run, optimizer, model = self.run, self.optimizer, self.built.model
         main = self.site.is_main
         streamed = fit_owns_optimizer(run.opts)
+        current = lambda t: t  # noqa: E731 (every weight in memory)
         if streamed:
             if not main:  # replicas: rank 0's weights and states are every rank's
                 return run.out / f"step_{step}"
@@ -304,9 +307,10 @@ class StepLoop:
             optimizer.settle()
             offloaded = offloaded_parameters(model)
             optimizer_state = optimizer.skeleton()
+            if offloaded is not None:
+                current = lambda t: offloaded.current_copy(t) if t in offloaded else t  # noqa: E731
             stream = {"materialize_optimizer": optimizer.materialize,
-                      "materialize_weights": lambda name, t: offloaded.current_copy(t)
-                      if t in offloaded else t}
+                      "materialize_weights": lambda name, t: current(t)}
         else:
             optimizer_state = optimizer.state_dict()  # gathered on rank 0 (every rank calls it)
             stream = {}
@@ -315,8 +319,8 @@ class StepLoop:
         tokenizer_file, extras = travelling_files(run.opts.model, run.data)
         try:
             path = checkpoint.save_checkpoint(
-                run.out, step, model, tokenizer_file=tokenizer_file, tokenizer_extras=extras,
-                optimizer_state=[optimizer_state], **stream,
+                run.out, step, self._weights(step, current), tokenizer_file=tokenizer_file,
+                tokenizer_extras=extras, optimizer_state=[optimizer_state], **stream,
                 trainer_state={"step": step, "data": self.batches.state(), "rng": capture_rng(),
                                "identity": self.built.identity,
                                "config_hash": self.built.run_hash,
@@ -327,3 +331,14 @@ class StepLoop:
                 optimizer.finished_writing()  # drop the last stage's states read for it
         self.reports.logger.record("checkpoint", step=step, path=str(path))
         return path
+
+    def _weights(self, step: int, current: Current) -> Any:
+        """What ``save_checkpoint`` writes as the weights of step ``step``: the model, or a
+        run of adapters' ``WeightFiles`` (``current`` reads a tensor's values now)."""
+        adapters, opts = self.built.adapters, self.run.opts
+        if adapters is None:
+            return self.built.model
+        files = adapter_weights(adapters, opts.model, current)
+        if opts.merge and step == self.run.schedule.total:
+            files = files + merged_weights(adapters, current)
+        return files
