@@ -63,10 +63,8 @@ def build_model(run: Run, precision: PrecisionConfig,
     opts, ckpt, data = run.opts, run.ckpt, run.data
     spec = opts.model
     on_disk = dict(disk=disk, disk_dtype=parameter_dtype(precision)) if disk is not None else {}
-    if ckpt is not None and ckpt.adapter:  # only the adapters were saved: the run's base
-        ckpt_base = None
-    else:
-        ckpt_base = ckpt
+    # a checkpoint of adapters holds only them: the base is the run's --model again
+    ckpt_base = ckpt if ckpt is not None and not ckpt.adapter else None
     if ckpt_base is not None:
         model = load_model(ckpt_base.path, dtype=torch.float32, **on_disk)
     elif spec in PRESETS:
@@ -82,7 +80,7 @@ def build_model(run: Run, precision: PrecisionConfig,
     lora = lora_spec(opts)
     if lora is not None:
         adapters = add_adapters(model, lora, opts.seed)
-        if ckpt is not None:
+        if ckpt is not None and ckpt.adapter:  # else run_identity refuses the checkpoint
             from .adapter_files import load_adapter_weights
             load_adapter_weights(adapters, ckpt.path)
     apply_precision(model, precision)
