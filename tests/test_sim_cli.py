@@ -34,8 +34,8 @@ def test_plan_json(capsys):
 
 
 @pytest.mark.parametrize("args, fragments", [
-    (["--gpu", "8", "--ram", "16", "--seq-len", "4096"],
-     ["nothing fits gpu 8.00 GiB, ram 16.00 GiB", "needs at least"]),
+    (["--model", "qwen2.5-0.5b", "--gpu", "1", "--ram", "2", "--seq-len", "4096"],  # fast
+     ["nothing fits gpu 1.00 GiB, ram 2.00 GiB", "needs at least"]),
     (["--gpu", "lots", "--seq-len", "4096"], ["--gpu", "GiB"]),
     (["--seq-len", "0"], ["--seq-len", "at least 1"]),
     (["--seq-len", "4096", "--matmul-dtype", "fp8", "--hardware", "a100-80gb"],

@@ -5,6 +5,8 @@ sweep share)."""
 from __future__ import annotations
 
 import argparse
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Any
 
@@ -54,20 +56,23 @@ def run(args: argparse.Namespace) -> int:
 SHORTER_SEQUENCES = 3  # halvings of --seq-len tried when nothing fits
 
 
+def _tok_s(setup: Any) -> float | None:
+    """The predicted tok/s of ``setup``, or None where nothing fits (in a worker process)."""
+    from ..sim.predict import predict
+    try:
+        return predict(setup, smallest_budgets=False).tokens_per_second
+    except (BudgetError, TierflowError):
+        return None
+
+
 def changes_that_fit(setup: Any) -> str:
     """The cheapest changes to ``setup`` (a ``sim.setup.Setup`` that nothing fits) under
     which a plan fits, each with its predicted tok/s, in words: the precision that needs the
     fewest bytes short of int8 moments (``--master none --optim-dtype bf16``), a disk tier,
     both, and the longest shorter sequence (halvings) that fits. Each is one more search of
-    the trainer's planner (``sim/tiered.py``), without the smallest budgets."""
+    the trainer's planner (``sim/tiered.py``), without the smallest budgets, the searches in
+    parallel processes."""
     from ..precision.config import PrecisionConfig
-    from ..sim.predict import predict
-
-    def tok_s(candidate: Any) -> float | None:
-        try:
-            return predict(candidate, smallest_budgets=False).tokens_per_second
-        except (BudgetError, TierflowError):
-            return None
 
     prec = setup.run_precision
     lean = PrecisionConfig("bf16", "none", "bf16", prec.matmul_dtype, prec.fp8_grad)
@@ -86,22 +91,22 @@ def changes_that_fit(setup: Any) -> str:
         if lean_flags:
             options.append((f"{lean_flags} --disk DIR", replace(setup, precision=lean,
                                                                  disk=True)))
+    shorter = [setup.seq >> k for k in range(1, SHORTER_SEQUENCES + 1) if setup.seq >> k]
+    options += [(f"--seq-len {seq}", replace(setup, seq=seq)) for seq in shorter]
+    with ProcessPoolExecutor(max_workers=min(len(options), os.cpu_count() or 1)) as pool:
+        rates = dict(zip((flags for flags, _ in options),
+                         pool.map(_tok_s, (candidate for _, candidate in options))))
     fits = []
-    for flags, candidate in options:
+    for flags, _ in options:
+        if flags.startswith("--seq-len"):
+            continue
         if any(flags.startswith(done) or flags.endswith(done) for done, _ in fits):
             continue  # a cheaper change in it already fits
-        rate = tok_s(candidate)
-        if rate is not None:
-            fits.append((flags, rate))
-    seq = setup.seq
-    for _ in range(SHORTER_SEQUENCES):
-        seq //= 2
-        if seq < 1:
-            break
-        rate = tok_s(replace(setup, seq=seq))
-        if rate is not None:
-            fits.append((f"--seq-len {seq}", rate))
-            break
+        if rates[flags] is not None:
+            fits.append((flags, rates[flags]))
+    fits += [(f"--seq-len {seq}", rates[f"--seq-len {seq}"]) for seq in shorter
+             if rates[f"--seq-len {seq}"] is not None][:1]  # the longest that fits
+    seq = shorter[-1] if shorter else setup.seq
     if not fits:
         return ("neither bf16 weights and moments without a master copy, a disk tier nor a "
                 f"sequence down to {max(seq, 1)} tokens fits either")

@@ -32,6 +32,8 @@ splits and all m at once.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -199,8 +201,28 @@ def _check_chain(costs: ChainCosts) -> None:
                              f"skip its input gradient")
 
 
+_LEAST_MEMORY: OrderedDict[str, tuple[int, float, tuple[Op, ...]]] = OrderedDict()
+LEAST_MEMORY_KEPT = 256  # chains whose least-memory schedule is remembered, the latest
+
+
 def _min_memory(costs: ChainCosts) -> tuple[int, float, list[Op]]:
-    """(smallest budget, its time, its ops): a least-memory rotor schedule, in exact bytes."""
+    """(smallest budget, its time, its ops): a least-memory rotor schedule, in exact bytes.
+    Remembered per chain: a search asks it of the same costs for each plan and each
+    smallest budget (the costs' notes and bandwidths do not enter it)."""
+    key = repr(replace(costs, extra={}, bandwidths={}))
+    if key in _LEAST_MEMORY:
+        _LEAST_MEMORY.move_to_end(key)
+        need, seconds, ops = _LEAST_MEMORY[key]
+        return need, seconds, list(ops)
+    found = _least_memory(costs)
+    _LEAST_MEMORY[key] = (found[0], found[1], tuple(found[2]))
+    if len(_LEAST_MEMORY) > LEAST_MEMORY_KEPT:
+        _LEAST_MEMORY.popitem(last=False)
+    return found
+
+
+def _least_memory(costs: ChainCosts) -> tuple[int, float, list[Op]]:
+    """``_min_memory`` computed."""
     model = SegmentNeeds(costs, unit=1)
     best, choice = _min_memory_table(model)
     last = model.length - 1
