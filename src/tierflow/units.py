@@ -87,3 +87,28 @@ def format_margin(peak: int, budget: int) -> str:
     room = budget - peak
     return (f"{'-' if room < 0 else ''}{format_bytes(abs(room))} ({room / budget:.1%} of the "
             f"{format_bytes(budget)} budget)")
+
+
+LARGEST_BARE_GIB = 2**20  # from here on a bare number is bytes that lost their unit
+
+
+def size_with_unit(text: str, flag: str) -> str:
+    """A memory size as every command reads it: a bare number is GiB and gets its unit
+    (``"64"`` is ``"64GiB"``), a byte string is kept; ValueError naming ``flag``, the value
+    and the fix when it is no positive size or a bare number of ``LARGEST_BARE_GIB`` or more
+    (read as GiB, more memory than a machine has: a count of bytes without its unit)."""
+    text = str(text).strip()
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number):  # a byte string (or no size: parse_bytes says what to write)
+        parse_bytes(text, what=flag)
+        return text
+    if number >= LARGEST_BARE_GIB:
+        raise ValueError(f"{flag} {text}: a bare number is GiB and must be below "
+                         f"{LARGEST_BARE_GIB}; for {format_bytes(number)} write {text}B, "
+                         "or a size with its unit like 4GiB")
+    if not number > 0:
+        raise ValueError(f"{flag} {text!r} must be a positive size, e.g. '2GiB'")
+    return f"{text}GiB"

@@ -9,16 +9,14 @@ more memory than a machine has, so it is a count of bytes written without its un
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from ..errors import TierflowError
-from ..units import format_bytes, parse_bytes
+from ..units import parse_bytes, size_with_unit
 
 PROG = "tierflow"
-LARGEST_BARE_GIB = 2**20  # from here on a bare number is bytes that lost their unit
 
 
 class Parser(argparse.ArgumentParser):
@@ -35,24 +33,12 @@ def fail(message: str) -> NoReturn:
 
 
 def memory_size(text: str, flag: str) -> str:
-    """``text`` as the library reads a size: a bare number of GiB gets its unit (``"64"`` is
-    ``"64GiB"``), a byte string is kept; a TierflowError naming ``flag``, the value and the fix
-    when it is no positive size or a bare number of ``LARGEST_BARE_GIB`` or more."""
-    text = str(text).strip()
+    """``text`` as the library reads a size (``units.size_with_unit``: a bare number is GiB);
+    a TierflowError naming ``flag``, the value and the fix when it is none."""
     try:
-        number = float(text)
-    except ValueError:
-        number = math.nan
-    if not math.isfinite(number):  # a byte string (or no size: parse_bytes says what to write)
-        parse_bytes(text, what=flag)
-        return text
-    if number >= LARGEST_BARE_GIB:
-        raise TierflowError(f"{flag} {text}: a bare number is GiB and must be below "
-                            f"{LARGEST_BARE_GIB}; for {format_bytes(number)} write {text}B, "
-                            "or a size with its unit like 4GiB")
-    if not number > 0:
-        raise TierflowError(f"{flag} {text!r} must be a positive size, e.g. '2GiB'")
-    return f"{text}GiB"
+        return size_with_unit(text, flag)
+    except ValueError as e:
+        raise TierflowError(str(e)) from None
 
 
 def memory_bytes(text: str, flag: str) -> int:

@@ -18,30 +18,20 @@ from ..precision.config import (
     OPTIM_DTYPES,
     PrecisionConfig,
 )
-from ..units import parse_bytes
+from ..units import parse_bytes, size_with_unit
 from .calibrate import hardware
 from .hardware import NAMES, Hardware
 from .setup import Setup, default_precision
 from .shapes import ModelShape
 
-GIB = 2 ** 30
-
 
 def memory_size(text: str, flag: str) -> int:
-    """Bytes of ``text``: a bare number is GiB, else a byte string; one-line error if bad."""
+    """Bytes of ``text`` (``units.size_with_unit``: a bare number is GiB); one-line error if
+    bad."""
     try:
-        return int(float(text) * GIB) if _is_number(text) and float(text) > 0 else \
-            parse_bytes(text, what=flag)
+        return parse_bytes(size_with_unit(text, flag), what=flag)
     except ValueError as e:
-        raise TierflowError(f"{e}; a bare number means GiB, e.g. {flag} 24") from None
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
+        raise TierflowError(str(e)) from None
 
 
 def positive_list(text: str, flag: str, *, example: str = "4096,16384") -> list[int]:
