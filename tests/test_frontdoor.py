@@ -127,8 +127,11 @@ def _commands(blocks: list[str]) -> list[list[str]]:
             if line.strip().startswith("tierflow ")]
 
 
-def _tiny(argv: list[str], env: dict, corpus: Path, disk: Path) -> list[str]:
-    """A journey's command on the tiny model: same flags, tiny values."""
+def _tiny(argv: list[str], env: dict, corpus: Path, disk: Path, seq_len: str = "32",
+          instruct: Path | None = None) -> list[str]:
+    """A journey's command on the tiny model: same flags, tiny values (``seq_len`` for the
+    trainer's and the tokenizer's sequences, ``instruct``: the tiny model directory with a
+    chat template that stands for MODEL_DIR)."""
     command, out, i = argv[1], [argv[1]], 2
     while i < len(argv):
         arg = argv[i]
@@ -138,12 +141,17 @@ def _tiny(argv: list[str], env: dict, corpus: Path, disk: Path) -> list[str]:
             out.append(str(corpus) if arg == "my_docs/" else arg)
             i += 1
             continue
-        if arg == "--model":
-            value = ("llama-20m" if command == "plan" else
+        planning = command in ("plan", "sweep")
+        if value == "MODEL_DIR":
+            value = str(instruct)
+        elif arg == "--model":
+            value = ("llama-20m" if planning else
                      env["model"] if not value.startswith("runs/") else
                      re.sub(r"step_\d+", "step_2", value))
         elif arg == "--seq-len":
-            value = "256" if command == "plan" else "32"
+            value = "256" if planning else seq_len
+        elif planning and arg in ("--gpu", "--ram"):
+            value = ",".join(value.split(",")[:2])  # a sweep's lists: their first two
         elif arg == "--steps":
             value = "2"
         elif arg == "--batch-size":
@@ -160,6 +168,7 @@ def _tiny(argv: list[str], env: dict, corpus: Path, disk: Path) -> list[str]:
         i += 2
     if command == "train":
         out += ["--eval-every", "0", "--dtype", "fp32"]
+        out += [] if "--steps" in out else ["--steps", "2"]
         out += [] if "--seq-len" in out else ["--seq-len", "32", "--batch-size", "2"]
         if "--gpu" in out and not torch.cuda.is_available():
             out.append("--simulate-gpu")
@@ -184,6 +193,41 @@ def test_readme_journeys_run_on_a_tiny_model(tmp_path, train_env, monkeypatch, c
         code, out, err = run_main(*tiny, capsys=capsys)
         assert code in (0, None), f"tierflow {' '.join(tiny)}: {err[-2000:]}"
     assert (tmp_path / "runs" / "tuned" / "step_2").is_dir()
+
+
+GUIDES = ("guide/larger-than-ram.md", "guide/fine-tune.md", "guide/one-gpu.md",
+          "finetuning.md")  # in this order: a later guide trains on an earlier one's run
+
+
+def test_the_guides_commands_run_on_a_tiny_model(tmp_path, train_env, monkeypatch, capsys):
+    """Every ``tierflow`` command of the guides, in order, on the tiny model (the torchrun
+    line of the multi-worker guide is the README's, which tests/test_torchrun_flags.py runs
+    under torchrun)."""
+    from sft_support import chat_model_dir, chats, pairs, write_jsonl, write_parquet
+
+    corpus = tmp_path / "my_docs"
+    corpus.mkdir()
+    for name in ("textwrap.py", "bisect.py", "colorsys.py", "heapq.py"):
+        (corpus / f"{name}.txt").write_text((Path(os.__file__).parent / name).read_text())
+    write_jsonl(tmp_path / "notes.jsonl", [{"text": (Path(os.__file__).parent / "glob.py")
+                                            .read_text()}])
+    write_jsonl(tmp_path / "chats.jsonl", chats())
+    write_parquet(tmp_path / "pairs.parquet", pairs())
+    instruct = chat_model_dir(tmp_path / "instruct")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    monkeypatch.chdir(tmp_path)
+    ran = []
+    for guide in GUIDES:
+        blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / guide).read_text(), re.S)
+        for argv in _commands(blocks):
+            seq_len = "256" if "MODEL_DIR" in argv else "32"  # whole chats in a row
+            tiny = _tiny(argv, train_env, corpus, disk, seq_len, instruct)
+            code, out, err = run_main(*tiny, capsys=capsys)
+            assert code in (0, None), f"{guide}: tierflow {' '.join(tiny)}: {err[-2000:]}"
+            ran.append(f"{guide}: {argv[1]}")
+    assert len(ran) >= 14, ran
+    assert (tmp_path / "runs" / "lora" / "step_2" / "merged").is_dir()
 
 
 def test_plan_refusal_names_the_changes_that_fit(capsys):
