@@ -28,6 +28,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -70,6 +71,7 @@ def train(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
            "--ram", ram, "--disk", str(disk), "--out", str(work / "out"), "--log", str(log)]
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    shutil.rmtree(work / "out", ignore_errors=True)  # a W2 checkpoint is 13 GB: one at a time
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
     records: dict[str, list[dict]] = {}
