@@ -4,6 +4,7 @@ train` from each source tree, each configuration in a fresh process, the two tre
 alternating, so that both see the same machine.
 
     ./run python benchmarks/against_base.py --base REF [--only w1,w2] [--steps 3] [--tag TAG]
+        [--w2-budgets 2GiB,4GiB,8GiB]
 
 REF's source is checked out into a temporary git worktree. Configurations:
 - W1: llama-134m, seq 1024, batch 4, bf16 autocast, under `--ram` of 25, 50 and 100% of the
@@ -71,7 +72,9 @@ def train(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
            "--ram", ram, "--disk", str(disk), "--out", str(work / "out"), "--log", str(log)]
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    shutil.rmtree(work / "out", ignore_errors=True)  # a W2 checkpoint is 13 GB: one at a time
+    # a W2 checkpoint and a W2 disk tier are 13 GB each: one run's at a time
+    shutil.rmtree(work / "out", ignore_errors=True)
+    shutil.rmtree(disk, ignore_errors=True)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
     records: dict[str, list[dict]] = {}
@@ -92,6 +95,7 @@ def train(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
 
 def predicted_decisions(tree: Path, model: str, batch: int, ram: str, disk: Path) -> dict:
     """What `tierflow plan --hardware cpu --json` of ``tree`` decides for the same run."""
+    disk.mkdir(parents=True, exist_ok=True)  # the run's own was removed after it
     cmd = [sys.executable, "-m", "tierflow", "plan", "--model", model, "--hardware", "cpu",
            "--ram", ram, "--disk", str(disk), "--seq-len", "1024", "--batch-size", str(batch),
            "--matmul-dtype", "bf16", "--json"]
@@ -109,6 +113,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the git ref to compare with")
     parser.add_argument("--only", default="w1,w2")
+    parser.add_argument("--w2-budgets", default="2GiB,4GiB,8GiB",
+                        help="W2's --ram values, comma-separated")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
@@ -128,7 +134,7 @@ def main() -> None:
                             for share in (25, 50, 100)]
             if "w2" in args.only:
                 configs += [("W2", "tinyllama-1.1b", 2, ram, ram)
-                            for ram in ("2GiB", "4GiB", "8GiB")]
+                            for ram in args.w2_budgets.split(",")]
             rows = []
             for workload, model, batch, label, ram in configs:
                 row = {"workload": workload, "budget": label, "ram": ram}
