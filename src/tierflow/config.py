@@ -47,33 +47,19 @@ class FitConfig:
     unenforced_ok: bool = False
 
     def __post_init__(self) -> None:
-        if self.planner not in PLANNERS:
-            raise ValueError(f"planner {self.planner!r} is unknown: use one of "
-                             f"{', '.join(PLANNERS)}")
+        for name, allowed in (("planner", PLANNERS), ("stream", STREAMING),
+                              ("offload_tapes", STREAMING), ("stash_boundaries", STREAMING),
+                              ("host_updates", STREAMING), ("selective", STREAMING),
+                              ("optimizer_states", STATES_TIERS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} {getattr(self, name)!r} is unknown: use one of "
+                                 f"{', '.join(allowed)}")
         if self.rotor_slots < 10:
             raise ValueError(f"rotor_slots={self.rotor_slots} is too coarse: use at least 10")
         if self.profile_repeats < 1:
             raise ValueError(f"profile_repeats={self.profile_repeats} must be at least 1")
         if self.head_chunk_tokens is not None and self.head_chunk_tokens < 1:
             raise ValueError(f"head_chunk_tokens={self.head_chunk_tokens} must be at least 1")
-        if self.stream not in STREAMING:
-            raise ValueError(f"stream {self.stream!r} is unknown: use one of "
-                             f"{', '.join(STREAMING)}")
-        if self.offload_tapes not in STREAMING:
-            raise ValueError(f"offload_tapes {self.offload_tapes!r} is unknown: use one of "
-                             f"{', '.join(STREAMING)}")
-        if self.stash_boundaries not in STREAMING:
-            raise ValueError(f"stash_boundaries {self.stash_boundaries!r} is unknown: use one "
-                             f"of {', '.join(STREAMING)}")
-        if self.host_updates not in STREAMING:
-            raise ValueError(f"host_updates {self.host_updates!r} is unknown: use one of "
-                             f"{', '.join(STREAMING)}")
-        if self.selective not in STREAMING:
-            raise ValueError(f"selective {self.selective!r} is unknown: use one of "
-                             f"{', '.join(STREAMING)}")
-        if self.optimizer_states not in STATES_TIERS:
-            raise ValueError(f"optimizer_states {self.optimizer_states!r} is unknown: use one "
-                             f"of {', '.join(STATES_TIERS)}")
         if self.optimizer_states == "compute" and self.stream == "all":
             raise ValueError("stream='all' keeps the optimizer states below the compute tier, "
                              "beside the streamed weights: optimizer_states='compute' "
