@@ -216,6 +216,15 @@ def _empty(ax: Any, message: str) -> None:
     ax.text(0.5, 0.5, message, ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
+def _label(ax: Any, title: str | None, xlabel: str, ylabel: str) -> None:
+    """A panel's title (None: set elsewhere), axis labels and light grid."""
+    if title is not None:
+        ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
 def _loss_panel(ax: Any, log: RunLog, x: str, xlabel: str) -> None:
     tx, ty = _series(log.train, "loss", x)
     ex, ey = _series(log.eval, "loss", x)
@@ -226,9 +235,7 @@ def _loss_panel(ax: Any, log: RunLog, x: str, xlabel: str) -> None:
     if ex:
         ax.plot(ex, ey, color="tab:orange", marker="o", markersize=4, linewidth=1.5,
                 label="eval loss")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
+    _label(ax, None, xlabel, "loss (nats/token)")
     if tx or ex:
         ax.legend()
 
@@ -277,10 +284,7 @@ def figure(log: RunLog) -> Figure:
         speed.set_ylim(bottom=0)
     else:
         _empty(speed, "no tok_s in the log")
-    speed.set_title("throughput")
-    speed.set_xlabel("step")
-    speed.set_ylabel("throughput (tokens/s)")
-    speed.grid(alpha=0.3)
+    _label(speed, "throughput", "step", "throughput (tokens/s)")
 
     tiers = sorted({t for r in log.train for t in r["mem"]})
     predicted = log.predicted_peak if "ram" in tiers else None
@@ -305,10 +309,7 @@ def figure(log: RunLog) -> Figure:
         memory.set_ylim(bottom=0)
     else:
         _empty(memory, "no memory fields in the log")
-    memory.set_title("memory per tier")
-    memory.set_xlabel("step")
-    memory.set_ylabel(f"memory ({unit})")
-    memory.grid(alpha=0.3)
+    _label(memory, "memory per tier", "step", f"memory ({unit})")
     return fig
 
 
