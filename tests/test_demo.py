@@ -66,3 +66,36 @@ def test_demo_bad_flags_are_one_line(tmp_path):
     proc = run_demo("--ram", "lots", timeout=60)
     assert proc.returncode == 2 and proc.stderr.startswith("tierflow: error: ")
     assert len(proc.stderr.strip().splitlines()) == 1 and "--ram" in proc.stderr
+
+
+def test_demo_sft_quick_tunes_on_docstring_answers_then_evals_and_chats(tmp_path, capsys):
+    """``demo --sft``: docstring Q&A as chat records, a model directory whose tokenizer has a
+    chat template, the answers alone as targets, the held-out answers' loss before and after
+    (tierflow eval's function), and greedy ``--chat`` replies (a few steps: the flow, not the
+    quality)."""
+    from cli_support import run_main
+    from tierflow.data.stdlib_qa import first_sentence
+    from tierflow.data.tokenfile import TokenFile
+
+    out = tmp_path / "sft"
+    code, text, err = run_main("demo", "--sft", "--quick", "--steps", "6", "--out", str(out),
+                               capsys=capsys)
+    assert code == 0, text[-3000:] + err[-3000:]
+    for number in range(1, 6):
+        assert f"=== [{number}/5]" in text, text
+    records = [json.loads(line) for line in (out / "qa.jsonl").read_text().splitlines()]
+    assert len(records) > 300
+    assert {"role": "user", "content": "What does json.dumps do?"} in records[1]["messages"]
+    config = json.loads((out / "step_6" / "tokenizer_config.json").read_text())
+    assert config["chat_template"] and config["eos_token"] == "<|im_end|>"
+    tokens = TokenFile.open(out / "data" / "train.bin")
+    assert tokens.mask is not None and 0 < tokens.mask.sum() < 0.8 * len(tokens)  # answers
+    before, after = (float(line.split("loss ")[1].split()[0]) for line in text.splitlines()
+                     if line.startswith(("before: ", "after:  ")))
+    assert after < before
+    sample = (out / "sample.txt").read_text()
+    assert sample.count("> What does ") == sample.count("[generate] ") >= 2
+    assert "<|im" not in sample and "(held out)" in sample
+    assert first_sentence("f(x) -> y\n\nReturns y.") is None
+    assert first_sentence("Return the sum of\n  the values.  More text.") == \
+        "Return the sum of the values."

@@ -221,7 +221,8 @@ def test_the_guides_commands_run_on_a_tiny_model(tmp_path, train_env, monkeypatc
     for guide in GUIDES:
         blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "docs" / guide).read_text(), re.S)
         for argv in _commands(blocks):
-            seq_len = "256" if "MODEL_DIR" in argv else "32"  # whole chats in a row
+            # whole chats in a row: the fine-tune's commands and those reading its data
+            seq_len = "256" if "MODEL_DIR" in argv or any("sft" in a for a in argv) else "32"
             tiny = _tiny(argv, train_env, corpus, disk, seq_len, instruct)
             code, out, err = run_main(*tiny, capsys=capsys)
             assert code in (0, None), f"{guide}: tierflow {' '.join(tiny)}: {err[-2000:]}"

@@ -195,6 +195,70 @@ def test_cli_generate_missing_model_and_tokenizer(capsys, tmp_path):
                    "no tokenizer.json", "--tokenizer")
 
 
+# ---------------------------------------------------------------- generate --chat
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    from sft_support import chat_model_dir
+    return chat_model_dir(tmp_path_factory.mktemp("chat") / "model")
+
+
+def test_cli_chat_renders_the_template_and_prints_only_the_reply(chat_dir, capsys,
+                                                                  monkeypatch):
+    """``--chat``: the prompt is a user message rendered by the model directory's chat
+    template with its generation prompt (the ids the model gets), generation ends at the
+    template's end token <|im_end|>, and only the reply is printed, its end token not. The
+    model's next tokens are forced by a hook on its LM head: two words, then <|im_end|>."""
+    import tierflow.load
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+    tok = Tokenizer.from_file(str(chat_dir / "tokenizer.json"))
+    reply_ids = tok.encode(" wrapped text").ids
+    end = tok.token_to_id("<|im_end|>")
+    forced, seen = [*reply_ids, end, *reply_ids], []
+    real_load = tierflow.load.load_model
+
+    def load_forcing(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        model.register_forward_pre_hook(
+            lambda _m, _a, kw: seen.append(kw["input_ids"][0].tolist()), with_kwargs=True)
+
+        def force(_module, _inputs, logits):
+            logits = torch.zeros_like(logits)
+            logits[..., forced[len(seen) - 1]] = 1.0
+            return logits
+        model.lm_head.register_forward_hook(force)
+        return model
+    monkeypatch.setattr(tierflow.load, "load_model", load_forcing)
+    assert main(["generate", "--model", str(chat_dir), "--chat", "--prompt", "wrap this",
+                 "--temperature", "0", "--dtype", "fp32", "--max-new-tokens", "10"]) == 0
+    out = capsys.readouterr().out
+    rendered = AutoTokenizer.from_pretrained(chat_dir).apply_chat_template(
+        [{"role": "user", "content": "wrap this"}], tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n")
+    assert seen[0] == tok.encode(rendered, add_special_tokens=False).ids
+    reply, summary = out.split("\n[generate] ")
+    assert reply == " wrapped text"  # no prompt, no <|im_end|>, nothing after it
+    assert f"{len(reply_ids) + 1} tokens" in summary and "end-of-sequence" in summary
+
+
+def test_chat_template_end_ids_are_the_tokenizer_and_generation_eos(chat_dir):
+    from tierflow.data.examples import ChatTemplate
+    from tokenizers import Tokenizer
+    end = Tokenizer.from_file(str(chat_dir / "tokenizer.json")).token_to_id("<|im_end|>")
+    assert ChatTemplate(chat_dir).end_ids() == {end}
+
+
+def test_cli_chat_without_a_template_is_one_line(tmp_path, capsys):
+    from sft_support import chat_model_dir
+    plain = chat_model_dir(tmp_path / "plain", template=False, layers=1)
+    capsys.readouterr()  # save_pretrained's progress bar
+    captured = one_line_error(capsys, ["generate", "--model", str(plain), "--chat",
+                                       "--prompt", "hi"],
+                              "--chat", "no chat template", str(plain), "fix:")
+    assert captured.out == ""
+
+
 # ---------------------------------------------------------------- plot
 
 def write_log(path: Path, steps: int = 30) -> None:

@@ -6,10 +6,11 @@ one line and the argparse types of sizes and numbers. Each command's module has
 ``register(sub)``, which adds its parser with every flag's help, and ``run(args)``, which does
 the work or calls the package that does: ``tokenize`` (``data/``), ``train`` (its flags and
 ``--config`` TOML file here, the options' checks in ``train/options.py``, the loop in
-``train/``), ``generate`` and ``quantize`` (``generate/``), ``plot`` (reads a training log and
-draws it), ``plan``, ``sweep`` and ``calibrate`` (``sim/``), ``demo`` (tokenize, train,
-generate and plot on the Python standard library) and ``compare`` (plain PyTorch against
-tierflow, measured by ``measure.py``).
+``train/``), ``eval`` (the loss of a model on token files, as ``train`` evaluates:
+``train/evaluate.py``), ``generate`` and ``quantize`` (``generate/``), ``plot`` (reads a
+training log and draws it), ``plan``, ``sweep`` and ``calibrate`` (``sim/``), ``demo``
+(tokenize, train, generate and plot on the Python standard library) and ``compare`` (plain
+PyTorch against tierflow, measured by ``measure.py``).
 
 Nothing is imported here: ``main.py`` imports the commands.
 """

@@ -5,6 +5,13 @@ budget with evaluation, saves the checkpoint, samples from it and plots the run,
 with a header line, all by calling the functions behind ``tokenize``, ``train``,
 ``generate`` and ``plot``. ``--quick`` is the same on a subset of the files with a tiny model
 (a test in under a minute).
+
+``--sft`` is instruction tuning instead: question/answer pairs made from the standard library's
+docstrings ("What does json.dumps do?" and the first sentence of its docstring,
+``data/stdlib_qa.py``) written as chat JSONL, a model directory whose tokenizer carries a
+ChatML chat template, the records tokenized through it (the loss on the answers only),
+trained, evaluated on the held-out answers with ``tierflow eval``'s function and asked
+questions with ``generate --chat``'s.
 """
 from __future__ import annotations
 
@@ -47,6 +54,22 @@ QUICK = DemoSettings(files=60, vocab_size=512, model="tiny", seq_len=128, batch_
 # the tiny Llama of --quick (about 0.2M parameters with a 512-id vocab)
 TINY = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, max_position_embeddings=512)
+# --sft: a Llama of about 3M parameters trained on the docstring answers ("small"), or the
+# tiny one with --quick; the tokenizer a byte-level BPE of the records' text
+SFT_FULL = DemoSettings(files=None, vocab_size=2048, model="small", seq_len=256, batch_size=8,
+                        steps=300, eval_every=50, eval_steps=8, lr=2e-3, ram="1GiB",
+                        max_new_tokens=48)
+SFT_QUICK = DemoSettings(files=None, vocab_size=512, model="tiny", seq_len=128, batch_size=8,
+                         steps=60, eval_every=20, eval_steps=4, lr=3e-3, ram="512MiB",
+                         max_new_tokens=32)
+SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512)
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+SFT_QUESTIONS = ("What does json.dumps do?", "What does os.path.join do?",
+                 "What does math.sqrt do?", "What does shutil.copy do?")
+SFT_EVAL_FRACTION = 0.05  # of the conversations, held out in eval.bin
 
 
 def register(sub: Any) -> None:
@@ -57,15 +80,21 @@ def register(sub: Any) -> None:
                     "it), train a small Llama on it under a RAM budget with evaluation, save the "
                     "checkpoint, sample from it after a prompt ending in 'def ' and plot the run. "
                     "Everything goes to --out; token files already there are reused.")
-    demo.add_argument("--out", type=Path, default=Path("runs/demo"), metavar="DIR",
+    demo.add_argument("--out", type=Path, default=None, metavar="DIR",
                       help="where the token files, checkpoint, log, plot and sample go "
-                           "(default runs/demo)")
+                           "(default runs/demo; runs/demo-sft with --sft)")
     demo.add_argument("--steps", type=positive_int, default=None, metavar="N",
-                      help="training steps (default 400; 60 with --quick)")
+                      help="training steps (default 400, --sft 300; 60 with --quick)")
     demo.add_argument("--ram", type=size_text, default=None, metavar="SIZE",
                       help="RAM budget of the training step (default 1GiB; 512MiB with --quick)")
     demo.add_argument("--quick", action="store_true",
                       help="a tiny Llama on 60 stdlib files with a 512-id vocab: under a minute")
+    demo.add_argument("--sft", action="store_true",
+                      help="instruction tuning instead: chat records of questions on the "
+                           "stdlib's functions answered by their docstrings' first sentence, "
+                           "tokenized through a ChatML chat template, trained with the loss "
+                           "on the answers only, then tierflow eval on the held-out answers "
+                           "and generate --chat")
     demo.set_defaults(func=run)
 
 
@@ -74,18 +103,23 @@ def _header(number: int, title: str, out: TextIO) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    """``tierflow demo``: tokenize, train, save, generate, plot; print where everything is."""
+    """``tierflow demo``: tokenize, train, save, generate, plot; print where everything is
+    (``--sft``: ``run_sft``)."""
     import sys
     out = out if out is not None else sys.stdout
-    base = QUICK if args.quick else FULL
+    sft = getattr(args, "sft", False)
+    base = (SFT_QUICK if args.quick else SFT_FULL) if sft else (QUICK if args.quick else FULL)
     settings = DemoSettings(**{**base.__dict__,
                                "steps": args.steps or base.steps,
                                "ram": args.ram or base.ram})
-    root = Path(args.out)
-    start = time.perf_counter()
+    root = Path(args.out) if args.out is not None else Path("runs/demo-sft" if sft
+                                                            else "runs/demo")
     if args.quick:  # a tiny model gains nothing from threads, and a busy machine makes them thrash
         import torch
         torch.set_num_threads(1)
+    if sft:
+        return run_sft(settings, root, out)
+    start = time.perf_counter()
     what = "quick: a tiny Llama on a subset of" if args.quick else "a small Llama on"
     print(f"tierflow demo ({what} the Python standard library's source) -> {root}", file=out,
           flush=True)
@@ -151,8 +185,126 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     return 0
 
 
+def run_sft(settings: DemoSettings, root: Path, out: TextIO) -> int:
+    """``tierflow demo --sft``: write the docstring questions as chat JSONL, make a model
+    directory whose tokenizer has a chat template, tokenize the records through it (answers
+    as targets), train, evaluate the held-out answers before and after, ask questions."""
+    from ..data.stdlib_qa import qa_pairs, write_chat_jsonl
+    from ..data.tokenize import tokenize
+    from ..train.data_dir import open_token_file
+    from ..train.evaluate import evaluate_files
+    from ..train.loop import train
+    from ..train.options import TrainOptions
+
+    start = time.perf_counter()
+    print(f"tierflow demo --sft (instruction tuning {_model_words(settings)} on questions "
+          f"about the Python standard library) -> {root}", file=out, flush=True)
+
+    _header(1, "chat records from the standard library's docstrings", out)
+    root.mkdir(parents=True, exist_ok=True)
+    pairs = qa_pairs()
+    records = write_chat_jsonl(pairs, root / "qa.jsonl")
+    print(f"{records}: {len(pairs):,} conversations, e.g. {pairs[1][0]!r} -> "
+          f"{pairs[1][1]!r}", file=out, flush=True)
+
+    _header(2, "a model directory with a chat template; tokenize through it", out)
+    model = _write_chat_model(root / "init", [q + "\n" + a for q, a in pairs], settings)
+    print(f"{model}: a new {_model_words(settings).split(' (')[0]} whose tokenizer_config.json "
+          "has a ChatML chat template (end token <|im_end|>)", file=out, flush=True)
+    data = root / "data"
+    if data.exists():
+        import shutil
+        shutil.rmtree(data)  # the tokenizer is new each time: tokenize again
+    result = tokenize([records], data, tokenizer=model, eval_fraction=SFT_EVAL_FRACTION,
+                      seq_len=settings.seq_len, truncate=True, log=out)
+    print(result.summary(), file=out, flush=True)
+
+    _header(3, f"train on the answers only under --ram {settings.ram}", out)
+    values = dict(model=str(model), data=str(data), ram=settings.ram, seq_len=settings.seq_len,
+                  batch_size=settings.batch_size, steps=settings.steps, lr=settings.lr,
+                  eval_every=settings.eval_every, eval_steps=settings.eval_steps,
+                  out=str(root), log=str(root / "log.jsonl"))
+    code = train(TrainOptions(**values, given=frozenset(values)).validate())
+    if code != 0:
+        return code
+    checkpoint = root / f"step_{settings.steps}"
+
+    _header(4, f"tierflow eval --model {checkpoint} {data / 'eval.bin'}", out)
+    losses = []
+    for which in (model, checkpoint):
+        opts = dict(model=str(which), data=str(data), ram=settings.ram,
+                    seq_len=settings.seq_len, batch_size=settings.batch_size)
+        (evaluation,) = evaluate_files(TrainOptions(**opts, given=frozenset(opts)),
+                                       [open_token_file(data / "eval.bin")], log=io.StringIO())
+        losses.append(evaluation.loss)
+        print(("before: " if which == model else "after:  ") + evaluation.line(), file=out,
+              flush=True)
+
+    questions, held_out = _questions(pairs)
+    _header(5, "generate --chat (greedy): " + "; ".join(repr(q) for q in questions), out)
+    from ..generate.sample import run as generate
+    text = _Tee(out)
+    for question in questions:
+        text.write(f"> {question}{' (held out)' if question == held_out else ''}\n")
+        generate(checkpoint, question, max_new_tokens=settings.max_new_tokens, temperature=0,
+                 seed=0, out=text, chat=True)
+    sample = root / "sample.txt"
+    sample.write_text(text.getvalue(), encoding="utf-8")
+
+    elapsed = time.perf_counter() - start
+    print(f"\ndone in {elapsed / 60:.1f} min ({elapsed:.0f} s)", file=out)
+    print(f"  held-out answer loss {losses[0]:.3f} -> {losses[1]:.3f}", file=out)
+    for name, path in (("chat records", records), ("token files", data),
+                       ("checkpoint", checkpoint), ("training log", root / "log.jsonl"),
+                       ("sample", sample)):
+        print(f"  {name:<13} {path}", file=out)
+    print(f"next: tierflow generate --model {checkpoint} --chat --prompt 'What does "
+          "shutil.copy do?'", file=out, flush=True)
+    return 0
+
+
+def _questions(pairs: list[tuple[str, str]]) -> tuple[list[str], str | None]:
+    """The questions the demo asks: those of ``SFT_QUESTIONS`` that were trained on, then the
+    first whose conversation tokenize held out in eval.bin (its split is seeded), if any."""
+    from ..data.tokenize import eval_indices
+    held = eval_indices(len(pairs), SFT_EVAL_FRACTION)
+    trained = {q for i, (q, _) in enumerate(pairs) if i not in held}
+    asked = [q for q in SFT_QUESTIONS if q in trained]
+    held_out = next((pairs[i][0] for i in sorted(held)), None)
+    return asked + ([held_out] if held_out else []), held_out
+
+
+def _write_chat_model(directory: Path, texts: list[str], settings: DemoSettings) -> Path:
+    """A randomly initialised Llama (``TINY`` or ``SMALL``) saved as a model directory with
+    an instruct model's tokenizer files: a byte-level BPE of ``texts`` with the ChatML special
+    tokens, a tokenizer_config.json with the chat template and <|im_end|> as its eos token,
+    and a generation_config.json that ends generation there."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+
+    from ..data.tokenizer import train_tokenizer
+    tok = train_tokenizer(texts, settings.vocab_size)
+    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+    end = tok.token_to_id("<|im_end|>")
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "chat_template": CHATML,
+        "clean_up_tokenization_spaces": False}, indent=1), encoding="utf-8")
+    shape = TINY if settings.model == "tiny" else SMALL
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(with_added_tokens=True),
+                         tie_word_embeddings=False, bos_token_id=None, eos_token_id=end, **shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+    model.generation_config = GenerationConfig(eos_token_id=end)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
 def _model_words(settings: DemoSettings) -> str:
-    name = "a tiny Llama" if settings.model == "tiny" else settings.model
+    name = {"tiny": "a tiny Llama", "small": "a small Llama"}.get(settings.model, settings.model)
     return (f"{name} ({settings.steps} steps of {settings.batch_size} x {settings.seq_len} "
             f"tokens, eval every {settings.eval_every})")
 

@@ -1,4 +1,5 @@
-"""``tierflow generate``: stream a sampled continuation of a prompt from a checkpoint (the work
+"""``tierflow generate``: stream a sampled continuation of a prompt (or, with ``--chat``, the
+reply to a user message through the tokenizer's chat template) from a checkpoint (the work
 is ``generate/sample.py``'s; bad input is refused by ``generate/options.py`` before torch is
 imported)."""
 from __future__ import annotations
@@ -18,9 +19,20 @@ def register(sub: Any) -> None:
         description="Load a causal LM directory (config.json, model.safetensors, tokenizer.json; "
                     "e.g. OUT/step_N from tierflow train), print the prompt and stream the "
                     "continuation, sampled token by token with a KV cache, then a line with "
-                    "tokens/s. An int8 copy written by tierflow quantize loads the same way.")
+                    "tokens/s. With --chat, each prompt is a user message: its chat template "
+                    "renders it and only the reply is printed. An int8 copy written by "
+                    "tierflow quantize loads the same way.")
     add_checkpoint_argument(gen)
-    gen.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    gen.add_argument("--prompt", required=True, action="append", metavar="TEXT",
+                     help="the text to continue (with --chat: the user's message); repeat "
+                          "--prompt for several, each generated in turn by the model loaded "
+                          "once")
+    gen.add_argument("--chat", action="store_true",
+                     help="each prompt is a user message: the tokenizer's chat template "
+                          "(tokenizer_config.json or chat_template.jinja beside "
+                          "tokenizer.json) renders it with the generation prompt, generation "
+                          "stops at the template's end token (the tokenizer's eos and "
+                          "generation_config.json's eos ids) and only the reply is printed")
     gen.add_argument("--max-new-tokens", type=bounded_number(int, "tokens to generate", 1),
                      default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
                      help=f"tokens to generate at most (default {DEFAULT_MAX_NEW_TOKENS})")
@@ -51,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from ..generate.options import check_request
     ram = memory_size(args.ram, "--ram") if args.ram is not None else None
     request = dict(tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, ram=ram)
+                   temperature=args.temperature, top_k=args.top_k, ram=ram, chat=args.chat)
     check_request(args.model, args.prompt, **request)  # bad input fails before torch loads
     from ..generate.sample import run as generate
     generate(args.model, args.prompt, seed=args.seed, dtype=args.dtype, **request)

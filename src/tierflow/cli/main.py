@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import Sequence
 
 from . import calibrate, compare, demo, generate, plan, plot, quantize, sweep, tokenize, train
+from . import eval as evaluate
 from .args import PROG, Parser, fail
 
-COMMANDS = (demo, compare, tokenize, train, generate, quantize, plot, plan, sweep, calibrate)
+COMMANDS = (demo, compare, tokenize, train, evaluate, generate, quantize, plot, plan, sweep,
+            calibrate)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -127,6 +127,20 @@ class ChatTemplate:
                                 f"(its tokenizer_config.json or chat_template.jinja has one)")
         self.source = directory
 
+    def end_ids(self) -> set[int]:
+        """The ids that end an answer: the tokenizer's eos token (a chat template's end of
+        turn, e.g. ``<|im_end|>``) and the generation config's eos ids beside it."""
+        ids = {self.tokenizer.eos_token_id} - {None}
+        generation = self.source / "generation_config.json"
+        if generation.is_file():
+            import json
+            try:
+                eos = json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id")
+            except (OSError, ValueError, AttributeError):
+                eos = None
+            ids |= {eos} if isinstance(eos, int) else set(eos) if isinstance(eos, list) else set()
+        return {int(i) for i in ids}
+
     def render(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=generation_prompt)

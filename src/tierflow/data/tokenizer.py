@@ -108,3 +108,19 @@ def config_beside(source: str | os.PathLike[str] | None) -> Path | None:
     path = Path(source)
     config = (path if path.is_dir() else path.parent) / "tokenizer_config.json"
     return config if config.is_file() else None
+
+
+def has_chat_template(directory: str | os.PathLike[str]) -> bool:
+    """Whether the tokenizer files of ``directory`` carry a chat template, as transformers
+    finds one (``chat_template.jinja``, ``chat_template.json``, or ``chat_template`` in
+    ``tokenizer_config.json``); read without transformers, so a command can refuse at once."""
+    path = Path(directory)
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    config = path / "tokenizer_config.json"
+    if not config.is_file():
+        return False
+    try:
+        return bool(json.loads(config.read_text(encoding="utf-8")).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
+from typing import Sequence
 
 from ..errors import TierflowError
 from ..models.files import read_config_json, require_weight_files
@@ -59,14 +60,17 @@ def check_new_directory(out: Path) -> None:
                             "give another --out")
 
 
-def check_request(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None,
-                  max_new_tokens: int, temperature: float, top_k: int | None,
-                  ram: str | int | None) -> tuple[Path, Path, int | None]:
+def check_request(model_dir: str | Path, prompt: str | Sequence[str], *,
+                  tokenizer: str | Path | None, max_new_tokens: int, temperature: float,
+                  top_k: int | None, ram: str | int | None,
+                  chat: bool = False) -> tuple[Path, Path, int | None]:
     """Check a ``tierflow generate`` request before anything is loaded; returns the model
     directory (``model_dir`` itself, or the latest checkpoint of a run's ``--out`` directory),
-    the tokenizer file and the RAM budget in bytes (None: no budget)."""
+    the tokenizer file and the RAM budget in bytes (None: no budget). ``prompt``: one prompt
+    or several; ``chat``: each is a user message, so the tokenizer needs a chat template."""
     check_options(max_new_tokens, temperature, top_k)
-    if not prompt:
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise TierflowError("the prompt is empty: give some text with --prompt")
     directory = checkpoint_directory(model_dir)
     if tokenizer is not None:
@@ -77,5 +81,13 @@ def check_request(model_dir: str | Path, prompt: str, *, tokenizer: str | Path |
         if not tok_path.is_file():
             raise TierflowError(f"no tokenizer.json in {directory}: pass --tokenizer PATH (the "
                                 "tokenizer.json the model was trained with)")
+    if chat:
+        from ..data.tokenizer import has_chat_template
+        if not has_chat_template(tok_path.parent):
+            raise TierflowError(f"--chat: the tokenizer in {tok_path.parent} has no chat "
+                                "template (no chat_template in tokenizer_config.json, no "
+                                "chat_template.jinja); fix: give an instruct model's directory "
+                                "(or --tokenizer DIR holding its tokenizer files), or drop "
+                                "--chat to continue the prompt as plain text")
     budget = parse_bytes(ram, what="--ram") if ram is not None else None
     return directory, tok_path, budget

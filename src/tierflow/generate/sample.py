@@ -9,7 +9,9 @@ tokenizer cannot decode, and picks the argmax (``temperature=0``) or samples fro
 ``softmax(logits / temperature)`` restricted to the ``top_k`` largest, with a seeded
 ``torch.Generator`` so a seed gives the same text every time. Generation stops after
 ``max_new_tokens`` or at an end-of-sequence id (the model config's ``eos_token_id`` and the
-tokenizer's end-of-text token).
+tokenizer's end-of-text token). With a chat template (``tierflow generate --chat``) the prompt
+is a user message: the template renders it with its generation prompt, the reply alone is
+written, and the tokenizer's eos token (the template's end of turn) stops it too.
 
 Text is streamed by decoding all generated ids and printing what was not printed yet, holding
 back a trailing partial UTF-8 character (a byte-level token can end mid-character).
@@ -202,10 +204,17 @@ class _Streamer:
         return self._decode()[self.start:]
 
 
-def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+def encode_prompt(tokenizer: Any, prompt: str, chat_template: Any = None) -> list[int]:
+    """The ids of ``prompt``; with ``chat_template`` (``data.examples.ChatTemplate``) the ids
+    of the conversation of one user message ``prompt`` rendered with the generation prompt,
+    encoded without added special tokens (the template writes its own)."""
     if not isinstance(prompt, str) or not prompt:
         raise TierflowError("the prompt is empty: give some text with --prompt")
-    ids = tokenizer.encode(prompt).ids
+    if chat_template is not None:
+        text = chat_template.render([{"role": "user", "content": prompt}], True)
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+    else:
+        ids = tokenizer.encode(prompt).ids
     if not ids:
         raise TierflowError(f"the prompt {prompt[:40]!r} encodes to no tokens: give text the "
                             "tokenizer knows")
@@ -216,17 +225,23 @@ def generate(model: Any, tokenizer: Any, prompt: str, *,
              max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
              temperature: float = DEFAULT_TEMPERATURE, top_k: int | None = None,
              seed: int | None = None, stream: TextIO | Callable[[str], Any] | None = None,
-             stats: GenerateStats | None = None) -> str:
+             stats: GenerateStats | None = None, chat_template: Any = None) -> str:
     """The text ``model`` writes after ``prompt`` (a ``tokenizers.Tokenizer`` encodes and
     decodes). ``temperature=0`` is greedy; ``stream`` (a text file or a function) receives
-    the text piece by piece as it is generated; ``stats`` receives counts and times."""
+    the text piece by piece as it is generated; ``stats`` receives counts and times. With
+    ``chat_template`` (``data.examples.ChatTemplate``) ``prompt`` is a user message: the
+    reply is written after the template's generation prompt and ends at the template's end
+    token (the tokenizer's eos, besides the model's and generation config's eos ids)."""
     check_options(max_new_tokens, temperature, top_k)
-    prompt_ids = encode_prompt(tokenizer, prompt)
+    prompt_ids = encode_prompt(tokenizer, prompt, chat_template)
     streamer = _Streamer(tokenizer, prompt_ids)
     emit = _emitter(stream)
+    stop = stop_ids(model, tokenizer)
+    if chat_template is not None:
+        stop |= chat_template.end_ids()
     for token in sample_ids(model, prompt_ids, max_new_tokens=max_new_tokens,
                             temperature=temperature, top_k=top_k, seed=seed,
-                            stop=stop_ids(model, tokenizer),
+                            stop=stop,
                             allowed_vocab=tokenizer.get_vocab_size(with_added_tokens=True),
                             stats=stats):
         emit(streamer.push(token))
@@ -259,26 +274,36 @@ def resolve_dtype(name: str) -> torch.dtype:
     return torch.bfloat16 if fast_bf16() else torch.float32
 
 
-def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = None,
-        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
-        top_k: int | None = None, seed: int | None = None, dtype: str = "auto",
-        ram: str | int | None = None, out: TextIO | None = None) -> GenerateStats:
-    """What ``tierflow generate`` does: check everything, load, stream the prompt and the
-    continuation to ``out`` (stdout), then a line with tokens/s."""
+def run(model_dir: str | Path, prompt: str | Sequence[str], *,
+        tokenizer: str | Path | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+        temperature: float = DEFAULT_TEMPERATURE, top_k: int | None = None,
+        seed: int | None = None, dtype: str = "auto", ram: str | int | None = None,
+        out: TextIO | None = None, chat: bool = False) -> GenerateStats:
+    """What ``tierflow generate`` does: check everything, load, then for each prompt (one, or
+    several in turn: the model is loaded once) stream the prompt and its continuation to
+    ``out`` (stdout), then a line with tokens/s. With ``chat`` each prompt is a user message
+    rendered by the tokenizer's chat template, and only the reply is written. Returns the
+    last prompt's stats."""
     from ..data.tokenizer import load_tokenizer
     from ..models.int8 import is_quantized
     from ..load import load_model
 
     out = out if out is not None else sys.stdout
-    directory, tok_path, budget = check_request(model_dir, prompt, tokenizer=tokenizer,
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    directory, tok_path, budget = check_request(model_dir, prompts, tokenizer=tokenizer,
                                                 max_new_tokens=max_new_tokens,
-                                                temperature=temperature, top_k=top_k, ram=ram)
+                                                temperature=temperature, top_k=top_k, ram=ram,
+                                                chat=chat)
     if directory != Path(model_dir):
         print(f"[generate] {model_dir}: its latest checkpoint, {directory.name}", file=sys.stderr,
               flush=True)
     tok = load_tokenizer(tok_path)
+    template = None
+    if chat:
+        from ..data.examples import ChatTemplate
+        template = ChatTemplate(tok_path)
     torch_dtype = resolve_dtype(dtype)
-    prompt_tokens = len(encode_prompt(tok, prompt))
+    prompt_tokens = max(len(encode_prompt(tok, p, template)) for p in prompts)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     need: MemoryNeed | None = None
     if budget is not None:
@@ -291,19 +316,22 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
                                          log=sys.stderr)
     else:
         model = load_model(directory, vocab_size=vocab, dtype=torch_dtype, for_generation=True)
+    weights = ", int8 weights" if is_quantized(model.config) else ""
     stats = GenerateStats()
     try:
         check_length(model, prompt_tokens, max_new_tokens)
-        out.write(prompt)
-        out.flush()
-        generate(model, tok, prompt, max_new_tokens=max_new_tokens, temperature=temperature,
-                 top_k=top_k, seed=seed, stream=out, stats=stats)
+        for text in prompts:
+            stats = GenerateStats()
+            if template is None:
+                out.write(text)
+                out.flush()
+            generate(model, tok, text, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_k=top_k, seed=seed, stream=out, stats=stats, chat_template=template)
+            out.write("\n" + stats.summary() + f", {dtype_name(torch_dtype)}{weights}\n")
+            out.flush()
     finally:
         if streaming is not None:
             streaming.close()
-    weights = ", int8 weights" if is_quantized(model.config) else ""
-    out.write("\n" + stats.summary() + f", {dtype_name(torch_dtype)}{weights}\n")
-    out.flush()
     if streaming is not None:
         print(f"[stream] {streaming.summary()}", file=sys.stderr, flush=True)
     return stats

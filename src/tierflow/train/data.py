@@ -45,9 +45,12 @@ class Batches:
         return {"index": self.index, "seed": self.seed}
 
 
-def eval_batches(tokens: TokenFile, seq_len: int, batch_size: int, steps: int) -> list[torch.Tensor]:
+def eval_batches(tokens: TokenFile, seq_len: int, batch_size: int, steps: int, *,
+                 whole: bool = False) -> list[torch.Tensor]:
     """Up to ``steps`` batches of consecutive, non-overlapping windows from the start of
-    ``tokens`` (fewer when the file is short; none when it holds less than one window)."""
+    ``tokens`` (fewer when the file is short; none when it holds less than one window). The
+    windows left after the last full batch make a smaller batch when there is no full one,
+    or with ``whole`` (``tierflow eval``: every window of the file)."""
     n_windows = (len(tokens) - 1) // seq_len
     out = []
     w = 0
@@ -55,7 +58,7 @@ def eval_batches(tokens: TokenFile, seq_len: int, batch_size: int, steps: int) -
         starts = [(w + i) * seq_len for i in range(batch_size)]
         out.append(torch.from_numpy(tokens.windows(starts, seq_len + 1)))
         w += batch_size
-    if not out and n_windows > 0:
-        starts = [i * seq_len for i in range(n_windows)]
+    if w < n_windows and len(out) < steps and (whole or not out):
+        starts = [i * seq_len for i in range(w, n_windows)]
         out.append(torch.from_numpy(tokens.windows(starts, seq_len + 1)))
     return out

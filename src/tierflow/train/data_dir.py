@@ -46,6 +46,32 @@ def open_data(path: str | Path) -> DataDir:
     if len(train) == 0:
         raise TierflowError(f"{path / 'train.bin'} holds no tokens: tokenize a non-empty corpus")
     evalf = TokenFile.open(path / "eval.bin") if (path / "eval.bin").is_file() else None
+    return _checked(path, train, evalf, f"--data {path}")
+
+
+def open_token_file(path: str | Path) -> DataDir:
+    """A token file on its own (``tierflow eval FILE``: a ``.bin`` file, or a data directory
+    for its eval.bin) as a ``DataDir`` whose train and eval files are both it, with the
+    tokenizer and meta.json of its directory when they are there."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "eval.bin").is_file():
+            raise TierflowError(f"{path} has no eval.bin: give a token file (.bin) or a "
+                                "directory written by 'tierflow tokenize'")
+        path = path / "eval.bin"
+    if not path.is_file():
+        raise TierflowError(f"{path} does not exist: give a token file (.bin) or a directory "
+                            "written by 'tierflow tokenize'")
+    tokens = TokenFile.open(path)
+    if len(tokens) == 0:
+        raise TierflowError(f"{path} holds no tokens: give a token file of held-out text")
+    return _checked(path.parent, tokens, tokens, str(path))
+
+
+def _checked(path: Path, train: Any, evalf: Any | None, what: str) -> DataDir:
+    """The ``DataDir`` of the token files ``train`` and ``evalf`` of the directory ``path``:
+    its vocabulary from meta.json, else its tokenizer.json, else the files; one line when a
+    token id is beyond it (``what`` names the files in that line)."""
     tokenizer_file = path / "tokenizer.json"
     tokenizer_file = tokenizer_file if tokenizer_file.is_file() else None
     vocab, vocab_hash = None, None
@@ -69,6 +95,6 @@ def open_data(path: str | Path) -> DataDir:
     if vocab is None:
         vocab = top + 1
     if top >= vocab:
-        raise TierflowError(f"--data {path} holds token id {top}, but its vocab size is {vocab}: "
+        raise TierflowError(f"{what} holds token id {top}, but its vocab size is {vocab}: "
                             "the token files and tokenizer do not belong together; tokenize again")
     return DataDir(path, train, evalf, int(vocab), tokenizer_file, top, vocab_hash)

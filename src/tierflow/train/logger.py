@@ -235,7 +235,7 @@ class Logger:
     The progress bar goes to stderr and only when stderr is a terminal. An inactive logger
     (ranks other than 0 under torchrun) prints and writes nothing."""
 
-    def __init__(self, log_path: Path, *, out: TextIO | None = None, append: bool = False,
+    def __init__(self, log_path: Path | None, *, out: TextIO | None = None, append: bool = False,
                  active: bool = True):
         self.out = out or sys.stdout
         self.bar_stream = sys.stderr
@@ -244,6 +244,9 @@ class Logger:
         self.path = log_path
         self.active = active
         self.file = None
+        if log_path is None:  # printed only (tierflow eval's plan): no JSON log
+            self._pending = None
+            return
         # a new run writes beside the log already there until it is under way (``keep``): a
         # run refused before that (a budget no plan fits, bad input) leaves that log intact
         pending = log_path.with_name(log_path.name + ".new")

@@ -27,11 +27,12 @@ from . import checkpoint
 from .adapter_files import Current, adapter_weights, merged_weights
 from .checkpoint_dirs import latest_checkpoint
 from .codec import capture_rng, restore_rng
-from .data import Batches, eval_batches
+from .data import Batches
 from .device import ComputeTier
 from .guards import Interrupt, traced
 from .logger import StepLine, eval_line, near_budget
-from .packing import PackedBatches, packed_eval_batches, step_inputs, targets
+from .evaluate import evaluation_batches, evaluation_loss
+from .packing import PackedBatches, step_inputs, targets
 from .planning import StepPlanner
 from .roles import fit_owns_optimizer
 from .run import BuiltModel, Reports, Run, Site
@@ -149,8 +150,7 @@ class StepLoop:
         opts, data = self.run.opts, self.run.data
         if not (opts.eval_every and data.eval is not None):
             return []
-        evals = (packed_eval_batches if data.train.mask is not None else eval_batches)(
-            data.eval, opts.seq_len, opts.batch_size, opts.eval_steps)
+        evals = evaluation_batches(data.eval, opts.seq_len, opts.batch_size, opts.eval_steps)
         if not evals:
             self.reports.logger.print(f"note: eval.bin holds {len(data.eval)} tokens, less "
                                       f"than one window of {opts.seq_len + 1}: evaluation is "
@@ -265,24 +265,21 @@ class StepLoop:
         return any(r[2] for r in per_rank)
 
     def _evaluate(self, step: int, evals: list[torch.Tensor]) -> None:
-        """The mean loss over the evaluation batches ``evals`` (split over the ranks): a
-        ``[V]`` line."""
+        """The mean loss over the evaluation batches ``evals`` (split over the ranks),
+        normalised over the tokens it counts (``evaluate.evaluation_loss``): a ``[V]``
+        line."""
         t0 = time.perf_counter()
         model = self.built.model
         model.eval()
         world, ranks = self.site.world, self.site.ranks
         mine = evals if world is None else evals[world.rank::ranks]  # whole batches
-        packed = bool(mine) and isinstance(mine[0], dict)
-        counted = sum(targets(b) for b in mine) if packed else None
-        with torch.no_grad(), self.site.autocast():
-            losses = [float(self.module(**step_inputs(b, self.tier.device, counted)).loss)
-                      for b in mine]
+        total_loss, count = evaluation_loss(self.module, mine, self.tier.device,
+                                            self.site.autocast())
         model.train()
-        total_loss, count = sum(losses), 1 if packed else len(losses)
         if world is not None:
             per_rank = world.all_gather([total_loss, count], "evaluation loss average")
             total_loss, count = sum(r[0] for r in per_rank), sum(r[1] for r in per_rank)
-        loss = total_loss / count
+        loss = total_loss / count if count else float("nan")
         ms = (time.perf_counter() - t0) * 1e3
         ppl = math.exp(min(loss, 700.0))
         self.reports.logger.print(eval_line(step=step, loss=loss, ppl=ppl, ms=ms))
