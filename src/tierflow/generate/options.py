@@ -8,6 +8,7 @@ import math
 import os
 from pathlib import Path
 
+from ..enforce import check_flags as check_enforce_flags
 from ..errors import TierflowError
 from ..models.files import read_config_json, require_weight_files
 from ..train.checkpoint_dirs import latest_checkpoint
@@ -61,11 +62,14 @@ def check_new_directory(out: Path) -> None:
 
 def check_request(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None,
                   max_new_tokens: int, temperature: float, top_k: int | None,
-                  ram: str | int | None) -> tuple[Path, Path, int | None]:
+                  ram: str | int | None, enforce: bool = False,
+                  unenforced_ok: bool = False) -> tuple[Path, Path, int | None]:
     """Check a ``tierflow generate`` request before anything is loaded; returns the model
     directory (``model_dir`` itself, or the latest checkpoint of a run's ``--out`` directory),
-    the tokenizer file and the RAM budget in bytes (None: no budget)."""
+    the tokenizer file and the RAM budget in bytes (None: no budget). ``enforce`` and
+    ``unenforced_ok`` are train's ``--enforce`` and ``--unenforced-ok``."""
     check_options(max_new_tokens, temperature, top_k)
+    check_enforce_flags(enforce, unenforced_ok, ram)
     if not prompt:
         raise TierflowError("the prompt is empty: give some text with --prompt")
     directory = checkpoint_directory(model_dir)

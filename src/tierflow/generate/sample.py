@@ -262,9 +262,13 @@ def resolve_dtype(name: str) -> torch.dtype:
 def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = None,
         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, temperature: float = DEFAULT_TEMPERATURE,
         top_k: int | None = None, seed: int | None = None, dtype: str = "auto",
-        ram: str | int | None = None, out: TextIO | None = None) -> GenerateStats:
+        ram: str | int | None = None, out: TextIO | None = None, enforce: bool = False,
+        unenforced_ok: bool = False) -> GenerateStats:
     """What ``tierflow generate`` does: check everything, load, stream the prompt and the
-    continuation to ``out`` (stdout), then a line with tokens/s."""
+    continuation to ``out`` (stdout), then a line with tokens/s. With ``enforce`` (and a
+    ``ram`` budget) the kernel holds the process to ``ram`` above its RSS after the imports:
+    once the plan fits, before a weight is read, it enters a memory cgroup (``enforce.hold``;
+    what it says goes to stderr), or with ``unenforced_ok`` says why it cannot and runs on."""
     from ..data.tokenizer import load_tokenizer
     from ..models.int8 import is_quantized
     from ..load import load_model
@@ -272,7 +276,9 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
     out = out if out is not None else sys.stdout
     directory, tok_path, budget = check_request(model_dir, prompt, tokenizer=tokenizer,
                                                 max_new_tokens=max_new_tokens,
-                                                temperature=temperature, top_k=top_k, ram=ram)
+                                                temperature=temperature, top_k=top_k, ram=ram,
+                                                enforce=enforce, unenforced_ok=unenforced_ok)
+    hold = _kernel_limit(budget, unenforced_ok) if enforce and budget is not None else None
     if directory != Path(model_dir):
         print(f"[generate] {model_dir}: its latest checkpoint, {directory.name}", file=sys.stderr,
               flush=True)
@@ -288,8 +294,10 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
         model, streaming = load_streamed(directory, torch_dtype, need, budget,
                                          ram_text=str(ram), prompt_tokens=prompt_tokens,
                                          max_new_tokens=max_new_tokens, vocab_size=vocab,
-                                         log=sys.stderr)
+                                         log=sys.stderr, before_reading=hold)
     else:
+        if hold is not None:
+            hold()
         model = load_model(directory, vocab_size=vocab, dtype=torch_dtype, for_generation=True)
     stats = GenerateStats()
     try:
@@ -307,3 +315,22 @@ def run(model_dir: str | Path, prompt: str, *, tokenizer: str | Path | None = No
     if streaming is not None:
         print(f"[stream] {streaming.summary()}", file=sys.stderr, flush=True)
     return stats
+
+
+def _kernel_limit(budget: int, unenforced_ok: bool) -> Callable[[], object]:
+    """``--enforce``: the RSS baseline now, after the imports (transformers' model code
+    included, as ``tierflow train`` and the peers take theirs), and the function that enters
+    a memory cgroup holding the process to ``budget`` above it (``enforce.hold``; a line on
+    stderr says which, or why none)."""
+    import transformers.modeling_utils  # noqa: F401  (part of the RSS baseline)
+
+    from ..enforce import hold
+    from ..exec.memory import return_free_memory, rss_bytes
+    from ..load import load_model  # noqa: F401  (part of the RSS baseline)
+    baseline = rss_bytes()
+
+    def enter() -> object:
+        return_free_memory()  # malloc's caches are not the process's to keep charged
+        return hold(budget, baseline, rss_bytes(), unenforced_ok=unenforced_ok,
+                    say=lambda line: print(line, file=sys.stderr, flush=True))
+    return enter
