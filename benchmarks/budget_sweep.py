@@ -31,10 +31,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -45,7 +43,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "src"))
-from harness import source_commit, write_results  # noqa: E402
+from harness import machine, source_commit, write_results  # noqa: E402
 from random_tokens import random_token_files  # noqa: E402
 
 from tierflow.units import format_bytes, parse_bytes  # noqa: E402
@@ -58,24 +56,6 @@ SEQ, BATCH = 256, 4
 # the suite's form: the smallest budget of a tiny Llama (plain PyTorch's peak, which only the
 # fractions need, is not measured: tierflow's runtime alone passes that model's 110 MiB)
 SHORT = {"models": ("llama-tiny",), "modes": ("ram",), "budgets": ("smallest",), "steps": 1}
-
-
-def machine() -> dict[str, Any]:
-    """The machine the sweep ran on: CPU model (family and model numbers: "AMD EPYC" names
-    several), the flags that matter, cores, memory, the torch measured."""
-    info: dict[str, str] = {}
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        key, _, value = line.partition(":")
-        info.setdefault(key.strip(), value.strip())
-    cpu = f"{info.get('model name', 'unknown')} (family {info.get('cpu family', '?')}, " \
-          f"model {info.get('model', '?')})"
-    flags = set(info.get("flags", "").split())
-    mem = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text()
-               .splitlines() if line.startswith("MemTotal"))
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem,
-            "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
-            "python": platform.python_version(), "kernel": platform.release(),
-            "torch": importlib.metadata.version("torch")}
 
 
 def _run(argv: list[str], timeout: float) -> subprocess.CompletedProcess:

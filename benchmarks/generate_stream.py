@@ -82,9 +82,11 @@ def sample():  # the checkpoint's pages in the page cache, every 50 ms
 
 if sampling:
     threading.Thread(target=sample, daemon=True).start()
+from tierflow.generate.options import GenerateRequest
 from tierflow.generate.sample import run
 start = time.perf_counter()
-stats = run(model_dir, prompt, max_new_tokens=tokens, temperature=0, dtype="bf16", ram=ram)
+stats = run(GenerateRequest.of(model_dir, prompt, max_new_tokens=tokens, temperature=0,
+                               dtype="bf16", ram=ram))
 total = time.perf_counter() - start
 cached["stop"] = True
 print(json.dumps({"tok_s": round(stats.tok_s, 3), "new_tokens": stats.new_tokens,

@@ -3,12 +3,15 @@
 A script runs each configuration in a fresh process with ``tierflow.measure.run_json`` (the
 runner ``tierflow compare`` uses), then writes ``results/<name>.md`` (the table) and
 ``results/<name>.json`` (every record) with ``write_results``, naming the measured source
-with ``source_commit``. Scripts import it as ``from harness import ...`` (Python puts the
-script's directory first on the path).
+with ``source_commit`` and the machine with ``machine``. Scripts import it as ``from harness
+import ...`` (Python puts the script's directory first on the path).
 """
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import os
+import platform
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -34,3 +37,21 @@ def write_results(directory: str | Path, name: str, text: str,
     md.write_text(text.rstrip() + "\n")
     js.write_text(json.dumps(data, indent=1) + "\n")
     return md, js
+
+
+def machine() -> dict[str, Any]:
+    """The machine a benchmark ran on: CPU model (family and model numbers: "AMD EPYC" names
+    several), the flags that matter, cores, memory, the torch measured."""
+    info: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = line.partition(":")
+        info.setdefault(key.strip(), value.strip())
+    cpu = f"{info.get('model name', 'unknown')} (family {info.get('cpu family', '?')}, " \
+          f"model {info.get('model', '?')})"
+    flags = set(info.get("flags", "").split())
+    mem = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text()
+               .splitlines() if line.startswith("MemTotal"))
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem,
+            "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
+            "python": platform.python_version(), "kernel": platform.release(),
+            "torch": importlib.metadata.version("torch")}

@@ -191,3 +191,136 @@ def test_without_a_cgroup_fit_says_why_and_runs_on_only_if_asked(monkeypatch):
     module(x).sum().backward()
     with pytest.raises(ValueError, match="unenforced_ok=True only matters with enforce=True"):
         tierflow.FitConfig(unenforced_ok=True)
+
+
+def test_a_budget_the_process_already_holds_is_refused_whatever_unenforced_ok_says():
+    """No cgroup can keep it: one line with the value, the limit and the fix, never a note."""
+    from tierflow.errors import TierflowError
+    for unenforced_ok in (False, True):
+        with pytest.raises(TierflowError) as err:
+            enforce.hold(10 * MiB, baseline=100 * MiB, rss=130 * MiB,
+                         unenforced_ok=unenforced_ok, say=print)
+        assert not isinstance(err.value, enforce.EnforceError)
+        assert str(err.value).startswith("--ram 10.00 MiB cannot be enforced: the process "
+                                         "already holds 30.00 MiB"), err.value
+        assert "a limit of -20.00 MiB: give --ram above 30.00 MiB" in str(err.value)
+
+
+# --- tierflow generate --enforce: a Llama whose streaming plan (2 layer buffers, 32 MiB of
+# page cache, the runtime) is below its every-weight-in-RAM need (12 layers of 8.6 MiB, fp32)
+GENERATE = ("--prompt", "def add", "--max-new-tokens", "4", "--temperature", "0",
+            "--dtype", "fp32")
+
+
+@pytest.fixture(scope="module")
+def generate_model(tmp_path_factory):
+    import torch
+    import transformers
+
+    from tierflow.data.tokenizer import EOT, train_tokenizer
+    directory = tmp_path_factory.mktemp("generate") / "model"
+    tok = train_tokenizer(["def add(a, b):\n    return a + b\n" * 4, "the quick brown fox " * 8],
+                          300)
+    config = transformers.LlamaConfig(
+        vocab_size=tok.get_vocab_size(), hidden_size=384, intermediate_size=1536,
+        num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, eos_token_id=tok.token_to_id(EOT), bos_token_id=None,
+        pad_token_id=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory
+
+
+def _generate(model: Path, *extra: str) -> subprocess.CompletedProcess:
+    src = str(Path(enforce.__file__).parents[1])
+    return subprocess.run([sys.executable, "-m", "tierflow", "generate", "--model", str(model),
+                           *GENERATE, *extra], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": src})
+
+
+def test_generate_refuses_an_infeasible_budget_under_enforce_before_it_runs(generate_model):
+    """In a child: a bug that entered the cgroup first would hold this process to 1 MiB."""
+    proc = _generate(generate_model, "--ram", "1MiB", "--enforce")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("tierflow: error: --ram 1MiB is too small"), proc.stderr
+    assert "give --ram" in proc.stderr and proc.stderr.count("\n") == 1
+    assert proc.stdout == ""  # not even the prompt
+
+
+def test_generate_enforce_needs_ram_and_unenforced_ok_needs_enforce(generate_model, capsys):
+    from cli_support import assert_error_line, run_main
+    code, _, err = run_main("generate", "--model", str(generate_model), *GENERATE,
+                            "--enforce", capsys=capsys)
+    assert code == 2
+    assert_error_line(err, ["--enforce holds the CPU's --ram budget", "give --ram SIZE"])
+    code, _, err = run_main("generate", "--model", str(generate_model), *GENERATE, "--ram",
+                            "1GiB", "--unenforced-ok", capsys=capsys)
+    assert code == 2
+    assert_error_line(err, ["--unenforced-ok", "give --enforce too"])
+
+
+def generate_enforced(model: str, ram: str) -> None:
+    """A fresh process: ``tierflow generate --ram RAM --enforce`` streaming layers, then,
+    still in its cgroup, the limit the kernel holds it to and the most it held."""
+    import contextlib
+    import io
+
+    from tierflow.cli.main import main
+    from tierflow.units import parse_bytes
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main(["generate", "--model", model, *GENERATE, "--ram", ram, "--enforce"]) == 0
+    assert out.getvalue().startswith("def add") and "[generate] 4 tokens" in out.getvalue()
+    lines = err.getvalue().splitlines()
+    assert lines[0].startswith(f"{enforce.NOTE} enforced by the kernel: cgroup v"), lines
+    assert any("decoder layers are read" in x or "are read from the checkpoint" in x
+               for x in lines), lines  # streamed, under the cgroup
+    cgroup = Path(lines[0].split()[8])
+    assert cgroup.name == f"tierflow-{os.getpid()}"
+    assert str(os.getpid()) in (cgroup / "cgroup.procs").read_text().split()
+    v2 = "v2" in lines[0]
+    limit = int((cgroup / ("memory.max" if v2 else "memory.limit_in_bytes")).read_text())
+    budget = parse_bytes(ram)
+    assert budget - 64 * MiB < limit <= budget, (limit, lines[0])  # less what it held
+    if not v2:  # the most the cgroup held, page cache included: within the limit
+        assert 0 < int((cgroup / "memory.max_usage_in_bytes").read_text()) <= limit
+
+
+def test_generate_under_enforce_streams_in_its_cgroup(generate_model):
+    why = _no_cgroup_here()
+    if why:
+        pytest.skip(why)
+    from fresh_process import run_in_fresh_process
+    import io
+
+    from tierflow.errors import TierflowError
+    from tierflow.generate.options import GenerateRequest
+    from tierflow.generate.sample import run
+    with pytest.raises(TierflowError, match="give --ram") as refused:  # the plan's floor
+        run(GenerateRequest.of(generate_model, "def add", max_new_tokens=4, temperature=0,
+                               dtype="fp32", ram="1MiB"), out=io.StringIO())
+    give = str(refused.value).split("give --ram ")[1].split(" or more")[0].replace(" ", "")
+    run_in_fresh_process("test_enforce", "generate_enforced", str(generate_model), give)
+
+
+def test_generate_without_a_cgroup_says_why_and_runs_on_only_if_asked(generate_model,
+                                                                      monkeypatch, capsys):
+    """Both versions' parents refused (nothing moves this process): an EnforceError naming
+    why, or with unenforced_ok a line on stderr and the text."""
+    import io
+
+    from tierflow.generate.options import GenerateRequest
+    from tierflow.generate.sample import run
+    monkeypatch.setattr(enforce, "v2_parent", lambda pid: "no cgroup v2 is mounted (test)")
+    monkeypatch.setattr(enforce, "v1_parent", lambda pid: "/x is not writable (test)")
+    request = dict(max_new_tokens=2, temperature=0, dtype="fp32", ram="1GiB", enforce=True)
+    with pytest.raises(enforce.EnforceError, match="no cgroup v2 is mounted .test.; /x is not"):
+        run(GenerateRequest.of(generate_model, "def add", **request), out=io.StringIO())
+    out = io.StringIO()
+    run(GenerateRequest.of(generate_model, "def add", unenforced_ok=True, **request), out=out)
+    assert "[generate] 2 tokens" in out.getvalue()
+    err = capsys.readouterr().err
+    assert f"{enforce.NOTE} no memory cgroup can hold this process" in err
+    assert "running unenforced" in err

@@ -12,6 +12,7 @@ import torch
 from tierflow.data.tokenizer import EOT, train_tokenizer
 from tierflow.errors import TierflowError
 from tierflow.generate.memory import RUNTIME_BYTES, MemoryNeed, memory_needed
+from tierflow.generate.options import GenerateRequest
 from tierflow.generate.sample import run, sample_ids
 from tierflow.generate.stream import PAGE_CACHE_BYTES, PREFETCH_SLOTS, load_streamed, plan_stream
 from tierflow.units import parse_bytes
@@ -84,8 +85,8 @@ def test_plan_keeps_as_many_layers_as_fit_spread_over_the_depth():
 def generated(directory, ram, dtype: str = "fp32") -> str:
     """The prompt and the continuation ``run`` prints (the timing line left out)."""
     out = io.StringIO()
-    run(directory, PROMPT, max_new_tokens=24, temperature=0.9, seed=3, dtype=dtype, ram=ram,
-        out=out)
+    run(GenerateRequest.of(directory, PROMPT, max_new_tokens=24, temperature=0.9, seed=3,
+                           dtype=dtype, ram=ram), out=out)
     text, summary = out.getvalue().rsplit("\n[generate] ", 1)
     assert "24 tokens" in summary
     return text

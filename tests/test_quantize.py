@@ -16,6 +16,7 @@ from tierflow import load_model
 from tierflow.data.tokenizer import train_tokenizer
 from tierflow.errors import TierflowError
 from tierflow.generate.memory import memory_needed
+from tierflow.generate.options import GenerateRequest
 from tierflow.generate.sample import run
 from tierflow.models.int8 import Int8Linear, quantize_int8, quantize_weight
 
@@ -116,28 +117,30 @@ def test_streaming_a_quantized_checkpoint_gives_the_in_ram_text(dirs, tok, dtype
     need, need_float = (memory_needed(d, torch_dtype, prompt_tokens, 24) for d in dirs[::-1])
     assert need.weights < (0.5 if dtype == "fp32" else 0.8) * need_float.weights  # int8: 1 B
     out = io.StringIO()
-    run(int8, PROMPT, max_new_tokens=24, temperature=0.9, seed=3, dtype=dtype, out=out)
+    run(GenerateRequest.of(int8, PROMPT, max_new_tokens=24, temperature=0.9, seed=3,
+                           dtype=dtype), out=out)
     reference = out.getvalue().rsplit("\n[generate] ", 1)[0]
     capsys.readouterr()
     smallest = smallest_budget(int8, dtype)
     smallest_original = smallest_budget(original, dtype)
     assert smallest < smallest_original
     out = io.StringIO()
-    run(int8, PROMPT, max_new_tokens=24, temperature=0.9, seed=3, dtype=dtype, ram=smallest,
-        out=out)
+    run(GenerateRequest.of(int8, PROMPT, max_new_tokens=24, temperature=0.9, seed=3,
+                           dtype=dtype, ram=smallest), out=out)
     text, summary = out.getvalue().rsplit("\n[generate] ", 1)
     assert text == reference and summary.endswith(f", {dtype}, int8 weights\n")
     err = capsys.readouterr().err
     assert f"0 of {LAYERS} decoder layers stay in RAM" in err and "tierflow quantize" not in err
-    run(original, PROMPT, max_new_tokens=2, dtype=dtype, ram=smallest_original,
-        out=io.StringIO())  # streams: with a tip on an int8 copy
+    run(GenerateRequest.of(original, PROMPT, max_new_tokens=2, dtype=dtype,
+                           ram=smallest_original), out=io.StringIO())  # streams: with a tip on an int8 copy
     size = 4 if dtype == "fp32" else 2  # the checkpoint is fp32
     assert (f"[stream] an int8 copy of this checkpoint (tierflow quantize; the text differs "
             f"slightly) holds and reads 1 byte per linear weight, where this run holds {size} "
             "and reads 4") in capsys.readouterr().err
     for directory, hint in ((original, True), (int8, False)):  # below even streaming
         with pytest.raises(TierflowError, match="give --ram") as refused:
-            run(directory, PROMPT, max_new_tokens=24, dtype=dtype, ram=1000, out=io.StringIO())
+            run(GenerateRequest.of(directory, PROMPT, max_new_tokens=24, dtype=dtype,
+                                   ram=1000), out=io.StringIO())
         assert ("an int8 copy (tierflow quantize" in str(refused.value)) == hint
 
 

@@ -16,7 +16,9 @@ held at the move plus what the cgroup holds (``limit_for``). Pages freed and fau
 again after the move count in the cgroup while their old charge is gone, so the limit errs on
 the strict side by what is freed of the old pages, never on the loose one.
 
-No torch here: the trainer enters the cgroup before the first step; ``fit`` after planning.
+No torch here: the trainer enters the cgroup before the first step (``fit``, after planning);
+``tierflow generate`` once its plan is decided, before it reads a weight. Both check their
+flags with ``check_flags`` and enter with ``hold``.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .errors import TierflowError
 from .units import format_bytes
@@ -60,6 +63,45 @@ def limit_for(budget: int, baseline: int, rss: int) -> int:
     """The cgroup limit that holds the RSS above ``baseline`` to ``budget`` when the process
     enters the cgroup at RSS ``rss`` (its pages until then stay charged where they were)."""
     return budget - max(0, rss - baseline)
+
+
+def check_flags(enforce: bool, unenforced_ok: bool, ram: object, gpu: object = None) -> None:
+    """``--enforce`` and ``--unenforced-ok`` as every command reads them: ``--enforce`` holds
+    the CPU's ``--ram`` (so it needs one, and no ``--gpu``), ``--unenforced-ok`` only says what
+    ``--enforce`` does where no cgroup can be made. One line naming the fix otherwise."""
+    if enforce and (ram is None or gpu is not None):
+        raise TierflowError("--enforce holds the CPU's --ram budget with a memory cgroup: "
+                            "give --ram SIZE" + (" and no --gpu" if gpu is not None else ""))
+    if unenforced_ok and not enforce:
+        raise TierflowError("--unenforced-ok says what --enforce does where no cgroup can "
+                            "be made: give --enforce too")
+
+
+def hold(budget: int, baseline: int, rss: int, *, unenforced_ok: bool,
+         say: Callable[[str], None], name: str = "--ram") -> Enforced | None:
+    """Move this process into a memory cgroup that holds its RSS above ``baseline`` to
+    ``budget`` bytes, now that it holds ``rss`` (``limit_for``), and ``say`` so (a line
+    starting with ``NOTE``). Where no cgroup can be made: an EnforceError naming why, or with
+    ``unenforced_ok`` a note saying why and None. A budget the process already holds
+    (``name``, the option that gave it) is refused in one line either way: no cgroup can
+    keep it."""
+    limit = limit_for(budget, baseline, rss)
+    if limit <= 0:
+        held = rss - baseline
+        raise TierflowError(f"{name} {format_bytes(budget)} cannot be enforced: the process "
+                            f"already holds {format_bytes(held)} above its post-import "
+                            f"baseline, which leaves the memory cgroup a limit of "
+                            f"{format_bytes(limit)}: give {name} above "
+                            f"{format_bytes(held, round_up=True)}, with room for the run")
+    try:
+        held_to = enforce(limit)
+    except EnforceError as e:
+        if not unenforced_ok:
+            raise
+        say(f"{NOTE} {e}; running unenforced (unenforced_ok)")
+        return None
+    say(held_to.describe())
+    return held_to
 
 
 def enforce(limit: int, pid: int | None = None) -> Enforced:

@@ -18,6 +18,16 @@ from ..units import parse_bytes, size_with_unit
 
 PROG = "tierflow"
 
+# --enforce and --unenforced-ok, as train and generate both take them (checked by
+# ``enforce.check_flags``, entered by ``enforce.hold``)
+ENFORCE_HELP = ("the kernel holds the run to --ram: once its plan is made, before the work "
+                "starts (train: the first step; generate: the first weight read), it moves "
+                "itself into a memory cgroup (v2's memory.max, else v1's "
+                "memory.limit_in_bytes; page cache counted, no swap) of --ram above its "
+                "post-import RSS; where none can be made, it says why and stops (exit code 2)")
+UNENFORCED_OK_HELP = ("with --enforce: where no memory cgroup can be made, say why and run on "
+                      "without one")
+
 
 class Parser(argparse.ArgumentParser):
     """argparse, but an error is one line (no usage block), exit code 2."""
@@ -92,3 +102,10 @@ def add_checkpoint_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, type=Path, metavar="DIR",
                         help="checkpoint directory with config.json and model.safetensors, or "
                              "a tierflow train --out directory (its latest step_N)")
+
+
+def add_enforce_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--enforce`` and ``--unenforced-ok`` (None unless given, as train's flags are)."""
+    parser.add_argument("--enforce", action="store_true", default=None, help=ENFORCE_HELP)
+    parser.add_argument("--unenforced-ok", dest="unenforced_ok", action="store_true",
+                        default=None, help=UNENFORCED_OK_HELP)

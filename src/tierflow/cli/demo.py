@@ -159,10 +159,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
           f"training with: tierflow train --resume {checkpoint} --steps N", file=out, flush=True)
 
     _header(4, f"generate from the prompt {PROMPT!r} (temperature 0.8, top-k 40, seed 0)", out)
+    from ..generate.options import GenerateRequest
     from ..generate.sample import run as generate
     text = _Tee(out)
-    generate(checkpoint, PROMPT, max_new_tokens=settings.max_new_tokens, temperature=0.8,
-             top_k=40, seed=0, out=text)
+    generate(GenerateRequest.of(checkpoint, PROMPT, max_new_tokens=settings.max_new_tokens,
+                                temperature=0.8, top_k=40, seed=0), out=text)
     sample = root / "sample.txt"
     sample.write_text(text.getvalue(), encoding="utf-8")
 
@@ -242,12 +243,13 @@ def run_sft(settings: DemoSettings, root: Path, out: TextIO) -> int:
 
     questions, held_out = _questions(pairs)
     _header(5, "generate --chat (greedy): " + "; ".join(repr(q) for q in questions), out)
+    from ..generate.options import GenerateRequest
     from ..generate.sample import run as generate
     text = _Tee(out)
     for question in questions:
         text.write(f"> {question}{' (held out)' if question == held_out else ''}\n")
-        generate(checkpoint, question, max_new_tokens=settings.max_new_tokens, temperature=0,
-                 seed=0, out=text, chat=True)
+        generate(GenerateRequest.of(checkpoint, question, max_new_tokens=settings.max_new_tokens,
+                                    temperature=0, seed=0, chat=True), out=text)
     sample = root / "sample.txt"
     sample.write_text(text.getvalue(), encoding="utf-8")
 

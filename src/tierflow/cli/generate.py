@@ -8,7 +8,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .args import add_checkpoint_argument, bounded_number, memory_size
+from .args import add_checkpoint_argument, add_enforce_arguments, bounded_number, memory_size
 
 
 def register(sub: Any) -> None:
@@ -55,16 +55,20 @@ def register(sub: Any) -> None:
                           "whole model needs, decoder layers are read from the checkpoint for "
                           "every token (the plan is printed on stderr); refused, naming the "
                           "smallest budget, when even that does not fit")
+    add_enforce_arguments(gen)
     gen.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Stream the prompt and its continuation to stdout, then the tokens/s line."""
-    from ..generate.options import check_request
+    from ..generate.options import GenerateRequest, check_request
     ram = memory_size(args.ram, "--ram") if args.ram is not None else None
-    request = dict(tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k, ram=ram, chat=args.chat)
-    check_request(args.model, args.prompt, **request)  # bad input fails before torch loads
+    request = GenerateRequest.of(
+        args.model, args.prompt, tokenizer=args.tokenizer, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, top_k=args.top_k, seed=args.seed, dtype=args.dtype,
+        ram=ram, chat=args.chat, enforce=bool(args.enforce),
+        unenforced_ok=bool(args.unenforced_ok))
+    check_request(request)  # bad input fails before torch loads
     from ..generate.sample import run as generate
-    generate(args.model, args.prompt, seed=args.seed, dtype=args.dtype, **request)
+    generate(request)
     return 0

@@ -22,7 +22,7 @@ from ..train.options import (
     TrainOptions,
     flag_of,
 )
-from .args import memory_size
+from .args import ENFORCE_HELP, UNENFORCED_OK_HELP, memory_size
 
 
 def _int(text: str) -> int:
@@ -139,12 +139,8 @@ _HELP = {
                                "live between updates: auto lets the planner choose, compute "
                                "keeps them on the GPU (or, without --gpu, in RAM), ram in the "
                                "host RAM below --gpu, disk in --disk DIR"),
-    "enforce": (None, "the kernel holds the run to --ram: it moves itself into a memory cgroup "
-                      "(v2's memory.max, else v1's memory.limit_in_bytes; page cache counted, "
-                      "no swap) of --ram above its post-import RSS before the first step; "
-                      "where none can be made, it says why and stops (exit code 2)"),
-    "unenforced_ok": (None, "with --enforce: where no memory cgroup can be made, say why and "
-                            "train on without one"),
+    "enforce": (None, ENFORCE_HELP),
+    "unenforced_ok": (None, UNENFORCED_OK_HELP),
     "trace": ("FILE", "write a Chrome-trace JSON of every step (compute, disk reads and "
                       "writes, optimizer, gradient averaging, the RSS as a counter), for "
                       "Perfetto or chrome://tracing; under torchrun rank r > 0 writes "

@@ -23,13 +23,5 @@ def hold_to_budget(request: FitRequest, start: FitStart) -> enforce.Enforced | N
                             f"compute tier is {start.tier} with budget {start.budget}: give "
                             "ram= with the model and sample on the CPU, or leave enforce off")
     return_free_memory()  # malloc's caches are not the process's to keep charged
-    limit = enforce.limit_for(start.budget, start.outside_budget, rss_bytes())
-    try:
-        held = enforce.enforce(limit)
-    except enforce.EnforceError as e:
-        if not config.unenforced_ok:
-            raise
-        start.say(f"{enforce.NOTE} {e}; running unenforced (unenforced_ok)")
-        return None
-    start.say(held.describe())
-    return held
+    return enforce.hold(start.budget, start.outside_budget, rss_bytes(),
+                        unenforced_ok=config.unenforced_ok, say=start.say, name="ram=")

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from ..enforce import check_flags as check_enforce_flags
 from ..errors import TierflowError
 from ..models.files import read_config_json, require_weight_files
 from ..train.checkpoint_dirs import latest_checkpoint
@@ -60,19 +62,43 @@ def check_new_directory(out: Path) -> None:
                             "give another --out")
 
 
-def check_request(model_dir: str | Path, prompt: str | Sequence[str], *,
-                  tokenizer: str | Path | None, max_new_tokens: int, temperature: float,
-                  top_k: int | None, ram: str | int | None,
-                  chat: bool = False) -> tuple[Path, Path, int | None]:
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What ``tierflow generate`` is asked, as one record: the model directory (or a run's
+    ``--out``), the prompts (several run in turn on one loaded model), the sampling options,
+    and the memory terms (``ram``; ``enforce`` and ``unenforced_ok`` as train's)."""
+
+    model: str | Path
+    prompts: tuple[str, ...]
+    tokenizer: str | Path | None = None
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    top_k: int | None = None
+    seed: int | None = None
+    dtype: str = "auto"
+    ram: str | int | None = None
+    chat: bool = False  # each prompt is a user message, rendered by the chat template
+    enforce: bool = False
+    unenforced_ok: bool = False
+
+    @classmethod
+    def of(cls, model: str | Path, prompt: str | Sequence[str], **options) -> GenerateRequest:
+        """A request for one prompt or several."""
+        prompts = (prompt,) if isinstance(prompt, str) else tuple(prompt)
+        return cls(model=model, prompts=prompts, **options)
+
+
+def check_request(request: GenerateRequest) -> tuple[Path, Path, int | None]:
     """Check a ``tierflow generate`` request before anything is loaded; returns the model
-    directory (``model_dir`` itself, or the latest checkpoint of a run's ``--out`` directory),
-    the tokenizer file and the RAM budget in bytes (None: no budget). ``prompt``: one prompt
-    or several; ``chat``: each is a user message, so the tokenizer needs a chat template."""
-    check_options(max_new_tokens, temperature, top_k)
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    directory (the request's itself, or the latest checkpoint of a run's ``--out``
+    directory), the tokenizer file and the RAM budget in bytes (None: no budget). With
+    ``chat`` the tokenizer needs a chat template."""
+    check_options(request.max_new_tokens, request.temperature, request.top_k)
+    check_enforce_flags(request.enforce, request.unenforced_ok, request.ram)
+    prompts, tokenizer, ram = request.prompts, request.tokenizer, request.ram
     if not prompts or not all(isinstance(p, str) and p for p in prompts):
         raise TierflowError("the prompt is empty: give some text with --prompt")
-    directory = checkpoint_directory(model_dir)
+    directory = checkpoint_directory(request.model)
     if tokenizer is not None:
         from ..data.tokenizer import tokenizer_file
         tok_path = tokenizer_file(Path(tokenizer))
@@ -81,7 +107,7 @@ def check_request(model_dir: str | Path, prompt: str | Sequence[str], *,
         if not tok_path.is_file():
             raise TierflowError(f"no tokenizer.json in {directory}: pass --tokenizer PATH (the "
                                 "tokenizer.json the model was trained with)")
-    if chat:
+    if request.chat:
         from ..data.tokenizer import has_chat_template
         if not has_chat_template(tok_path.parent):
             raise TierflowError(f"--chat: the tokenizer in {tok_path.parent} has no chat "

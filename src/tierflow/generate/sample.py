@@ -40,6 +40,7 @@ from .memory import MemoryNeed, dtype_name, fits_in_ram, memory_needed
 from .options import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_TEMPERATURE,
+    GenerateRequest,
     check_options,
     check_request,
 )
@@ -274,59 +275,59 @@ def resolve_dtype(name: str) -> torch.dtype:
     return torch.bfloat16 if fast_bf16() else torch.float32
 
 
-def run(model_dir: str | Path, prompt: str | Sequence[str], *,
-        tokenizer: str | Path | None = None, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-        temperature: float = DEFAULT_TEMPERATURE, top_k: int | None = None,
-        seed: int | None = None, dtype: str = "auto", ram: str | int | None = None,
-        out: TextIO | None = None, chat: bool = False) -> GenerateStats:
+def run(request: GenerateRequest, out: TextIO | None = None) -> GenerateStats:
     """What ``tierflow generate`` does: check everything, load, then for each prompt (one, or
     several in turn: the model is loaded once) stream the prompt and its continuation to
     ``out`` (stdout), then a line with tokens/s. With ``chat`` each prompt is a user message
-    rendered by the tokenizer's chat template, and only the reply is written. Returns the
-    last prompt's stats."""
+    rendered by the tokenizer's chat template, and only the reply is written. With ``enforce``
+    (and a ``ram`` budget) the kernel holds the process to ``ram`` above its RSS after the
+    imports: once the plan fits, before a weight is read, it enters a memory cgroup
+    (``enforce.hold``; what it says goes to stderr), or with ``unenforced_ok`` says why it
+    cannot and runs on. Returns the last prompt's stats."""
     from ..data.tokenizer import load_tokenizer
     from ..models.int8 import is_quantized
     from ..load import load_model
 
     out = out if out is not None else sys.stdout
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    directory, tok_path, budget = check_request(model_dir, prompts, tokenizer=tokenizer,
-                                                max_new_tokens=max_new_tokens,
-                                                temperature=temperature, top_k=top_k, ram=ram,
-                                                chat=chat)
-    if directory != Path(model_dir):
-        print(f"[generate] {model_dir}: its latest checkpoint, {directory.name}", file=sys.stderr,
+    r = request
+    directory, tok_path, budget = check_request(r)
+    hold = _kernel_limit(budget, r.unenforced_ok) if r.enforce and budget is not None else None
+    if directory != Path(r.model):
+        print(f"[generate] {r.model}: its latest checkpoint, {directory.name}", file=sys.stderr,
               flush=True)
     tok = load_tokenizer(tok_path)
     template = None
-    if chat:
+    if r.chat:
         from ..data.examples import ChatTemplate
         template = ChatTemplate(tok_path)
-    torch_dtype = resolve_dtype(dtype)
-    prompt_tokens = max(len(encode_prompt(tok, p, template)) for p in prompts)
+    torch_dtype = resolve_dtype(r.dtype)
+    prompt_tokens = max(len(encode_prompt(tok, p, template)) for p in r.prompts)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     need: MemoryNeed | None = None
     if budget is not None:
-        need = memory_needed(directory, torch_dtype, prompt_tokens, max_new_tokens)
+        need = memory_needed(directory, torch_dtype, prompt_tokens, r.max_new_tokens)
     streaming = None
     if need is not None and budget is not None and not fits_in_ram(need, budget):
         model, streaming = load_streamed(directory, torch_dtype, need, budget,
-                                         ram_text=str(ram), prompt_tokens=prompt_tokens,
-                                         max_new_tokens=max_new_tokens, vocab_size=vocab,
-                                         log=sys.stderr)
+                                         ram_text=str(r.ram), prompt_tokens=prompt_tokens,
+                                         max_new_tokens=r.max_new_tokens, vocab_size=vocab,
+                                         log=sys.stderr, before_reading=hold)
     else:
+        if hold is not None:
+            hold()
         model = load_model(directory, vocab_size=vocab, dtype=torch_dtype, for_generation=True)
     weights = ", int8 weights" if is_quantized(model.config) else ""
     stats = GenerateStats()
     try:
-        check_length(model, prompt_tokens, max_new_tokens)
-        for text in prompts:
+        check_length(model, prompt_tokens, r.max_new_tokens)
+        for text in r.prompts:
             stats = GenerateStats()
             if template is None:
                 out.write(text)
                 out.flush()
-            generate(model, tok, text, max_new_tokens=max_new_tokens, temperature=temperature,
-                     top_k=top_k, seed=seed, stream=out, stats=stats, chat_template=template)
+            generate(model, tok, text, max_new_tokens=r.max_new_tokens,
+                     temperature=r.temperature, top_k=r.top_k, seed=r.seed, stream=out,
+                     stats=stats, chat_template=template)
             out.write("\n" + stats.summary() + f", {dtype_name(torch_dtype)}{weights}\n")
             out.flush()
     finally:
@@ -335,3 +336,22 @@ def run(model_dir: str | Path, prompt: str | Sequence[str], *,
     if streaming is not None:
         print(f"[stream] {streaming.summary()}", file=sys.stderr, flush=True)
     return stats
+
+
+def _kernel_limit(budget: int, unenforced_ok: bool) -> Callable[[], object]:
+    """``--enforce``: the RSS baseline now, after the imports (transformers' model code
+    included, as ``tierflow train`` and the peers take theirs), and the function that enters
+    a memory cgroup holding the process to ``budget`` above it (``enforce.hold``; a line on
+    stderr says which, or why none)."""
+    import transformers.modeling_utils  # noqa: F401  (part of the RSS baseline)
+
+    from ..enforce import hold
+    from ..exec.memory import return_free_memory, rss_bytes
+    from ..load import load_model  # noqa: F401  (part of the RSS baseline)
+    baseline = rss_bytes()
+
+    def enter() -> object:
+        return_free_memory()  # malloc's caches are not the process's to keep charged
+        return hold(budget, baseline, rss_bytes(), unenforced_ok=unenforced_ok,
+                    say=lambda line: print(line, file=sys.stderr, flush=True))
+    return enter

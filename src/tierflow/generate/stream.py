@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Callable, TextIO
 
 import torch
 from torch import nn
@@ -199,11 +199,15 @@ def _int8_tip(dtype: torch.dtype, found: dict[str, StoredTensor], layer: list[st
 
 def load_streamed(directory: Path, dtype: torch.dtype, need: MemoryNeed, budget: int, *,
                   ram_text: str, prompt_tokens: int, max_new_tokens: int,
-                  vocab_size: int | None, log: TextIO) -> tuple[nn.Module, Streaming]:
+                  vocab_size: int | None, log: TextIO,
+                  before_reading: Callable[[], object] | None = None,
+                  ) -> tuple[nn.Module, Streaming]:
     """The causal LM in ``directory`` with the decoder layers ``plan_stream`` cannot keep in
     RAM streamed from the checkpoint, and the input embedding's rows read as looked up when
     the head does not share it (the streaming is running: ``close`` it when done). Refuses,
-    naming the smallest budget, when even streaming every decoder layer does not fit."""
+    naming the smallest budget, when even streaming every decoder layer does not fit;
+    ``before_reading`` is called once the plan fits, before a weight is read (``--enforce``
+    enters its memory cgroup there)."""
     from ..chain.hf import decoder_layers
     from ..models.int8 import is_quantized
     from ..models.load import build_on_meta, read_config
@@ -242,6 +246,8 @@ def load_streamed(directory: Path, dtype: torch.dtype, need: MemoryNeed, budget:
             f"{format_bytes(min(plan.ram, in_ram), round_up=True)} or more, or lower "
             "--max-new-tokens" + ("" if is_quantized(config) else ", or generate from an int8 "
                                   "copy (tierflow quantize: 1 byte per linear weight)"))
+    if before_reading is not None:
+        before_reading()
     streamed = {n for i in plan.streamed for n in per_layer[i]}
     fds = {file: os.open(file, os.O_RDONLY) for file in {t.file for t in found.values()}}
     try:

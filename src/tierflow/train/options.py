@@ -20,6 +20,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from ..enforce import check_flags as check_enforce_flags
 from ..errors import TierflowError
 from ..models.freeze import split_patterns
 from ..precision.config import CHOICES
@@ -142,12 +143,7 @@ class TrainOptions:
         self._require_bool("serial_reads")
         self._require_bool("enforce")
         self._require_bool("unenforced_ok")
-        if self.enforce and (self.ram is None or self.gpu is not None):
-            raise TierflowError("--enforce holds the CPU's --ram budget with a memory cgroup: "
-                                "give --ram SIZE (and no --gpu)")
-        if self.unenforced_ok and not self.enforce:
-            raise TierflowError("--unenforced-ok says what --enforce does where no cgroup can "
-                                "be made: give --enforce too")
+        check_enforce_flags(self.enforce, self.unenforced_ok, self.ram, self.gpu)
         if self.serial_reads and self.disk is None:
             raise TierflowError("--serial-reads runs the disk tier's reads on demand: give "
                                 "--disk DIR too")
