@@ -40,7 +40,7 @@ def budget(command: str, flag: str, value: str, monkeypatch, tmp_path) -> int:
         return parse_bytes(getattr(build_parser().parse_args([command, flag, value]), flag[2:]))
     if command == "generate":
         monkeypatch.setattr("tierflow.generate.options.check_request",
-                            stop("ram", lambda model, prompt, **kw: kw["ram"]))
+                            stop("ram", lambda request: request.ram))
         argv = ["generate", "--model", str(tmp_path), "--prompt", "x", flag, value]
     elif command == "plan":
         monkeypatch.setattr(import_module("tierflow.sim.predict"), "predict",  # the module
