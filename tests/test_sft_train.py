@@ -6,6 +6,7 @@ accumulation 4 equals batch x4 with uneven masks (in memory and from disk), and 
 checkpoint loads in transformers with the model's tokenizer, chat template and end token."""
 import io
 
+import numpy as np
 import pytest
 import torch
 from cli_support import records, run_main
@@ -13,7 +14,7 @@ from sft_support import chat_model_dir, chats, pairs, unanswered, write_jsonl
 
 import tierflow
 from tierflow.config import FitConfig
-from tierflow.data.tokenfile import TokenFile
+from tierflow.data.tokenfile import TokenFile, TokenWriter
 from tierflow.data.tokenize import tokenize
 from tierflow.train.packing import IGNORE, PackedBatches, step_inputs, targets
 
@@ -108,7 +109,7 @@ def test_packed_batch_equals_its_documents_one_by_one(tokenized, placement, tmp_
     module, grads = _placed(model, inputs, placement, tmp_path)
     loss = module(**inputs).loss
     loss.backward()
-    torch.testing.assert_close(float(loss), want_loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(float(loss.detach()), want_loss, rtol=1e-6, atol=0)
     got = grads()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
@@ -138,6 +139,60 @@ def test_masked_positions_take_no_gradient(tokenized):
     assert masked.any() and (~masked).any()
     assert torch.all(grad[masked] == 0)
     assert torch.all(grad[~masked].abs().sum(-1) > 0)
+
+
+def _poisoned_copy(tokens: TokenFile, path) -> tuple[TokenFile, int]:
+    """``tokens`` written again to ``path`` with a random other id at every masked position
+    that no target of its document follows, and the number of ids so changed. Those tokens
+    are the labels of masked positions and nothing else the loss could read: an earlier
+    masked token (a prompt) is also the context of the targets after it, which it must
+    change. Same mask, same document boundaries."""
+    ids = np.array(tokens.window(0, len(tokens)), dtype=np.int64)  # (tokens,)
+    mask = np.asarray(tokens.mask)
+    rng = np.random.default_rng(0)
+    changed = 0
+    with TokenWriter(path, tokens.vocab_size, masked=True) as out:
+        for start, end in zip(tokens.offsets[:-1].tolist(), tokens.offsets[1:].tolist()):
+            doc = ids[start:end].copy()
+            hit = np.flatnonzero(mask[start:end])
+            tail = slice(int(hit[-1]) + 1 if len(hit) else 0, len(doc))
+            doc[tail] = (doc[tail] + rng.integers(1, tokens.vocab_size, len(doc[tail]))
+                         ) % tokens.vocab_size
+            changed += len(doc[tail])
+            out.write(doc, mask[start:end])
+    return TokenFile.open(path), changed
+
+
+def test_poisoned_masked_labels_change_no_bit(tokenized, tmp_path):
+    """The token file as ``tokenize`` wrote it, and a copy whose masked labels are poisoned
+    (random ids): their packed batches (every row, as the training loop draws them) give the
+    same loss and every gradient to the bit. A loss that read a masked label, or attention
+    across the documents of a row, would see the poison."""
+    directory, tokens = tokenized
+    poisoned, changed = _poisoned_copy(tokens, tmp_path / "train.bin")
+    rows = len(PackedBatches(tokens, 160, 1, seed=3).rows)
+    clean, dirty = (PackedBatches(t, 160, rows, seed=3).next() for t in (tokens, poisoned))
+    differ = clean["input_ids"] != dirty["input_ids"]
+    assert changed >= 20 and int(differ.sum()) == changed  # every poisoned token is drawn
+    assert torch.equal(clean["shift_labels"], dirty["shift_labels"])
+    assert torch.equal(clean["position_ids"], dirty["position_ids"])
+    assert torch.all(clean["shift_labels"][:, :-1][differ[:, 1:]] == IGNORE)  # masked labels
+    assert targets(clean) > 100
+    model = _model(directory)
+    counted = targets(clean)
+    module = tierflow.fit(model, step_inputs(clean, torch.device("cpu"), counted),
+                          planner="checkpoint-all")
+    runs = []
+    for batch in (clean, dirty):
+        model.zero_grad()
+        loss = module(**step_inputs(batch, torch.device("cpu"), counted)).loss
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (loss, grads), (poisoned_loss, poisoned_grads) = runs
+    assert torch.equal(poisoned_loss, loss), (float(poisoned_loss), float(loss))
+    for name, grad in grads.items():
+        assert grad.abs().sum() > 0, name
+        assert torch.equal(poisoned_grads[name], grad), name
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
