@@ -59,6 +59,15 @@ def chats(n: int = 12) -> list[dict]:
     return out
 
 
+def unanswered(n: int = 4) -> list[dict]:
+    """``n`` chats that end on a user's question nobody answered: their last turn is context
+    that no target follows (what a test can poison without touching any target's input)."""
+    return [{"messages": [{"role": "user", "content": f"indent line {i}"},
+                          {"role": "assistant", "content": f"indented {i} " * (1 + i % 2)},
+                          {"role": "user", "content": "and now shorten " * (1 + i % 3)}]}
+            for i in range(n)]
+
+
 def pairs(n: int = 12) -> list[dict]:
     """``n`` prompt/completion records of uneven lengths."""
     return [{"prompt": f"dedent this {i}: ", "completion": "text " * (1 + i % 5)}
