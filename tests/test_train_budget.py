@@ -311,4 +311,6 @@ def test_a_peak_within_two_percent_of_the_budget_is_warned():
     warning = near_budget(99 * MIB, 100 * MIB)
     assert warning.startswith("[!] the peak RSS, 99.00 MiB") and "99.0%" in warning
     assert "--ram 100.00 MiB" in warning and "--enforce" in warning
+    assert "is within 2% of" in warning
+    assert "passed --ram 100.00 MiB (106.0%)" in near_budget(106 * MIB, 100 * MIB)
     assert near_budget(97 * MIB, 100 * MIB) is None and near_budget(99 * MIB, None) is None

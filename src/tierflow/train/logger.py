@@ -58,9 +58,10 @@ def near_budget(ram_bytes: int | None, budget: int | None) -> str | None:
     ``NEAR_BUDGET`` of the RAM ``budget`` (None otherwise); the step loop says it once."""
     if not budget or ram_bytes is None or ram_bytes < budget * (1 - NEAR_BUDGET):
         return None
-    return (f"[!] the peak RSS, {format_bytes(ram_bytes)} above the baseline, is within "
-            f"{NEAR_BUDGET:.0%} of --ram {format_bytes(budget)} ({ram_bytes / budget:.1%}): "
-            "the plan predicted less; a larger --ram, or --enforce to have the kernel hold it")
+    where = "passed" if ram_bytes > budget else f"is within {NEAR_BUDGET:.0%} of"
+    return (f"[!] the peak RSS, {format_bytes(ram_bytes)} above the baseline, {where} "
+            f"--ram {format_bytes(budget)} ({ram_bytes / budget:.1%}): the plan predicted "
+            "less; a larger --ram, or --enforce to have the kernel hold it")
 
 
 def _used(nbytes: int | None, budget: int | None) -> str:
