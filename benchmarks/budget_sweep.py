@@ -4,6 +4,7 @@ fresh process, the peak RSS above the post-import baseline against the budget.
 
     .venv/bin/python benchmarks/budget_sweep.py [--short] [--enforce] [--models A,B]
         [--modes ram,disk,...] [--budgets 25,50,75,100,smallest] [--steps 2] [--out DIR]
+        [--tag TAG]
 
 Per model and mode, plain PyTorch is measured first (``budget_sweep_child.py plain``: the
 same model, precision, batch and frozen parameters, AdamW, no tierflow); the budgets are
@@ -18,8 +19,10 @@ a run the kernel killed is recorded as such.
 Models: llama-20m, llama-134m and gpt2-124m (presets, random init), ``qwen2-tiny`` (a Qwen2
 checkpoint built here with ``save_pretrained``: 4 layers, hidden 256) and ``resnet`` (a
 ResNet of basic blocks, 32 images of 128x128). Modes: ``ram`` (in RAM), ``disk`` (``--disk``),
-``bf16`` (bf16 weights and AdamW moments), ``accum`` (``--grad-accum 2``) and ``frozen``
-(the first two decoder layers frozen); the ResNet runs in RAM only.
+``bf16`` (bf16 weights and AdamW moments), ``accum`` (``--grad-accum 2``), ``frozen``
+(the first two decoder layers frozen) and ``generate`` (``tierflow generate`` of the model
+saved in bf16, 16 greedy tokens after a short prompt, against Hugging Face ``generate`` with
+every weight in RAM); the ResNet runs in RAM only.
 
 ``--short`` is the suite's form (tests/test_budget_sweep.py): ``llama-tiny`` in RAM at the
 smallest budget, one step: two processes (the refusal at 1 MiB, then the run), a few seconds
@@ -43,6 +46,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "src"))
+from generate_enforce import TIERFLOW_CHILD  # noqa: E402
 from harness import machine, source_commit, write_results  # noqa: E402
 from random_tokens import random_token_files  # noqa: E402
 
@@ -50,11 +54,14 @@ from tierflow.units import format_bytes, parse_bytes  # noqa: E402
 
 MODELS = ("llama-20m", "llama-134m", "gpt2-124m", "qwen2-tiny", "resnet")
 MODES = {"ram": [], "disk": None, "bf16": ["--model-dtype", "bf16", "--optim-dtype", "bf16"],
-         "accum": ["--grad-accum", "2"], "frozen": ["--freeze", "*.0.*,*.1.*"]}
+         "accum": ["--grad-accum", "2"], "frozen": ["--freeze", "*.0.*,*.1.*"],
+         "generate": None}
+NEW_TOKENS = 16  # generate: greedy tokens after a 16-token prompt, bf16
 BUDGETS = ("25", "50", "75", "100", "smallest")
 SEQ, BATCH = 256, 4
 # the suite's form: the smallest budget of a tiny Llama (plain PyTorch's peak, which only the
 # fractions need, is not measured: tierflow's runtime alone passes that model's 110 MiB)
+PROMPT = "The quick brown fox jumps over the lazy dog near the river bank"
 SHORT = {"models": ("llama-tiny",), "modes": ("ram",), "budgets": ("smallest",), "steps": 1}
 
 
@@ -71,9 +78,11 @@ def _child_json(proc: subprocess.CompletedProcess) -> dict[str, Any]:
 
 
 def plain_peak(model: str, mode: str, spec: str, steps: int, timeout: float) -> dict[str, Any]:
-    """Plain PyTorch's record for ``model`` in ``mode`` (its peak RSS above the baseline)."""
+    """Plain PyTorch's record for ``model`` in ``mode`` (its peak RSS above the baseline;
+    generate: Hugging Face ``generate`` with every weight in RAM)."""
     argv = [sys.executable, str(HERE / "budget_sweep_child.py"), "plain", "--model", spec,
-            "--mode", mode, "--seq", str(SEQ), "--batch", str(BATCH), "--steps", str(steps)]
+            "--mode", mode, "--seq", str(SEQ), "--batch", str(BATCH), "--steps", str(steps),
+            "--new-tokens", str(NEW_TOKENS), "--prompt", PROMPT]
     return _child_json(_run(argv, timeout))
 
 
@@ -87,6 +96,18 @@ def tierflow_run(model: str, mode: str, spec: str, ram: int, steps: int, enforce
         proc = _run(argv, timeout)
         if proc.returncode == 0:
             return _child_json(proc)
+    elif mode == "generate":  # spec: a checkpoint directory (generate_checkpoint)
+        argv = [sys.executable, "-c", TIERFLOW_CHILD, "generate", "--model", spec, "--prompt",
+                PROMPT, "--max-new-tokens", str(NEW_TOKENS), "--temperature", "0", "--dtype",
+                "bf16", "--ram", f"{ram}B"] + (["--enforce"] if enforce else [])
+        proc = _run(argv, timeout)
+        if proc.returncode == 0:
+            rss = json.loads(next(x for x in proc.stderr.splitlines()
+                                  if x.startswith('{"baseline')))
+            streamed = [x for x in proc.stderr.splitlines() if x.startswith("[stream]")]
+            return {"status": "ok", "budget": ram, "peak_above_baseline_bytes":
+                    rss["peak_rss_bytes"] - rss["baseline_rss_bytes"],
+                    "strategy": "streamed" if streamed else "in RAM"}
     else:
         out = Path(tempfile.mkdtemp(dir=scratch))
         flags = MODES[mode] if mode != "disk" else ["--disk", str(scratch)]
@@ -106,7 +127,7 @@ def tierflow_run(model: str, mode: str, spec: str, ram: int, steps: int, enforce
     if proc.returncode == -9:
         return {"status": "killed", "budget": ram, "stderr": proc.stderr[-500:]}
     # the budget to give, or (before the model is built) what its weights and states take
-    give = re.search(r"give (?:--)?ram[= ]\"?(\d+(?:\.\d+)?[KMGT]iB)", proc.stderr) or \
+    give = re.search(r"give (?:--)?ram[= ]\"?(\d+(?:\.\d+)?) ?([KMGT]iB)", proc.stderr) or \
         re.search(r"below the (\d+(?:\.\d+)?) ([KMGT]iB) that", proc.stderr)
     if proc.returncode == 2 and give:
         return {"status": "refused", "budget": ram, "error": proc.stderr.strip()[-400:],
@@ -124,6 +145,20 @@ def qwen2_tiny(directory: Path) -> Path:
                          max_position_embeddings=1024, tie_word_embeddings=True)
     Qwen2ForCausalLM(config).save_pretrained(directory)
     return directory
+
+
+def generate_checkpoint(spec: str, directory: Path) -> str:
+    """``spec`` (a preset or a checkpoint directory) saved in bf16 with a small tokenizer,
+    in a fresh process (building it costs the sweep's own process nothing): what the
+    generate mode reads."""
+    code = ("import sys, torch, tierflow; from tierflow.data.tokenizer import train_tokenizer; "
+            "m = tierflow.load_model(sys.argv[1], dtype=torch.bfloat16); "
+            "m.save_pretrained(sys.argv[2]); "
+            "train_tokenizer([sys.argv[3] * 4], 300).save(sys.argv[2] + '/tokenizer.json')")
+    proc = _run([sys.executable, "-c", code, spec, str(directory), PROMPT], timeout=1800)
+    if proc.returncode != 0:
+        raise SystemExit(f"saving {spec} for generation failed: {proc.stderr[-1500:]}")
+    return str(directory)
 
 
 def table(records: list[dict[str, Any]]) -> str:
@@ -157,19 +192,22 @@ def sweep(models, modes, budgets, steps: int, enforce: bool,
             specs["qwen2-tiny"] = str(qwen2_tiny(scratch / "qwen2-tiny"))
         for model in models:
             for mode in (("ram",) if model == "resnet" else modes):
+                spec = specs[model]
+                if mode == "generate":
+                    spec = generate_checkpoint(spec, scratch / f"{model}-generate")
                 plain = {"peak": None}
                 if budgets != ["smallest"]:
-                    plain = plain_peak(model, mode, specs[model], steps, timeout)
+                    plain = plain_peak(model, mode, spec, steps, timeout)
                     print(f"{model} {mode}: plain PyTorch {format_bytes(plain['peak'])}",
                           flush=True)
                 for label in budgets:
                     ram = parse_bytes("1MiB") if label == "smallest" else \
                         int(plain["peak"] * int(label) / 100)
-                    r = tierflow_run(model, mode, specs[model], ram, steps, enforce, scratch,
+                    r = tierflow_run(model, mode, spec, ram, steps, enforce, scratch,
                                      data, timeout)
                     tries = 3  # 1 MiB, then what each refusal names (a floor, then the plan's)
                     while label == "smallest" and r["status"] == "refused" and tries:
-                        r, tries = tierflow_run(model, mode, specs[model], r["smallest"], steps,
+                        r, tries = tierflow_run(model, mode, spec, r["smallest"], steps,
                                                 enforce, scratch, data, timeout), tries - 1
                     r.update(model=model, mode=mode, label=label if label == "smallest"
                              else f"{label}%", plain_peak_bytes=plain["peak"], enforce=enforce)
@@ -191,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per process")
     p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--tag", default="", help="a suffix for the result files' names")
     args = p.parse_args(argv)
     models, modes = args.models.split(","), args.modes.split(",")
     budgets, steps = args.budgets.split(","), args.steps
@@ -207,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     records = sweep(models, modes, budgets, steps, args.enforce, args.timeout)
     day = datetime.date.today().isoformat()
     name = f"budget-sweep-{day}" + ("-short" if args.short else "") \
-        + ("-enforce" if args.enforce else "")
+        + ("-enforce" if args.enforce else "") + (f"-{args.tag}" if args.tag else "")
     text = (f"# Budget sweep {day} ({source_commit(ROOT)})\n\n"
             f"machine: {json.dumps(machine())}\n\n{table(records)}")
     md, js = write_results(args.out, name, text, {

@@ -2,8 +2,8 @@
 """One process of ``budget_sweep.py``: plain PyTorch's peak for a sweep's model and mode, or
 the ResNet trained through ``tierflow.fit`` under a RAM budget. Prints one JSON line.
 
-    budget_sweep_child.py plain --model SPEC --mode ram|disk|bf16|accum|frozen --seq N \\
-        --batch N --steps N
+    budget_sweep_child.py plain --model SPEC --mode ram|disk|bf16|accum|frozen|generate \\
+        --seq N --batch N --steps N [--new-tokens N --prompt TEXT]
     budget_sweep_child.py fit --model resnet --ram BYTES --steps N [--enforce]
 
 The peak is the process's peak RSS above its RSS right after the imports (transformers'
@@ -11,7 +11,9 @@ model code included, as ``tierflow train`` takes its baseline). Plain PyTorch tr
 ``tierflow train`` would in that mode: bf16 autocast where the CPU has native bf16; ``bf16``
 with bf16 weights and AdamW moments (here: AdamW over the bf16 parameters), ``accum`` with
 two micro-batches per step, ``frozen`` with the first two decoder layers frozen; ``disk``
-is plain PyTorch in RAM (it has no disk tier).
+is plain PyTorch in RAM (it has no disk tier); ``generate`` is Hugging Face ``generate``
+(greedy, ``--new-tokens`` after ``--prompt``) of the checkpoint directory SPEC loaded whole
+in bf16 by ``AutoModelForCausalLM``.
 """
 from __future__ import annotations
 
@@ -53,6 +55,24 @@ def resnet():
     return nn.Sequential(*layers)
 
 
+def plain_generate(args: argparse.Namespace) -> int:
+    """Hugging Face generation with every weight in RAM: the peak above the baseline."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tierflow.data.tokenizer import load_tokenizer
+    from tierflow.profile.machine import maxrss_bytes
+    base = maxrss_bytes()
+    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16)
+    ids = load_tokenizer(f"{args.model}/tokenizer.json").encode(args.prompt).ids
+    with torch.inference_mode():
+        model.generate(torch.tensor([ids]), max_new_tokens=args.new_tokens, do_sample=False,
+                       min_new_tokens=args.new_tokens)
+    print(json.dumps({"what": "plain", "model": args.model, "mode": "generate",
+                      "peak": maxrss_bytes() - base}), flush=True)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["plain", "fit"])
@@ -63,7 +83,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--ram", type=int, default=None)
     p.add_argument("--enforce", action="store_true")
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--prompt", default="")
     args = p.parse_args()
+    if args.mode == "generate":
+        return plain_generate(args)
 
     import torch
     import transformers.modeling_utils  # noqa: F401  (part of the baseline, as the trainer's)
