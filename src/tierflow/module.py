@@ -80,7 +80,8 @@ class TierflowModule(nn.Module):
                                 for stage, cost in zip(chain.stages, plan.costs.stages)]
         self._cold = True  # nothing read yet: the next step first runs the plan's cold routine
         self._transfer = transfer_to(streamer, optimizer, self._tapes,  # starts a transfer op
-                                     self._boundaries)
+                                     self._boundaries,
+                                     self._deferred.stash if self._deferred else None)
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
         self._forward_count = len(plan.forward_ops)
         self.ledger = Ledger({storage_key(p) for p in model.parameters()})

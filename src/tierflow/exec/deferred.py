@@ -4,7 +4,8 @@ global gradient norm, for an optimizer tierflow owns.
 An update inside the backward (the default) cannot clip by a norm that is only known once
 every stage's gradients exist, nor wait for later micro-batches. Here each micro-batch's
 backward only completes gradients: a resident stage keeps them in ``.grad``, a streamed
-stage hands them to the disk tier (``GradientStash``). After the last micro-batch of a step
+stage hands them to the tier its weights live on (``GradientStash``, moved by the plan's
+gradient ops: ``plan/gradient_schedule.py``). After the last micro-batch of a step
 the global norm gives the clipping factor (as ``torch.nn.utils.clip_grad_norm_``), and one
 pass over the stages, last first, updates each: its weights and gradients are fetched, the
 next stages' weights and its optimizer states read ahead (during the update before it), its
@@ -53,13 +54,15 @@ class DeferredUpdates:
 
     def gradients_complete(self, i: int) -> None:
         """The plan's Update(i) during a micro-batch: stage i's gradients are complete for
-        this micro-batch; a streamed stage's leave for the disk tier."""
-        if self.stash is not None and i in self.stash.stage_params:
-            self.stash.stash(i, measure=self.micro == self.grad_accum - 1)
+        this micro-batch (a streamed stage's leave with the plan's Store after it, their norm
+        measured on the step's last micro-batch)."""
+        if self.stash is not None:
+            self.stash.measuring = self.micro == self.grad_accum - 1
 
     def before_backward(self, i: int) -> None:
-        """Stage i's gradients of earlier micro-batches back in ``.grad`` to accumulate into."""
-        if self.stash is not None and self.micro > 0:
+        """Stage i's gradients of earlier micro-batches, read by the plan's Load, back in
+        ``.grad`` to accumulate into."""
+        if self.stash is not None:
             self.stash.restore(i)
 
     def backward_done(self) -> None:
@@ -114,7 +117,7 @@ class DeferredUpdates:
             if i in streamed:
                 with span("wait for weights", "compute"):
                     self.streamer.wait_loaded(i)
-                self.stash.restore(i)
+                self.stash.restore(i)  # read by the plan's Load of its gradients
             with span(f"update {i}", "optimizer"):
                 self.optimizer.step_stage(i, scale)
             room_made = False

@@ -64,7 +64,8 @@ def build_module(model: nn.Module, chain: Chain, placed: TierPlan, request: FitR
             growth = placed.update_pass.peak - placed.plan.costs.static_bytes
             room = functools.partial(host_room.make_room, growth, fresh=True)
         deferred = DeferredUpdates(owned, request.grad_accum, request.max_grad_norm,
-                                   plan.routines, transfer_to(streamer, owned), streamer,
+                                   plan.routines, transfer_to(streamer, owned, gradients=stash),
+                                   streamer,
                                    stash, room)
     start.say(f"planned in {time.perf_counter() - start.started:.1f} s: {plan.strategy}")
     tapes = None

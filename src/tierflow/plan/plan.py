@@ -30,11 +30,12 @@ from .simulate import Simulation, check_complete, simulate
 from .timeline import Timeline, timeline
 from .state_schedule import first_read, with_state_transfers
 from .boundary_schedule import with_boundary_transfers
+from .gradient_schedule import with_gradient_reads, with_gradient_transfers
 from .tape_schedule import with_tape_transfers
 from .transfers import Transfers
 from .weight_schedule import WeightSchedule, check_schedule, schedule_weights
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,10 @@ class Plan:
         in its routines: the loads, stores and drops of streamed weights
         (``plan/weight_schedule.py``), the loads and stores of optimizer states beside the
         updates (``plan/state_schedule.py``), the update pass of deferred updates, the
-        stores, loads and drops of the tapes kept below (``plan/tape_schedule.py``) and the
-        stores and loads of the stashed checkpoints (``plan/boundary_schedule.py``)."""
+        stores and loads of the streamed stages' gradients between micro-batches
+        (``plan/gradient_schedule.py``), the stores, loads and drops of the tapes kept below
+        (``plan/tape_schedule.py``) and the stores and loads of the stashed checkpoints
+        (``plan/boundary_schedule.py``)."""
         compute = tuple(op for op in self.ops if not isinstance(op, TRANSFERS))
         order = transfers.update_order
         step, routines = compute, Routines(update_pass=tuple(Update(i) for i in order or ()))
@@ -127,6 +130,10 @@ class Plan:
                 routines = replace(routines, update_pass=placed, cold=cold)
             else:
                 step, routines = placed, replace(routines, cold=cold)
+        if transfers.gradients is not None:
+            step = with_gradient_transfers(step, transfers.gradients, transfers.accumulates)
+            routines = replace(routines, update_pass=with_gradient_reads(
+                routines.update_pass, transfers.gradients))
         if transfers.tapes is not None:
             step = with_tape_transfers(step, transfers.tapes)
         if transfers.boundaries is not None:
@@ -163,7 +170,7 @@ class Plan:
     def decisions(self) -> dict:
         """What this plan chose, in a form two plans compare by (``tierflow plan --json``'s
         and the trainer's log's): the strategy, what is recomputed and stashed, and what
-        its transfers move, where, and how far ahead."""
+        its transfers move (weights, states, tapes, gradients), where, and how far ahead."""
         moves = self.transfers or Transfers()
         weights, states, tapes = moves.weights, moves.states, moves.tapes
         return {"strategy": self.strategy, "recomputed": self.recomputed_stages(),
@@ -177,7 +184,9 @@ class Plan:
                 "states_home": states.home if states else None,
                 "tapes": sorted(tapes.stages) if tapes else [],
                 "tapes_home": tapes.home if tapes else None,
-                "deferred_updates": moves.deferred}
+                "deferred_updates": moves.deferred,
+                "gradients": sorted(moves.gradients.stages) if moves.gradients else [],
+                "gradients_home": moves.gradients.home if moves.gradients else None}
 
     def to_json(self) -> str:
         return json.dumps({"format": "tierflow-plan", "version": FORMAT_VERSION,

@@ -252,8 +252,8 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
                    largest: Sequence[int] = (),
                    accumulates: bool = False) -> tuple[ChainCosts, UpdatePass]:
     """A candidate's costs when updates are deferred: the plan's Update(i) only hands a
-    streamed stage's gradients to the lower tier (written behind the next backward, if any:
-    one stage's at a time, static bytes here); resident stages' gradients stay for the whole
+    streamed stage's gradients to the lower tier (the plan's Store of them, written behind
+    the next backward, if any: one stage's at a time, static bytes here); resident stages' gradients stay for the whole
     step; the optimizer work moves to the update pass. ``accumulates`` (over micro-batches):
     each backward adds its gradients to ones it reads back (a streamed stage's) or keeps,
     so a stage's backward also holds a fresh gradient of its ``largest`` parameter.
@@ -282,8 +282,9 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
             if weights_there:  # its gradients wait on disk too
                 seconds += grads / weights.bandwidth
         if i in candidate.streamed:
-            stages.append(replace(s, update_time=max(0.0, grads / weights.bandwidth - s.bwd_time),
-                                  update_transient=0))
+            # handing its gradients over takes no compute: their Store is the plan's op
+            # (``plan/gradient_schedule.py``), written behind the next backward
+            stages.append(replace(s, update_time=0.0, update_transient=0))
             if i > 0:  # being written behind the next backward (the first stage's has none)
                 in_flight = max(in_flight, grads)
             if i in candidate.host_stages:

@@ -36,6 +36,7 @@ from .tier_costs import (
 )
 from .streaming import TRANSFER_RESOURCES
 from .boundary_schedule import BOUNDARY
+from .gradient_schedule import GRADS
 from .kept_below import KeptBelow
 from .state_schedule import STATES
 from .tape_schedule import TAPE
@@ -195,7 +196,9 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
                                          stored_states(candidate, problem, state_of, tier),
                                          _update_order(candidate, problem),
                                          offloaded_tapes(candidate, problem, tier),
-                                         stashed_boundaries(candidate, costs, tier)))
+                                         stashed_boundaries(candidate, costs, tier),
+                                         stashed_gradients(candidate, problem, tier),
+                                         problem.accumulates))
     return TierPlan(replace(plan, notes=plan.notes + notes), candidate.states,
                     candidate.weights, candidate.streamed, update_pass, candidate.tapes,
                     candidate.tape_stages, candidate.depth, held, candidate.boundaries,
@@ -247,6 +250,19 @@ def stashed_boundaries(candidate: Candidate, costs: ChainCosts, tier: str) -> Ke
         return None
     sizes = tuple((a, costs.x_bytes(a)) for a in costs.stashable)
     return _kept_below(BOUNDARY, sizes, candidate.boundaries, tier, read_ahead=True)
+
+
+def stashed_gradients(candidate: Candidate, problem: TierProblem,
+                      tier: str) -> KeptBelow | None:
+    """With deferred updates, the gradients of ``candidate``'s streamed stages, kept where
+    their weights live between a backward and their next use (None: none): each stage's
+    parameters' (the first stage's with the tied ones)."""
+    if not problem.deferred or not candidate.streamed:
+        return None
+    base = problem.costs
+    sizes = tuple((i, base.stages[i].param_bytes + (base.shared_grad_bytes if i == 0 else 0))
+                  for i in sorted(candidate.streamed))
+    return _kept_below(GRADS, sizes, candidate.weights, tier, candidate.depth > 0)
 
 
 def _kept_below(what: str, sizes: tuple[tuple[int, int], ...], home: LowerTier, tier: str,

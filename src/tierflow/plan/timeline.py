@@ -10,12 +10,13 @@ Pure data. One dispatcher walks the ops in order, as the executor does:
   is done, and takes its bytes over the resource's bandwidth (``ChainCosts.bandwidths``);
   the dispatcher goes on at once;
 - a Drop waits (on the dispatcher) for the stage's Store in flight, and the Store of a
-  tape or a checkpoint for the Store of the one before it (the executor writes one of each
-  at a time); a Fetch waits (on the dispatcher) for its checkpoint's Load; Free and Stash
+  tape, a checkpoint or a stage's gradients for the Store of the one before it (the
+  executor writes one of each at a time); a Fetch waits (on the dispatcher) for its checkpoint's Load; Free and Stash
   take no time.
 What an op waits for: a compute op of a streamed stage, the last Load of its weights; an
 Update also the last Store of its weights (a kept stage's write reads them) and the last
-Load of its optimizer states; a Backward the Load of its tape (when it went down); a Load,
+Load of its optimizer states; a Backward the Load of its tape (when it went down); a
+Backward and an Update the last Load of their stage's gradients (deferred updates); a Load,
 the last Store of the same tensors (read only once written). The same ops run step after step, so a
 step's time is the steady state's: the dispatcher's time over one repetition after two.
 """
@@ -29,9 +30,10 @@ from .ops import WEIGHTS, Backward, Drop, Fetch, Forward, Load, Op, Store, Updat
 from .state_schedule import STATES
 from .tape_schedule import TAPE
 from .boundary_schedule import BOUNDARY
+from .gradient_schedule import GRADS
 
 COMPUTE = "compute"
-ONE_WRITE_AT_A_TIME = (TAPE, BOUNDARY)  # a Store of these waits for the one before
+ONE_WRITE_AT_A_TIME = (TAPE, BOUNDARY, GRADS)  # a Store of these waits for the one before
 WARM_UP = 2  # repetitions before the one that is measured
 
 
@@ -77,6 +79,8 @@ def timeline(costs: ChainCosts, ops: Sequence[Op]) -> Timeline:
                 seconds = stage.fwd_time if isinstance(op, Forward) else \
                     stage.bwd_time if isinstance(op, Backward) else stage.update_time
                 ready = max(clock, free.get(COMPUTE, 0.0), loaded.get((WEIGHTS, op.stage), 0.0))
+                if not isinstance(op, Forward):
+                    ready = max(ready, loaded.get((GRADS, op.stage), 0.0))
                 if isinstance(op, Update):
                     ready = max(ready, stored.get((WEIGHTS, op.stage), 0.0),
                                 loaded.get((STATES, op.stage), 0.0))
