@@ -41,9 +41,11 @@ def with_gradient_transfers(step: Sequence[Op], grads: KeptBelow,
 
 def with_gradient_reads(update_pass: Sequence[Op], grads: KeptBelow) -> tuple[Op, ...]:
     """The ``update_pass`` with the Load of each updated stage's gradients: beside the Load
-    of its weights, else right before its Update."""
+    of its weights, else right before its Update (not for an Update in host RAM: the host
+    optimizer takes a stage's gradients where they wait, ``exec/gradients.take``)."""
     stages = grads.stages
-    updated = {op.stage for op in update_pass if isinstance(op, Update)} & set(stages)
+    updated = {op.stage for op in update_pass if isinstance(op, Update)
+               and not op.on_host} & set(stages)
     read: set[int] = set()
     out: list[Op] = []
     for op in update_pass:

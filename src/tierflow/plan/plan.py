@@ -12,6 +12,7 @@ from ..units import format_bytes
 from .costs import ChainCosts
 from .forward_only import forward_only_length
 from .ops import (
+    HOST_OPTIMIZER,
     TRANSFERS,
     WEIGHTS,
     Backward,
@@ -105,7 +106,8 @@ class Plan:
 
     def with_transfers(self, transfers: Transfers) -> "Plan":
         """This plan's compute ops with the transfers of ``transfers`` placed among them and
-        in its routines: the loads, stores and drops of streamed weights
+        in its routines, and its Updates of ``transfers.host_stages`` run by the host
+        optimizer: the loads, stores and drops of streamed weights
         (``plan/weight_schedule.py``), the loads and stores of optimizer states beside the
         updates (``plan/state_schedule.py``), the update pass of deferred updates, the
         stores and loads of the streamed stages' gradients between micro-batches
@@ -121,6 +123,11 @@ class Plan:
             step, routines = schedule.step, Routines(
                 schedule.between, schedule.update_pass, schedule.after_pass, schedule.cold,
                 schedule.evaluation)
+        if transfers.host_stages:  # stepped by the host optimizer, in host RAM
+            if not transfers.deferred:
+                step = _on_host(step, transfers.host_stages)
+            routines = replace(routines, update_pass=_on_host(routines.update_pass,
+                                                              transfers.host_stages))
         states = transfers.states
         if states is not None:
             updating = routines.update_pass if transfers.deferred else step
@@ -139,6 +146,12 @@ class Plan:
         if transfers.boundaries is not None:
             step = with_boundary_transfers(step, transfers.boundaries)
         return replace(self, ops=step, routines=routines, transfers=transfers)
+
+    @property
+    def host_updated_stages(self) -> frozenset[int]:
+        """The stages whose Update the host optimizer runs, in host RAM."""
+        return frozenset(op.stage for op in (*self.ops, *self.routines.update_pass)
+                         if isinstance(op, Update) and op.on_host)
 
     @property
     def forward_ops(self) -> tuple[Op, ...]:
@@ -274,6 +287,12 @@ class Plan:
     def describe_ops(self) -> str:
         """The op sequence in short form, e.g. ``Fall(0) F(1) ... B(0)``."""
         return " ".join(str(op) for op in self.ops)
+
+
+def _on_host(ops: tuple[Op, ...], stages: frozenset[int]) -> tuple[Op, ...]:
+    """``ops`` with the Updates of ``stages`` run by the host optimizer."""
+    return tuple(replace(op, resource=HOST_OPTIMIZER)
+                 if isinstance(op, Update) and op.stage in stages else op for op in ops)
 
 
 def _first_forward_tape(ops: tuple[Op, ...], length: int) -> list[bool]:

@@ -198,7 +198,7 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
                                          offloaded_tapes(candidate, problem, tier),
                                          stashed_boundaries(candidate, costs, tier),
                                          stashed_gradients(candidate, problem, tier),
-                                         problem.accumulates))
+                                         problem.accumulates, candidate.host_stages))
     return TierPlan(replace(plan, notes=plan.notes + notes), candidate.states,
                     candidate.weights, candidate.streamed, update_pass, candidate.tapes,
                     candidate.tape_stages, candidate.depth, held, candidate.boundaries,
@@ -276,12 +276,14 @@ def _kept_below(what: str, sizes: tuple[tuple[int, int], ...], home: LowerTier, 
 
 
 def _update_order(candidate: Candidate, problem: TierProblem) -> tuple[int, ...] | None:
-    """The stages the update pass after the backward steps on the compute tier, last first
-    (None when updates run inside the backward)."""
+    """The stages the update pass after the backward steps: those stepped in host RAM first
+    (the host thread steps them while the compute tier updates the others), then the
+    others, each last first (None when updates run inside the backward)."""
     if not problem.deferred:
         return None
-    return tuple(i for i in sorted(problem.optimizer_stages, reverse=True)
-                 if i not in candidate.host_stages)
+    order = sorted(problem.optimizer_stages, reverse=True)
+    return tuple([i for i in order if i in candidate.host_stages]
+                 + [i for i in order if i not in candidate.host_stages])
 
 
 def _update_pass_error(update_pass: UpdatePass, budget: int, tier: str) -> BudgetError:

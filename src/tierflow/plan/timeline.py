@@ -26,13 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .costs import ChainCosts
-from .ops import WEIGHTS, Backward, Drop, Fetch, Forward, Load, Op, Store, Update
+from .ops import COMPUTE, WEIGHTS, Backward, Drop, Fetch, Forward, Load, Op, Store, Update
 from .state_schedule import STATES
 from .tape_schedule import TAPE
 from .boundary_schedule import BOUNDARY
 from .gradient_schedule import GRADS
 
-COMPUTE = "compute"
 ONE_WRITE_AT_A_TIME = (TAPE, BOUNDARY, GRADS)  # a Store of these waits for the one before
 WARM_UP = 2  # repetitions before the one that is measured
 

@@ -16,11 +16,13 @@ from .weight_schedule import StreamedWeights
 
 @dataclass(frozen=True)
 class Transfers:
-    """``update_order``: the stages the update pass after the backward steps on the compute
-    tier, in its order (deferred updates: gradient accumulation, clipping); None when each
+    """``update_order``: the stages the update pass after the backward steps, in its order
+    (deferred updates: gradient accumulation, clipping); None when each
     stage is updated inside the backward. ``gradients``: the streamed stages' gradients
     kept below between a backward and their next use (deferred updates), read back before
-    each backward when ``accumulates`` (over micro-batches)."""
+    each backward when ``accumulates`` (over micro-batches). ``host_stages``: the stages the
+    optimizer steps in host RAM: their Updates name the host optimizer (inside the
+    backward, or first in the update pass when deferred)."""
 
     weights: StreamedWeights | None = None
     states: KeptBelow | None = None
@@ -29,6 +31,7 @@ class Transfers:
     boundaries: KeptBelow | None = None
     gradients: KeptBelow | None = None
     accumulates: bool = False
+    host_stages: frozenset[int] = frozenset()
 
     @property
     def deferred(self) -> bool:
@@ -41,7 +44,8 @@ class Transfers:
                 "tapes": self.tapes.to_dict() if self.tapes else None,
                 "boundaries": self.boundaries.to_dict() if self.boundaries else None,
                 "gradients": self.gradients.to_dict() if self.gradients else None,
-                "accumulates": self.accumulates}
+                "accumulates": self.accumulates,
+                "host_stages": sorted(self.host_stages)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Transfers":
@@ -54,4 +58,5 @@ class Transfers:
                    if data["boundaries"] else None,
                    gradients=KeptBelow.from_dict(data["gradients"])
                    if data["gradients"] else None,
-                   accumulates=bool(data["accumulates"]))
+                   accumulates=bool(data["accumulates"]),
+                   host_stages=frozenset(int(i) for i in data["host_stages"]))
