@@ -52,3 +52,23 @@ def test_a_deferred_pass_steps_the_host_stages_first_without_moving_their_weight
     assert placed.host_updated_stages == frozenset({1, 2})
     assert not any(isinstance(op, Load) and op.stage in (1, 2) for op in passed)
     assert Plan.from_json(placed.to_json()).routines == placed.routines
+
+
+def test_the_timeline_runs_host_steps_on_their_own_resource():
+    """A host Update's hand-over (its gradients down) runs on compute, its step on the host
+    optimizer beside the next stage's backward; the next hand-over waits for a step that
+    outlasts that compute, and the end of the backward for the last step."""
+    from dataclasses import replace
+
+    plan = _plan()
+    host = replace(STAGE, update_time=0.5, host_update_time=3.0)
+    costs = replace(plan.costs, stages=(host,) * 3)
+    placed = replace(plan, costs=costs).with_transfers(Transfers(host_stages=frozenset({1, 2})))
+    line = placed.timeline
+    assert line.busy(HOST_OPTIMIZER) == 6.0
+    assert line.busy(COMPUTE) == 3 * (1.0 + 2.0) + 2 * 0.5 + 0.5  # U(0) on compute: 0.5
+    # F 3 s, B(2) 2 s, Uh(2) 0.5 s; its step (3 s) outlasts B(1) and Uh(1)'s hand-over (2.5 s)
+    # by 0.5 s; Uh(1)'s step then runs beside B(0) and U(0) (2.5 s): the end waits 0.5 s more
+    assert line.time == 3.0 + 2.5 + 2.5 + 0.5 + 2.5 + 0.5
+    spans = [(s.name, s.resource) for s in line.spans if s.resource == HOST_OPTIMIZER]
+    assert spans == [("Uh(2)", HOST_OPTIMIZER), ("Uh(1)", HOST_OPTIMIZER)]

@@ -36,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
+from ..plan.ops import HOST_OPTIMIZER
 from .buffers import BufferPool
 from .copy_stream import SideStreamCopier
 from .disk import WriteBehind
@@ -121,10 +122,10 @@ class HostUpdates:
               scale: float, fetch: Callable[[], None] | None,
               release: Callable[[], None] | None) -> None:
         if fetch is not None:
-            with span(f"wait for optimizer states {i}", "optimizer"):
+            with span(f"wait for optimizer states {i}", HOST_OPTIMIZER):
                 fetch()
         weights = self._weights_in(i)
-        with span(f"host update {i}", "optimizer"):
+        with span(f"Uh({i})", HOST_OPTIMIZER):  # the plan's op, on its resource
             if scale != 1.0:  # clipping by the global norm
                 for twin in twins:
                     if twin.grad is not None:

@@ -90,9 +90,10 @@ class Plan:
 
     @property
     def timeline(self) -> Timeline:
-        """When each op runs in the steady state: a micro-batch's ops, then the reads the
-        next one starts with, as a task graph on the resources that carry them."""
-        return timeline(self.costs, (*self.ops, *self.routines.between))
+        """When each op runs in the steady state: a micro-batch's ops, then (once the host
+        optimizer's steps are done) the reads the next one starts with, as a task graph on
+        the resources that carry them."""
+        return timeline(self.costs, (*self.ops, *self.routines.between), join=len(self.ops))
 
     @property
     def predicted_peak(self) -> int:

@@ -173,14 +173,15 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
     for the step the same way, and written back by the host thread after it. A streamed
     stage stepped there is read for its next forward (the plan's Loads say when).
 
-    Stage i's host step runs beside the backward of stage i - 1; the compute tier waits at
-    stage i's update for what stage i + 1's step outlasted of that backward, and at the end
-    of the backward for the lowest one's (priced here at the stage whose step it is). Not
-    ``beside_backward`` (a simulated GPU: the host thread steps on the cores that compute),
-    the compute tier waits for all of it. With updates deferred, ``deferred_costs`` prices
-    the steps in its pass instead."""
+    A stage's ``update_time`` is the hand-over (its gradients down), its ``host_update_time``
+    the host step, which the plan's ``Update(i, "host optimizer")`` runs on that thread
+    (``plan/timeline.py``): beside the backward of stage i - 1, the compute tier waiting at
+    stage i - 1's hand-over for what it outlasted of that backward, and at the end of the
+    backward for the lowest one's. Not ``beside_backward`` (a simulated GPU: the host
+    thread steps on the cores that compute), the compute tier waits for all of it: the
+    step is in ``update_time``. With updates deferred, ``deferred_costs`` prices the steps
+    in its pass instead."""
     stages = list(costs.stages)
-    lowest = min(host)
     for i in host:
         params = base.stages[i].param_bytes
         down = params / link.bandwidth  # the gradients, as large as the weights
@@ -188,14 +189,9 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
         weights = params if weights_disk is not None and i in streamed else 0
         work = _with_disk_io(work, state_of[i] if home.name == "disk" else 0, weights,
                              home if home.name == "disk" else weights_disk, read_ahead)
-        if not beside_backward:
-            beside = 0.0
-        elif i == lowest:
-            beside = sum(s.bwd_time for s in base.stages[:i])
-        else:
-            beside = base.stages[i - 1].bwd_time
         # a streamed stage's weights stay until the update (the gradients are counted)
-        stages[i] = replace(stages[i], update_time=down + max(0.0, work - beside),
+        stages[i] = replace(stages[i], update_time=down + (0.0 if beside_backward else work),
+                            host_update_time=work if beside_backward else 0.0,
                             update_transient=params if i in streamed else 0)
     up_there = [n for j, n in enumerate(state_of) if j not in host]
     static = costs.static_bytes - states_in_flight(state_of, read_ahead) + \

@@ -4,7 +4,11 @@ the one price of a step that the planner chooses by and a trace shows beside the
 Pure data. One dispatcher walks the ops in order, as the executor does:
 - a compute op (Forward, Backward, Update) runs on ``compute`` once the dispatcher reaches
   it, the compute resource is free and what it waits for is done; the dispatcher waits for
-  its end (the executor's thread runs it);
+  its end (the executor's thread runs it). An Update that names the host optimizer runs
+  there only its hand-over (``update_time``: its gradients copied down); the host
+  optimizer then steps it (``host_update_time``) once its step before is done, and the
+  dispatcher waits until then (one step queued behind the running one); at ``join`` (the
+  end of the backward) it waits for every step of the host optimizer;
 - a Load or Store starts on its own resource (an I/O thread, a copy stream), queued behind
   that resource's earlier transfers, once the dispatcher reaches it and what it waits for
   is done, and takes its bytes over the resource's bandwidth (``ChainCosts.bandwidths``);
@@ -26,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .costs import ChainCosts
-from .ops import COMPUTE, WEIGHTS, Backward, Drop, Fetch, Forward, Load, Op, Store, Update
+from .ops import COMPUTE, HOST_OPTIMIZER, WEIGHTS, Backward, Drop, Fetch, Forward, Load, Op, Store, Update
 from .state_schedule import STATES
 from .tape_schedule import TAPE
 from .boundary_schedule import BOUNDARY
@@ -58,9 +62,12 @@ class Timeline:
         return sum(s.end - s.start for s in self.spans if s.resource == resource)
 
 
-def timeline(costs: ChainCosts, ops: Sequence[Op]) -> Timeline:
+def timeline(costs: ChainCosts, ops: Sequence[Op], join: int | None = None) -> Timeline:
     """``ops`` run over and over (a step's ops and the transfers between steps), priced on
-    ``costs``: the steady state's time of one repetition and when each op ran in it."""
+    ``costs``: the steady state's time of one repetition and when each op ran in it.
+    ``join``: the position (default: the end of ``ops``) before which the dispatcher waits
+    for every step of the host optimizer (the end of a backward)."""
+    join = len(ops) if join is None else join
     clock = 0.0  # the dispatcher's time
     free: dict[str, float] = {}  # resource -> when its last op ends
     loaded: dict[tuple[str, int], float] = {}  # (what, stage) -> when its last Load ends
@@ -72,7 +79,12 @@ def timeline(costs: ChainCosts, ops: Sequence[Op]) -> Timeline:
         measured = repetition == WARM_UP
         if measured:
             start = clock
-        for position, op in enumerate(ops):
+        for position, op in enumerate((*ops, None)):
+            if position == join:
+                clock = max(clock, free.get(HOST_OPTIMIZER, 0.0))
+            if op is None:
+                break
+            host = None  # the host optimizer's span of an Update it runs
             if isinstance(op, (Forward, Backward, Update)):
                 stage = costs.stages[op.stage]
                 seconds = stage.fwd_time if isinstance(op, Forward) else \
@@ -87,6 +99,11 @@ def timeline(costs: ChainCosts, ops: Sequence[Op]) -> Timeline:
                     ready = max(ready, loaded.get((TAPE, op.stage), 0.0))
                 clock = free[COMPUTE] = ready + seconds
                 span = Span(position, str(op), COMPUTE, ready, clock)
+                if isinstance(op, Update) and op.on_host:  # handed over once the one before
+                    clock = max(clock, free.get(HOST_OPTIMIZER, 0.0))  # it is done
+                    free[HOST_OPTIMIZER] = clock + stage.host_update_time
+                    host = Span(position, str(op), HOST_OPTIMIZER, clock,
+                                free[HOST_OPTIMIZER])
             elif isinstance(op, (Load, Store)):
                 serial = isinstance(op, Store) and op.what in ONE_WRITE_AT_A_TIME
                 if serial:
@@ -108,6 +125,6 @@ def timeline(costs: ChainCosts, ops: Sequence[Op]) -> Timeline:
             else:
                 continue
             if measured:
-                spans.append(Span(span.position, span.name, span.resource,
-                                  span.start - start, span.end - start))
+                spans.extend(Span(s.position, s.name, s.resource, s.start - start,
+                                  s.end - start) for s in (span, host) if s is not None)
     return Timeline(tuple(spans), clock - start)
