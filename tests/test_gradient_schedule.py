@@ -97,4 +97,5 @@ def test_the_plan_carries_its_gradients_through_json():
     assert back.transfers == placed.transfers
     assert placed.decisions()["gradients"] == [1, 2]
     assert placed.decisions()["gradients_home"] == "disk"
+    assert placed.decisions()["transfer_ops"] == {"grads": {"load": 4, "store": 2}}
     assert '"what": "grads"' in placed.to_json()

@@ -32,6 +32,7 @@ def test_updates_inside_the_backward_name_the_host_optimizer():
     assert [(op.stage, op.resource) for op in updates] == [
         (2, HOST_OPTIMIZER), (1, HOST_OPTIMIZER), (0, COMPUTE)]
     assert placed.host_updated_stages == frozenset({1, 2})
+    assert placed.decisions()["host_steps"] == [1, 2]
     assert str(updates[0]) == "Uh(2)" and str(updates[2]) == "U(0)"
     back = Plan.from_json(placed.to_json())
     assert back.ops == placed.ops and back.transfers == placed.transfers

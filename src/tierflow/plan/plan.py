@@ -22,6 +22,7 @@ from .ops import (
     Load,
     Op,
     Stash,
+    Store,
     Update,
     forward_phase_length,
     op_from_dict,
@@ -184,9 +185,18 @@ class Plan:
     def decisions(self) -> dict:
         """What this plan chose, in a form two plans compare by (``tierflow plan --json``'s
         and the trainer's log's): the strategy, what is recomputed and stashed, and what
-        its transfers move (weights, states, tapes, gradients), where, and how far ahead."""
+        its transfers move (weights, states, tapes, gradients), where, and how far ahead, the
+        stages its Updates step in host RAM, and how many Loads and Stores of each kind of
+        tensor a micro-batch, the reads after it, the update pass and the reads after that
+        hold (``transfer_ops``)."""
         moves = self.transfers or Transfers()
         weights, states, tapes = moves.weights, moves.states, moves.tapes
+        r = self.routines
+        ops: dict[str, dict[str, int]] = {}  # per what, its Loads and Stores in a step
+        for op in (*self.ops, *r.between, *r.update_pass, *r.after_pass):
+            if isinstance(op, (Load, Store)):
+                counts = ops.setdefault(op.what, {"load": 0, "store": 0})
+                counts["load" if isinstance(op, Load) else "store"] += 1
         return {"strategy": self.strategy, "recomputed": self.recomputed_stages(),
                 "selective": list(self.costs.selective),
                 "stashed": self.stashed_boundaries(),
@@ -200,7 +210,9 @@ class Plan:
                 "tapes_home": tapes.home if tapes else None,
                 "deferred_updates": moves.deferred,
                 "gradients": sorted(moves.gradients.stages) if moves.gradients else [],
-                "gradients_home": moves.gradients.home if moves.gradients else None}
+                "gradients_home": moves.gradients.home if moves.gradients else None,
+                "host_steps": sorted(self.host_updated_stages),
+                "transfer_ops": dict(sorted(ops.items()))}
 
     def to_json(self) -> str:
         return json.dumps({"format": "tierflow-plan", "version": FORMAT_VERSION,
