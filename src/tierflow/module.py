@@ -22,7 +22,7 @@ from .exec.tapes import TapeOffload
 from .exec.trace import span
 from .exec.transfers import transfer_to
 from .exec.weights import WeightStreamer
-from .plan.ops import TRANSFERS, Stash
+from .plan.ops import TRANSFERS, Stash, Update
 from .plan.plan import Plan
 from .plan.tier_costs import UpdatePass, with_update_pass
 
@@ -80,7 +80,8 @@ class TierflowModule(nn.Module):
                                 for stage, cost in zip(chain.stages, plan.costs.stages)]
         self._cold = True  # nothing read yet: the next step first runs the plan's cold routine
         self._transfer = transfer_to(streamer, optimizer, self._tapes,  # starts a transfer op
-                                     self._boundaries)
+                                     self._boundaries,
+                                     self._deferred.stash if self._deferred else None)
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
         self._forward_count = len(plan.forward_ops)
         self.ledger = Ledger({storage_key(p) for p in model.parameters()})
@@ -240,7 +241,7 @@ class TierflowModule(nn.Module):
             self._cold = False
         if not torch.is_grad_enabled():
             return self._evaluate(args, kwargs)
-        update = self._optimizer.step_stage if self._optimizer is not None else None
+        update = self._optimizer.step_update if self._optimizer is not None else None
         deferred = self._deferred
         if deferred is not None:
             update = deferred.gradients_complete
@@ -280,18 +281,19 @@ class TierflowModule(nn.Module):
         for op in self._plan.routines.between:
             self._transfer(op)
 
-    def _reduced_before(self, update: Callable[[int], None]) -> Callable[[int], None]:
+    def _reduced_before(self, update: Callable[[Update], None]) -> Callable[[Update], None]:
         """``update`` preceded, on the step's last micro-batch, by the reduction of the
         stage's gradients (earlier micro-batches accumulate locally, as DDP's no_sync)."""
         deferred, reduce = self._deferred, self._reduce
 
-        def reduce_then_update(i: int) -> None:
+        def reduce_then_update(op: Update) -> None:
+            i = op.stage
             if deferred is None or deferred.micro == deferred.grad_accum - 1:
                 grads = [p.grad for p in self._optimizer.stage_params[i] if p.grad is not None]
                 if grads:
                     with span(f"reduce {i}", "communication"):
                         reduce(grads)
-            update(i)
+            update(op)
         return reduce_then_update
 
     def _make_room(self, position: int) -> None:

@@ -4,12 +4,13 @@ global gradient norm, for an optimizer tierflow owns.
 An update inside the backward (the default) cannot clip by a norm that is only known once
 every stage's gradients exist, nor wait for later micro-batches. Here each micro-batch's
 backward only completes gradients: a resident stage keeps them in ``.grad``, a streamed
-stage hands them to the disk tier (``GradientStash``). After the last micro-batch of a step
+stage hands them to the tier its weights live on (``GradientStash``, moved by the plan's
+gradient ops: ``plan/gradient_schedule.py``). After the last micro-batch of a step
 the global norm gives the clipping factor (as ``torch.nn.utils.clip_grad_norm_``), and one
 pass over the stages, last first, updates each: its weights and gradients are fetched, the
 next stages' weights and its optimizer states read ahead (during the update before it), its
-weights written back behind it; the stages stepped in host RAM are stepped there, on the
-host thread meanwhile, from their gradients stashed there (a streamed stage's) or copied
+weights written back behind it; the stages stepped in host RAM (the pass's first Updates,
+which name the host optimizer) are stepped there, on the host thread meanwhile, from their gradients stashed there (a streamed stage's) or copied
 down (a resident stage's). Under a host RAM budget each stage's update first makes room for
 what the pass adds at its peak (``make_room``): malloc's caches from the backward would
 otherwise stay resident beside the states and weights the pass reads.
@@ -21,7 +22,7 @@ from typing import Callable
 
 from torch import nn
 
-from ..plan.ops import TRANSFERS, Op, Transfer
+from ..plan.ops import TRANSFERS, Op, Transfer, Update
 from ..plan.plan import Routines
 from .grad_norm import square_norm
 from .gradients import GradientStash
@@ -51,15 +52,17 @@ class DeferredUpdates:
         self.micro = 0  # micro-batches of the current step done so far
         self.last_norm: float | None = None  # the global gradient norm of the last update
 
-    def gradients_complete(self, i: int) -> None:
+    def gradients_complete(self, op: Update) -> None:
         """The plan's Update(i) during a micro-batch: stage i's gradients are complete for
-        this micro-batch; a streamed stage's leave for the disk tier."""
-        if self.stash is not None and i in self.stash.stage_params:
-            self.stash.stash(i, measure=self.micro == self.grad_accum - 1)
+        this micro-batch (a streamed stage's leave with the plan's Store after it, their norm
+        measured on the step's last micro-batch)."""
+        if self.stash is not None:
+            self.stash.measuring = self.micro == self.grad_accum - 1
 
     def before_backward(self, i: int) -> None:
-        """Stage i's gradients of earlier micro-batches back in ``.grad`` to accumulate into."""
-        if self.stash is not None and self.micro > 0:
+        """Stage i's gradients of earlier micro-batches, read by the plan's Load, back in
+        ``.grad`` to accumulate into."""
+        if self.stash is not None:
             self.stash.restore(i)
 
     def backward_done(self) -> None:
@@ -93,17 +96,17 @@ class DeferredUpdates:
         scale = 1.0
         if self.max_grad_norm is not None:
             scale = min(1.0, self.max_grad_norm / (self.last_norm + CLIP_EPSILON))
-        on_host = self.optimizer.host_stages
         stashed = self.stash.stage_params if self.stash is not None else {}
-        for i in sorted(on_host, reverse=True):  # stepped on the host thread meanwhile
-            if i in stashed:
-                params, grads = self.stash.take(i)
-                self.optimizer.step_stashed_on_host(i, params, grads, scale)
-            else:  # its gradients stayed on the compute tier: they go down now
-                self.optimizer.step_stage(i, scale)
         streamed = self.streamer.stage_params if self.streamer is not None else {}
         room_made = False  # for the next update and the reads placed before it
         for op in self.routines.update_pass:  # last first: the next stages read meanwhile
+            if isinstance(op, Update) and op.on_host:  # the host thread steps it meanwhile
+                if op.stage in stashed:  # its gradients wait on the lower tier
+                    params, grads = self.stash.take(op.stage)
+                    self.optimizer.step_stashed_on_host(op.stage, params, grads, scale)
+                else:  # they stayed on the compute tier: they go down now
+                    self.optimizer.step_stage(op.stage, scale, on_host=True)
+                continue
             if self.make_room is not None and not room_made:
                 self.make_room()
                 room_made = True
@@ -114,7 +117,7 @@ class DeferredUpdates:
             if i in streamed:
                 with span("wait for weights", "compute"):
                     self.streamer.wait_loaded(i)
-                self.stash.restore(i)
+                self.stash.restore(i)  # read by the plan's Load of its gradients
             with span(f"update {i}", "optimizer"):
                 self.optimizer.step_stage(i, scale)
             room_made = False

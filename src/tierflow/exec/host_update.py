@@ -18,7 +18,10 @@ read-ahead by the host thread before the step), and the host thread writes it ba
 step (ZeRO-Infinity's parameters on NVMe, stepped by the CPU), so that the stage's next
 fetch reads the new file; for a weight that stays on the compute
 tier, a host copy of its own, whose new values the host thread copies up after the step.
-One host thread steps the stages in update order (the last stage first), each one beside
+The stages it steps are those whose ``Update`` ops the plan runs on the host optimizer
+(``Plan.host_updated_stages``); each such op hands its stage over (``OwnedOptimizer.
+step_update``, or the deferred pass). One host thread steps them in update order (the last
+stage first), each one beside
 the backward of the stages before it; at most one step waits behind the running one, so
 host RAM holds the gradients of two stages at most, as the plan counts. With updates
 deferred to after the backward (accumulation, clipping) a streamed stage's gradients
@@ -33,6 +36,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
+from ..plan.ops import HOST_OPTIMIZER
 from .buffers import BufferPool
 from .copy_stream import SideStreamCopier
 from .disk import WriteBehind
@@ -118,10 +122,10 @@ class HostUpdates:
               scale: float, fetch: Callable[[], None] | None,
               release: Callable[[], None] | None) -> None:
         if fetch is not None:
-            with span(f"wait for optimizer states {i}", "optimizer"):
+            with span(f"wait for optimizer states {i}", HOST_OPTIMIZER):
                 fetch()
         weights = self._weights_in(i)
-        with span(f"host update {i}", "optimizer"):
+        with span(f"Uh({i})", HOST_OPTIMIZER):  # the plan's op, on its resource
             if scale != 1.0:  # clipping by the global norm
                 for twin in twins:
                     if twin.grad is not None:

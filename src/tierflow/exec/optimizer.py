@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from ..chain.base import Chain
-from ..plan.ops import Load, Store, Transfer
+from ..errors import TierflowError
+from ..plan.ops import Load, Store, Transfer, Update
 from .buffers import BufferPool
 from .disk import DiskStore, WriteBehind
 from .grad_norm import square_norm
@@ -87,19 +88,31 @@ class OwnedOptimizer:
         self.updates += 1
         self._step_on_host(i, scale, {id(p): grad for p, grad in zip(params, grads)})
 
-    def step_stage(self, i: int, scale: float = 1.0) -> None:
+    def step_update(self, op: Update) -> None:
+        """Run the plan's ``op``: step its stage where the op says (the compute tier, or
+        the host optimizer in host RAM)."""
+        self.step_stage(op.stage, on_host=op.on_host)
+
+    def step_stage(self, i: int, scale: float = 1.0, *, on_host: bool = False) -> None:
         """Update stage i's parameters from their gradients times ``scale`` (clipping), then
-        free the gradients."""
+        free the gradients: on the compute tier, or ``on_host`` handed to the host
+        optimizer (an error unless the plan's host stages were handed to ``step_on_host``)."""
         opt = self.optimizers[i]
         if opt is None:
             return
+        if on_host != (i in self._twins):
+            raise TierflowError(f"the plan steps stage {i} "
+                                f"{'in host RAM' if on_host else 'on the compute tier'}, but "
+                                "this optimizer was built to step it "
+                                f"{'on the compute tier' if on_host else 'in host RAM'}: run "
+                                "it with the plan it was built for")
         self.updates += 1
         if self.measures_norm:
             if i == self._first_update:  # a new step's updates begin (the last stage first)
                 self._square_norm = 0.0
             self._square_norm += square_norm(p.grad for p in self.stage_params[i]
                                              if p.grad is not None)
-        if i in self._twins:
+        if on_host:
             self._step_on_host(i, scale)
             return
         self._fetch(i)

@@ -58,7 +58,7 @@ class Ledger:
 @dataclass
 class StepHooks:
     """What a step's run holds and calls besides the chain, each optional: the owned
-    optimizer's ``update(i)`` for an Update op, the ``ledger`` of bytes held, the weights'
+    optimizer's ``update(op)`` for an Update op (run where ``op.resource`` says), the ``ledger`` of bytes held, the weights'
     ``streamer`` (which the plan's transfers go to), ``before_backward(i)`` (e.g. earlier
     micro-batches' gradients back), ``backward_done()`` (e.g. the deferred update pass),
     the ``tapes`` offloaded to a lower tier, ``before_op(position)`` (e.g. making host RAM
@@ -66,7 +66,7 @@ class StepHooks:
     ``transfer(op)``, which starts a transfer op where it moves (the streamer, the
     optimizer's states)."""
 
-    update: Callable[[int], None] | None = None
+    update: Callable[[Update], None] | None = None
     ledger: Ledger | None = None
     streamer: WeightStreamer | None = None
     before_backward: Callable[[int], None] | None = None
@@ -191,7 +191,7 @@ class StepRun:
         elif isinstance(op, Update):
             assert self.update is not None, "plan updates parameters but no optimizer is owned"
             with span(str(op), "compute"):
-                self.update(op.stage)
+                self.update(op)  # on the compute tier or handed to the host optimizer
         if self.ledger is not None:
             self._account()
 

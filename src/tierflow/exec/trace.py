@@ -29,8 +29,8 @@ from pathlib import Path
 from ..plan.timeline import Timeline
 from .memory import rss_bytes
 
-_ROWS = ("compute", "optimizer", "disk read", "disk write", "copy up", "copy down",
-         "communication")
+_ROWS = ("compute", "optimizer", "host optimizer", "disk read", "disk write", "copy up",
+         "copy down", "communication")
 RSS_COUNTER = "host RSS"  # the counter track's name; its value is in MiB
 RSS_INTERVAL = 0.002  # seconds between RSS samples
 RSS_STEP = 1 << 20  # bytes the RSS must move by to add a point

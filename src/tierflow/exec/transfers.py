@@ -1,6 +1,7 @@
 """Where each of a plan's transfer ops goes: a weights transfer to the streamer of the
 stages' weights, a states transfer to the optimizer that owns them, a tape transfer to the
-tapes' offload, a checkpoint's to the stash."""
+tapes' offload, a checkpoint's to the stash, a gradients transfer to the gradients'
+stash."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -9,7 +10,9 @@ from ..plan.boundary_schedule import BOUNDARY
 from ..plan.ops import WEIGHTS, Transfer
 from ..plan.state_schedule import STATES
 from ..plan.tape_schedule import TAPE
+from ..plan.gradient_schedule import GRADS
 from .boundaries import BoundaryStash
+from .gradients import GradientStash
 from .optimizer import OwnedOptimizer
 from .tapes import TapeOffload
 from .weights import WeightStreamer
@@ -17,7 +20,8 @@ from .weights import WeightStreamer
 
 def transfer_to(weights: WeightStreamer | None, states: OwnedOptimizer | None,
                 tapes: TapeOffload | None = None,
-                boundaries: BoundaryStash | None = None) -> Callable[[Transfer], None]:
+                boundaries: BoundaryStash | None = None,
+                gradients: GradientStash | None = None) -> Callable[[Transfer], None]:
     """The function that starts a transfer op on what moves its tensors."""
     def start(op: Transfer) -> None:
         if op.what == WEIGHTS:
@@ -28,6 +32,8 @@ def transfer_to(weights: WeightStreamer | None, states: OwnedOptimizer | None,
             tapes.dispatch(op)
         elif op.what == BOUNDARY:
             boundaries.dispatch(op)
+        elif op.what == GRADS:
+            gradients.dispatch(op)
         else:
             raise ValueError(f"{op}: nothing moves {op.what!r}")
     return start

@@ -42,10 +42,11 @@ def build_module(model: nn.Module, chain: Chain, placed: TierPlan, request: FitR
                                stores[placed.states.name] if placed.states else None,
                                read_ahead=depth > 0)
     streamer = _stream(model, chain, placed, stores)
-    if placed.host_stages:
+    host_stages = plan.host_updated_stages  # the Updates the plan runs in host RAM
+    if host_stages:
         streamed = frozenset(id(p) for ps in streamer.stage_params.values() for p in ps) \
             if streamer is not None else frozenset()
-        owned.step_on_host(HostUpdates(set(placed.host_stages), start.device,
+        owned.step_on_host(HostUpdates(set(host_stages), start.device,
                                        streamer.offloaded if streamer else None, streamed,
                                        read_ahead=depth > 0), request.optimizer)
     host_room = None
@@ -64,7 +65,8 @@ def build_module(model: nn.Module, chain: Chain, placed: TierPlan, request: FitR
             growth = placed.update_pass.peak - placed.plan.costs.static_bytes
             room = functools.partial(host_room.make_room, growth, fresh=True)
         deferred = DeferredUpdates(owned, request.grad_accum, request.max_grad_norm,
-                                   plan.routines, transfer_to(streamer, owned), streamer,
+                                   plan.routines, transfer_to(streamer, owned, gradients=stash),
+                                   streamer,
                                    stash, room)
     start.say(f"planned in {time.perf_counter() - start.started:.1f} s: {plan.strategy}")
     tapes = None

@@ -51,6 +51,9 @@ class StageCost:
     input_grad: bool = True  # the backward produces a gradient for x[i]
     update_time: float = 0.0  # optimizer step of this stage's parameters, seconds
     update_transient: int = 0  # extra bytes while the optimizer step runs
+    # the host optimizer's step of it, seconds, when the plan steps it in host RAM (its
+    # Update names that thread: plan/timeline.py prices it there, update_time the hand-over)
+    host_update_time: float = 0.0
     # the largest single tensor its forward or backward allocates (measured on the host
     # under a RAM budget, else 0): a block that malloc's scattered free pieces cannot serve
     largest_block: int = 0

@@ -9,8 +9,10 @@ tape[i] what stage i's forward kept for its backward, grad[i] the gradient of x[
 - ``Backward(i)``: from tape[i] and grad[i+1] compute grad[i] and stage i's parameter
   gradients; consumes tape[i], grad[i+1] and the plan's references to x[i] and x[i+1].
 - ``Free(i)``: drop the plan's reference to x[i] (a checkpoint no longer needed).
-- ``Update(i)``: optimizer step of stage i's parameters, then free their gradients (only
-  when tierflow owns the optimizer).
+- ``Update(i, resource)``: optimizer step of stage i's parameters, then free their
+  gradients (only when tierflow owns the optimizer); ``resource`` says what steps it: the
+  compute tier (``COMPUTE``), or the host optimizer's thread in host RAM
+  (``HOST_OPTIMIZER``: exec/host_update.py), handed the stage's gradients.
 - ``Stash(i)``: move the checkpoint x[i] to the tier below while no op needs it (only for
   the boundaries the costs call stashable: its write runs beside the next forwards).
 - ``Fetch(i)``: x[i] is back in memory from here (the executor reads it one backward ahead).
@@ -72,15 +74,28 @@ class Free:
         return f"free(x{self.index})"
 
 
+COMPUTE = "compute"  # the resource of the compute tier's ops
+HOST_OPTIMIZER = "host optimizer"  # the thread that steps stages in host RAM
+
+
 @dataclass(frozen=True)
 class Update:
     stage: int
+    resource: str = COMPUTE  # what steps it: COMPUTE or HOST_OPTIMIZER
+
+    def __post_init__(self) -> None:
+        if self.resource not in (COMPUTE, HOST_OPTIMIZER):
+            raise ValueError(f"Update({self.stage}): unknown resource {self.resource!r}")
+
+    @property
+    def on_host(self) -> bool:
+        return self.resource == HOST_OPTIMIZER
 
     def to_dict(self) -> dict:
-        return {"op": "update", "stage": self.stage}
+        return {"op": "update", "stage": self.stage, "resource": self.resource}
 
     def __str__(self) -> str:
-        return f"U({self.stage})"
+        return f"U{'h' if self.on_host else ''}({self.stage})"
 
 
 @dataclass(frozen=True)
@@ -178,7 +193,7 @@ def op_from_dict(data: dict) -> Op:
     if kind == "free":
         return Free(int(data["index"]))
     if kind == "update":
-        return Update(int(data["stage"]))
+        return Update(int(data["stage"]), str(data["resource"]))
     if kind == "stash":
         return Stash(int(data["index"]))
     if kind == "fetch":

@@ -12,6 +12,7 @@ from ..units import format_bytes
 from .costs import ChainCosts
 from .forward_only import forward_only_length
 from .ops import (
+    HOST_OPTIMIZER,
     TRANSFERS,
     WEIGHTS,
     Backward,
@@ -21,6 +22,7 @@ from .ops import (
     Load,
     Op,
     Stash,
+    Store,
     Update,
     forward_phase_length,
     op_from_dict,
@@ -30,11 +32,12 @@ from .simulate import Simulation, check_complete, simulate
 from .timeline import Timeline, timeline
 from .state_schedule import first_read, with_state_transfers
 from .boundary_schedule import with_boundary_transfers
+from .gradient_schedule import with_gradient_reads, with_gradient_transfers
 from .tape_schedule import with_tape_transfers
 from .transfers import Transfers
 from .weight_schedule import WeightSchedule, check_schedule, schedule_weights
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,10 @@ class Plan:
 
     @property
     def timeline(self) -> Timeline:
-        """When each op runs in the steady state: a micro-batch's ops, then the reads the
-        next one starts with, as a task graph on the resources that carry them."""
-        return timeline(self.costs, (*self.ops, *self.routines.between))
+        """When each op runs in the steady state: a micro-batch's ops, then (once the host
+        optimizer's steps are done) the reads the next one starts with, as a task graph on
+        the resources that carry them."""
+        return timeline(self.costs, (*self.ops, *self.routines.between), join=len(self.ops))
 
     @property
     def predicted_peak(self) -> int:
@@ -104,11 +108,14 @@ class Plan:
 
     def with_transfers(self, transfers: Transfers) -> "Plan":
         """This plan's compute ops with the transfers of ``transfers`` placed among them and
-        in its routines: the loads, stores and drops of streamed weights
+        in its routines, and its Updates of ``transfers.host_stages`` run by the host
+        optimizer: the loads, stores and drops of streamed weights
         (``plan/weight_schedule.py``), the loads and stores of optimizer states beside the
         updates (``plan/state_schedule.py``), the update pass of deferred updates, the
-        stores, loads and drops of the tapes kept below (``plan/tape_schedule.py``) and the
-        stores and loads of the stashed checkpoints (``plan/boundary_schedule.py``)."""
+        stores and loads of the streamed stages' gradients between micro-batches
+        (``plan/gradient_schedule.py``), the stores, loads and drops of the tapes kept below
+        (``plan/tape_schedule.py``) and the stores and loads of the stashed checkpoints
+        (``plan/boundary_schedule.py``)."""
         compute = tuple(op for op in self.ops if not isinstance(op, TRANSFERS))
         order = transfers.update_order
         step, routines = compute, Routines(update_pass=tuple(Update(i) for i in order or ()))
@@ -118,6 +125,11 @@ class Plan:
             step, routines = schedule.step, Routines(
                 schedule.between, schedule.update_pass, schedule.after_pass, schedule.cold,
                 schedule.evaluation)
+        if transfers.host_stages:  # stepped by the host optimizer, in host RAM
+            if not transfers.deferred:
+                step = _on_host(step, transfers.host_stages)
+            routines = replace(routines, update_pass=_on_host(routines.update_pass,
+                                                              transfers.host_stages))
         states = transfers.states
         if states is not None:
             updating = routines.update_pass if transfers.deferred else step
@@ -127,11 +139,21 @@ class Plan:
                 routines = replace(routines, update_pass=placed, cold=cold)
             else:
                 step, routines = placed, replace(routines, cold=cold)
+        if transfers.gradients is not None:
+            step = with_gradient_transfers(step, transfers.gradients, transfers.accumulates)
+            routines = replace(routines, update_pass=with_gradient_reads(
+                routines.update_pass, transfers.gradients))
         if transfers.tapes is not None:
             step = with_tape_transfers(step, transfers.tapes)
         if transfers.boundaries is not None:
             step = with_boundary_transfers(step, transfers.boundaries)
         return replace(self, ops=step, routines=routines, transfers=transfers)
+
+    @property
+    def host_updated_stages(self) -> frozenset[int]:
+        """The stages whose Update the host optimizer runs, in host RAM."""
+        return frozenset(op.stage for op in (*self.ops, *self.routines.update_pass)
+                         if isinstance(op, Update) and op.on_host)
 
     @property
     def forward_ops(self) -> tuple[Op, ...]:
@@ -163,9 +185,18 @@ class Plan:
     def decisions(self) -> dict:
         """What this plan chose, in a form two plans compare by (``tierflow plan --json``'s
         and the trainer's log's): the strategy, what is recomputed and stashed, and what
-        its transfers move, where, and how far ahead."""
+        its transfers move (weights, states, tapes, gradients), where, and how far ahead, the
+        stages its Updates step in host RAM, and how many Loads and Stores of each kind of
+        tensor a micro-batch, the reads after it, the update pass and the reads after that
+        hold (``transfer_ops``)."""
         moves = self.transfers or Transfers()
         weights, states, tapes = moves.weights, moves.states, moves.tapes
+        r = self.routines
+        ops: dict[str, dict[str, int]] = {}  # per what, its Loads and Stores in a step
+        for op in (*self.ops, *r.between, *r.update_pass, *r.after_pass):
+            if isinstance(op, (Load, Store)):
+                counts = ops.setdefault(op.what, {"load": 0, "store": 0})
+                counts["load" if isinstance(op, Load) else "store"] += 1
         return {"strategy": self.strategy, "recomputed": self.recomputed_stages(),
                 "selective": list(self.costs.selective),
                 "stashed": self.stashed_boundaries(),
@@ -177,7 +208,11 @@ class Plan:
                 "states_home": states.home if states else None,
                 "tapes": sorted(tapes.stages) if tapes else [],
                 "tapes_home": tapes.home if tapes else None,
-                "deferred_updates": moves.deferred}
+                "deferred_updates": moves.deferred,
+                "gradients": sorted(moves.gradients.stages) if moves.gradients else [],
+                "gradients_home": moves.gradients.home if moves.gradients else None,
+                "host_steps": sorted(self.host_updated_stages),
+                "transfer_ops": dict(sorted(ops.items()))}
 
     def to_json(self) -> str:
         return json.dumps({"format": "tierflow-plan", "version": FORMAT_VERSION,
@@ -265,6 +300,12 @@ class Plan:
     def describe_ops(self) -> str:
         """The op sequence in short form, e.g. ``Fall(0) F(1) ... B(0)``."""
         return " ".join(str(op) for op in self.ops)
+
+
+def _on_host(ops: tuple[Op, ...], stages: frozenset[int]) -> tuple[Op, ...]:
+    """``ops`` with the Updates of ``stages`` run by the host optimizer."""
+    return tuple(replace(op, resource=HOST_OPTIMIZER)
+                 if isinstance(op, Update) and op.stage in stages else op for op in ops)
 
 
 def _first_forward_tape(ops: tuple[Op, ...], length: int) -> list[bool]:

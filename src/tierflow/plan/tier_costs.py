@@ -173,14 +173,15 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
     for the step the same way, and written back by the host thread after it. A streamed
     stage stepped there is read for its next forward (the plan's Loads say when).
 
-    Stage i's host step runs beside the backward of stage i - 1; the compute tier waits at
-    stage i's update for what stage i + 1's step outlasted of that backward, and at the end
-    of the backward for the lowest one's (priced here at the stage whose step it is). Not
-    ``beside_backward`` (a simulated GPU: the host thread steps on the cores that compute),
-    the compute tier waits for all of it. With updates deferred, ``deferred_costs`` prices
-    the steps in its pass instead."""
+    A stage's ``update_time`` is the hand-over (its gradients down), its ``host_update_time``
+    the host step, which the plan's ``Update(i, "host optimizer")`` runs on that thread
+    (``plan/timeline.py``): beside the backward of stage i - 1, the compute tier waiting at
+    stage i - 1's hand-over for what it outlasted of that backward, and at the end of the
+    backward for the lowest one's. Not ``beside_backward`` (a simulated GPU: the host
+    thread steps on the cores that compute), the compute tier waits for all of it: the
+    step is in ``update_time``. With updates deferred, ``deferred_costs`` prices the steps
+    in its pass instead."""
     stages = list(costs.stages)
-    lowest = min(host)
     for i in host:
         params = base.stages[i].param_bytes
         down = params / link.bandwidth  # the gradients, as large as the weights
@@ -188,14 +189,9 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
         weights = params if weights_disk is not None and i in streamed else 0
         work = _with_disk_io(work, state_of[i] if home.name == "disk" else 0, weights,
                              home if home.name == "disk" else weights_disk, read_ahead)
-        if not beside_backward:
-            beside = 0.0
-        elif i == lowest:
-            beside = sum(s.bwd_time for s in base.stages[:i])
-        else:
-            beside = base.stages[i - 1].bwd_time
         # a streamed stage's weights stay until the update (the gradients are counted)
-        stages[i] = replace(stages[i], update_time=down + max(0.0, work - beside),
+        stages[i] = replace(stages[i], update_time=down + (0.0 if beside_backward else work),
+                            host_update_time=work if beside_backward else 0.0,
                             update_transient=params if i in streamed else 0)
     up_there = [n for j, n in enumerate(state_of) if j not in host]
     static = costs.static_bytes - states_in_flight(state_of, read_ahead) + \
@@ -252,8 +248,8 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
                    largest: Sequence[int] = (),
                    accumulates: bool = False) -> tuple[ChainCosts, UpdatePass]:
     """A candidate's costs when updates are deferred: the plan's Update(i) only hands a
-    streamed stage's gradients to the lower tier (written behind the next backward, if any:
-    one stage's at a time, static bytes here); resident stages' gradients stay for the whole
+    streamed stage's gradients to the lower tier (the plan's Store of them, written behind
+    the next backward, if any: one stage's at a time, static bytes here); resident stages' gradients stay for the whole
     step; the optimizer work moves to the update pass. ``accumulates`` (over micro-batches):
     each backward adds its gradients to ones it reads back (a streamed stage's) or keeps,
     so a stage's backward also holds a fresh gradient of its ``largest`` parameter.
@@ -282,8 +278,9 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
             if weights_there:  # its gradients wait on disk too
                 seconds += grads / weights.bandwidth
         if i in candidate.streamed:
-            stages.append(replace(s, update_time=max(0.0, grads / weights.bandwidth - s.bwd_time),
-                                  update_transient=0))
+            # handing its gradients over takes no compute: their Store is the plan's op
+            # (``plan/gradient_schedule.py``), written behind the next backward
+            stages.append(replace(s, update_time=0.0, update_transient=0))
             if i > 0:  # being written behind the next backward (the first stage's has none)
                 in_flight = max(in_flight, grads)
             if i in candidate.host_stages:

@@ -36,6 +36,7 @@ from .tier_costs import (
 )
 from .streaming import TRANSFER_RESOURCES
 from .boundary_schedule import BOUNDARY
+from .gradient_schedule import GRADS
 from .kept_below import KeptBelow
 from .state_schedule import STATES
 from .tape_schedule import TAPE
@@ -195,7 +196,9 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
                                          stored_states(candidate, problem, state_of, tier),
                                          _update_order(candidate, problem),
                                          offloaded_tapes(candidate, problem, tier),
-                                         stashed_boundaries(candidate, costs, tier)))
+                                         stashed_boundaries(candidate, costs, tier),
+                                         stashed_gradients(candidate, problem, tier),
+                                         problem.accumulates, candidate.host_stages))
     return TierPlan(replace(plan, notes=plan.notes + notes), candidate.states,
                     candidate.weights, candidate.streamed, update_pass, candidate.tapes,
                     candidate.tape_stages, candidate.depth, held, candidate.boundaries,
@@ -249,6 +252,19 @@ def stashed_boundaries(candidate: Candidate, costs: ChainCosts, tier: str) -> Ke
     return _kept_below(BOUNDARY, sizes, candidate.boundaries, tier, read_ahead=True)
 
 
+def stashed_gradients(candidate: Candidate, problem: TierProblem,
+                      tier: str) -> KeptBelow | None:
+    """With deferred updates, the gradients of ``candidate``'s streamed stages, kept where
+    their weights live between a backward and their next use (None: none): each stage's
+    parameters' (the first stage's with the tied ones)."""
+    if not problem.deferred or not candidate.streamed:
+        return None
+    base = problem.costs
+    sizes = tuple((i, base.stages[i].param_bytes + (base.shared_grad_bytes if i == 0 else 0))
+                  for i in sorted(candidate.streamed))
+    return _kept_below(GRADS, sizes, candidate.weights, tier, candidate.depth > 0)
+
+
 def _kept_below(what: str, sizes: tuple[tuple[int, int], ...], home: LowerTier, tier: str,
                 read_ahead: bool) -> KeptBelow | None:
     """``sizes`` of ``what`` kept on ``home`` below the compute tier ``tier`` (None: none)."""
@@ -260,12 +276,14 @@ def _kept_below(what: str, sizes: tuple[tuple[int, int], ...], home: LowerTier, 
 
 
 def _update_order(candidate: Candidate, problem: TierProblem) -> tuple[int, ...] | None:
-    """The stages the update pass after the backward steps on the compute tier, last first
-    (None when updates run inside the backward)."""
+    """The stages the update pass after the backward steps: those stepped in host RAM first
+    (the host thread steps them while the compute tier updates the others), then the
+    others, each last first (None when updates run inside the backward)."""
     if not problem.deferred:
         return None
-    return tuple(i for i in sorted(problem.optimizer_stages, reverse=True)
-                 if i not in candidate.host_stages)
+    order = sorted(problem.optimizer_stages, reverse=True)
+    return tuple([i for i in order if i in candidate.host_stages]
+                 + [i for i in order if i not in candidate.host_stages])
 
 
 def _update_pass_error(update_pass: UpdatePass, budget: int, tier: str) -> BudgetError:

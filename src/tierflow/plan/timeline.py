@@ -4,18 +4,23 @@ the one price of a step that the planner chooses by and a trace shows beside the
 Pure data. One dispatcher walks the ops in order, as the executor does:
 - a compute op (Forward, Backward, Update) runs on ``compute`` once the dispatcher reaches
   it, the compute resource is free and what it waits for is done; the dispatcher waits for
-  its end (the executor's thread runs it);
+  its end (the executor's thread runs it). An Update that names the host optimizer runs
+  there only its hand-over (``update_time``: its gradients copied down); the host
+  optimizer then steps it (``host_update_time``) once its step before is done, and the
+  dispatcher waits until then (one step queued behind the running one); at ``join`` (the
+  end of the backward) it waits for every step of the host optimizer;
 - a Load or Store starts on its own resource (an I/O thread, a copy stream), queued behind
   that resource's earlier transfers, once the dispatcher reaches it and what it waits for
   is done, and takes its bytes over the resource's bandwidth (``ChainCosts.bandwidths``);
   the dispatcher goes on at once;
 - a Drop waits (on the dispatcher) for the stage's Store in flight, and the Store of a
-  tape or a checkpoint for the Store of the one before it (the executor writes one of each
-  at a time); a Fetch waits (on the dispatcher) for its checkpoint's Load; Free and Stash
+  tape, a checkpoint or a stage's gradients for the Store of the one before it (the
+  executor writes one of each at a time); a Fetch waits (on the dispatcher) for its checkpoint's Load; Free and Stash
   take no time.
 What an op waits for: a compute op of a streamed stage, the last Load of its weights; an
 Update also the last Store of its weights (a kept stage's write reads them) and the last
-Load of its optimizer states; a Backward the Load of its tape (when it went down); a Load,
+Load of its optimizer states; a Backward the Load of its tape (when it went down); a
+Backward and an Update the last Load of their stage's gradients (deferred updates); a Load,
 the last Store of the same tensors (read only once written). The same ops run step after step, so a
 step's time is the steady state's: the dispatcher's time over one repetition after two.
 """
@@ -25,13 +30,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .costs import ChainCosts
-from .ops import WEIGHTS, Backward, Drop, Fetch, Forward, Load, Op, Store, Update
+from .ops import COMPUTE, HOST_OPTIMIZER, WEIGHTS, Backward, Drop, Fetch, Forward, Load, Op, Store, Update
 from .state_schedule import STATES
 from .tape_schedule import TAPE
 from .boundary_schedule import BOUNDARY
+from .gradient_schedule import GRADS
 
-COMPUTE = "compute"
-ONE_WRITE_AT_A_TIME = (TAPE, BOUNDARY)  # a Store of these waits for the one before
+ONE_WRITE_AT_A_TIME = (TAPE, BOUNDARY, GRADS)  # a Store of these waits for the one before
 WARM_UP = 2  # repetitions before the one that is measured
 
 
@@ -57,9 +62,12 @@ class Timeline:
         return sum(s.end - s.start for s in self.spans if s.resource == resource)
 
 
-def timeline(costs: ChainCosts, ops: Sequence[Op]) -> Timeline:
+def timeline(costs: ChainCosts, ops: Sequence[Op], join: int | None = None) -> Timeline:
     """``ops`` run over and over (a step's ops and the transfers between steps), priced on
-    ``costs``: the steady state's time of one repetition and when each op ran in it."""
+    ``costs``: the steady state's time of one repetition and when each op ran in it.
+    ``join``: the position (default: the end of ``ops``) before which the dispatcher waits
+    for every step of the host optimizer (the end of a backward)."""
+    join = len(ops) if join is None else join
     clock = 0.0  # the dispatcher's time
     free: dict[str, float] = {}  # resource -> when its last op ends
     loaded: dict[tuple[str, int], float] = {}  # (what, stage) -> when its last Load ends
@@ -71,12 +79,19 @@ def timeline(costs: ChainCosts, ops: Sequence[Op]) -> Timeline:
         measured = repetition == WARM_UP
         if measured:
             start = clock
-        for position, op in enumerate(ops):
+        for position, op in enumerate((*ops, None)):
+            if position == join:
+                clock = max(clock, free.get(HOST_OPTIMIZER, 0.0))
+            if op is None:
+                break
+            host = None  # the host optimizer's span of an Update it runs
             if isinstance(op, (Forward, Backward, Update)):
                 stage = costs.stages[op.stage]
                 seconds = stage.fwd_time if isinstance(op, Forward) else \
                     stage.bwd_time if isinstance(op, Backward) else stage.update_time
                 ready = max(clock, free.get(COMPUTE, 0.0), loaded.get((WEIGHTS, op.stage), 0.0))
+                if not isinstance(op, Forward):
+                    ready = max(ready, loaded.get((GRADS, op.stage), 0.0))
                 if isinstance(op, Update):
                     ready = max(ready, stored.get((WEIGHTS, op.stage), 0.0),
                                 loaded.get((STATES, op.stage), 0.0))
@@ -84,6 +99,11 @@ def timeline(costs: ChainCosts, ops: Sequence[Op]) -> Timeline:
                     ready = max(ready, loaded.get((TAPE, op.stage), 0.0))
                 clock = free[COMPUTE] = ready + seconds
                 span = Span(position, str(op), COMPUTE, ready, clock)
+                if isinstance(op, Update) and op.on_host:  # handed over once the one before
+                    clock = max(clock, free.get(HOST_OPTIMIZER, 0.0))  # it is done
+                    free[HOST_OPTIMIZER] = clock + stage.host_update_time
+                    host = Span(position, str(op), HOST_OPTIMIZER, clock,
+                                free[HOST_OPTIMIZER])
             elif isinstance(op, (Load, Store)):
                 serial = isinstance(op, Store) and op.what in ONE_WRITE_AT_A_TIME
                 if serial:
@@ -105,6 +125,6 @@ def timeline(costs: ChainCosts, ops: Sequence[Op]) -> Timeline:
             else:
                 continue
             if measured:
-                spans.append(Span(span.position, span.name, span.resource,
-                                  span.start - start, span.end - start))
+                spans.extend(Span(s.position, s.name, s.resource, s.start - start,
+                                  s.end - start) for s in (span, host) if s is not None)
     return Timeline(tuple(spans), clock - start)

@@ -95,8 +95,8 @@ class WeightSchedule:
 def schedule_weights(ops: Sequence[Op], streamed: StreamedWeights, length: int,
                      update_order: Sequence[int] = ()) -> WeightSchedule:
     """The weight transfers of a plan's compute ``ops`` (a chain of ``length`` stages) placed
-    among them; ``update_order``: the stages the update pass steps on the compute tier, in
-    its order (when updates are deferred: not ``streamed.written_back``). Runs the steps
+    among them; ``update_order``: the stages the update pass steps, in its order (when
+    updates are deferred: not ``streamed.written_back``). Runs the steps
     until the boundary state repeats."""
     boundary: frozenset[int] = frozenset()
     for _ in range(4):  # the boundary state is reached by the second step
@@ -135,6 +135,8 @@ def check_schedule(schedule: WeightSchedule, streamed: StreamedWeights) -> None:
                 resident.add(op.stage)
             elif isinstance(op, Drop) or (isinstance(op, Store) and not op.keep):
                 resident.discard(op.stage)
+            elif isinstance(op, Update) and op.on_host:
+                continue  # the host optimizer steps its host copy
             elif stage_of(op) in stages and stage_of(op) not in resident:
                 raise ValueError(f"{name}: {op} runs without its stage's weights in memory")
         return frozenset(resident)
@@ -224,11 +226,17 @@ def _update_pass(order: Sequence[int], streamed: StreamedWeights,
                  state: frozenset[int]) -> tuple[tuple[Op, ...], frozenset[int]]:
     """The update pass in ``order``: each streamed stage loaded for its update (if not in
     memory), the next ``depth`` stages of the order loaded while it updates, and stored
-    back after it."""
+    back after it; the stages stepped in host RAM (``host_updated``) neither."""
     memory = _Memory(streamed, state)
-    for position, i in enumerate(order):
+    host = streamed.host_updated  # stepped in host RAM: their weights stay where they are
+    on_tier = [i for i in order if i not in host]
+    for i in order:
+        if i in host:
+            memory.out.append(Update(i))
+            continue
         memory.load(i)
-        for j in order[position + 1:position + 1 + streamed.depth]:
+        position = on_tier.index(i)
+        for j in on_tier[position + 1:position + 1 + streamed.depth]:
             memory.load(j)
         memory.out.append(Update(i))
         if i in streamed.stages:

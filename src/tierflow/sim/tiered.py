@@ -44,6 +44,7 @@ BOUNDS = {"compute": "compute-bound: the matmuls, element-wise kernels and updat
           "copy down": "the host link down (weights and optimizer states back)",
           "disk read": "the disk's reads (weights, optimizer states)",
           "disk write": "the disk's writes (weights, optimizer states)",
+          "host optimizer": "the optimizer's steps in host RAM",
           "update pass": "the update pass after the backward"}
 
 

@@ -1,0 +1,75 @@
+"""Updates run by the host optimizer say so in the plan (``Update(i, resource)``): inside
+the backward, or first in a deferred update pass, with no weight transfers of their own
+there; the executor builds its host steps from those ops. Pure data."""
+from tierflow.plan.costs import ChainCosts, StageCost
+from tierflow.plan.ops import COMPUTE, HOST_OPTIMIZER, WEIGHTS, Backward, Forward, Load, Update
+from tierflow.plan.plan import Plan
+from tierflow.plan.transfers import Transfers
+from tierflow.plan.weight_schedule import StreamedWeights
+
+STAGE = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
+                  tape=30)
+STEP = (Forward(0, True), Forward(1, True), Forward(2, True),
+        Backward(2), Update(2), Backward(1), Update(1), Backward(0), Update(0))
+
+
+def _plan() -> Plan:
+    costs = ChainCosts(stages=(STAGE,) * 3, input_bytes=10, static_bytes=1000,
+                       optimizer_owned=True,
+                       bandwidths={"copy up": 1e6, "copy down": 1e6})
+    return Plan(strategy="keep-all", ops=STEP, costs=costs)
+
+
+def _streamed(host, deferred: bool) -> StreamedWeights:
+    return StreamedWeights(tuple((i, 100, 100) for i in range(3)), "ram", "gpu", "copy up",
+                           "copy down", depth=1, written_back=not deferred,
+                           host_updated=frozenset(host))
+
+
+def test_updates_inside_the_backward_name_the_host_optimizer():
+    placed = _plan().with_transfers(Transfers(host_stages=frozenset({1, 2})))
+    updates = [op for op in placed.ops if isinstance(op, Update)]
+    assert [(op.stage, op.resource) for op in updates] == [
+        (2, HOST_OPTIMIZER), (1, HOST_OPTIMIZER), (0, COMPUTE)]
+    assert placed.host_updated_stages == frozenset({1, 2})
+    assert placed.decisions()["host_steps"] == [1, 2]
+    assert str(updates[0]) == "Uh(2)" and str(updates[2]) == "U(0)"
+    back = Plan.from_json(placed.to_json())
+    assert back.ops == placed.ops and back.transfers == placed.transfers
+
+
+def test_a_deferred_pass_steps_the_host_stages_first_without_moving_their_weights():
+    """Deferred: the micro-batch's Updates only complete gradients (compute); the pass hands
+    the host stages over first, reading and writing back only the others' weights."""
+    placed = _plan().with_transfers(Transfers(
+        weights=_streamed({1, 2}, deferred=True), update_order=(2, 1, 0),
+        host_stages=frozenset({1, 2})))
+    assert all(op.resource == COMPUTE for op in placed.ops if isinstance(op, Update))
+    passed = placed.routines.update_pass
+    updates = [op for op in passed if isinstance(op, Update)]
+    assert [(op.stage, op.on_host) for op in updates] == [(2, True), (1, True), (0, False)]
+    moved = {op.stage for op in passed if hasattr(op, "what") and op.what == WEIGHTS}
+    assert moved <= {0}
+    assert placed.host_updated_stages == frozenset({1, 2})
+    assert not any(isinstance(op, Load) and op.stage in (1, 2) for op in passed)
+    assert Plan.from_json(placed.to_json()).routines == placed.routines
+
+
+def test_the_timeline_runs_host_steps_on_their_own_resource():
+    """A host Update's hand-over (its gradients down) runs on compute, its step on the host
+    optimizer beside the next stage's backward; the next hand-over waits for a step that
+    outlasts that compute, and the end of the backward for the last step."""
+    from dataclasses import replace
+
+    plan = _plan()
+    host = replace(STAGE, update_time=0.5, host_update_time=3.0)
+    costs = replace(plan.costs, stages=(host,) * 3)
+    placed = replace(plan, costs=costs).with_transfers(Transfers(host_stages=frozenset({1, 2})))
+    line = placed.timeline
+    assert line.busy(HOST_OPTIMIZER) == 6.0
+    assert line.busy(COMPUTE) == 3 * (1.0 + 2.0) + 2 * 0.5 + 0.5  # U(0) on compute: 0.5
+    # F 3 s, B(2) 2 s, Uh(2) 0.5 s; its step (3 s) outlasts B(1) and Uh(1)'s hand-over (2.5 s)
+    # by 0.5 s; Uh(1)'s step then runs beside B(0) and U(0) (2.5 s): the end waits 0.5 s more
+    assert line.time == 3.0 + 2.5 + 2.5 + 0.5 + 2.5 + 0.5
+    spans = [(s.name, s.resource) for s in line.spans if s.resource == HOST_OPTIMIZER]
+    assert spans == [("Uh(2)", HOST_OPTIMIZER), ("Uh(1)", HOST_OPTIMIZER)]
