@@ -61,8 +61,10 @@ def plain_generate(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from tierflow.data.tokenizer import load_tokenizer
+    from tierflow.exec.memory import rss_bytes
     from tierflow.profile.machine import maxrss_bytes
-    base = maxrss_bytes()
+    base = rss_bytes()  # as tierflow generate's child (a high-water mark of the imports
+    # could hide a small model's whole generation)
     model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.bfloat16)
     ids = load_tokenizer(f"{args.model}/tokenizer.json").encode(args.prompt).ids
     with torch.inference_mode():
