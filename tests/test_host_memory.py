@@ -12,6 +12,7 @@ from tierflow.exec.memory import (
     CACHING_THRESHOLD,
     GUARD_MARGIN,
     HostRoom,
+    caching_allocator,
     configure_host_allocator,
     rss_bytes,
 )
@@ -155,6 +156,49 @@ def _guard_trims_again() -> None:
         time.sleep(0.005)
     assert room.guard_trims >= 2
     del live
+
+
+def test_the_profile_times_under_a_guard_of_the_budget():
+    """The profile times its stages with malloc's caches on (``caching_allocator``): given
+    the budget's level, its block gives them back as the RSS comes near it; without one it
+    never trims before its end. (The fused LM head's bf16 logits sit under the caching
+    threshold: timing its profile rounds took llama-20m 90 MiB past their exact peak, past
+    --ram 240MiB.) In a fresh process, as above."""
+    run_in_fresh_process("test_host_memory", "_timing_guarded")
+
+
+def _timing_guarded() -> None:
+    from tierflow.exec import memory
+
+    trims = []
+    memory.return_free_memory = lambda: trims.append(rss_bytes())
+    with caching_allocator(rss_bytes() + GUARD_MARGIN // 4):  # within the margin at once
+        for _ in range(200):
+            if trims:
+                break
+            time.sleep(0.005)
+        assert len(trims) == 1
+        time.sleep(0.05)
+        assert len(trims) == 1  # the RSS did not grow: no more trims
+    with caching_allocator(rss_bytes() + (1 << 40)):  # far from the level: none in the block
+        time.sleep(0.05)
+        assert len(trims) == 2  # the first block's own, at its end
+    names = [t.name for t in threading.enumerate()]
+    assert "tierflow-rss-guard-timing" not in names  # each block's guard ended with it
+
+
+def test_fit_times_its_profile_under_the_ram_budget(monkeypatch):
+    """``fit`` under a RAM budget times its profile rounds guarded at the budget's level (the
+    RSS the budget does not cover, plus the budget)."""
+    import tierflow
+    from tierflow.fitting import profile_step
+
+    levels = []
+    monkeypatch.setattr(profile_step, "caching_allocator",
+                        lambda level=None: (levels.append(level), caching_allocator())[1])
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    tierflow.fit(model, torch.randn(8, 64), ram="1GiB")
+    assert levels and all(level is not None and level > 1 << 30 for level in levels)
 
 
 def test_only_the_last_guard_started_runs():

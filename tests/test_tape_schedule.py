@@ -118,3 +118,49 @@ def test_the_executor_writes_the_tapes_the_plan_stores_and_no_other(tmp_path, mo
     assert stored and module.plan.transfers.tapes is not None
     train_side_by_side(module, reference, sample, adamw)
     assert written == stored
+
+
+class _AdaptedLayer(torch.nn.Module):
+    """A frozen projection with a trainable low-rank adapter beside it, as LoRA trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(64, 256).requires_grad_(False)
+        self.down = torch.nn.Linear(64, 4, bias=False)
+        self.up = torch.nn.Linear(4, 256, bias=False)
+
+    def forward(self, x, ctx):
+        return torch.nn.functional.gelu(self.base(x) + self.up(self.down(x)))
+
+
+def test_an_offloaded_stage_keeps_none_of_its_tape_in_memory(tmp_path):
+    """The plan moves a stage's whole tape to the lower tier (plan/tape_offload.py: its tape
+    is 0 in memory). Under bf16 autocast each tensor a short sequence saves is far under
+    MIN_BYTES; the executor kept those in memory, and a LoRA run at seq 256 held its layers'
+    whole tapes beside the plan's peak (254 MiB measured against --ram 240MiB). What the
+    hooks keep in memory is no tape, and the gradients are those of the tape kept whole."""
+    from tierflow.exec import tapes as tapes_module
+    from tierflow.exec.context import AutocastMode
+    from tierflow.exec.disk import DiskStore
+    from tierflow.exec.stage_call import backward_taped, forward_taped, storage_key, tape_bytes
+
+    torch.manual_seed(0)
+    stage = _AdaptedLayer()
+    x = torch.randn(2, 16, 64)
+    autocast = AutocastMode("cpu", True, torch.bfloat16)
+    params = {storage_key(p) for p in stage.parameters()}
+    whole = forward_taped(stage, x, {}, autocast, input_grad=True)
+    assert 0 < tape_bytes(whole, params) < tapes_module.MIN_BYTES
+    assert max(whole.saved.values()) < tapes_module.MIN_BYTES
+    expected = backward_taped(whole, torch.ones_like(whole.y))
+    grads = [p.grad.clone() for p in stage.parameters() if p.requires_grad]
+    stage.zero_grad()
+
+    offload = tapes_module.TapeOffload(DiskStore(tmp_path), params)
+    hooks = offload.hooks(Store(TAPE, 0, "ram", "disk", "disk write", 1))
+    taped = forward_taped(stage, x, {}, autocast, input_grad=True, offload=hooks)
+    assert tape_bytes(taped, params) == 0
+    offload.dispatch(Load(TAPE, 0, "disk", "ram", "disk read", 1))
+    assert torch.equal(backward_taped(taped, torch.ones_like(taped.y)), expected)
+    for p, g in zip([p for p in stage.parameters() if p.requires_grad], grads):
+        assert torch.equal(p.grad, g)

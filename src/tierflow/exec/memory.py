@@ -68,13 +68,28 @@ def configure_host_allocator(threshold: int = EXACT_THRESHOLD) -> bool:
 
 
 @contextlib.contextmanager
-def caching_allocator() -> Iterator[None]:
+def caching_allocator(level: int | None = None) -> Iterator[None]:
     """Run the block with malloc's caching thresholds, then give its caches back and pin the
-    exact ones again (to time work as steps run it while memory is measured exactly)."""
+    exact ones again (to time work as steps run it while memory is measured exactly).
+    ``level``: bytes of RSS the block must stay under (the budget's): a thread gives the
+    caches back as the RSS comes near it, as a step's ``HostRoom`` guard does. Freed blocks
+    under the caching threshold stay resident: the bf16 logits and weight cast of the fused
+    LM head's profile (31 and 16 MiB for llama-20m at 512 tokens, where their fp32 logits
+    get a mapping of their own) grew the RSS 90 MiB past the exact rounds' peak and past
+    --ram 240MiB."""
     configure_host_allocator(CACHING_THRESHOLD)
+    done = threading.Event()
+    guard = None if level is None else threading.Thread(
+        target=_guard_until, args=(level, done, GUARD_INTERVAL), daemon=True,
+        name="tierflow-rss-guard-timing")
+    if guard is not None:
+        guard.start()
     try:
         yield
     finally:
+        done.set()
+        if guard is not None:
+            guard.join()
         configure_host_allocator(EXACT_THRESHOLD)
         return_free_memory()
 
@@ -178,15 +193,31 @@ def _guard(room_ref: weakref.ref, interval: float) -> None:
     level, and again each time it has grown by half the margin since the last trim."""
     trimmed_at: int | None = None  # the RSS right after the last trim of this excursion
     while (room := room_ref()) is not None and _guarded() is room:
-        rss = rss_bytes()
-        if rss <= room.guard_level - GUARD_MARGIN:
-            trimmed_at = None
-        elif trimmed_at is None or rss > trimmed_at + GUARD_MARGIN // 2:
-            return_free_memory()
-            room.guard_trims += 1
-            trimmed_at = rss_bytes()
+        trimmed, trimmed_at = _trim_near(room.guard_level, trimmed_at)
+        room.guard_trims += trimmed
         del room
         time.sleep(interval)
+
+
+def _guard_until(level: int, done: threading.Event, interval: float) -> None:
+    """A guard for ``level`` (as ``_guard``) until ``done`` is set."""
+    trimmed_at: int | None = None
+    while not done.is_set():
+        _, trimmed_at = _trim_near(level, trimmed_at)
+        done.wait(interval)
+
+
+def _trim_near(level: int, trimmed_at: int | None) -> tuple[bool, int | None]:
+    """One look of a guard: trim when the RSS is within GUARD_MARGIN of ``level`` and, in
+    the same excursion, has grown by half the margin since the last trim (the RSS right
+    after it: ``trimmed_at``). Whether it trimmed, and the new ``trimmed_at``."""
+    rss = rss_bytes()
+    if rss <= level - GUARD_MARGIN:
+        return False, None
+    if trimmed_at is None or rss > trimmed_at + GUARD_MARGIN // 2:
+        return_free_memory()
+        return True, rss_bytes()
+    return False, trimmed_at
 
 
 def malloc_in_use() -> int | None:

@@ -3,10 +3,9 @@ saved and read back for that backward, instead of being recomputed, where the pl
 (``plan/tape_schedule.py``) say.
 
 ``dispatch(op)`` runs one of those ops: a Store arms stage i's next forward, whose
-``hooks(store)`` then give the pack/unpack pair of ``saved_tensors_hooks`` (a saved tensor of at
-least ``min_bytes`` that is not a parameter or a step-constant context tensor is handed to a
-writer thread, freed once written unless something else holds it, and replaced by a
-handle); a Load starts reading stage i's handles back; a Drop forgets them after the
+``hooks(store)`` then give the pack/unpack pair of ``saved_tensors_hooks`` (every saved tensor
+that is not a parameter or a step-constant context tensor is handed to a writer thread, freed
+once written unless something else holds it, and replaced by a handle); a Load starts reading stage i's handles back; a Drop forgets them after the
 backward. ``unpack`` waits for a handle's read (or reads it then). Recomputing a stage costs
 its forward again; offloading its tape costs a write and a read that run beside other
 stages' compute: on a CPU with a fast disk the second is the cheaper one.
@@ -26,7 +25,11 @@ from .host_store import HostStore
 from .stage_call import storage_key
 from .trace import span
 
-MIN_BYTES = MIN_TAPE_BYTES  # the planner's threshold: tapes it prices are the ones moved
+# the planner's threshold: a stage whose tape (its activations) is smaller stays in memory.
+# A stage it offloads goes down whole, however small each saved tensor: the plan counts none
+# of its tape in memory (plan/tape_offload.py), and a tape of small tensors (bf16 activations
+# of a short sequence, each under 1 MiB) kept whole in memory passed it by that tape
+MIN_BYTES = MIN_TAPE_BYTES
 
 
 @dataclass
@@ -52,11 +55,13 @@ class TapeOffload:
     """The offloaded tapes of one fitted module, in ``store``."""
 
     def __init__(self, store: DiskStore | HostStore, keep: set[int],
-                 min_bytes: int | None = None):
+                 min_bytes: int = 1):
         self.store = store
         self.keep = keep  # storage keys never offloaded: the parameters
         self.context: set[int] = set()  # and this step's context tensors (masks, rotary tables)
-        self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
+        # saved tensors smaller than this stay in memory; the plan offloads a stage's tape
+        # whole (see MIN_BYTES): the default keeps only empty ones
+        self.min_bytes = min_bytes
         self._armed: dict[int, Store] = {}  # stage -> the Store its next taped forward runs
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-tape-write")
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-tape-read")

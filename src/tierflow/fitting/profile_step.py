@@ -80,8 +80,7 @@ def _profile_and_plan(model: nn.Module, sample: Any, request: FitRequest, start:
         stage_costs, shared = profile_chain(chain, x0, ctx, start.autocast, meter,
                                             resident=offloaded.resident if offloaded else None,
                                             repeats=config.profile_repeats, log=say,
-                                            timing=caching_allocator if start.exact_host
-                                            else None,
+                                            timing=_timing(start),
                                             selective=config.selective != "never")
     # what running the model left resident (kernel caches, compiled code, allocator slack; on
     # CUDA the cuBLAS workspaces of the forward's and the autograd thread's handles, 32 MiB
@@ -95,6 +94,15 @@ def _profile_and_plan(model: nn.Module, sample: Any, request: FitRequest, start:
     tiers = PlacedTiers(start.tier, tuple(start.lower), start.weights_from, request.deferred,
                         request.grad_accum, config)
     return chain, place(costs, chain, rates(), start.budget, tiers)
+
+
+def _timing(start: FitStart) -> Callable[[], Any] | None:
+    """The context the profile times its stages in: under a RAM budget, malloc's caching
+    thresholds as steps run with, their caches given back before the RSS passes the budget
+    (the budget covers the profile too); None: as memory is measured."""
+    if not start.exact_host:
+        return None
+    return functools.partial(caching_allocator, start.budget + start.outside_budget)
 
 
 def _chain_costs(model: nn.Module, x0: Any, ctx: dict[str, Any], stage_costs: list,
