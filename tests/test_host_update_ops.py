@@ -1,6 +1,8 @@
 """Updates run by the host optimizer say so in the plan (``Update(i, resource)``): inside
 the backward, or first in a deferred update pass, with no weight transfers of their own
-there; the executor builds its host steps from those ops. Pure data."""
+there; the gradients they take move by the plan's Store (down to host RAM) and Load (from
+disk into it); the executor builds its host steps from those ops. Pure data, but for one
+check of the host step's side on the CPU."""
 import pytest
 
 from tierflow.plan.costs import ChainCosts, StageCost
@@ -136,3 +138,29 @@ def test_a_deferred_pass_sends_resident_gradients_down_and_reads_stashed_ones_to
     assert names.index("store(g0 gpu>ram)") == names.index("Uh(0)") - 1
     _, ops = passed("ram")
     assert [str(op) for op in ops] == ["store(g0 gpu>ram)", "load(g1 ram>gpu)"]
+
+
+def test_a_host_step_takes_the_gradients_its_store_sent_down_and_refuses_others():
+    """The executor's side: the plan's Store copies a stage's gradients down and frees them
+    on the compute tier; the host step takes them (the same values); without the Store it
+    refuses the gradients left there rather than copying them itself."""
+    import torch
+    from torch import nn
+
+    from tierflow.errors import TierflowError
+    from tierflow.exec.host_update import HostUpdates
+    from tierflow.plan.ops import Store
+
+    host = HostUpdates({0}, torch.device("cpu"))
+    p = nn.Parameter(torch.arange(4.0))
+    twins = host.twins(0, [p])
+    opt = torch.optim.SGD(twins, lr=1.0)
+    p.grad = torch.ones(4)
+    host.send_down(Store(GRADS, 0, "gpu", "ram", "copy down", 16), [p])
+    assert p.grad is None and torch.equal(host.sent_down(0)[0], torch.ones(4))
+    host.update(0, [p], twins, opt)
+    host.wait()
+    assert torch.equal(twins[0].detach(), torch.arange(4.0) - 1)
+    p.grad = torch.ones(4)
+    with pytest.raises(TierflowError, match="copies them down nowhere"):
+        host.update(0, [p], twins, opt)
