@@ -1,7 +1,13 @@
 """Updates run by the host optimizer say so in the plan (``Update(i, resource)``): inside
 the backward, or first in a deferred update pass, with no weight transfers of their own
-there; the executor builds its host steps from those ops. Pure data."""
+there; the gradients they take move by the plan's Store (down to host RAM) and Load (from
+disk into it); the executor builds its host steps from those ops. Pure data, but for one
+check of the host step's side on the CPU."""
+import pytest
+
 from tierflow.plan.costs import ChainCosts, StageCost
+from tierflow.plan.gradient_schedule import GRADS
+from tierflow.plan.kept_below import KeptBelow
 from tierflow.plan.ops import COMPUTE, HOST_OPTIMIZER, WEIGHTS, Backward, Forward, Load, Update
 from tierflow.plan.plan import Plan
 from tierflow.plan.transfers import Transfers
@@ -73,3 +79,88 @@ def test_the_timeline_runs_host_steps_on_their_own_resource():
     assert line.time == 3.0 + 2.5 + 2.5 + 0.5 + 2.5 + 0.5
     spans = [(s.name, s.resource) for s in line.spans if s.resource == HOST_OPTIMIZER]
     assert spans == [("Uh(2)", HOST_OPTIMIZER), ("Uh(1)", HOST_OPTIMIZER)]
+
+
+def _host_grads(stages) -> KeptBelow:
+    return KeptBelow(GRADS, tuple((i, 100) for i in stages), "ram", "gpu", "copy up",
+                     "copy down", True)
+
+
+def test_a_host_stages_gradients_go_down_by_a_store_its_update_waits_for():
+    """Inside the backward a host stage's gradients go down by the plan's Store right after
+    its Backward, priced on "copy down"; its Update (no hand-over left on compute) waits
+    for it. The ops survive the JSON."""
+    from dataclasses import replace
+
+    plan = _plan()
+    host = replace(STAGE, update_time=0.0, host_update_time=0.5)
+    costs = replace(plan.costs, stages=(host,) * 3)
+    placed = replace(plan, costs=costs).with_transfers(Transfers(
+        host_stages=frozenset({1, 2}), host_gradients=_host_grads({1, 2})))
+    shape = [str(op) for op in placed.ops[3:]]
+    assert shape == ["B(2)", "store(g2 gpu>ram)", "Uh(2)", "B(1)", "store(g1 gpu>ram)",
+                     "Uh(1)", "B(0)", "U(0)"]
+    store = placed.ops[4]
+    assert (store.what, store.src, store.dst, store.resource, store.nbytes) == (
+        GRADS, "gpu", "ram", "copy down", 100)
+    line = placed.timeline
+    assert line.busy("copy down") == pytest.approx(2 * 100 / 1e6)
+    uh2 = next(s for s in line.spans if s.name == "Uh(2)" and s.resource == COMPUTE)
+    down2 = next(s for s in line.spans if s.name == "store(g2 gpu>ram)")
+    assert uh2.start == pytest.approx(down2.end)
+    assert placed.decisions()["transfer_ops"][GRADS] == {"load": 0, "store": 2}
+    back = Plan.from_json(placed.to_json())
+    assert back.ops == placed.ops and back.transfers == placed.transfers
+
+
+def test_a_deferred_pass_sends_resident_gradients_down_and_reads_stashed_ones_to_host_ram():
+    """Deferred: a resident host stage's gradients go down right before its Uh; a streamed
+    one's, stashed on disk, come into host RAM by a Load right before its Uh (from host RAM:
+    nothing, they wait there); the compute tier's Update reads its own to the GPU."""
+    def passed(home):
+        stash = KeptBelow(GRADS, ((1, 100), (2, 100)), home, "gpu",
+                          *(("disk read", "disk write") if home == "disk"
+                            else ("copy up", "copy down")), True)
+        weights = StreamedWeights(((1, 100, 100), (2, 100, 100)), home, "gpu",
+                                  stash.read, stash.write, depth=1, written_back=False,
+                                  host_updated=frozenset({0, 2}))
+        placed = _plan().with_transfers(Transfers(
+            weights=weights, update_order=(2, 0, 1), gradients=stash,
+            host_stages=frozenset({0, 2}), host_gradients=_host_grads({0})))
+        return placed, [op for op in placed.routines.update_pass
+                        if getattr(op, "what", None) == GRADS]
+    placed, ops = passed("disk")
+    assert [str(op) for op in ops] == ["load(g2 disk>ram)", "store(g0 gpu>ram)",
+                                       "load(g1 disk>gpu)"]
+    assert ops[0].resource == "disk read" and ops[0].nbytes == 100
+    names = [str(op) for op in placed.routines.update_pass]
+    assert names.index("load(g2 disk>ram)") == names.index("Uh(2)") - 1
+    assert names.index("store(g0 gpu>ram)") == names.index("Uh(0)") - 1
+    _, ops = passed("ram")
+    assert [str(op) for op in ops] == ["store(g0 gpu>ram)", "load(g1 ram>gpu)"]
+
+
+def test_a_host_step_takes_the_gradients_its_store_sent_down_and_refuses_others():
+    """The executor's side: the plan's Store copies a stage's gradients down and frees them
+    on the compute tier; the host step takes them (the same values); without the Store it
+    refuses the gradients left there rather than copying them itself."""
+    import torch
+    from torch import nn
+
+    from tierflow.errors import TierflowError
+    from tierflow.exec.host_update import HostUpdates
+    from tierflow.plan.ops import Store
+
+    host = HostUpdates({0}, torch.device("cpu"))
+    p = nn.Parameter(torch.arange(4.0))
+    twins = host.twins(0, [p])
+    opt = torch.optim.SGD(twins, lr=1.0)
+    p.grad = torch.ones(4)
+    host.send_down(Store(GRADS, 0, "gpu", "ram", "copy down", 16), [p])
+    assert p.grad is None and torch.equal(host.sent_down(0)[0], torch.ones(4))
+    host.update(0, [p], twins, opt)
+    host.wait()
+    assert torch.equal(twins[0].detach(), torch.arange(4.0) - 1)
+    p.grad = torch.ones(4)
+    with pytest.raises(TierflowError, match="copies them down nowhere"):
+        host.update(0, [p], twins, opt)

@@ -16,7 +16,9 @@ import tierflow
 from tierflow import FitConfig
 from tierflow.exec.disk import DiskStore
 from tierflow.exec.host_model import start_in_host_ram
+from tierflow.plan.gradient_schedule import GRADS
 from tierflow.plan.costs import ChainCosts, StageCost
+from tierflow.plan.ops import Store
 from tierflow.plan.tier_candidates import TierProblem, UpdateRates
 from tierflow.plan.tier_costs import LowerTier
 from tierflow.plan.tier_search import place_on_tiers
@@ -204,10 +206,15 @@ def test_host_ram_holds_the_weights_a_host_step_reads_from_disk():
         assert 0 < extra <= 4 * weights_io * (1 + 1e-9)
         if depth:  # the lowest stage's step shows whole (the end of the backward waits for
             # it); each other one what it outlasts of the compute beside it, the next stage's
-            # recomputation, backward and hand-over (the plan's timeline; from host RAM the
-            # steps hide behind them, from disk each outlasts them)
-            stage = from_disk.plan.costs.stages[0]
-            beside = stage.fwd_time + stage.bwd_time + stage.update_time
+            # recomputation, backward and gradients down (the plan's Store of them; the
+            # plan's timeline: from host RAM the steps hide behind them, from disk each
+            # outlasts them)
+            plan = from_disk.plan
+            stage = plan.costs.stages[0]
+            down = next(op for op in plan.ops if isinstance(op, Store) and op.what == GRADS
+                        and op.stage == 0)
+            beside = stage.fwd_time + stage.bwd_time + stage.update_time + \
+                down.nbytes / plan.costs.bandwidths[down.resource]
             shorter = placed[False].plan.costs.stages[0].host_update_time
             assert shorter < beside < stage.host_update_time
             assert extra == pytest.approx(

@@ -22,7 +22,8 @@ from .exec.tapes import TapeOffload
 from .exec.trace import span
 from .exec.transfers import transfer_to
 from .exec.weights import WeightStreamer
-from .plan.ops import TRANSFERS, Stash, Update
+from .plan.gradient_schedule import GRADS
+from .plan.ops import TRANSFERS, Stash, Store, Transfer, Update
 from .plan.plan import Plan
 from .plan.tier_costs import UpdatePass, with_update_pass
 
@@ -245,15 +246,18 @@ class TierflowModule(nn.Module):
         deferred = self._deferred
         if deferred is not None:
             update = deferred.gradients_complete
+        transfer = self._transfer
         if self._reduce is not None:
             update = self._reduced_before(update)
+            if deferred is None:  # a host stage's gradients go down before its Update
+                transfer = self._reduced_before_down(transfer)
         hooks = StepHooks(update, self.ledger, streamer,
                           before_backward=deferred.before_backward if deferred else None,
                           backward_done=deferred.backward_done if deferred
                           else self._backward_done,
                           tapes=self._tapes,
                           before_op=self._make_room if self._host_room else None,
-                          boundaries=self._boundaries, transfer=self._transfer)
+                          boundaries=self._boundaries, transfer=transfer)
         run = StepRun(self._chain, self._plan.ops, self._forward_count, self._device, hooks)
         run.begin()
         x0, ctx, autocast = self._split_inputs(args, kwargs)
@@ -295,6 +299,23 @@ class TierflowModule(nn.Module):
                         reduce(grads)
             update(op)
         return reduce_then_update
+
+    def _reduced_before_down(self, transfer: Callable[[Transfer], None]
+                             ) -> Callable[[Transfer], None]:
+        """``transfer`` preceded, for the plan's Store of a host-stepped stage's gradients
+        (updates inside the backward), by their reduction: they leave the compute tier
+        before its Update (which then finds none to reduce)."""
+        optimizer, reduce = self._optimizer, self._reduce
+
+        def reduce_then_send(op: Transfer) -> None:
+            if isinstance(op, Store) and op.what == GRADS:
+                grads = [p.grad for p in optimizer.stage_params[op.stage]
+                         if p.grad is not None]
+                if grads:
+                    with span(f"reduce {op.stage}", "communication"):
+                        reduce(grads)
+            transfer(op)
+        return reduce_then_send
 
     def _make_room(self, position: int) -> None:
         op = self._plan.ops[position]

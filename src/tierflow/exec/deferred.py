@@ -10,8 +10,9 @@ the global norm gives the clipping factor (as ``torch.nn.utils.clip_grad_norm_``
 pass over the stages, last first, updates each: its weights and gradients are fetched, the
 next stages' weights and its optimizer states read ahead (during the update before it), its
 weights written back behind it; the stages stepped in host RAM (the pass's first Updates,
-which name the host optimizer) are stepped there, on the host thread meanwhile, from their gradients stashed there (a streamed stage's) or copied
-down (a resident stage's). Under a host RAM budget each stage's update first makes room for
+which name the host optimizer) are stepped there, on the host thread meanwhile, from their
+gradients stashed there (a streamed stage's, read from disk into host RAM by the plan's Load
+when stashed on disk) or copied down by the plan's Store (a resident stage's). Under a host RAM budget each stage's update first makes room for
 what the pass adds at its peak (``make_room``): malloc's caches from the backward would
 otherwise stay resident beside the states and weights the pass reads.
 """
@@ -22,7 +23,8 @@ from typing import Callable
 
 from torch import nn
 
-from ..plan.ops import TRANSFERS, Op, Transfer, Update
+from ..plan.gradient_schedule import GRADS
+from ..plan.ops import TRANSFERS, Op, Store, Transfer, Update
 from ..plan.plan import Routines
 from .grad_norm import square_norm
 from .gradients import GradientStash
@@ -99,13 +101,20 @@ class DeferredUpdates:
         stashed = self.stash.stage_params if self.stash is not None else {}
         streamed = self.streamer.stage_params if self.streamer is not None else {}
         room_made = False  # for the next update and the reads placed before it
+        host = self.optimizer.host_stages
         for op in self.routines.update_pass:  # last first: the next stages read meanwhile
             if isinstance(op, Update) and op.on_host:  # the host thread steps it meanwhile
-                if op.stage in stashed:  # its gradients wait on the lower tier
+                if op.stage in stashed:  # its gradients wait in host RAM (or were read there)
                     params, grads = self.stash.take(op.stage)
                     self.optimizer.step_stashed_on_host(op.stage, params, grads, scale)
-                else:  # they stayed on the compute tier: they go down now
+                else:  # they stayed on the compute tier: the plan's Store sent them down
                     self.optimizer.step_stage(op.stage, scale, on_host=True)
+                continue
+            if isinstance(op, Store) and op.what == GRADS:  # a host stage's, sent down
+                self.optimizer.dispatch(op)  # (the stash stores none in the pass)
+                continue
+            if isinstance(op, TRANSFERS) and op.stage in host:  # its gradients, to host RAM
+                self.transfer(op)
                 continue
             if self.make_room is not None and not room_made:
                 self.make_room()

@@ -9,7 +9,8 @@ global norm is known when the backward ends); a Load starts reading them back on
 thread, after their write (a no-op when none were written: the first micro-batch of a
 step). ``restore(i)``, before the stage's backward (autograd then accumulates into them)
 and its update, puts what the Load read into ``.grad``. A stage stepped in host RAM takes
-its gradients there instead (``take``): where they wait, or read from disk into host memory.
+its gradients there instead (``take``): where they wait in host RAM, or what the plan's
+Load of them into host RAM (``dst="ram"``) read from disk.
 """
 from __future__ import annotations
 
@@ -73,8 +74,10 @@ class GradientStash:
     def _read(self, op: Load, params: list[nn.Parameter],
               written: Future) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
         written.result()
-        with span(str(op), op.resource):
-            buffers = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in params]
+        with span(str(op), op.resource):  # into host RAM for a host step, else to compute
+            buffers = [torch.empty(p.shape, dtype=p.dtype,
+                                   device="cpu" if op.dst == "ram" else p.device)
+                       for p in params]
             self.store.read(f"grad-{op.stage}", buffers)
         return params, buffers
 
@@ -94,18 +97,20 @@ class GradientStash:
 
     def take(self, i: int) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
         """Stage i's parameters with stashed gradients and those gradients in host RAM, for
-        an update run there: where they are in a ``HostStore``, read into host memory from
-        the disk tier. None of either when the stage stashed none."""
+        an update run there: where they are in a ``HostStore``, or read there from the disk
+        tier by the plan's Load (an error when none did). None of either when the stage
+        stashed none."""
+        read = self._reads.pop(i, None)
+        if read is not None:
+            with span(f"wait for gradients {i}", "compute"):
+                return read.result()
         if i not in self._stashed:
             return [], []
+        if self.store.kind != "ram":
+            raise TierflowError(f"stage {i}'s gradients wait on disk but the plan reads them "
+                                "into host RAM nowhere before its host step")
         self._writer.writes.pop(i).result()
-        params = self._stashed.pop(i)
-        if self.store.kind == "ram":
-            return params, self.store.entries(f"grad-{i}")
-        with span(f"read gradients {i}", "disk read"):
-            grads = [torch.empty(p.shape, dtype=p.dtype) for p in params]  # in host RAM
-            self.store.read(f"grad-{i}", grads)
-        return params, grads
+        return self._stashed.pop(i), self.store.entries(f"grad-{i}")
 
     def clear(self) -> None:
         """A new step: nothing stashed, no norms."""

@@ -5,7 +5,10 @@ When the plan keeps a stage's optimizer states in the host RAM below a GPU (real
 simulated), bringing them up for the update and back after it moves four times the weights'
 bytes over the link (AdamW in fp32: two moments up and down), and a streamed stage's
 updated weights go down too. Stepping in host RAM moves the gradients down instead
-(ZeRO-Offload's division of work). States on the disk tier come to host RAM for the step
+(ZeRO-Offload's division of work): the plan's Store of them to host RAM, after the stage's
+backward or before its Update in a deferred pass, runs here (``send_down``); a stage's
+gradients stashed on disk come up to host RAM by the plan's Load of them
+(``GradientStash``). States on the disk tier come to host RAM for the step
 and go back after it, as ZeRO-Infinity's NVMe offload does: the owner of the states
 (``OwnedOptimizer``) gives each step the two halves of that move, and host RAM holds three
 stages' states at most: the one stepping, the next one read, the last one being written.
@@ -26,7 +29,7 @@ the backward of the stages before it; at most one step waits behind the running 
 host RAM holds the gradients of two stages at most, as the plan counts. With updates
 deferred to after the backward (accumulation, clipping) a streamed stage's gradients
 already wait in host RAM between micro-batches (``GradientStash``), and the update pass
-steps them there.
+steps them there; from disk, the plan's Load reads them into host RAM first.
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
-from ..plan.ops import HOST_OPTIMIZER
+from ..errors import TierflowError
+from ..plan.ops import HOST_OPTIMIZER, Store
 from .buffers import BufferPool
 from .copy_stream import SideStreamCopier
 from .disk import WriteBehind
@@ -63,6 +67,7 @@ class HostUpdates:
         self._uploads: dict[int, list[tuple[nn.Parameter, nn.Parameter]]] = {}
         # stage -> (twin, its weight's file, the twin's empty tensor) for weights on disk
         self._from_disk: dict[int, list[tuple[nn.Parameter, str, torch.Tensor]]] = {}
+        self._down: dict[int, dict[int, torch.Tensor]] = {}  # stage -> param id -> gradient
         self._weights_pool = BufferPool()  # host RAM for the weights of the stage stepping
         self._weight_reads: dict[int, Future] = {}  # stage -> its weights' read, ahead
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-host-weights-read") \
@@ -88,6 +93,23 @@ class HostUpdates:
             out.append(twin)
         return out
 
+    def send_down(self, op: Store, params: list[nn.Parameter]) -> None:
+        """Run the plan's Store of stage i's gradients to host RAM (``op``): copy those of
+        ``params`` down, for its host step, and free them on the compute tier."""
+        i = op.stage
+        down = [p for p in params if p.grad is not None]
+        with span(str(op), op.resource):
+            grads = [torch.empty(p.grad.shape, dtype=p.grad.dtype,
+                                 pin_memory=self._copier.pinned()) for p in down]
+            self._copier.copy(grads, [p.grad for p in down])
+        for p in down:
+            p.grad = None
+        self._down[i] = {id(p): grad for p, grad in zip(down, grads)}
+
+    def sent_down(self, i: int) -> list[torch.Tensor]:
+        """Stage i's gradients that a Store sent down and no step took yet."""
+        return list(self._down.get(i, {}).values())
+
     def update(self, i: int, params: list[nn.Parameter], twins: list[nn.Parameter],
                optimizer: torch.optim.Optimizer, scale: float = 1.0,
                stashed: dict[int, torch.Tensor] | None = None,
@@ -95,21 +117,19 @@ class HostUpdates:
                release: Callable[[], None] | None = None) -> None:
         """Give stage i's twins their gradients, then step ``optimizer`` on the host thread
         with them times ``scale``, between ``fetch`` (its states into host RAM, from disk)
-        and ``release`` (them back). A gradient in ``stashed`` (by parameter id) is in host
-        RAM already; the others are copied down and freed on the compute tier."""
+        and ``release`` (them back). A gradient in ``stashed`` (by parameter id) waited in
+        host RAM already; the others came down by the plan's Store of them (``send_down``):
+        an error if one is still on the compute tier."""
         stashed = stashed or {}
-        down = [(p, twin) for p, twin in zip(params, twins)
-                if id(p) not in stashed and p.grad is not None]
-        with span(f"gradients down {i}", "disk write"):
-            grads = [torch.empty(p.grad.shape, dtype=p.grad.dtype,
-                                 pin_memory=self._copier.pinned()) for p, _ in down]
-            self._copier.copy(grads, [p.grad for p, _ in down])
-        for (p, twin), grad in zip(down, grads):
-            twin.grad = grad
-            p.grad = None
+        down = self._down.pop(i, {})
         for p, twin in zip(params, twins):
             if id(p) in stashed:
                 twin.grad = stashed[id(p)]
+            elif id(p) in down:
+                twin.grad = down[id(p)]
+            elif p.grad is not None:
+                raise TierflowError(f"stage {i}'s gradients are on the compute tier but the "
+                                    "plan copies them down nowhere before its host step")
         if self._reader is not None and i in self._from_disk:  # read while the step before runs
             self._weight_reads[i] = self._reader.submit(self._read_weights, i)
         self._steps.submit(i, self._step, i, optimizer, twins, scale, fetch, release)

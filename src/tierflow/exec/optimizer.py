@@ -13,6 +13,7 @@ from torch import nn
 
 from ..chain.base import Chain
 from ..errors import TierflowError
+from ..plan.gradient_schedule import GRADS
 from ..plan.ops import Load, Store, Transfer, Update
 from .buffers import BufferPool
 from .disk import DiskStore, WriteBehind
@@ -62,6 +63,7 @@ class OwnedOptimizer:
         owned = [j for j, opt in enumerate(self.optimizers) if opt is not None]
         self._first_update = owned[-1] if owned else -1
         self._square_norm: float | None = None
+        self._measured: set[int] = set()  # stages whose norm their gradients' Store took
         self.measures_norm = True  # off when a deferred update pass measures it first
         self.host: HostUpdates | None = None
         self._twins: dict[int, list[nn.Parameter]] = {}
@@ -107,11 +109,10 @@ class OwnedOptimizer:
                                 f"{'on the compute tier' if on_host else 'in host RAM'}: run "
                                 "it with the plan it was built for")
         self.updates += 1
-        if self.measures_norm:
-            if i == self._first_update:  # a new step's updates begin (the last stage first)
-                self._square_norm = 0.0
-            self._square_norm += square_norm(p.grad for p in self.stage_params[i]
-                                             if p.grad is not None)
+        if i in self._measured:  # as its gradients went down
+            self._measured.discard(i)
+        else:
+            self._measure(i)
         if on_host:
             self._step_on_host(i, scale)
             return
@@ -123,10 +124,30 @@ class OwnedOptimizer:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    def _measure(self, i: int) -> None:
+        """Add stage i's squared gradient norm to the step's (a new step's when i is the
+        first stage updated: the last)."""
+        if not self.measures_norm:
+            return
+        if i == self._first_update:  # a new step's updates begin (the last stage first)
+            self._square_norm = 0.0
+        self._square_norm += square_norm(p.grad for p in self.stage_params[i]
+                                         if p.grad is not None)
+
     def dispatch(self, op: Transfer) -> None:
         """Start the plan's transfer of a stage's states: a Load reads them back (after their
         write in flight), a Store hands them to the writer and drops them from the optimizer
-        (the plan places both, ``plan/state_schedule.py``)."""
+        (the plan places both, ``plan/state_schedule.py``). The Store of a host-stepped
+        stage's gradients (``what="grads"``) copies them down to host RAM for its step,
+        their norm measured as they leave."""
+        if op.what == GRADS:
+            if not isinstance(op, Store) or self.host is None:
+                raise TierflowError(f"{op}: the optimizer only sends the gradients of the "
+                                    "stages it steps in host RAM down")
+            self._measure(op.stage)
+            self._measured.add(op.stage)
+            self.host.send_down(op, self.stage_params[op.stage])
+            return
         if isinstance(op, Load):
             self._prefetch(op.stage, str(op), op.resource)
         elif isinstance(op, Store):

@@ -1,7 +1,8 @@
 """Where each of a plan's transfer ops goes: a weights transfer to the streamer of the
 stages' weights, a states transfer to the optimizer that owns them, a tape transfer to the
 tapes' offload, a checkpoint's to the stash, a gradients transfer to the gradients'
-stash."""
+stash when it holds the stage's (streamed) gradients, else to the optimizer that steps the
+stage in host RAM (their Store down to it)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -32,8 +33,10 @@ def transfer_to(weights: WeightStreamer | None, states: OwnedOptimizer | None,
             tapes.dispatch(op)
         elif op.what == BOUNDARY:
             boundaries.dispatch(op)
-        elif op.what == GRADS:
+        elif op.what == GRADS and gradients is not None and op.stage in gradients.stage_params:
             gradients.dispatch(op)
+        elif op.what == GRADS:  # a host-stepped stage's, down to host RAM for its step
+            states.dispatch(op)
         else:
             raise ValueError(f"{op}: nothing moves {op.what!r}")
     return start

@@ -13,6 +13,14 @@ finds nothing written: its Loads do nothing, and the price counts them all the s
 update pass a Load of a stage's gradients comes right after the Load of its weights (read
 ahead as they are), or right before its ``Update(i)`` when its weights are in memory
 already; the update waits for it.
+
+A stage the host optimizer steps (``Update(i, "host optimizer")``) takes its gradients in
+host RAM. Inside the backward a Store of them down to that RAM (``host``, on "copy down")
+comes right after its ``Backward(i)``; in the update pass, right before its Update when
+they stayed on the compute tier over the micro-batches (a resident stage's, or the tied
+parameters' of a streamed first stage), and a Load of them from the disk they wait on into
+host RAM (``Load(grads, i, "disk", "ram", ...)``) when the stage is streamed from disk; a
+stage streamed from host RAM finds them there. Its Update waits for both.
 """
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ from .kept_below import KeptBelow
 from .ops import WEIGHTS, Backward, Load, Op, Update
 
 GRADS = "grads"  # what these transfers move: a stage's accumulated parameter gradients
+HOST_RAM = "ram"  # the tier the host optimizer steps in
 
 
 def with_gradient_transfers(step: Sequence[Op], grads: KeptBelow,
@@ -39,17 +48,38 @@ def with_gradient_transfers(step: Sequence[Op], grads: KeptBelow,
     return tuple(out)
 
 
-def with_gradient_reads(update_pass: Sequence[Op], grads: KeptBelow) -> tuple[Op, ...]:
+def with_host_gradient_stores(step: Sequence[Op], host: KeptBelow) -> tuple[Op, ...]:
+    """A step whose updates run inside the backward, with the Store of each ``host`` stage's
+    gradients to host RAM right after its Backward (its host Update waits for it)."""
+    stages = host.stages
+    out: list[Op] = []
+    for op in step:
+        out.append(op)
+        if isinstance(op, Backward) and op.stage in stages:
+            out.append(host.store(op.stage))
+    return tuple(out)
+
+
+def with_gradient_reads(update_pass: Sequence[Op], grads: KeptBelow | None,
+                        host: KeptBelow | None = None) -> tuple[Op, ...]:
     """The ``update_pass`` with the Load of each updated stage's gradients: beside the Load
-    of its weights, else right before its Update (not for an Update in host RAM: the host
-    optimizer takes a stage's gradients where they wait, ``exec/gradients.take``)."""
-    stages = grads.stages
+    of its weights, else right before its Update. Right before an Update in host RAM: the
+    Store down of a ``host`` stage's gradients, or the Load into host RAM of a stage's that
+    wait on disk (none for those waiting in host RAM already)."""
+    stages = grads.stages if grads is not None else {}
+    down = host.stages if host is not None else {}
     updated = {op.stage for op in update_pass if isinstance(op, Update)
                and not op.on_host} & set(stages)
     read: set[int] = set()
     out: list[Op] = []
     for op in update_pass:
-        if isinstance(op, Update) and op.stage in updated and op.stage not in read:
+        if isinstance(op, Update) and op.on_host:
+            if op.stage in down:
+                out.append(host.store(op.stage))
+            if op.stage in stages and grads.home != HOST_RAM:
+                out.append(Load(GRADS, op.stage, grads.home, HOST_RAM, grads.read,
+                                stages[op.stage]))
+        elif isinstance(op, Update) and op.stage in updated and op.stage not in read:
             out.append(grads.load(op.stage))
             read.add(op.stage)
         out.append(op)

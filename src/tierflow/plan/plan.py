@@ -32,12 +32,16 @@ from .simulate import Simulation, check_complete, simulate
 from .timeline import Timeline, timeline
 from .state_schedule import first_read, with_state_transfers
 from .boundary_schedule import with_boundary_transfers
-from .gradient_schedule import with_gradient_reads, with_gradient_transfers
+from .gradient_schedule import (
+    with_gradient_reads,
+    with_gradient_transfers,
+    with_host_gradient_stores,
+)
 from .tape_schedule import with_tape_transfers
 from .transfers import Transfers
 from .weight_schedule import WeightSchedule, check_schedule, schedule_weights
 
-FORMAT_VERSION = 5
+FORMAT_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -112,8 +116,8 @@ class Plan:
         optimizer: the loads, stores and drops of streamed weights
         (``plan/weight_schedule.py``), the loads and stores of optimizer states beside the
         updates (``plan/state_schedule.py``), the update pass of deferred updates, the
-        stores and loads of the streamed stages' gradients between micro-batches
-        (``plan/gradient_schedule.py``), the stores, loads and drops of the tapes kept below
+        stores and loads of the streamed stages' gradients between micro-batches and of the
+        host-stepped stages' gradients to host RAM (``plan/gradient_schedule.py``), the stores, loads and drops of the tapes kept below
         (``plan/tape_schedule.py``) and the stores and loads of the stashed checkpoints
         (``plan/boundary_schedule.py``)."""
         compute = tuple(op for op in self.ops if not isinstance(op, TRANSFERS))
@@ -141,8 +145,11 @@ class Plan:
                 step, routines = placed, replace(routines, cold=cold)
         if transfers.gradients is not None:
             step = with_gradient_transfers(step, transfers.gradients, transfers.accumulates)
+        if transfers.host_gradients is not None and not transfers.deferred:
+            step = with_host_gradient_stores(step, transfers.host_gradients)
+        if transfers.gradients is not None or transfers.host_gradients is not None:
             routines = replace(routines, update_pass=with_gradient_reads(
-                routines.update_pass, transfers.gradients))
+                routines.update_pass, transfers.gradients, transfers.host_gradients))
         if transfers.tapes is not None:
             step = with_tape_transfers(step, transfers.tapes)
         if transfers.boundaries is not None:

@@ -173,12 +173,13 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
     for the step the same way, and written back by the host thread after it. A streamed
     stage stepped there is read for its next forward (the plan's Loads say when).
 
-    A stage's ``update_time`` is the hand-over (its gradients down), its ``host_update_time``
-    the host step, which the plan's ``Update(i, "host optimizer")`` runs on that thread
-    (``plan/timeline.py``): beside the backward of stage i - 1, the compute tier waiting at
-    stage i - 1's hand-over for what it outlasted of that backward, and at the end of the
-    backward for the lowest one's. Not ``beside_backward`` (a simulated GPU: the host
-    thread steps on the cores that compute), the compute tier waits for all of it: the
+    A stage's gradients go down by the plan's Store of them (``plan/gradient_schedule.py``,
+    on the link's "copy down", priced at its bandwidth), its ``host_update_time`` is the
+    host step, which the plan's ``Update(i, "host optimizer")`` runs on that thread after
+    that Store (``plan/timeline.py``): beside the backward of stage i - 1, the compute tier
+    waiting at stage i - 1's hand-over for what it outlasted of that backward, and at the
+    end of the backward for the lowest one's. Not ``beside_backward`` (a simulated GPU: the
+    host thread steps on the cores that compute), the compute tier waits for all of it: the
     step is in ``update_time``. With updates deferred, ``deferred_costs`` prices the steps
     in its pass instead."""
     stages = list(costs.stages)
@@ -190,13 +191,15 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
         work = _with_disk_io(work, state_of[i] if home.name == "disk" else 0, weights,
                              home if home.name == "disk" else weights_disk, read_ahead)
         # a streamed stage's weights stay until the update (the gradients are counted)
-        stages[i] = replace(stages[i], update_time=down + (0.0 if beside_backward else work),
+        stages[i] = replace(stages[i], update_time=0.0 if beside_backward else work,
                             host_update_time=work if beside_backward else 0.0,
                             update_transient=params if i in streamed else 0)
     up_there = [n for j, n in enumerate(state_of) if j not in host]
     static = costs.static_bytes - states_in_flight(state_of, read_ahead) + \
         states_in_flight(up_there, read_ahead)
+    down_resource = TRANSFER_RESOURCES[link.name][1]  # the plan's Stores of the gradients
     return replace(costs, stages=tuple(stages), static_bytes=static,
+                   bandwidths={**costs.bandwidths, down_resource: link.bandwidth},
                    extra={**costs.extra, "updated on the host": sorted(host)})
 
 

@@ -198,7 +198,8 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
                                          offloaded_tapes(candidate, problem, tier),
                                          stashed_boundaries(candidate, costs, tier),
                                          stashed_gradients(candidate, problem, tier),
-                                         problem.accumulates, candidate.host_stages))
+                                         problem.accumulates, candidate.host_stages,
+                                         host_gradients(candidate, problem, tier)))
     return TierPlan(replace(plan, notes=plan.notes + notes), candidate.states,
                     candidate.weights, candidate.streamed, update_pass, candidate.tapes,
                     candidate.tape_stages, candidate.depth, held, candidate.boundaries,
@@ -263,6 +264,23 @@ def stashed_gradients(candidate: Candidate, problem: TierProblem,
     sizes = tuple((i, base.stages[i].param_bytes + (base.shared_grad_bytes if i == 0 else 0))
                   for i in sorted(candidate.streamed))
     return _kept_below(GRADS, sizes, candidate.weights, tier, candidate.depth > 0)
+
+
+def host_gradients(candidate: Candidate, problem: TierProblem,
+                   tier: str) -> KeptBelow | None:
+    """The gradients of ``candidate``'s stages stepped in host RAM that the plan copies down
+    to it from the compute tier (None: none): every such stage's inside the backward; with
+    deferred updates, those not stashed below between micro-batches (a resident stage's,
+    and the tied parameters' of a streamed first stage, which stay on the compute tier)."""
+    if not candidate.host_stages:
+        return None
+    stashed = candidate.streamed if problem.deferred else frozenset()
+    base = problem.costs
+    shared = [base.shared_grad_bytes if i == 0 else 0 for i in range(base.length)]
+    sizes = tuple((i, (0 if i in stashed else base.stages[i].param_bytes) + shared[i])
+                  for i in sorted(candidate.host_stages)
+                  if i not in stashed or shared[i])
+    return _kept_below(GRADS, sizes, candidate.host, tier, candidate.depth > 0)
 
 
 def _kept_below(what: str, sizes: tuple[tuple[int, int], ...], home: LowerTier, tier: str,

@@ -5,7 +5,8 @@ Pure data. One dispatcher walks the ops in order, as the executor does:
 - a compute op (Forward, Backward, Update) runs on ``compute`` once the dispatcher reaches
   it, the compute resource is free and what it waits for is done; the dispatcher waits for
   its end (the executor's thread runs it). An Update that names the host optimizer runs
-  there only its hand-over (``update_time``: its gradients copied down); the host
+  there only its hand-over (``update_time``; its gradients come down by the plan's Store
+  of them, which it waits for); the host
   optimizer then steps it (``host_update_time``) once its step before is done, and the
   dispatcher waits until then (one step queued behind the running one); at ``join`` (the
   end of the backward) it waits for every step of the host optimizer;
@@ -20,7 +21,8 @@ Pure data. One dispatcher walks the ops in order, as the executor does:
 What an op waits for: a compute op of a streamed stage, the last Load of its weights; an
 Update also the last Store of its weights (a kept stage's write reads them) and the last
 Load of its optimizer states; a Backward the Load of its tape (when it went down); a
-Backward and an Update the last Load of their stage's gradients (deferred updates); a Load,
+Backward and an Update the last Load of their stage's gradients (deferred updates), an
+Update in host RAM also the last Store of them (copied down for it); a Load,
 the last Store of the same tensors (read only once written). The same ops run step after step, so a
 step's time is the steady state's: the dispatcher's time over one repetition after two.
 """
@@ -95,6 +97,8 @@ def timeline(costs: ChainCosts, ops: Sequence[Op], join: int | None = None) -> T
                 if isinstance(op, Update):
                     ready = max(ready, stored.get((WEIGHTS, op.stage), 0.0),
                                 loaded.get((STATES, op.stage), 0.0))
+                if isinstance(op, Update) and op.on_host:  # its gradients down in host RAM
+                    ready = max(ready, stored.get((GRADS, op.stage), 0.0))
                 elif isinstance(op, Backward):
                     ready = max(ready, loaded.get((TAPE, op.stage), 0.0))
                 clock = free[COMPUTE] = ready + seconds

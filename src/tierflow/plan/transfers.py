@@ -22,7 +22,11 @@ class Transfers:
     kept below between a backward and their next use (deferred updates), read back before
     each backward when ``accumulates`` (over micro-batches). ``host_stages``: the stages the
     optimizer steps in host RAM: their Updates name the host optimizer (inside the
-    backward, or first in the update pass when deferred)."""
+    backward, or first in the update pass when deferred). ``host_gradients``: the gradients
+    of those of them that the plan copies down from the compute tier to the host RAM for
+    their step (``home``: that RAM), each stored after its backward (inside the backward)
+    or right before its Update (deferred; a stage whose gradients wait below already, in
+    ``gradients``, has none)."""
 
     weights: StreamedWeights | None = None
     states: KeptBelow | None = None
@@ -32,6 +36,7 @@ class Transfers:
     gradients: KeptBelow | None = None
     accumulates: bool = False
     host_stages: frozenset[int] = frozenset()
+    host_gradients: KeptBelow | None = None
 
     @property
     def deferred(self) -> bool:
@@ -45,7 +50,9 @@ class Transfers:
                 "boundaries": self.boundaries.to_dict() if self.boundaries else None,
                 "gradients": self.gradients.to_dict() if self.gradients else None,
                 "accumulates": self.accumulates,
-                "host_stages": sorted(self.host_stages)}
+                "host_stages": sorted(self.host_stages),
+                "host_gradients": self.host_gradients.to_dict() if self.host_gradients
+                else None}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Transfers":
@@ -59,4 +66,6 @@ class Transfers:
                    gradients=KeptBelow.from_dict(data["gradients"])
                    if data["gradients"] else None,
                    accumulates=bool(data["accumulates"]),
-                   host_stages=frozenset(int(i) for i in data["host_stages"]))
+                   host_stages=frozenset(int(i) for i in data["host_stages"]),
+                   host_gradients=KeptBelow.from_dict(data["host_gradients"])
+                   if data["host_gradients"] else None)
