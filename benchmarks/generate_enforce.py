@@ -64,18 +64,18 @@ PEER_BASELINE = ("import resource, torch; from transformers import LlamaConfig, 
 # `tierflow generate ARGS` in a fresh process, with its RSS after importing torch and
 # transformers (the baseline it counts --ram from) and its peak, as one JSON line on stderr
 TIERFLOW_CHILD = r"""
-import json, resource, sys
+import json, sys
 import torch
 import transformers.modeling_utils
 from tierflow.exec.memory import rss_bytes
+from tierflow.profile.machine import maxrss_bytes
 from tierflow.cli.main import main
 base = rss_bytes()
 try:
     code = main(sys.argv[1:])
 except SystemExit as e:
     code = e.code
-print(json.dumps({"baseline_rss_bytes": base, "peak_rss_bytes":
-                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}),
+print(json.dumps({"baseline_rss_bytes": base, "peak_rss_bytes": maxrss_bytes()}),
       file=sys.stderr, flush=True)
 sys.exit(code)
 """

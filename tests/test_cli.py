@@ -3,6 +3,7 @@ end. Also the measurement helpers compare and the benchmarks share (tierflow.mea
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -115,6 +116,24 @@ def test_child_peak_is_its_own_not_the_parents():
             "print(json.dumps({'base': a, 'peak': m.maxrss_bytes()}))")
     env = dict(os.environ, PYTHONPATH=SRC)
     out = measure.run_json([sys.executable, "-c", code], timeout=60, env=env)
+    assert out["base"] < 300 * 2**20, out  # the parent holds > 400 MiB
+    assert 90 * 2**20 < out["peak"] - out["base"] < 130 * 2**20, out
+    del ballast
+
+
+def test_a_child_started_directly_measures_its_own_peak():
+    """maxrss_bytes reads the process's own high-water mark (VmHWM): a child a large parent
+    starts directly (vfork, exec: ru_maxrss would begin at the parent's peak) measures a
+    baseline and a peak of its own."""
+    ballast = bytearray(400 * 2**20)
+    ballast[:: 4096] = b"\1" * len(ballast[:: 4096])  # touch every page
+    code = ("import json, tierflow.profile.machine as m; a = m.maxrss_bytes(); "
+            "b = bytearray(100 * 2**20); b[::4096] = b'\\1' * len(b[::4096]); "
+            "print(json.dumps({'base': a, 'peak': m.maxrss_bytes()}))")
+    env = dict(os.environ, PYTHONPATH=SRC)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=60, check=True)
+    out = json.loads(proc.stdout)
     assert out["base"] < 300 * 2**20, out  # the parent holds > 400 MiB
     assert 90 * 2**20 < out["peak"] - out["base"] < 130 * 2**20, out
     del ballast

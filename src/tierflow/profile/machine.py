@@ -80,7 +80,16 @@ def cache_dir() -> Path:
 
 
 def maxrss_bytes() -> int:
-    """This process's peak RSS so far (ru_maxrss: KiB on Linux, bytes on macOS)."""
+    """This process's own peak RSS so far: on Linux its memory's high-water mark (VmHWM of
+    /proc/self/status), not ``ru_maxrss``, which also keeps the high-water mark of the memory
+    the process had before its exec: a child that a large Python parent starts directly
+    (vfork, then exec) would otherwise begin at its parent's peak, which hides the child's
+    own until it passes it (and overstates a baseline taken below it). Elsewhere
+    ``ru_maxrss`` (bytes on macOS)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as f:
+            line = next(x for x in f if x.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024  # kB
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
 
