@@ -223,3 +223,42 @@ def test_an_offloaded_stages_small_saved_tensors_go_down_as_one_file(tmp_path):
         stage.zero_grad()
         assert writes == reads == ["tape-0-pack-0"]
         offload.dispatch(Drop(TAPE, 0, "compute"))
+
+
+def test_a_tape_read_back_is_growth_that_mallocs_caches_do_not_serve(tmp_path):
+    """The tape reader thread allocates the buffers a Load reads into in its own malloc arena:
+    the blocks the compute thread freed (the LM head's logits) cannot serve them. HostRoom
+    counted them as served, skipped the trim before llama-20m LoRA's last layer's backward
+    (RSS + growth - cache just under the limit) and the step peaked 6 MiB past the plan's
+    prediction (242.6 MiB, --ram 240MiB). The room asked before a tape's Load counts its bytes
+    among the blocks the caches cannot serve."""
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                      torch.nn.Linear(256, 64))
+                                  for _ in range(4)])
+    sample = torch.randn(1024, 64)
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
+    module = tierflow.fit(model, sample, optimizer=adamw, ram="1GiB", disk=tmp_path,
+                          config=FitConfig(planner="keep-all", offload_tapes="all",
+                                           stream="never"))
+    room = module._host_room
+    assert room is not None and module.plan.transfers.tapes is not None
+    asked: list[tuple[int, int]] = []
+    make_room, position = room.make_room, {}
+    module_make_room = module._make_room
+    module._make_room = lambda p: (position.__setitem__("at", p), module_make_room(p))[1]
+    room.make_room = lambda nbytes, fresh=False, largest=0: (
+        asked.append((position["at"], largest)), make_room(nbytes, fresh, largest))[1]
+    module(sample).sum().backward()
+    from tierflow.plan.ops import TRANSFERS
+    ops = module.plan.ops
+    loads = 0
+    for at, largest in asked:
+        reads = 0
+        for op in reversed(ops[:at]):  # the transfers placed before it
+            if not isinstance(op, TRANSFERS):
+                break
+            if isinstance(op, Load) and op.what == TAPE:
+                reads += op.nbytes
+        loads += reads > 0
+        assert largest >= reads > 0 or reads == 0
+    assert loads
