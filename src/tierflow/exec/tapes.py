@@ -96,6 +96,9 @@ class TapeOffload:
         self._tapes: dict[int, _StageTape] = {}
         self._unwritten: list[Future] = []  # writes of the stage whose forward ran last
         self._open: dict[int, tuple[Store, _Pack]] = {}  # stage -> the pack being filled
+        # files are what packing saves: host RAM keeps each tensor's copy (one memcpy, no
+        # syscall), which a pack would only copy twice
+        self._packs = store.kind == "disk"
 
     def dispatch(self, op: Transfer) -> None:
         """Run one of the plan's tape ops: Store(i) arms stage i's next forward, Load(i)
@@ -133,7 +136,8 @@ class TapeOffload:
                 return t
             name = f"tape-{i}-{len(tape.handles)}"
             order = _dense_order(t)
-            if order is not None and t.nbytes < PACK_BELOW and t.device.type == "cpu":
+            if self._packs and order is not None and t.nbytes < PACK_BELOW \
+                    and t.device.type == "cpu":
                 handle = self._pack(store, tape, name, t, order)
             else:
                 handle = _Handle(name, t.shape, t.stride(), t.dtype, t.device, order,
