@@ -5,14 +5,15 @@ saved and read back for that backward, instead of being recomputed, where the pl
 ``dispatch(op)`` runs one of those ops: a Store arms stage i's next forward, whose
 ``hooks(store)`` then give the pack/unpack pair of ``saved_tensors_hooks`` (every saved tensor
 that is not a parameter or a step-constant context tensor is handed to a writer thread, freed
-once written unless something else holds it, and replaced by a handle); a Load starts reading stage i's handles back; a Drop forgets them after the
-backward. ``finish(store)`` ends the forward's writes: a stage's saved tensors under
-``PACK_BELOW`` each (norm statistics, adapter activations, rotary pieces) go down packed, copied
-into one host buffer of up to ``PACK_BYTES`` by the writer thread and written as one file,
-read back as one and viewed as the saved tensors, instead of one file (a few syscalls and a
-block of padding) each. ``unpack`` waits for a handle's read (or reads it then). Recomputing a stage costs
-its forward again; offloading its tape costs a write and a read that run beside other
-stages' compute: on a CPU with a fast disk the second is the cheaper one.
+once written unless something else holds it, and replaced by a handle); a Load starts reading
+stage i's handles back; a Drop forgets them after the backward. On the disk tier a stage's
+saved tensors under ``PACK_BELOW`` each (norm statistics, adapter activations, rotary pieces)
+go down packed: the writer thread copies them into one host buffer of up to ``PACK_BYTES``,
+written as one file when it is full or the forward ends (``finish(store)``), read back as one
+and viewed as the saved tensors, instead of one file (a few syscalls and a block of padding)
+each. ``unpack`` waits for a handle's read (or reads it then). Recomputing a stage costs its
+forward again; offloading its tape costs a write and a read that run beside other stages'
+compute: on a CPU with a fast disk the second is the cheaper one.
 """
 from __future__ import annotations
 
