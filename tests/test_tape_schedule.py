@@ -164,3 +164,101 @@ def test_an_offloaded_stage_keeps_none_of_its_tape_in_memory(tmp_path):
     assert torch.equal(backward_taped(taped, torch.ones_like(taped.y)), expected)
     for p, g in zip([p for p in stage.parameters() if p.requires_grad], grads):
         assert torch.equal(p.grad, g)
+
+
+class _ManySmallSaves(torch.nn.Module):
+    """Saves many small tensors, some of them transposed views (as attention's do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_AdaptedLayer() for _ in range(3))
+        self.back = torch.nn.Linear(256, 64)
+
+    def forward(self, x, ctx):
+        for layer in self.layers:
+            h = layer(x, ctx)
+            scores = torch.matmul(h.transpose(1, 2), h).softmax(-1)  # saves h transposed
+            x = x + self.back(torch.matmul(h, scores)).tanh()
+        return x
+
+
+def test_an_offloaded_stages_small_saved_tensors_go_down_as_one_file(tmp_path):
+    """Each saved tensor under PACK_BELOW went down as its own direct-I/O file (a few syscalls
+    and a padded block each, dozens per layer per step). They go down packed: one write and
+    one read for the stage, viewed back as the saved tensors with their own strides, and the
+    gradients are bit for bit those of the tape kept in memory."""
+    from tierflow.exec import tapes as tapes_module
+    from tierflow.exec.context import AutocastMode
+    from tierflow.exec.disk import DiskStore
+    from tierflow.exec.stage_call import backward_taped, forward_taped, storage_key, tape_bytes
+
+    torch.manual_seed(0)
+    stage = _ManySmallSaves()
+    x = torch.randn(2, 16, 64)
+    for autocast in (AutocastMode("cpu", False, torch.float32),
+                     AutocastMode("cpu", True, torch.bfloat16)):
+        params = {storage_key(p) for p in stage.parameters()}
+        whole = forward_taped(stage, x, {}, autocast, input_grad=True)
+        assert len(whole.saved) > 10
+        expected = backward_taped(whole, torch.ones_like(whole.y))
+        trained = [p for p in stage.parameters() if p.requires_grad]
+        grads = [p.grad.clone() for p in trained]
+        stage.zero_grad()
+
+        store = DiskStore(tmp_path)
+        writes, reads = [], []
+        write, read = store.write, store.read
+        store.write = lambda key, ts: (writes.append(key), write(key, ts))[1]
+        store.read = lambda key, ts: (reads.append(key), read(key, ts))[1]
+        offload = tapes_module.TapeOffload(store, params)
+        down = Store(TAPE, 0, "ram", "disk", "disk write", 1)
+        taped = forward_taped(stage, x, {}, autocast, input_grad=True,
+                              offload=offload.hooks(down))
+        offload.finish(down)
+        assert tape_bytes(taped, params) == 0
+        offload.dispatch(Load(TAPE, 0, "disk", "ram", "disk read", 1))
+        assert torch.equal(backward_taped(taped, torch.ones_like(taped.y)), expected)
+        for p, g in zip(trained, grads):
+            assert torch.equal(p.grad, g)
+        stage.zero_grad()
+        assert writes == reads == ["tape-0-pack-0"]
+        offload.dispatch(Drop(TAPE, 0, "compute"))
+
+
+def test_a_tape_read_back_is_growth_that_mallocs_caches_do_not_serve(tmp_path):
+    """The tape reader thread allocates the buffers a Load reads into in its own malloc arena:
+    the blocks the compute thread freed (the LM head's logits) cannot serve them. HostRoom
+    counted them as served, skipped the trim before llama-20m LoRA's last layer's backward
+    (RSS + growth - cache just under the limit) and the step peaked 6 MiB past the plan's
+    prediction (242.6 MiB, --ram 240MiB). The room asked before a tape's Load counts its bytes
+    among the blocks the caches cannot serve."""
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                                      torch.nn.Linear(256, 64))
+                                  for _ in range(4)])
+    sample = torch.randn(1024, 64)
+    adamw = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
+    module = tierflow.fit(model, sample, optimizer=adamw, ram="1GiB", disk=tmp_path,
+                          config=FitConfig(planner="keep-all", offload_tapes="all",
+                                           stream="never"))
+    room = module._host_room
+    assert room is not None and module.plan.transfers.tapes is not None
+    asked: list[tuple[int, int]] = []
+    make_room, position = room.make_room, {}
+    module_make_room = module._make_room
+    module._make_room = lambda p: (position.__setitem__("at", p), module_make_room(p))[1]
+    room.make_room = lambda nbytes, fresh=False, largest=0: (
+        asked.append((position["at"], largest)), make_room(nbytes, fresh, largest))[1]
+    module(sample).sum().backward()
+    from tierflow.plan.ops import TRANSFERS
+    ops = module.plan.ops
+    loads = 0
+    for at, largest in asked:
+        reads = 0
+        for op in reversed(ops[:at]):  # the transfers placed before it
+            if not isinstance(op, TRANSFERS):
+                break
+            if isinstance(op, Load) and op.what == TAPE:
+                reads += op.nbytes
+        loads += reads > 0
+        assert largest >= reads > 0 or reads == 0
+    assert loads

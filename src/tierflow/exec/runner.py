@@ -219,8 +219,13 @@ class StepRun:
             if tape:  # x[i] needs a gradient when the plan backpropagates stage i - 1
                 input_grad = i in self.input_grads if i > 0 else self.input_requires_grad
                 hooks = self.tape_offload.hooks(offload) if offload else None
-                taped = forward_taped(stage, x, self.ctx, self.autocast, input_grad=input_grad,
-                                      offload=hooks, selective=selective)
+                try:
+                    taped = forward_taped(stage, x, self.ctx, self.autocast,
+                                          input_grad=input_grad, offload=hooks,
+                                          selective=selective)
+                finally:
+                    if offload:  # its last pack of small saved tensors goes down now
+                        self.tape_offload.finish(offload)
                 self.tapes[i] = taped
                 self.x[i + 1] = taped.y.detach()
             else:
