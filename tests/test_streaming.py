@@ -407,6 +407,26 @@ def test_accumulation_and_clipping_with_an_owned_optimizer(tmp_path, family, str
         assert dict(model.named_parameters())[name].grad is None
 
 
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_no_state_buffer_waits_through_the_next_step(tmp_path, clip):
+    """The pool the states are read into keeps a free buffer for the next read of the same
+    update pass only: after a step's updates (their writes done) it keeps none, which the
+    plan counts through the next forward and backward. Kept from step 2 on, llama-20m's
+    62.5 MiB buffer of stage 0's states sat beside its LM head's forward and the RSS passed
+    --ram."""
+    model = tiny_hf("llama", layers=3)
+    samples = [hf_sample(seed=k) for k in range(3)]
+    module = tierflow.fit(model, samples[0], optimizer=_adamw, disk=tmp_path,
+                          max_grad_norm=clip,
+                          config=FitConfig(planner="keep-all", optimizer_states="disk"))
+    owned = module.optimizer
+    assert owned.disk is not None and (module._deferred is not None) == (clip is not None)
+    for sample in samples:  # the first step makes the states, later ones read them
+        module(**sample).loss.backward()
+        owned.wait()
+        assert not owned._pool._free  # (its free buffers)
+
+
 def test_deferred_update_options_need_an_owned_optimizer():
     with pytest.raises(tierflow.TierflowError, match="pass optimizer="):
         tierflow.fit(tiny_hf("llama"), hf_sample(), max_grad_norm=1.0)

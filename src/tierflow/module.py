@@ -283,6 +283,7 @@ class TierflowModule(nn.Module):
         the reads the next step starts with."""
         if self._optimizer is not None:
             self._optimizer.wait_host_updates()
+            self._optimizer.release_buffers()
         for op in self._plan.routines.between:
             self._transfer(op)
 

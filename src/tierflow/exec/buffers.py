@@ -5,8 +5,14 @@ A fresh buffer per read is fresh memory: under an exact RAM budget (``exec/memor
 every large allocation is its own mapping, so each read first faults its pages in, on the
 I/O thread, beside the compute. The decoder layers of a model have states of one size, so a
 buffer freed by one stage's write fits the next stage's read: the pool keeps ``keep`` free
-buffers for that, which the plan already counts as the read-ahead it holds. Under a GPU the
-buffers are on the GPU: the states come back from host RAM to where their update runs.
+buffers for that, which the plan already counts as the read-ahead it holds, during the
+updates. Between them (a step's forward and backward) the plan counts no such buffer, so the
+optimizer ``release``s the pool after a step's last update: a free buffer kept from one
+update pass to the next stayed resident through every later step's forward and backward
+(llama-20m fp32 --ram 380MiB --disk: stage 0's 62.5 MiB of states from step 3 on, beside
+the LM head's forward, 390-407 MiB above the baseline against 366-377 predicted). Under a
+GPU the buffers are on the GPU: the states come back from host RAM to where their update
+runs.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ class BufferPool:
         self.device = torch.device(device)  # where the tensors are used: states read back
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
+        self._released = False  # from ``release`` to ``reuse``: give keeps none
 
     def views(self, shapes: Sequence[tuple[torch.Size, torch.dtype]]
               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -45,9 +52,29 @@ class BufferPool:
     def give(self, flat: torch.Tensor) -> None:
         """``flat`` is free again: keep it for a later read (the largest ``keep`` free ones)."""
         with self._lock:
+            if self._released:
+                return
             self._free.append(flat)
             self._free.sort(key=torch.Tensor.numel, reverse=True)
             del self._free[self.keep:]
+
+    def release(self) -> None:
+        """Drop the free buffers, and those given back until ``reuse`` (the writes still in
+        flight after a step's last update, which end during the next forward)."""
+        with self._lock:
+            self._free.clear()
+            self._released = True
+
+    def reuse(self) -> None:
+        """Keep free buffers again (a step's updates begin)."""
+        with self._lock:
+            self._released = False
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes of the free buffers the pool keeps."""
+        with self._lock:
+            return sum(b.numel() * b.element_size() for b in self._free)
 
     def _take(self, nbytes: int) -> torch.Tensor:
         with self._lock:

@@ -102,6 +102,7 @@ class DeferredUpdates:
         streamed = self.streamer.stage_params if self.streamer is not None else {}
         room_made = False  # for the next update and the reads placed before it
         host = self.optimizer.host_stages
+        self.optimizer.reuse_buffers()  # until release_buffers after the pass
         for op in self.routines.update_pass:  # last first: the next stages read meanwhile
             if isinstance(op, Update) and op.on_host:  # the host thread steps it meanwhile
                 if op.stage in stashed:  # its gradients wait in host RAM (or were read there)
@@ -131,6 +132,7 @@ class DeferredUpdates:
                 self.optimizer.step_stage(i, scale)
             room_made = False
         self.optimizer.wait_host_updates()
+        self.optimizer.release_buffers()
         if self.stash is not None:
             self.stash.clear()
 

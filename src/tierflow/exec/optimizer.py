@@ -99,6 +99,8 @@ class OwnedOptimizer:
         """Update stage i's parameters from their gradients times ``scale`` (clipping), then
         free the gradients: on the compute tier, or ``on_host`` handed to the host
         optimizer (an error unless the plan's host stages were handed to ``step_on_host``)."""
+        if i == self._first_update:  # a step's updates begin (the last stage first)
+            self.reuse_buffers()
         opt = self.optimizers[i]
         if opt is None:
             return
@@ -287,6 +289,18 @@ class OwnedOptimizer:
     def _pool_of(self, i: int) -> BufferPool:
         """Where stage i's states are read to: host RAM if the host steps it."""
         return self._host_pool if i in self._twins else self._pool
+
+    def release_buffers(self) -> None:
+        """After a step's last update: the pools keep no free buffer until the next step's
+        updates begin (the plan counts none through the forward and backward; see
+        exec/buffers.py)."""
+        self._pool.release()
+        self._host_pool.release()
+
+    def reuse_buffers(self) -> None:
+        """A step's updates begin: a buffer one stage's write frees may serve the next read."""
+        self._pool.reuse()
+        self._host_pool.reuse()
 
     def wait(self) -> None:
         """Until every host step has run and every state write has reached the disk (and
