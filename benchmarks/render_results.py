@@ -37,8 +37,9 @@ def machine_of(name: str, data: Any) -> str:
     if isinstance(record, dict):
         if "gpu" in record:
             return f"{record['gpu']}, torch {record.get('torch', '?')}"
-        cpu = record.get("model_name", "CPU")
-        return f"{record.get('cpus', '?')}-core {cpu}, torch {record.get('torch', '?')}"
+        cpu = record.get("model_name") or record.get("cpu", "CPU")
+        cores = record.get("cpus") or record.get("cores", "?")
+        return f"{cores}-core {cpu}, torch {record.get('torch', '?')}"
     known = load("machines.json")
     if name not in known:
         raise SystemExit(f"render_results: {name} records no machine and machines.json has "
@@ -131,10 +132,38 @@ def prediction() -> tuple[str, ...]:
             machine_of(name, rows), "`./run python benchmarks/predictions.py`")
 
 
-ROWS: tuple[Callable[[], tuple[str, ...]], ...] = (w1, w2, gpu, finetune, generate, prediction)
+# the budget sweep's parts (each a set of models and modes, training and generation)
+SWEEP = ("budget-sweep-2026-11-28-enforce-small.json",)
+
+
+def budget() -> tuple[str, ...]:
+    """The worst margin of every run of the budget sweep, all under --enforce."""
+    parts = [load(name) for name in SWEEP]
+    records = [r for part in parts for r in part["records"]]
+    ran = [r for r in records if r["status"] == "ok"]
+    worst = max(ran, key=lambda r: r["peak_above_baseline_bytes"] / r["budget"])
+    share = worst["peak_above_baseline_bytes"] / worst["budget"]
+    count = {status: sum(r["status"] == status for r in records)
+             for status in ("ok", "refused", "killed", "failed")}
+    models = sorted({r["model"] for r in records})
+    modes = sorted({r["mode"] for r in records})
+    return (f"RAM budget under `--enforce`: {len(records)} runs of {len(models)} models "
+            f"in {len(modes)} modes (training and generation) at 25-100% of plain PyTorch's "
+            "peak and the smallest budget tierflow names",
+            f"worst peak {share:.1%} of its budget ({worst['model']} {worst['mode']} at "
+            f"{worst['label']}); {count['killed']} killed, {count['failed']} failed",
+            f"{count['refused']} budgets below what a run needs refused in one line, naming "
+            "the smallest",
+            machine_of(SWEEP[0], parts[0]),
+            "`./run python benchmarks/budget_sweep.py --enforce` (parts: `--models`, "
+            "`--modes`, `--tag`)")
+
+
+ROWS: tuple[Callable[[], tuple[str, ...]], ...] = (w1, w2, gpu, finetune, generate, prediction,
+                                                   budget)
 SOURCES = ("remat-2026-11-22.json", "train-w2-2026-11-27-amx.json",
            "gpu-check-2026-11-27-h200-one-schedule.json", "frozen-budget-2026-11-25.json",
-           "generate-stream-2026-11-27-amx.json", "predictions-2026-11-27.json")
+           "generate-stream-2026-11-27-amx.json", "predictions-2026-11-27.json", *SWEEP)
 
 
 def table() -> str:
