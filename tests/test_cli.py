@@ -106,37 +106,39 @@ def test_workload_params_match_transformers():
         assert measure.Workload(arch=arch).params() == sum(p.numel() for p in model.parameters())
 
 
+# a child that measures its baseline, then touches 100 MiB more and measures its peak
+_CHILD_PEAK = ("import json, tierflow.profile.machine as m; a = m.maxrss_bytes(); "
+               "b = bytearray(100 * 2**20); b[::4096] = b'\\1' * len(b[::4096]); "
+               "print(json.dumps({'base': a, 'peak': m.maxrss_bytes()}))")
+
+
+def _peaks_beside_a_large_parent(start) -> dict:
+    """What ``start(argv, env)`` (a child's JSON line) reads while this process holds 400
+    MiB more than the child will."""
+    ballast = bytearray(400 * 2**20)
+    ballast[:: 4096] = b"\1" * len(ballast[:: 4096])  # touch every page
+    out = start([sys.executable, "-c", _CHILD_PEAK], dict(os.environ, PYTHONPATH=SRC))
+    del ballast
+    return out
+
+
 def test_child_peak_is_its_own_not_the_parents():
     """A child's ru_maxrss starts at its parent's peak when the parent execs it directly;
     run_json forks it through /bin/sh so that a big parent does not hide a small child."""
-    ballast = bytearray(400 * 2**20)
-    ballast[:: 4096] = b"\1" * len(ballast[:: 4096])  # touch every page
-    code = ("import json, tierflow.profile.machine as m; a = m.maxrss_bytes(); "
-            "b = bytearray(100 * 2**20); b[::4096] = b'\\1' * len(b[::4096]); "
-            "print(json.dumps({'base': a, 'peak': m.maxrss_bytes()}))")
-    env = dict(os.environ, PYTHONPATH=SRC)
-    out = measure.run_json([sys.executable, "-c", code], timeout=60, env=env)
+    out = _peaks_beside_a_large_parent(
+        lambda argv, env: measure.run_json(argv, timeout=60, env=env))
     assert out["base"] < 300 * 2**20, out  # the parent holds > 400 MiB
     assert 90 * 2**20 < out["peak"] - out["base"] < 130 * 2**20, out
-    del ballast
 
 
 def test_a_child_started_directly_measures_its_own_peak():
     """maxrss_bytes reads the process's own high-water mark (VmHWM): a child a large parent
     starts directly (vfork, exec: ru_maxrss would begin at the parent's peak) measures a
     baseline and a peak of its own."""
-    ballast = bytearray(400 * 2**20)
-    ballast[:: 4096] = b"\1" * len(ballast[:: 4096])  # touch every page
-    code = ("import json, tierflow.profile.machine as m; a = m.maxrss_bytes(); "
-            "b = bytearray(100 * 2**20); b[::4096] = b'\\1' * len(b[::4096]); "
-            "print(json.dumps({'base': a, 'peak': m.maxrss_bytes()}))")
-    env = dict(os.environ, PYTHONPATH=SRC)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, timeout=60, check=True)
-    out = json.loads(proc.stdout)
+    out = _peaks_beside_a_large_parent(lambda argv, env: json.loads(subprocess.run(
+        argv, capture_output=True, text=True, env=env, timeout=60, check=True).stdout))
     assert out["base"] < 300 * 2**20, out  # the parent holds > 400 MiB
     assert 90 * 2**20 < out["peak"] - out["base"] < 130 * 2**20, out
-    del ballast
 
 
 def test_run_json_reports_crashes():
