@@ -57,6 +57,8 @@ from harness import source_commit, write_results
 from random_tokens import random_token_files
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+from tierflow.measure import last_json  # noqa: E402
 PEERS = ROOT.parent / "shared" / "peers" / "peers.py"
 RESULTS = ROOT / "benchmarks" / "results"
 GIB = 2 ** 30
@@ -111,14 +113,7 @@ def fresh(cmd: list[str], log: Path, timeout: float | None = None) -> dict[str, 
             raise
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4, not by Popen
     text = log.read_text()
-    result = None
-    for line in reversed(text.splitlines()):
-        if line.startswith("{"):
-            try:
-                result = json.loads(line)
-                break
-            except json.JSONDecodeError:
-                continue
+    result = last_json(text)
     return {"code": proc.returncode, "seconds": round(time.perf_counter() - start, 1),
             "maxrss_bytes": usage.ru_maxrss * 1024, "result": result,
             "tail": "\n".join(text.strip().splitlines()[-15:])}

@@ -85,6 +85,18 @@ class Workload:
 
 # ---------------------------------------------------------------- parent side (no torch)
 
+def last_json(text: str) -> Any:
+    """The last line of ``text`` that parses as a JSON object or array starting with ``{``
+    (a child's result line, after whatever it logged), or None."""
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                continue
+    return None
+
+
 def run_json(cmd: list[str], *, timeout: float | None = None, env: dict[str, str] | None = None,
              cwd: str | Path | None = None) -> dict[str, Any]:
     """Run ``cmd`` in a fresh process (forked by /bin/sh) and return the last JSON line it prints.
@@ -105,14 +117,7 @@ def run_json(cmd: list[str], *, timeout: float | None = None, env: dict[str, str
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise
-    result = None
-    for line in reversed(out.splitlines()):
-        if line.startswith("{"):
-            try:
-                result = json.loads(line)
-                break
-            except json.JSONDecodeError:
-                continue
+    result = last_json(out)
     if proc.returncode != 0 or not isinstance(result, dict):
         raise ChildError(f"{' '.join(cmd)} exited with {proc.returncode} "
                          f"{'and no JSON result' if result is None else ''}; "

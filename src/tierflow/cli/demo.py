@@ -98,6 +98,18 @@ def register(sub: Any) -> None:
     demo.set_defaults(func=run)
 
 
+def _train(model: str, data: Path, root: Path, settings: DemoSettings) -> int:
+    """``tierflow train`` of ``model`` on ``data`` with the demo's settings, its checkpoints
+    and log under ``root``; its exit code."""
+    from ..train.loop import train
+    from ..train.options import TrainOptions
+    values = dict(model=model, data=str(data), ram=settings.ram, seq_len=settings.seq_len,
+                  batch_size=settings.batch_size, steps=settings.steps, lr=settings.lr,
+                  eval_every=settings.eval_every, eval_steps=settings.eval_steps,
+                  out=str(root), log=str(root / "log.jsonl"))
+    return train(TrainOptions(**values, given=frozenset(values)).validate())
+
+
 def _header(number: int, title: str, out: TextIO) -> None:
     print(f"\n=== [{number}/5] {title}", file=out, flush=True)
 
@@ -141,13 +153,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     model = settings.model
     if model == "tiny":
         model = str(_write_tiny_model(root / "tiny-init", data))
-    from ..train.loop import train
-    from ..train.options import TrainOptions
-    values = dict(model=model, data=str(data), ram=settings.ram, seq_len=settings.seq_len,
-                  batch_size=settings.batch_size, steps=settings.steps, lr=settings.lr,
-                  eval_every=settings.eval_every, eval_steps=settings.eval_steps,
-                  out=str(root), log=str(root / "log.jsonl"))
-    code = train(TrainOptions(**values, given=frozenset(values)).validate())
+    code = _train(model, data, root, settings)
     if code != 0:
         return code
     checkpoint = root / f"step_{settings.steps}"
@@ -194,7 +200,6 @@ def run_sft(settings: DemoSettings, root: Path, out: TextIO) -> int:
     from ..data.tokenize import tokenize
     from ..train.data_dir import open_token_file
     from ..train.evaluate import evaluate_files
-    from ..train.loop import train
     from ..train.options import TrainOptions
 
     start = time.perf_counter()
@@ -221,11 +226,7 @@ def run_sft(settings: DemoSettings, root: Path, out: TextIO) -> int:
     print(result.summary(), file=out, flush=True)
 
     _header(3, f"train on the answers only under --ram {settings.ram}", out)
-    values = dict(model=str(model), data=str(data), ram=settings.ram, seq_len=settings.seq_len,
-                  batch_size=settings.batch_size, steps=settings.steps, lr=settings.lr,
-                  eval_every=settings.eval_every, eval_steps=settings.eval_steps,
-                  out=str(root), log=str(root / "log.jsonl"))
-    code = train(TrainOptions(**values, given=frozenset(values)).validate())
+    code = _train(str(model), data, root, settings)
     if code != 0:
         return code
     checkpoint = root / f"step_{settings.steps}"
