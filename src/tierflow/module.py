@@ -74,6 +74,9 @@ class TierflowModule(nn.Module):
         self._update_pass = executors.update_pass
         self._growth = plan.simulation.growth() if host_room is not None else []
         self._largest_growth = max(self._growth, default=0)  # no stage adds more in eval
+        # per op, the tapes read back right before it (see tape_reads), once per plan
+        self._tape_reads = [tape_reads(plan.ops, position) for position in
+                            range(len(plan.ops))] if host_room is not None else []
         # per stage, the blocks malloc's scattered free pieces cannot serve: its largest
         # parameter's gradient and the largest tensor it allocates (the LM head's chunk of
         # logits), each one block
@@ -290,15 +293,11 @@ class TierflowModule(nn.Module):
     def _reduced_before(self, update: Callable[[Update], None]) -> Callable[[Update], None]:
         """``update`` preceded, on the step's last micro-batch, by the reduction of the
         stage's gradients (earlier micro-batches accumulate locally, as DDP's no_sync)."""
-        deferred, reduce = self._deferred, self._reduce
+        deferred = self._deferred
 
         def reduce_then_update(op: Update) -> None:
-            i = op.stage
             if deferred is None or deferred.micro == deferred.grad_accum - 1:
-                grads = [p.grad for p in self._optimizer.stage_params[i] if p.grad is not None]
-                if grads:
-                    with span(f"reduce {i}", "communication"):
-                        reduce(grads)
+                self._reduce_stage(op.stage)
             update(op)
         return reduce_then_update
 
@@ -307,17 +306,18 @@ class TierflowModule(nn.Module):
         """``transfer`` preceded, for the plan's Store of a host-stepped stage's gradients
         (updates inside the backward), by their reduction: they leave the compute tier
         before its Update (which then finds none to reduce)."""
-        optimizer, reduce = self._optimizer, self._reduce
-
         def reduce_then_send(op: Transfer) -> None:
             if isinstance(op, Store) and op.what == GRADS:
-                grads = [p.grad for p in optimizer.stage_params[op.stage]
-                         if p.grad is not None]
-                if grads:
-                    with span(f"reduce {op.stage}", "communication"):
-                        reduce(grads)
+                self._reduce_stage(op.stage)
             transfer(op)
         return reduce_then_send
+
+    def _reduce_stage(self, i: int) -> None:
+        """Reduce stage i's gradients across the ranks (those it has)."""
+        grads = [p.grad for p in self._optimizer.stage_params[i] if p.grad is not None]
+        if grads:
+            with span(f"reduce {i}", "communication"):
+                self._reduce(grads)
 
     def _make_room(self, position: int) -> None:
         op = self._plan.ops[position]
@@ -326,7 +326,7 @@ class TierflowModule(nn.Module):
         stage = getattr(op, "stage", None)
         fresh = stage in streamed
         largest = self._largest_blocks[stage] if stage is not None else 0
-        largest += tape_reads(self._plan.ops, position)
+        largest += self._tape_reads[position]
         self._host_room.make_room(self._growth[position], fresh=fresh, largest=largest)
 
     def _evaluate(self, args: tuple, kwargs: dict) -> Any:
