@@ -9,7 +9,10 @@ is too near:
 1. the machine: GPU name, torch and transformers versions, a bf16 8192^3 matmul's TFLOP/s
    (the peak that an MFU figure divides by) and page-locked host-to-GPU copy GB/s;
 2. ``tests/test_cuda.py`` (the out-of-memory retry included), each test's outcome;
-3. tinyllama-1.1b, seq 1024, at batch 8 and 32: ``benchmarks/gpu_stream.py`` (plain PyTorch
+3. Llama-3-8B at random init, seq 8192, ``--gpu 24GiB --ram 60GiB``, full bf16, through
+   ``tierflow train`` (``benchmarks/gpu_llama8b.py``: each split of 16 sequences per step in
+   its own process), with its MFU against the matmul peak of part 1;
+4. tinyllama-1.1b, seq 1024, at batch 8 and 32: ``benchmarks/gpu_stream.py`` (plain PyTorch
    with Hugging Face checkpointing beside tierflow streaming every layer from host RAM, with
    the update on the GPU and on the host), and ``peers.py train --mode hf-ckpt --device cuda``
    where ``--peers`` names the folder holding ``peers.py``.
@@ -134,6 +137,23 @@ def junit_outcomes(path: Path) -> dict[str, str]:
     return outcomes
 
 
+def llama8b(check: Check, splits: str, limit_s: float) -> None:
+    """Part 3: the 8B runs, each split's MFU against the measured bf16 matmul peak."""
+    proc = check.run("llama8b", [sys.executable, "benchmarks/gpu_llama8b.py", "--work",
+                                 "/tmp/gpu-llama8b", "--splits", splits, "--deadline",
+                                 str(limit_s - 15)], limit_s, need_s=90)
+    result = last_json(proc.stdout) if proc is not None and proc.returncode == 0 else None
+    if result is None:
+        return
+    peak = (check.record.get("machine") or {}).get("bf16_matmul_tflops")
+    for row in result["splits"]:
+        if peak and row.get("flops_per_token") and row.get("tok_s"):
+            row["mfu_of_measured_peak"] = round(row["flops_per_token"] * row["tok_s"]
+                                                / (peak * 1e12), 3)
+    check.record["llama8b"] = result
+    check.save()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="folder for gpu-check.json and the logs")
@@ -145,6 +165,9 @@ def main() -> None:
     parser.add_argument("--commit", help="the commit the tree is (a device's copy of the "
                                          "tree may carry a stale .git)")
     parser.add_argument("--no-tests", action="store_true", help="skip tests/test_cuda.py")
+    parser.add_argument("--llama8b-splits", default="4x4,8x2",
+                        help="gpu_llama8b.py's --splits ('' skips the 8B part)")
+    parser.add_argument("--llama8b-s", type=float, default=300.0, help="seconds for the 8B part")
     parser.add_argument("--trace", action="store_true",
                         help="a trace of each streamed configuration in OUT, its predicted "
                              "timeline beside it, and busy seconds per resource in the JSON")
@@ -159,6 +182,9 @@ def main() -> None:
     if proc is not None and proc.returncode == 0:
         check.record["machine"] = last_json(proc.stdout)
     check.save()
+
+    if args.llama8b_splits:
+        llama8b(check, args.llama8b_splits, args.llama8b_s)
 
     junit = out / "test-cuda.xml"
     proc = None if args.no_tests else check.run("test_cuda", [sys.executable, "-m", "pytest", *args.tests.split(), "-q",

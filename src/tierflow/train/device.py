@@ -184,6 +184,13 @@ class ComputeTier:
             return None
         return int(torch.cuda.max_memory_allocated(self.device))
 
+    def gpu_reserved_peak(self) -> int | None:
+        """Bytes the CUDA caching allocator reserved from the driver at its peak (None off
+        CUDA): what the GPU's other users could not have, allocated or cached."""
+        if self.device.type != "cuda":
+            return None
+        return int(torch.cuda.max_memory_reserved(self.device))
+
     def describe(self) -> str:
         budgets = [f"{kind} {format_bytes(b)}" for kind, b in (("gpu", self.gpu),
                                                                ("ram", self.ram)) if b]

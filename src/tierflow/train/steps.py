@@ -255,8 +255,8 @@ class StepLoop:
         logger.record("train", step=step, total=total, loss=loss, norm=norm, lr=lr,
                       ms=step_s * 1e3, tok_s=tok_s, sol=sol, ram_bytes=max(ram_ranks),
                       ram_bytes_per_rank=ram_ranks, budget=tier.rss_budget,
-                      gpu_bytes=tier.gpu_peak(), gpu_budget=tier.gpu,
-                      optimizer_state_bytes_per_rank=[int(r[1]) for r in per_rank],
+                      gpu_bytes=tier.gpu_peak(), gpu_reserved_bytes=tier.gpu_reserved_peak(),
+                      gpu_budget=tier.gpu, optimizer_state_bytes_per_rank=[int(r[1]) for r in per_rank],
                       tokens=step * tokens_per_step)
         if self.reports.board is not None:
             self.reports.board.scalars(step, {"train/loss": loss, "train/grad_norm": norm,
