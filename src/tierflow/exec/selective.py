@@ -23,7 +23,6 @@ as in plain autograd.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 import torch
@@ -63,24 +62,43 @@ class KeepMatmuls:
     """The selective policy: keep the outputs of ``MATMULS`` that autograd records (grad
     mode on: the ops inside a custom ``autograd.Function``'s forward record nothing) and draw
     no random numbers, and of ``STATEFUL`` ops; recompute the rest. ``saved`` notes the
-    storages kept (key -> bytes), which are the stage's tape; ``kept`` each kept tensor
-    with its version while the forward runs."""
+    storages kept (key -> bytes), which are the stage's tape, once ``note_kept`` has read
+    them after the forward."""
 
     def __init__(self) -> None:
         self.saved: dict[int, int] = {}
-        self.kept: list[tuple[torch.Tensor, int]] = []
+        self._cache: dict | None = None  # the forward's cache of kept outputs, until read
 
     def __call__(self, ctx: SelectiveCheckpointContext, op: Any, *args: Any,
                  **kwargs: Any) -> CheckpointPolicy:
         keep = op in STATEFUL or (op in MATMULS and torch.is_grad_enabled()
                                   and not _draws_random(op, args, kwargs))
-        if not keep:
-            return CheckpointPolicy.PREFER_RECOMPUTE
-        for t in tree_leaves(ctx.op_output):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self.saved[storage_key(t)] = storage_bytes(t)
-                self.kept.append((t, t._version))
-        return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def contexts(self) -> tuple[Any, Any]:
+        """``checkpoint``'s ``context_fn``: PyTorch's two selective modes, the forward's
+        cache remembered so that ``note_kept`` can read what it kept."""
+        forward, recompute = create_selective_checkpoint_contexts(self)
+        self._cache = forward.storage
+        return forward, recompute
+
+    def note_kept(self) -> bool:
+        """Note the storages the forward kept in ``saved``; whether any of them was changed
+        in place after it was kept. Reads the cache of PyTorch's caching mode (op key ->
+        its kept outputs, a list before torch 2.13 and a dict of call index -> outputs
+        since, each output wrapped with the version it was kept at): the policy sees the
+        op's output itself only since torch 2.13. The cache is let go of afterwards, so the
+        policy never holds the kept outputs past the stage's backward."""
+        cache, self._cache = self._cache, None
+        changed = False
+        for entries in (cache or {}).values():
+            calls = list(entries.values()) if isinstance(entries, dict) else list(entries)
+            for wrapped in tree_leaves(calls):
+                t = getattr(wrapped, "val", None)
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    self.saved[storage_key(t)] = storage_bytes(t)
+                    changed = changed or t._version != wrapped.version
+        return changed
 
 
 def _draws_random(op: Any, args: tuple, kwargs: dict) -> bool:
@@ -100,12 +118,9 @@ def run_selective(stage: Callable[..., torch.Tensor], x: torch.Tensor,
     autocast and hooks of the taped forward: the recomputation re-enters the same autocast.
     ``SelectiveUnsupported`` if the forward changed a kept output in place."""
     policy = KeepMatmuls()
-    contexts = functools.partial(create_selective_checkpoint_contexts, policy)
-    y = checkpoint(stage, x, ctx, use_reentrant=False, context_fn=contexts,
+    y = checkpoint(stage, x, ctx, use_reentrant=False, context_fn=policy.contexts,
                    preserve_rng_state=True)
-    changed = any(t._version != version for t, version in policy.kept)
-    policy.kept.clear()  # the outputs themselves, which hold their autograd nodes
-    if changed:
+    if policy.note_kept():
         raise SelectiveUnsupported(f"{type(stage).__name__} changes the output of a matmul "
                                    "or batch norm in place: it cannot run selectively")
     return y, policy
