@@ -15,18 +15,20 @@ import time
 import torch
 
 from .copy_stream import SideStreamCopier
+from .pinned import PinnedHeap
 
 
 class HostStore:
     """Copies of tensors in host memory, one entry per key, reused when rewritten.
-    ``device``: the compute tier's (on an accelerator the copies are pinned and move on side
-    streams)."""
+    ``device``: the compute tier's (on an accelerator the copies are page-locked, carved from
+    a ``PinnedHeap``, and move on side streams)."""
 
     kind = "ram"
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self._entries: dict[str, list[torch.Tensor]] = {}
         self._copier = SideStreamCopier(device)
+        self._heap = PinnedHeap() if self._copier.pinned() else None
         self.peak_bytes = 0
 
     @property
@@ -39,8 +41,8 @@ class HostStore:
         kept = self._entries.get(key)
         if kept is None or [t.shape for t in kept] != [t.shape for t in tensors] or \
                 [t.dtype for t in kept] != [t.dtype for t in tensors]:
-            kept = [torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                                pin_memory=self._copier.pinned()) for t in tensors]
+            self.discard(key)
+            kept = [self._empty(t) for t in tensors]
             self._entries[key] = kept
         self._copier.copy(kept, tensors)
         self.peak_bytes = max(self.peak_bytes, self.bytes)
@@ -55,8 +57,16 @@ class HostStore:
         return self._entries[key]
 
     def discard(self, key: str) -> None:
-        """Forget the copy under ``key`` (its memory is free once nothing else holds it)."""
-        self._entries.pop(key, None)
+        """Forget the copy under ``key`` (its memory is free once nothing else holds it; in
+        the heap, at once: nothing may hold it)."""
+        for t in self._entries.pop(key, []):
+            if self._heap is not None:
+                self._heap.free(t)
+
+    def _empty(self, like: torch.Tensor) -> torch.Tensor:
+        if self._heap is not None:
+            return self._heap.empty(like.shape, like.dtype)
+        return torch.empty(like.shape, dtype=like.dtype, device="cpu")
 
 
 def measure_copy_bandwidth(device: torch.device | str = "cpu", nbytes: int = 64 << 20) -> float:
