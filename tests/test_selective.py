@@ -107,6 +107,34 @@ def test_selective_refuses_offload_hooks_and_in_place_changes():
     with torch.enable_grad(), pytest.raises(SelectiveUnsupported):
         run_selective(call, torch.randn(4, 8, requires_grad=True), {})
 
+class _Kept:
+    """What PyTorch's caching mode wraps a kept output in: the tensor and its version then."""
+
+    def __init__(self, val):
+        self.val, self.version = val, getattr(val, "_version", None)
+
+
+@pytest.mark.parametrize("layout", ["list", "dict"])
+def test_the_kept_outputs_are_read_from_either_layout_of_the_forward_cache(layout):
+    """Before torch 2.13 the cache holds a list of outputs per op, since then a dict by call
+    index (the lent GPUs run 2.11): both give the tape's bytes, an in-place change after the
+    keeping is seen, and the policy lets go of the cache once read."""
+    from tierflow.exec.selective import KeepMatmuls
+
+    kept, other, changed = torch.zeros(4, 8), torch.zeros(16), torch.zeros(2)
+    calls = [(_Kept(kept), _Kept(3)), _Kept(other)]
+    for changes in (False, True):
+        policy = KeepMatmuls()
+        wrapped = _Kept(changed)
+        entries = calls + [wrapped]
+        policy._cache = {"mm": entries if layout == "list" else dict(enumerate(entries))}
+        if changes:
+            changed.add_(1)
+        assert policy.note_kept() is changes
+        assert sorted(policy.saved.values()) == [8, 64, 128]
+        assert policy._cache is None
+
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fit_with_selective_layers_trains_as_plain_pytorch(family):
