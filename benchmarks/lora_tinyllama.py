@@ -146,7 +146,9 @@ def main() -> None:
     parser.add_argument("--arch", default="tinyllama-1.1b",
                         help="a Llama preset that peers.py knows too (llama-20m to smoke-test)")
     parser.add_argument("--seq", type=int, default=1024, help="tokens a row (peers.py's 1024)")
-    parser.add_argument("--batch", type=int, default=4, help="rows a step (peers.py's 4)")
+    parser.add_argument("--batch", type=int, default=2,
+                        help="rows a step (2: at 4 tierflow names 1.11 GiB as its smallest "
+                             "--ram for the 1.1B and refuses 1 GiB)")
     parser.add_argument("--steps", type=int, default=3,
                         help="timed steps after one warm-up step, for both (peers.py's 3)")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
