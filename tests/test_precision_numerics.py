@@ -212,3 +212,27 @@ def test_adamw_steps_within_its_workspace(model_dtype, optim_dtype, master, vect
                          check=True).stdout
     workspace = vectors * 4 * CHUNK
     assert int(out.split()[-1]) <= workspace + 2 * MIB, (out, workspace)
+
+
+def test_noise_drawn_slice_by_slice_is_the_same_on_any_number_of_cores():
+    """On the CPU the noise of a long vector is drawn in slices, each from a generator seeded
+    by the caller's, on all cores: the bits depend on the caller's generator state alone, the
+    slices are not copies of each other, and every value is in [0, 2^16)."""
+    from tierflow.precision.rounding import NOISE_SLICE, _draw_noise, _slice_pool
+
+    _slice_pool()  # made with every core, before the count is changed below
+    n = 3 * NOISE_SLICE + 5
+    drawn = []
+    threads = torch.get_num_threads()
+    try:
+        for cores in (1, 2):
+            torch.set_num_threads(cores)
+            noise = torch.empty(n, dtype=torch.int32)
+            _draw_noise(noise, torch.Generator().manual_seed(7))
+            drawn.append(noise)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(drawn[0], drawn[1])
+    first, second = drawn[0][:1000], drawn[0][NOISE_SLICE:NOISE_SLICE + 1000]
+    assert not torch.equal(first, second)
+    assert int(drawn[0].min()) >= 0 and int(drawn[0].max()) < 1 << 16
