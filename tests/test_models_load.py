@@ -114,9 +114,28 @@ def test_loaded_weights_train(tmp_path):
     before = model.lm_head.weight.detach().clone()
     model.train()
     model(input_ids=tokens, labels=tokens).loss.backward()
-    torch.optim.SGD(model.parameters(), lr=0.1).step()  # memory-mapped tensors are writable
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
     assert not torch.equal(before, model.get_input_embeddings().weight)
     assert model.lm_head.weight is model.get_input_embeddings().weight
+
+
+def test_a_model_to_train_holds_its_weights_in_its_own_memory(tmp_path):
+    """Loaded to train, no weight stays a view of the mapped file: the optimizer's first
+    write would copy each page anew, charged to the memory cgroup of --enforce that counted the
+    file's pages already (a saved Qwen2 was killed at its smallest budget). Generation, which
+    never writes them, keeps the mapping."""
+    directory = saved(tmp_path, "llama")
+    weights = str(directory / "model.safetensors")
+
+    def mapped() -> bool:
+        return weights in open("/proc/self/maps").read()
+
+    model = load_model(directory)
+    assert not mapped()
+    del model
+    kept = load_model(directory, for_generation=True)
+    assert mapped()
+    del kept
 
 
 def test_sharded_checkpoint(tmp_path):

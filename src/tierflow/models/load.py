@@ -2,8 +2,9 @@
 
 A directory is loaded gpt-fast style: the model is built with its parameters on the meta device
 (nothing allocated, no random init), every tensor is checked against the safetensors headers
-before any is read, the tensors come memory-mapped from ``safe_open`` (or, with ``place``,
-read once with ``pread`` and handed over one at a time) and go in with
+before any is read, the tensors are read once with ``pread`` into memory of their own (handed
+over one at a time with ``place``; memory-mapped from ``safe_open`` for generation, which
+never writes them) and go in with
 ``load_state_dict(assign=True)``, and tied weights are tied again. Buffers that are not in a
 checkpoint (rotary ``inv_freq``) are built on the CPU by the model's own constructor, so they
 are exactly what ``from_pretrained`` computes. Only safetensors is read, never pickle.
@@ -238,7 +239,10 @@ def load_pretrained(directory: Path, *, dtype: torch.dtype | None = torch.float3
             for pairs in by_file.values():
                 pairs[:] = [(n, t) for n, t in pairs if t != target or tied[t] not in present]
     state: dict[str, torch.Tensor] = {}
-    read = _read_once if place is not None else _read_mapped
+    # a model to train is read into memory of its own: its weights, once written by the
+    # optimizer, would otherwise leave the file's pages (counted in the RSS when the kernel
+    # began holding the budget, --enforce) for fresh copies charged again
+    read = _read_mapped if place is None and for_generation else _read_once
     for file, pairs in by_file.items():
         for target, tensor in read(file, pairs, targets):
             if place is not None:
