@@ -84,16 +84,23 @@ def _cmd(env, out, *extra):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux only")
-def test_an_earlier_peak_of_the_process_does_not_hide_the_runs(env, tmp_path, capsys):
+def test_an_earlier_peak_of_the_process_does_not_hide_the_runs(env, tmp_path):
     """A process that peaked before calling train (the demo tokenizes first) gets the run's
     own peak RSS above its baseline: before, the baseline was that old peak, and the figure
-    stayed 0 until the run passed it."""
-    ballast = bytearray(512 * 2**20)
-    ballast[:: 4096] = b"\1" * len(ballast[:: 4096])  # touch every page: a peak to hide
-    del ballast
-    code, _, err = run_main(*train_args(env, tmp_path / "run", "--steps", "2", "--ram", "1GiB",
-                                        "--log", str(tmp_path / "log.jsonl")), capsys=capsys)
-    assert code == 0, err
+    stayed 0 until the run passed it. A fresh process of its own: the suite's process holds
+    whatever earlier tests left to malloc, which no user's process calling train does."""
+    child = (
+        "import sys\n"
+        "ballast = bytearray(512 * 2**20)\n"
+        "ballast[:: 4096] = b'\\1' * len(ballast[:: 4096])  # touch every page: a peak to hide\n"
+        "del ballast\n"
+        "from tierflow.cli.main import main\n"
+        "sys.exit(main(sys.argv[1:]))\n")
+    argv = train_args(env, tmp_path / "run", "--steps", "2", "--ram", "1GiB", "--log",
+                      str(tmp_path / "log.jsonl"))
+    proc = subprocess.run([sys.executable, "-c", child, *argv], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=SRC), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     ram = [r["ram_bytes"] for r in records(tmp_path / "log.jsonl", "train")]
     assert len(ram) == 2 and all(0 < b < 256 * 2**20 for b in ram), ram
 

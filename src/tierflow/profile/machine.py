@@ -94,11 +94,22 @@ def maxrss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
+def run_baseline() -> int:
+    """The RSS a run's peaks count from, in bytes: malloc's free blocks given back first (the
+    run's own trims would otherwise take the process below a baseline that counted them, and
+    its peak above the baseline would read 0 in a process that worked before, as a test
+    suite's does), then the peak lowered to the RSS now (Linux: ``/proc/self/clear_refs``),
+    so that an earlier peak of the process (the demo's tokenizer) hides none of the run's."""
+    from ..exec.memory import return_free_memory
+
+    return_free_memory()
+    reset_peak_rss()
+    return maxrss_bytes()
+
+
 def reset_peak_rss() -> None:
-    """Lower this process's peak RSS (``ru_maxrss``, VmHWM) to its RSS now, so that a peak
-    measured from here is not an earlier one (the demo's tokenizer, work done before
-    ``tierflow train`` was called in the same process). Linux only (``/proc/self/clear_refs``);
-    elsewhere the peak stays as it was."""
+    """Lower this process's peak RSS (``ru_maxrss``, VmHWM) to its RSS now. Linux only
+    (``/proc/self/clear_refs``); elsewhere the peak stays as it was."""
     with contextlib.suppress(OSError):
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")

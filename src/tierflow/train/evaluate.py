@@ -105,7 +105,7 @@ def evaluate_files(opts: TrainOptions, datas: list[DataDir], *, max_batches: int
     (stderr) when a budget is given."""
     import transformers.modeling_utils  # noqa: F401  (part of the RSS baseline, as in train)
 
-    from ..profile.machine import fast_bf16, maxrss_bytes, reset_peak_rss
+    from ..profile.machine import fast_bf16, run_baseline
     from .device import ComputeTier
     from .logger import Logger
     from .model import build_model
@@ -113,8 +113,7 @@ def evaluate_files(opts: TrainOptions, datas: list[DataDir], *, max_batches: int
     from .roles import fit_owns_optimizer
     from .run import BuiltModel, Run, Schedule, Site
 
-    reset_peak_rss()
-    baseline = maxrss_bytes()
+    baseline = run_baseline()
     log = log if log is not None else sys.stderr
     opts.validate()
     tier = ComputeTier.from_options(opts)

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import TierflowError
-from ..profile.machine import fast_bf16, maxrss_bytes, reset_peak_rss
+from ..profile.machine import fast_bf16, run_baseline
 from ..units import format_bytes
 from .device import ComputeTier
 from .header import print_header
@@ -83,8 +83,7 @@ def _train(opts: TrainOptions) -> int:
 
     # the run's peaks count from here: an earlier peak of this process (the demo's tokenizer)
     # would hide them and make the baseline more than the process holds
-    reset_peak_rss()
-    baseline = maxrss_bytes()
+    baseline = run_baseline()
 
     # --- everything cheap first (the command line's preflight made these checks already,
     # unless the run resumes): resume state, options, data, output directories
