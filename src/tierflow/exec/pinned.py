@@ -96,8 +96,7 @@ class PinnedHeap:
             ranges.insert(at, (start + nbytes, size - nbytes))
 
     def _grow(self, nbytes: int) -> int:
-        held = sum(s.numel() for s in self._segments)
-        size = max(min(self.segment_bytes, held), 1 << (nbytes - 1).bit_length())
+        size = max(min(self.segment_bytes, self.reserved_bytes), 1 << (nbytes - 1).bit_length())
         self._segments.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
         self._free.append([(0, size)])
         return len(self._segments) - 1

@@ -51,7 +51,7 @@ def stochastic_round_bf16(x: torch.Tensor, generator: torch.Generator,
     # +-inf (zero mantissa) comes out as it went in; a NaN may come out as inf or a zero.
     rounded = noise.view(x.shape).add_(bits).bitwise_and_(-_LOW_BITS).view(torch.float32)
     out.copy_(rounded)  # exact: the low 16 bits are zero
-    if bool(x.amax().isnan()) if n else False:  # a NaN propagates through the maximum
+    if n and bool(x.amax().isnan()):  # a NaN propagates through the maximum
         is_nan = torch.ne(x, x, out=work[:n].view(torch.bool)[:n].view(x.shape))  # reuses work
         out.masked_fill_(is_nan, float("nan"))
     return out
