@@ -133,7 +133,8 @@ def prediction() -> tuple[str, ...]:
 
 
 # the budget sweep's parts (each a set of models and modes, training and generation)
-SWEEP = ("budget-sweep-2026-11-28-enforce-small.json",)
+SWEEP = ("budget-sweep-2026-11-28-enforce-small.json",
+         "budget-sweep-2026-11-28-enforce-resnet.json")
 
 
 def budget() -> tuple[str, ...]:
