@@ -37,8 +37,8 @@ def test_prediction_is_the_trainer_search_on_analytic_costs(accum):
     matches = []
     for chunk in (1024, 256):
         chosen = place_on_tiers(_problem(s, chunk), s.ram, FitConfig(), "ram")
-        step = chosen.plan.predicted_time * accum + (chosen.update_pass.seconds
-                                                     if chosen.update_pass else 0.0)
+        step = chosen.plan.step_time(accum) + (chosen.update_pass.seconds
+                                               if chosen.update_pass else 0.0)
         peak = max(chosen.plan.predicted_peak,
                    chosen.update_pass.peak if chosen.update_pass else 0)
         matches.append(pl.step_time == pytest.approx(step) and pl.peaks["ram"] == peak

@@ -7,9 +7,12 @@ that its gradients are complete; a streamed stage's must then outlive its backwa
 staying in memory. They live on the tier its weights live on (``KeptBelow``, the weights'
 ``home``): a Store right after that ``Update(i)`` writes them down (behind the next
 backward; the next such Store waits until this one is written, as the executor bounds the
-writes in flight), and, accumulating over micro-batches, a Load right before the stage's
-next ``Backward(i)`` reads them back for autograd to add to (the first micro-batch of a step
-finds nothing written: its Loads do nothing, and the price counts them all the same). In the
+writes in flight), and, accumulating over micro-batches, a Load reads them back for autograd
+to add to in the stage's next ``Backward(i)``: reading ahead, right before the backward
+before it (the read overlaps that backward and the recomputations between), else right
+before its own. They are held from their Load on (``plan/simulate.py`` counts them). The
+first micro-batch of a step finds nothing written: its Loads do nothing, and
+``Plan.step_time`` prices it without them. In the
 update pass a Load of a stage's gradients comes right after the Load of its weights (read
 ahead as they are), or right before its ``Update(i)`` when its weights are in memory
 already; the update waits for it.
@@ -36,12 +39,18 @@ HOST_RAM = "ram"  # the tier the host optimizer steps in
 def with_gradient_transfers(step: Sequence[Op], grads: KeptBelow,
                             accumulates: bool) -> tuple[Op, ...]:
     """A micro-batch's ``step`` with the Stores of the gradients its Updates complete and,
-    ``accumulates``, the Loads that bring them back before each of those stages' Backward."""
+    ``accumulates``, the Loads that bring them back for each of those stages' Backward:
+    right before the Backward before it when ``grads.read_ahead`` (the first Backward's
+    right before it), else right before its own."""
     stages = grads.stages
+    backwards = [op.stage for op in step if isinstance(op, Backward)]
+    ahead = dict(zip(backwards, backwards[1:])) if grads.read_ahead else {}
     out: list[Op] = []
     for op in step:
-        if accumulates and isinstance(op, Backward) and op.stage in stages:
-            out.append(grads.load(op.stage))
+        if accumulates and isinstance(op, Backward):
+            reads = [op.stage] if not grads.read_ahead or op.stage == backwards[0] else []
+            reads += [ahead[op.stage]] if op.stage in ahead else []
+            out += [grads.load(i) for i in reads if i in stages]
         out.append(op)
         if isinstance(op, Update) and op.stage in stages:
             out.append(grads.store(op.stage))

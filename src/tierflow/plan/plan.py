@@ -33,6 +33,7 @@ from .timeline import Timeline, timeline
 from .state_schedule import first_read, with_state_transfers
 from .boundary_schedule import with_boundary_transfers
 from .gradient_schedule import (
+    GRADS,
     with_gradient_reads,
     with_gradient_transfers,
     with_host_gradient_stores,
@@ -109,6 +110,16 @@ class Plan:
     def predicted_time(self) -> float:
         """Seconds of one micro-batch in the steady state (``timeline``)."""
         return self.timeline.time
+
+    def step_time(self, micro_batches: int) -> float:
+        """Seconds of the ``micro_batches`` of one optimizer step, its update pass left out:
+        the first reads back no accumulated gradients (none were written yet: its gradient
+        Loads do nothing), the others run ``ops`` as they stand."""
+        rest = self.predicted_time
+        ops = tuple(op for op in self.ops if not _reads_gradients(op))
+        first = rest if len(ops) == len(self.ops) else timeline(
+            self.costs, (*ops, *self.routines.between), join=len(ops)).time
+        return first + (micro_batches - 1) * rest
 
     def with_transfers(self, transfers: Transfers) -> "Plan":
         """This plan's compute ops with the transfers of ``transfers`` placed among them and
@@ -341,6 +352,11 @@ def _names(items: list[str]) -> str:
 
 def _overhead(time: float, base: float) -> str:
     return f"+{(time / base - 1) * 100:.0f}%" if base > 0 else "n/a"
+
+
+def _reads_gradients(op: Op) -> bool:
+    """Whether ``op`` reads back a stage's accumulated gradients for its backward."""
+    return isinstance(op, Load) and op.what == GRADS
 
 
 __all__ = ["Plan", "Routines", "Forward", "Backward", "Free", "Update", "Stash", "Fetch",

@@ -8,7 +8,9 @@ while the plan references it (and has not stashed it on the tier below), while t
 output) is alive. Stash and Fetch take no time here: the costs call a boundary stashable
 only when its write and read hide behind compute, and count the bytes in flight as static.
 Weight transfers (Load, Store, Drop) change no activation bytes here: the buffers that
-streamed weights come into are static bytes of the costs (``plan/streaming.py``).
+streamed weights come into are static bytes of the costs (``plan/streaming.py``). A Load of
+a stage's accumulated gradients (``plan/gradient_schedule.py``) holds them from then on:
+its Backward adds to them rather than making new ones.
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from dataclasses import dataclass
 
 from .costs import ChainCosts
 from .forward_only import forward_only_length
-from .ops import TRANSFERS, Backward, Fetch, Forward, Free, Op, Stash, Update
+from .gradient_schedule import GRADS
+from .ops import TRANSFERS, Backward, Fetch, Forward, Free, Load, Op, Stash, Update
 
 
 class InvalidPlan(ValueError):
@@ -55,6 +58,7 @@ class _State:
         self.tapes: set[int] = set()
         self.grads: set[int] = set()  # grad[i] present
         self.param_grads: set[int] = set()  # stages whose parameter gradients exist
+        self.read_grads: set[int] = set()  # stages whose gradients were read back early
         self.updated: set[int] = set()
         self.shared_grads = False
         self.first_backward = forward_only_length(costs)  # stages before it have none
@@ -76,7 +80,7 @@ class _State:
         total += sum(c.stages[i].tape for i in self.tapes)
         total += sum(c.x_bytes(i) for i in self.grads)
         if not c.grads_resident:  # else they are static bytes
-            total += sum(c.stages[i].param_bytes for i in self.param_grads)
+            total += sum(c.stages[i].param_bytes for i in self.param_grads | self.read_grads)
             total += c.shared_grad_bytes if self.shared_grads else 0
         return total
 
@@ -116,7 +120,8 @@ def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
             if i + 1 < length and i + 1 not in state.grads:
                 raise InvalidPlan(f"{op}: grad[{i + 1}] does not exist yet")
             s = costs.stages[i]
-            new_grads = 0 if i in state.param_grads else s.param_bytes
+            new_grads = 0 if i in state.param_grads | state.read_grads else s.param_bytes
+            state.read_grads.discard(i)
             if i == length - 1 and not state.shared_grads:
                 new_grads += costs.shared_grad_bytes
                 state.shared_grads = True
@@ -155,7 +160,10 @@ def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
             state.stashed.discard(op.index)
             during = state.resident()
         elif isinstance(op, TRANSFERS):
-            during = before
+            if isinstance(op, Load) and op.what == GRADS:
+                _check_stage(op.stage, length, op)
+                state.read_grads.add(op.stage)
+            during = state.resident()
         elif isinstance(op, Update):
             i = op.stage
             _check_stage(i, length, op)

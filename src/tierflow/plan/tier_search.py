@@ -69,7 +69,7 @@ class TierPlan:
     @property
     def predicted_time(self) -> float:
         """Seconds of one optimizer step: its micro-batches, then the update pass (once)."""
-        return self.plan.predicted_time * self.micro_batches + (
+        return self.plan.step_time(self.micro_batches) + (
             self.update_pass.seconds if self.update_pass else 0.0)
 
     @property

@@ -182,7 +182,7 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
     free = (format_margin(peak + held, budget) + " between the predicted peak and the budget"
             + (f" ({format_bytes(held)} is held outside the plan)" if held else "")
             if budget else "- (no --ram budget)")
-    seconds = plan.predicted_time * grad_accum
+    seconds = plan.step_time(grad_accum)
     if update_pass is not None:
         seconds += update_pass.seconds
         updates = f"+ {update_pass.seconds * 1e3:.0f} ms update pass"
@@ -190,8 +190,11 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
         updates = "updates inside the backward included"
     else:
         updates = "optimizer not included"
-    step = (f"{seconds * 1e3:.0f} ms ({grad_accum} x {plan.predicted_time * 1e3:.0f} ms "
-            f"forward+backward, {updates})")
+    first, rest = plan.step_time(1), plan.predicted_time  # the first reads no gradients
+    passes = (f"{grad_accum} x {rest * 1e3:.0f} ms forward+backward" if first == rest else
+              f"{first * 1e3:.0f} ms, then {grad_accum - 1} x {rest * 1e3:.0f} ms "
+              "forward+backward")
+    step = f"{seconds * 1e3:.0f} ms ({passes}, {updates})"
     rows += [("margin", free), ("strategy", plan.strategy), ("predicted step", step)]
     fields: dict[str, Any] = {k: int(v) for k, v in kinds if k != "optimizer step"}
     fields["optimizer states (reserved)"] = int(reserved)  # master + moments
