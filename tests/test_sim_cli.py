@@ -33,6 +33,19 @@ def test_plan_json(capsys):
     assert set(decisions) >= {"recomputed", "streamed", "states_home", "tapes"}
 
 
+@pytest.mark.parametrize("clip, deferred", [([], True), (["--clip", "0"], False)])
+def test_plan_defers_the_updates_when_it_clips_as_train_does(clip, deferred, capsys):
+    """tierflow train clips the global norm by default (--clip 1.0), so its updates wait for
+    the whole backward: plan predicts the same, and the updates inside the backward only
+    with --clip 0."""
+    code, out, err = run_main("plan", *H100, "--seq-len", "4096", *clip, "--json",
+                              capsys=capsys)
+    assert code == 0, err
+    placement = json.loads(out)["placement"]
+    assert placement["decisions"]["deferred_updates"] is deferred
+    assert ("update pass" in placement["times"]) is deferred
+
+
 @pytest.mark.parametrize("args, fragments", [
     (["--model", "qwen2.5-0.5b", "--gpu", "1", "--ram", "2", "--seq-len", "4096"],  # fast
      ["nothing fits gpu 1.00 GiB, ram 2.00 GiB", "needs at least"]),
@@ -42,6 +55,7 @@ def test_plan_json(capsys):
      ["fp8", "a100-80gb"]),
     (["--seq-len", "1024,2048"], ["--seq-len '1024,2048'", "give one value", "tierflow sweep"]),
     (["--seq-len", "64", "--batch-size", "x"], ["--batch-size 'x'", "e.g. --batch-size 4"]),
+    (["--seq-len", "64", "--clip", "-1"], ["--clip -1.0", "positive norm"]),
 ])
 def test_plan_user_errors_are_one_line_exit_2(args, fragments, capsys):
     code, _, err = run_main("plan", "--model", "llama3-8b", "--hardware", "h100-sxm", *args,

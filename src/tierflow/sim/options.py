@@ -83,6 +83,10 @@ def add_setup_arguments(parser: argparse.ArgumentParser, *, lists: bool) -> None
                         help="sequences per micro-batch (default 1)")
     parser.add_argument("--grad-accum", default="1", metavar="N",
                         help="micro-batches per optimizer step (default 1)")
+    parser.add_argument("--clip", type=float, default=1.0, metavar="F",
+                        help="as tierflow train --clip: the global gradient norm clipped to F, "
+                             "which moves the updates after the backward; 0: no clipping, "
+                             "updates inside it (default 1.0)")
     parser.add_argument("--model-dtype", choices=MODEL_DTYPES, default=None,
                         help="weights and gradients (default: bf16 on a GPU, fp32 on the cpu)")
     parser.add_argument("--master", choices=MASTERS, default=None,
@@ -145,6 +149,9 @@ def _setup_flags(args: argparse.Namespace) -> tuple[int, int, int | None]:
                                 f"another one")
         stat = os.statvfs(args.disk)
         disk_budget = stat.f_bavail * stat.f_frsize
+    if not args.clip >= 0:
+        raise TierflowError(f"--clip {args.clip} must be 0 (no clipping) or a positive norm, "
+                            "e.g. 1.0")
     if args.disk_bw is not None and not args.disk_bw > 0:
         raise TierflowError(f"--disk-bw {args.disk_bw} must be a positive rate in GB/s, e.g. 7")
     return batch, accum, disk_budget
@@ -157,4 +164,4 @@ def base_setup(args: argparse.Namespace, hw: Hardware, shape: ModelShape) -> Set
                  disk=args.disk is not None or args.disk_bw is not None,
                  disk_budget=disk_budget,
                  disk_bw=args.disk_bw * 1e9 if args.disk_bw is not None else None,
-                 precision=precision_from_args(args, hw))
+                 precision=precision_from_args(args, hw), clips=args.clip > 0)

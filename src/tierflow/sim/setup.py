@@ -41,6 +41,9 @@ class Setup:
     disk_bw: float | None = None
     precision: PrecisionConfig | None = None  # None: default_precision(hardware)
     selection: Selection | None = None  # what trains (--freeze/--train-only); None: all
+    # whether the run clips the gradients by their global norm (``tierflow train``'s default):
+    # every update then waits for the whole backward, in a pass after it
+    clips: bool = True
 
     @property
     def run_precision(self) -> PrecisionConfig:

@@ -117,7 +117,7 @@ def _problem(setup: Setup, head_chunk: int) -> TierProblem:
                           host_seconds_per_byte=host if hw.has_gpu else None),
         largest=tuple(int(n * width) for n in trains.largest),
         trainable=int(trains.total * width), streamable=streamable, lower=lower_tiers(setup),
-        deferred=setup.grad_accum > 1, accumulates=setup.grad_accum > 1,
+        deferred=setup.grad_accum > 1 or setup.clips, accumulates=setup.grad_accum > 1,
         micro_batches=setup.grad_accum,
         host_updatable=updated if hw.has_gpu else (), updated=updated)
 
