@@ -123,7 +123,7 @@ def generate() -> tuple[str, ...]:
 
 
 def prediction() -> tuple[str, ...]:
-    name = "predictions-2026-11-27.json"
+    name = "predictions-2026-11-28.json"
     rows = load(name)
     case = _by(rows, "case", "Llama-3-8B, H100, seq 8k, 24 GB device / 60 GB host")
     return (f"`tierflow plan`: {case['case']}",
@@ -164,7 +164,7 @@ ROWS: tuple[Callable[[], tuple[str, ...]], ...] = (w1, w2, gpu, finetune, genera
                                                    budget)
 SOURCES = ("remat-2026-11-22.json", "train-w2-2026-11-27-amx.json",
            "gpu-check-2026-11-27-h200-one-schedule.json", "frozen-budget-2026-11-25.json",
-           "generate-stream-2026-11-27-amx.json", "predictions-2026-11-27.json", *SWEEP)
+           "generate-stream-2026-11-27-amx.json", "predictions-2026-11-28.json", *SWEEP)
 
 
 def table() -> str:
