@@ -7,7 +7,9 @@ and writes one JSON file of everything it measured.
 In order, each part in a fresh process and skipped (and named as skipped) once the deadline
 is too near:
 1. the machine: GPU name, torch and transformers versions, a bf16 8192^3 matmul's TFLOP/s
-   (the peak that an MFU figure divides by) and page-locked host-to-GPU copy GB/s;
+   (the peak that an MFU figure divides by), the rate of a Llama-3-8B layer's matmuls over
+   8192 tokens, forward and backward (what the h100-sxm profile's matmul efficiency should
+   be measured against) and page-locked host-to-GPU copy GB/s;
 2. ``tests/test_cuda.py`` (the out-of-memory retry included), each test's outcome;
 3. Llama-3-8B at random init, seq 8192, ``--gpu 24GiB --ram 60GiB``, full bf16, through
    ``tierflow train`` (``benchmarks/gpu_llama8b.py``: each split of 16 sequences per step in
@@ -47,6 +49,22 @@ for _ in range(10):
     a @ b
 torch.cuda.synchronize()
 tflops = 10 * 2 * n**3 / (time.perf_counter() - start) / 1e12
+# a Llama-3-8B layer's matmuls over 8192 tokens, forward and both backward products
+# (q, k, v, o, gate, up, down as (tokens, in, out)): the rate the 8B's plan divides by
+layer = [(8192, 4096, 4096), (8192, 4096, 1024), (8192, 4096, 1024), (8192, 4096, 4096),
+         (8192, 4096, 14336), (8192, 4096, 14336), (8192, 14336, 4096)]
+tensors = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16),
+            torch.randn(k, o, device="cuda", dtype=torch.bfloat16),
+            torch.randn(m, o, device="cuda", dtype=torch.bfloat16)) for m, k, o in layer]
+def products():
+    for x, w, dy in tensors:
+        x @ w; dy @ w.t(); x.t() @ dy
+products(); torch.cuda.synchronize()
+start = time.perf_counter()
+for _ in range(5):
+    products()
+torch.cuda.synchronize()
+layer_tflops = 5 * sum(6 * m * k * o for m, k, o in layer) / (time.perf_counter() - start) / 1e12
 host = torch.empty(2**30, dtype=torch.uint8, pin_memory=True)
 dev = torch.empty(2**30, dtype=torch.uint8, device="cuda")
 dev.copy_(host, non_blocking=True); torch.cuda.synchronize()
@@ -63,7 +81,9 @@ d2h = 5 * 2**30 / (time.perf_counter() - start) / 1e9
 print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                   "transformers": transformers.__version__, "cuda": torch.version.cuda,
                   "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
-                  "bf16_matmul_tflops": round(tflops, 1), "pinned_h2d_gb_s": round(h2d, 1),
+                  "bf16_matmul_tflops": round(tflops, 1),
+                  "llama8b_layer_matmul_tflops": round(layer_tflops, 1),
+                  "pinned_h2d_gb_s": round(h2d, 1),
                   "pinned_d2h_gb_s": round(d2h, 1), "cpu_count": __import__("os").cpu_count()}))
 """
 
