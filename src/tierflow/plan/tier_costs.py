@@ -180,8 +180,8 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
     waiting at stage i - 1's hand-over for what it outlasted of that backward, and at the
     end of the backward for the lowest one's. Not ``beside_backward`` (a simulated GPU: the
     host thread steps on the cores that compute), the compute tier waits for all of it: the
-    step is in ``update_time``. With updates deferred, ``deferred_costs`` prices the steps
-    in its pass instead."""
+    step is in ``update_time``. With updates deferred, the update pass runs those Updates
+    on these costs (``deferred_costs``, ``tier_search``)."""
     stages = list(costs.stages)
     for i in host:
         params = base.stages[i].param_bytes
@@ -246,23 +246,21 @@ def lower_bytes(candidate: Candidate, base: ChainCosts, state_of: list[int],
     return held
 
 
-def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
-                   seconds_per_byte: float, host_seconds_per_byte: float = 0.0, *,
+def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int], *,
                    largest: Sequence[int] = (),
-                   accumulates: bool = False) -> tuple[ChainCosts, UpdatePass]:
-    """A candidate's costs when updates are deferred: the plan's Update(i) only hands a
-    streamed stage's gradients to the lower tier (the plan's Store of them, written behind
-    the next backward, if any: one stage's at a time, static bytes here); resident stages' gradients stay for the whole
-    step; the optimizer work moves to the update pass. ``accumulates`` (over micro-batches):
-    each backward adds its gradients to ones it reads back (a streamed stage's) or keeps,
-    so a stage's backward also holds a fresh gradient of its ``largest`` parameter.
-    A stage stepped in host RAM (``candidate.host_stages``) adds nothing to the pass's peak
-    on the compute tier; the host steps it (priced one stage after the other, after the
-    compute tier's updates) from its gradients, which wait in host RAM already when it is
-    streamed from there (from disk: they and its weights are read for the step, the weights
-    written back after), or come down first, its new weights going up after."""
-    states, weights = candidate.states, candidate.weights
-    stages, persistent, seconds, in_flight = [], 0, 0.0, 0
+                   accumulates: bool = False) -> tuple[ChainCosts, int]:
+    """A candidate's costs when updates are deferred, and the compute tier's peak of its
+    update pass (static bytes included): the plan's Update(i) only says that a stage's
+    gradients are complete (a streamed stage's go to the lower tier by the plan's Store of
+    them, written behind the next backward, if any: one stage's at a time, static bytes
+    here); resident stages' gradients stay for the whole step; the optimizer work moves to
+    the update pass, whose time is its ops' on the candidate's own costs (``UpdatePass``,
+    priced by ``tier_search``). ``accumulates`` (over micro-batches): each backward adds its
+    gradients to ones it reads back (a streamed stage's) or keeps, so a stage's backward
+    also holds a fresh gradient of its ``largest`` parameter. A stage stepped in host RAM
+    (``candidate.host_stages``) adds nothing to the pass's peak on the compute tier."""
+    states = candidate.states
+    stages, persistent, in_flight = [], 0, 0
     own: dict[int, int] = {}  # stage -> its bytes on the compute tier while it updates there
     work: dict[int, int] = {}  # stage -> its bytes in flight while a neighbour updates
     for i, s in enumerate(candidate.costs.stages):
@@ -270,37 +268,20 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
             s = replace(s, bwd_transient=s.bwd_transient + largest[i])
         params = base.stages[i].param_bytes
         grads = params + (base.shared_grad_bytes if i == 0 else 0)
-        io = 2 * state_of[i] / states.bandwidth if states else 0.0  # states in and out
-        if i in candidate.host_stages:  # stepped in host RAM, after the others
-            on_disk = [t for t in (states, weights) if t is not None and t.name == "disk"]
-            weights_there = params if i in candidate.streamed and weights in on_disk else 0
-            seconds += _with_disk_io(
-                host_seconds_per_byte * params,
-                state_of[i] if states in on_disk else 0, weights_there,
-                on_disk[0] if on_disk else None, candidate.depth > 0)
-            if weights_there:  # its gradients wait on disk too
-                seconds += grads / weights.bandwidth
+        stages.append(replace(s, update_time=0.0, update_transient=0))
         if i in candidate.streamed:
-            # handing its gradients over takes no compute: their Store is the plan's op
-            # (``plan/gradient_schedule.py``), written behind the next backward
-            stages.append(replace(s, update_time=0.0, update_transient=0))
             if i > 0:  # being written behind the next backward (the first stage's has none)
                 in_flight = max(in_flight, grads)
             if i in candidate.host_stages:
                 continue
-            io += (3 * params + grads) / weights.bandwidth  # weights in and out, grads in
             work[i] = params + grads + (state_of[i] if states else 0)
             own[i] = s.update_transient + grads  # its gradients come back from the stash
         else:
-            stages.append(replace(s, update_time=0.0, update_transient=0))
             persistent += grads
-            if i in candidate.host_stages:  # its gradients down, its new weights up
-                seconds += (grads + params) / candidate.host.bandwidth
+            if i in candidate.host_stages:
                 continue
             work[i] = state_of[i] if states else 0
             own[i] = s.update_transient
-        update = seconds_per_byte * params
-        seconds += max(update, io) if candidate.depth else update + io  # read ahead, or not
     costs = replace(candidate.costs, stages=tuple(stages),
                     static_bytes=candidate.costs.static_bytes + persistent + in_flight)
     # at each stage of the pass (last first): the stage updating (its in-backward update
@@ -312,4 +293,4 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int],
         (own[u] + (work[order[p - 1]] if p else 0)
          + sum(work[v] for v in order[p + 1:p + 1 + candidate.depth])
          for p, u in enumerate(order)), default=0)
-    return costs, UpdatePass(seconds, peak)
+    return costs, peak

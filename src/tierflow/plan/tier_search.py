@@ -35,6 +35,7 @@ from .tier_costs import (
     with_update_pass,
 )
 from .streaming import TRANSFER_RESOURCES
+from .timeline import timeline
 from .boundary_schedule import BOUNDARY
 from .gradient_schedule import GRADS
 from .kept_below import KeptBelow
@@ -130,9 +131,9 @@ class TierSearch:
         for candidate, (placed, _) in zip(self._candidates, self._outcomes):
             held = _held(candidate, problem, self._state_of)
             if all(_fits(t, held.get(t.name, 0)) for t in problem.lower):
-                costs, update_pass = _costs(candidate, problem, self._state_of)
+                costs, pass_peak = _costs(candidate, problem, self._state_of)
                 need = budget_for(costs, smallest_budget(costs), self.config)
-                least[tier].append(with_update_pass(need, update_pass))
+                least[tier].append(max(need, pass_peak or 0))
             if placed is None:
                 continue
             for lower in problem.lower:
@@ -153,18 +154,17 @@ def _fits(lower: LowerTier, held: int) -> bool:
 
 
 def _costs(candidate: Candidate, problem: TierProblem,
-           state_of: list[int]) -> tuple[ChainCosts, UpdatePass | None]:
-    """What the plan of ``candidate`` is made from, and the update pass when deferred."""
-    costs, update_pass = candidate.costs, None
+           state_of: list[int]) -> tuple[ChainCosts, int | None]:
+    """What the plan of ``candidate`` is made from, and the compute tier's peak of the update
+    pass when updates are deferred (None: they are not)."""
+    costs, pass_peak = candidate.costs, None
     if problem.deferred:
-        costs, update_pass = deferred_costs(candidate, problem.costs, state_of,
-                                            problem.rates.seconds_per_byte,
-                                            problem.rates.host_seconds_per_byte or 0.0,
-                                            largest=problem.largest,
-                                            accumulates=problem.accumulates)
+        costs, pass_peak = deferred_costs(candidate, problem.costs, state_of,
+                                          largest=problem.largest,
+                                          accumulates=problem.accumulates)
     if candidate.tiers:
         costs = replace(costs, extra={**costs.extra, "prefetch depth": candidate.depth})
-    return costs, update_pass
+    return costs, pass_peak
 
 
 def _held(candidate: Candidate, problem: TierProblem, state_of: list[int]) -> dict[str, int]:
@@ -176,21 +176,16 @@ def _held(candidate: Candidate, problem: TierProblem, state_of: list[int]) -> di
 def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budget: int | None,
           config: FitConfig, tier: str) -> TierPlan:
     """The candidate's plan, checked against the compute tier's budget (BudgetError if over)."""
-    costs, update_pass = _costs(candidate, problem, state_of)
+    costs, pass_peak = _costs(candidate, problem, state_of)
     notes = candidate.notes
     try:
         plan = make_plan(costs, budget, config, tier=tier)
     except BudgetError as e:  # the smallest budget that works must hold the update pass too
-        if update_pass is None or update_pass.peak <= e.smallest:
+        if pass_peak is None or pass_peak <= e.smallest:
             raise
-        raise _update_pass_error(update_pass, budget, tier) from None
-    if update_pass is not None:
-        if budget is not None and update_pass.peak > budget:
-            raise _update_pass_error(update_pass, budget, tier)
-        notes = notes + (f"updates run after the backward (gradient accumulation or "
-                         f"clipping): one pass over the stages, last first, predicted "
-                         f"{update_pass.seconds:.1f} s at a peak of "
-                         f"{format_bytes(update_pass.peak)}",)
+        raise _update_pass_error(pass_peak, budget, tier) from None
+    if pass_peak is not None and budget is not None and pass_peak > budget:
+        raise _update_pass_error(pass_peak, budget, tier)
     held = tuple(_held(candidate, problem, state_of).items())
     plan = plan.with_transfers(Transfers(streamed_weights(candidate, problem, tier),
                                          stored_states(candidate, problem, state_of, tier),
@@ -200,6 +195,14 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
                                          stashed_gradients(candidate, problem, tier),
                                          problem.accumulates, candidate.host_stages,
                                          host_gradients(candidate, problem, tier)))
+    update_pass = None
+    if pass_peak is not None:  # its time: its ops, each Update at its in-backward price
+        update_pass = UpdatePass(timeline(candidate.costs, plan.routines.update_pass).time,
+                                 pass_peak)
+        notes = notes + (f"updates run after the backward (gradient accumulation or "
+                         f"clipping): one pass over the stages, last first, predicted "
+                         f"{update_pass.seconds:.1f} s at a peak of "
+                         f"{format_bytes(update_pass.peak)}",)
     return TierPlan(replace(plan, notes=plan.notes + notes), candidate.states,
                     candidate.weights, candidate.streamed, update_pass, candidate.tapes,
                     candidate.tape_stages, candidate.depth, held, candidate.boundaries,
@@ -304,11 +307,11 @@ def _update_order(candidate: Candidate, problem: TierProblem) -> tuple[int, ...]
                  + [i for i in order if i not in candidate.host_stages])
 
 
-def _update_pass_error(update_pass: UpdatePass, budget: int, tier: str) -> BudgetError:
-    need = format_bytes(update_pass.peak, round_up=True)
+def _update_pass_error(peak: int, budget: int, tier: str) -> BudgetError:
+    need = format_bytes(peak, round_up=True)
     return BudgetError(f"{tier} budget {format_bytes(budget)} is below what the update pass "
                        f"after the backward needs, {need}: raise {tier} to at least {need}",
-                       tier=tier, budget=budget, smallest=update_pass.peak)
+                       tier=tier, budget=budget, smallest=peak)
 
 
 def _check_lower(candidate: Candidate, placed: TierPlan) -> None:
