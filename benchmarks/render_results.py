@@ -134,7 +134,8 @@ def prediction() -> tuple[str, ...]:
 
 # the budget sweep's parts (each a set of models and modes, training and generation)
 SWEEP = ("budget-sweep-2026-11-28-enforce-small.json",
-         "budget-sweep-2026-11-28-enforce-resnet.json")
+         "budget-sweep-2026-11-28-enforce-resnet.json",
+         "budget-sweep-2026-11-28-enforce-large-llama.json")
 
 
 def budget() -> tuple[str, ...]:
