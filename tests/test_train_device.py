@@ -47,15 +47,14 @@ def test_a_cuda_gpu_gets_growable_allocator_segments_unless_chosen(monkeypatch, 
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == (chosen or ALLOCATOR_SETTINGS)
 
 
-def test_a_gpu_budget_too_small_without_a_disk_tier_names_the_disk_tier(train_env, tmp_path,
-                                                                        capsys):
-    """Under --gpu without --disk everything lives on the GPU: a budget below the smallest
-    plan names that budget and the other way out, --disk (streaming from host RAM and disk),
-    in one line with exit 2."""
+def test_a_gpu_budget_too_small_names_the_smallest_that_works(train_env, tmp_path, capsys):
+    """Under --gpu without --disk, fit owns the optimizer and may keep its states and the
+    weights in the host RAM below: a GPU budget below even the smallest such plan names the
+    smallest GPU budget that works, in one line with exit 2."""
     code, _, err = run_main(*train_args(train_env, tmp_path / "a", "--gpu", "1MiB",
                                         "--simulate-gpu", "--ram", "1GiB"), capsys=capsys)
     assert code == 2
-    assert_error_line(err, ["--gpu 1.00 MiB is below the smallest", "give --gpu", "--disk DIR"])
+    assert_error_line(err, ["--gpu 1.00 MiB is below the smallest", "give --gpu"])
 
 
 def test_a_model_whose_weights_pass_a_cuda_gpu_budget_is_one_line():

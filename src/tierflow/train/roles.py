@@ -1,5 +1,5 @@
-"""Who does what in a run of ``tierflow train``: the decisions that a run with a disk tier makes
-differently, each one named rule, here and nowhere else.
+"""Who does what in a run of ``tierflow train``: the decisions that a run with a disk tier or a
+GPU makes differently, each one named rule, here and nowhere else.
 
 ``--disk DIR`` names the directory of a disk tier and nothing more. What changes with one
 follows from these rules, so the loop reads ``fit_owns_optimizer(opts)`` where it decides
@@ -26,15 +26,15 @@ def fit_owns_optimizer(opts: TrainOptions) -> bool:
     trainer (``optimizer.LocalOptimizer``, or ``distributed.ShardedOptimizer`` under
     torchrun).
 
-    The rule: fit owns it exactly when the run has a disk tier (``--disk DIR``). A disk tier
-    is there to hold what does not fit the budgets between uses: AdamW's states and the
-    weights of the stages that stream. Only the executor can step an optimizer whose states
-    are never all in memory, reading and writing them back stage by stage as the plan says;
-    the trainer's optimizer holds every state in memory at once, so its plan only reserves
-    room for them. For now this is the only case: under ``--gpu`` without ``--disk`` the
-    trainer steps its optimizer with every state on the GPU, although fit could own it there
-    and keep the states in the host RAM below; that would change what such runs hold and
-    print, so it is left for a change of its own.
+    The rule: fit owns it when the run has a disk tier (``--disk DIR``) or a GPU (``--gpu``,
+    real or simulated). Both are there to hold what does not fit the compute tier between
+    uses: AdamW's states and the weights of the stages that stream, on the disk, or in the
+    host RAM below a GPU. Only the executor can step an optimizer whose states are never all
+    in memory, reading and writing them back stage by stage as the plan says, or step them
+    where they live in host RAM; the trainer's optimizer holds every state on the compute
+    device at once, so its plan only reserves room for them. So ``tierflow train`` plans
+    exactly the placements ``tierflow plan`` predicts among. (Under torchrun ``--gpu`` is
+    refused, so this changes nothing there.)
 
     What follows, at each place that names this rule: the trainer moves a model it steps
     whole to the compute device (refused first if its weights and states alone pass
@@ -43,7 +43,8 @@ def fit_owns_optimizer(opts: TrainOptions) -> bool:
     checkpoints are written and read stage by stage; ``--host-updates`` and
     ``--optimizer-states`` place fit's optimizer, so they need it; under torchrun the ranks
     hold replicas (``ranks_hold_replicas``)."""
-    return bool(opts.disk)  # a directory: ``TrainOptions.check_flags`` turns "none" into None
+    # a directory: ``TrainOptions.check_flags`` turns "none" into None
+    return bool(opts.disk) or opts.gpu is not None
 
 
 def ranks_hold_replicas(opts: TrainOptions) -> bool:
