@@ -266,7 +266,7 @@ def test_train_on_a_simulated_gpu_steps_in_host_ram_and_resumes(train_env, tmp_p
     code, _, err = run_main(*fp32_train_args(train_env, tmp_path / "cpu-host", 1,
                                              "--host-updates", "all"), capsys=capsys)
     assert code == 2
-    assert_error_line(err, ["--host-updates all", "--gpu", "--disk DIR"])
+    assert_error_line(err, ["--host-updates all", "give --gpu too"])
 
 
 def test_stochastic_rounding_in_host_ram_has_a_cpu_stream_of_its_own(train_env, tmp_path, capsys):

@@ -1,6 +1,6 @@
 """Who does what in a run of ``tierflow train`` (``train/roles.py``): ``--disk DIR`` names a
-directory, and each decision a disk tier brings is one named rule that the options' checks,
-the loop and the help follow."""
+directory, and each decision a disk tier or a GPU brings is one named rule that the options'
+checks, the loop and the help follow."""
 from __future__ import annotations
 
 import pytest
@@ -18,23 +18,23 @@ def _opts(**values) -> TrainOptions:
     return TrainOptions(model="llama-20m", data="d", **values, given=frozenset(values))
 
 
-def test_fit_owns_the_optimizer_exactly_when_the_run_has_a_disk_tier():
+def test_fit_owns_the_optimizer_exactly_when_the_run_has_a_disk_tier_or_a_gpu():
     assert fit_owns_optimizer(_opts(disk="/tmp"))
     assert ranks_hold_replicas(_opts(disk="/tmp"))
-    for opts in (_opts(), _opts(gpu="8GiB", ram="16GiB")):  # a GPU alone changes nothing yet
-        assert not fit_owns_optimizer(opts)
-        assert not ranks_hold_replicas(opts)
+    assert fit_owns_optimizer(_opts(gpu="8GiB", ram="16GiB"))  # its states may go below it
+    assert not fit_owns_optimizer(_opts()) and not ranks_hold_replicas(_opts())
     resumed = _opts(disk="none").check_flags()  # a run that had a disk tier, resumed without
     assert resumed.disk is None and not fit_owns_optimizer(resumed)
 
 
 def test_the_options_that_place_fits_optimizer_need_it():
-    with pytest.raises(TierflowError, match="tierflow's own AdamW .*give --disk DIR too"):
+    with pytest.raises(TierflowError, match="tierflow's own AdamW .*give --disk DIR or --gpu"):
         _opts(optimizer_states="disk").check_flags()
-    with pytest.raises(TierflowError, match="tierflow's own AdamW .*give --gpu and --disk"):
-        _opts(gpu="8GiB", host_updates="all").check_flags()
+    with pytest.raises(TierflowError, match="tierflow's own AdamW .*give --gpu too"):
+        _opts(disk="/tmp", host_updates="all").check_flags()
     _opts(disk="/tmp", optimizer_states="disk").check_flags()
-    _opts(disk="/tmp", gpu="8GiB", host_updates="all").check_flags()
+    _opts(gpu="8GiB", host_updates="all").check_flags()
+    _opts(gpu="8GiB", optimizer_states="ram").check_flags()
 
 
 def test_shards_refuse_a_random_stream_and_replicas_take_it():

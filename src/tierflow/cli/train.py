@@ -53,8 +53,7 @@ _HELP = {
                     "(one per rank under torchrun), removed at the end, holds the weights and "
                     "AdamW states that do not fit the budgets between uses (checkpoints still "
                     "go to --out); --resume keeps the run's --disk unless given, 'none' for no "
-                    "disk tier. For now a disk tier also decides who steps AdamW: see the end "
-                    "of this help"),
+                    "disk tier. Who steps AdamW: see the end of this help"),
     "seq_len": ("N", "tokens per sequence (default 256)"),
     "allow_other_tokenizer": (None, "train on --data tokenized with another tokenizer than "
                                     "the model directory's (refused by default: the ids "
@@ -129,14 +128,15 @@ _HELP = {
     "serial_reads": (None, "with --disk: run the plan made for its prefetch depth with every "
                            "weight, optimizer state and tape read on demand, to measure what "
                            "reading ahead saves (the [Plan] prediction still assumes it)"),
-    "host_updates": (None, "tierflow's own AdamW (with --disk) under --gpu: auto lets the "
+    "host_updates": (None, "tierflow's own AdamW under --gpu: auto lets the "
                            "planner step it in host RAM, on the CPU, for the stages whose "
                            "optimizer states live there or on disk (their gradients go down and "
                            "their new weights up, or back to disk, instead of the states coming "
                            "up and back), never keeps every update on the GPU, all steps every "
                            "such stage there"),
-    "optimizer_states": (None, "tierflow's own AdamW (with --disk): the tier where its states "
-                               "live between updates: auto lets the planner choose, compute "
+    "optimizer_states": (None, "tierflow's own AdamW (with --disk or --gpu): the tier where "
+                               "its states live between updates: auto lets the planner choose, "
+                               "compute "
                                "keeps them on the GPU (or, without --gpu, in RAM), ram in the "
                                "host RAM below --gpu, disk in --disk DIR"),
     "enforce": (None, ENFORCE_HELP),
@@ -150,16 +150,15 @@ _HELP = {
     "config": ("FILE", "a TOML file of options; flags win over it"),
 }
 # the rule of train/roles.py, as the help says it
-OWNERSHIP = ("Who steps AdamW: in a run with a disk tier (--disk DIR) tierflow owns it, one "
-             "AdamW per stage stepped during the backward or right after it, its states on the "
-             "tier the plan (or --optimizer-states, --host-updates) chooses; the model starts "
-             "on disk, or in host RAM under --gpu unless its weights pass --ram or leave too "
-             "little of it, and streams to the compute tier; under torchrun every rank holds "
-             "the whole model and its states (replicas, gradients averaged). Without a disk "
-             "tier the trainer steps AdamW with every state on the compute tier (reserved in "
-             "the plan) and the model whole there; under torchrun its states are sharded "
-             "(ZeRO-2). Runs behave so today, under --gpu too, where tierflow could own AdamW "
-             "without a disk tier; that is left for a later change.")
+OWNERSHIP = ("Who steps AdamW: in a run with a disk tier (--disk DIR) or a GPU (--gpu) "
+             "tierflow owns it, one AdamW per stage stepped during the backward or right after "
+             "it, its states on the tier the plan (or --optimizer-states, --host-updates) "
+             "chooses, as tierflow plan predicts; the model starts on disk, or in host RAM "
+             "under --gpu unless its weights pass --ram or leave too little of it, and streams "
+             "to the compute tier; under torchrun every rank holds the whole model and its "
+             "states (replicas, gradients averaged). In RAM without a disk tier the trainer "
+             "steps AdamW with every state there (reserved in the plan); under torchrun its "
+             "states are sharded (ZeRO-2).")
 _TYPES = {"seq_len": _int, "batch_size": _int, "grad_accum": _int, "steps": _int,
           "epochs": _float, "lr": _float, "warmup": _int, "min_lr": _float,
           "weight_decay": _float, "clip": _float, "seed": _int, "eval_every": _int,

@@ -150,18 +150,17 @@ class TrainOptions:
         if self.host_updates not in HOST_UPDATES:
             raise TierflowError(f"--host-updates {self.host_updates!r} is unknown: use "
                                 f"{', '.join(HOST_UPDATES)}")
-        if self.host_updates != "auto" and (not fit_owns_optimizer(self) or self.gpu is None):
+        if self.host_updates != "auto" and self.gpu is None:
             raise TierflowError(f"--host-updates {self.host_updates} chooses where tierflow's "
-                                "own AdamW (that of a run with a disk tier) steps the stages "
-                                "whose states live in the host RAM below a GPU: give --gpu and "
-                                "--disk DIR too")
+                                "own AdamW steps the stages whose states live in the host RAM "
+                                "below a GPU: give --gpu too")
         if self.optimizer_states not in OPTIMIZER_STATES:
             raise TierflowError(f"--optimizer-states {self.optimizer_states!r} is unknown: use "
                                 f"{', '.join(OPTIMIZER_STATES)}")
         if self.optimizer_states != "auto" and not fit_owns_optimizer(self):
             raise TierflowError(f"--optimizer-states {self.optimizer_states} places the states "
-                                "of tierflow's own AdamW (that of a run with a disk tier) among "
-                                "its tiers: give --disk DIR too")
+                                "of tierflow's own AdamW (that of a run with a disk tier or a "
+                                "GPU) among its tiers: give --disk DIR or --gpu too")
         if self.optimizer_states == "compute" and self.stream == "all":
             raise TierflowError("--optimizer-states compute keeps AdamW's states on the "
                                 "compute tier, but --stream all keeps them below it, beside "
