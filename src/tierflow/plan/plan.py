@@ -267,8 +267,10 @@ class Plan:
                  f"  predicted peak {format_bytes(self.predicted_peak)} "
                  f"= {format_bytes(c.static_bytes)} static ({_static_parts(c)})"
                  f" + {format_bytes(sim.peak)} activations, gradients and transients",
-                 f"  predicted step time {sim.time * 1e3:.0f} ms "
-                 f"({_overhead(sim.time, base)} over computing every stage once)"]
+                 f"  predicted time of one forward and backward {self.predicted_time * 1e3:.0f} "
+                 f"ms ({_overhead(sim.time, base)} over computing every stage once"
+                 + (f", then {(self.predicted_time - sim.time) * 1e3:.0f} ms waiting for "
+                    "transfers" if self.predicted_time > sim.time * 1.0005 else "") + ")"]
         for lower in ("ram", "disk"):
             held = []
             if c.extra.get(f"optimizer states on {lower}"):
