@@ -136,7 +136,8 @@ def prediction() -> tuple[str, ...]:
 SWEEP = ("budget-sweep-2026-11-28-enforce-small.json",
          "budget-sweep-2026-11-28-enforce-resnet.json",
          "budget-sweep-2026-11-28-enforce-large-llama.json",
-         "budget-sweep-2026-11-28-enforce-large-gpt2.json")
+         "budget-sweep-2026-11-28-enforce-large-gpt2.json",
+         "budget-sweep-2026-11-28-enforce-generate-large.json")
 
 
 def budget() -> tuple[str, ...]:
