@@ -4,14 +4,16 @@ issue "GPU throughput at the seeds' scale", through ``tierflow train`` as a user
 
     PYTHONPATH=src python3 benchmarks/gpu_llama8b.py --work DIR [--splits 4x4,8x2]
         [--steps 3] [--deadline 300] [--model llama3-8b] [--gpu 24GiB] [--ram 60GiB]
-        [--seq 8192] [--simulate-gpu]
+        [--seq 8192] [--no-disk] [--simulate-gpu]
 
 The model is the preset at random init (seed 0) on uniformly random token ids (vocab
 128,256, uint32 token files written under DIR), in ml_dataflow's "full bf16": bf16 weights,
 no fp32 master (stochastic rounding), bf16 AdamW moments, bf16 matmuls. Each split
 ``BxA`` (B sequences per micro-batch, A micro-batches, at most 16 sequences per optimizer
 step) runs in a fresh ``tierflow train`` process with a disk tier under DIR (the weights are
-built there a layer at a time; the planner decides what lives in RAM), logged with ``--log``.
+built there a layer at a time; the planner decides what lives in RAM), or with ``--no-disk``
+without one, as the issue's ``tierflow plan`` command has none (the model is built in host
+RAM; fit owns the optimizer under ``--gpu`` either way), logged with ``--log``.
 Once ``--steps`` steps are logged the process is killed (SIGKILL: no checkpoint of 48 GB is
 written; its disk tier is removed), so a split costs its build, its plan and its steps.
 
@@ -75,8 +77,9 @@ def run_split(args: argparse.Namespace, data: Path, batch: int, accum: int,
     disk.mkdir(parents=True, exist_ok=True)
     log = work / "log.jsonl"
     log.unlink(missing_ok=True)
+    tiers = [] if args.no_disk else ["--disk", str(disk)]
     cmd = [sys.executable, "-m", "tierflow", "train", "--model", args.model, "--data", str(data),
-           "--gpu", args.gpu, "--ram", args.ram, "--disk", str(disk), "--seq-len", str(args.seq),
+           "--gpu", args.gpu, "--ram", args.ram, *tiers, "--seq-len", str(args.seq),
            "--batch-size", str(batch), "--grad-accum", str(accum), "--model-dtype", "bf16",
            "--master", "none", "--optim-dtype", "bf16", "--matmul-dtype", "bf16",
            "--steps", str(args.steps + 1), "--warmup", "0", "--eval-every", "0",
@@ -155,6 +158,8 @@ def main() -> None:
     parser.add_argument("--gpu", default="24GiB")
     parser.add_argument("--ram", default="60GiB")
     parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--no-disk", action="store_true",
+                        help="no disk tier: host RAM is the only tier below the GPU")
     parser.add_argument("--simulate-gpu", action="store_true", help="on the CPU (a small model)")
     args = parser.parse_args()
     end = time.monotonic() + args.deadline
@@ -170,6 +175,7 @@ def main() -> None:
         rows.append(run_split(args, data, batch, accum, left))
         print(json.dumps(rows[-1]), flush=True)
     print(json.dumps({"model": args.model, "gpu": args.gpu, "ram": args.ram, "seq": args.seq,
+                      "disk_tier": not args.no_disk,
                       "precision": "bf16 weights, master none, bf16 moments, bf16 matmuls",
                       "splits": rows}))
 
