@@ -137,7 +137,8 @@ SWEEP = ("budget-sweep-2026-11-28-enforce-small.json",
          "budget-sweep-2026-11-28-enforce-resnet.json",
          "budget-sweep-2026-11-28-enforce-large-llama.json",
          "budget-sweep-2026-11-28-enforce-large-gpt2.json",
-         "budget-sweep-2026-11-28-enforce-generate-large.json")
+         "budget-sweep-2026-11-28-enforce-generate-large.json",
+         "budget-sweep-2026-11-28-enforce-large-modes.json")
 
 
 def budget() -> tuple[str, ...]:
