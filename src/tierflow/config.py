@@ -12,6 +12,9 @@ from pathlib import Path
 PLANNERS = ("auto", "keep-all", "checkpoint-all", "rotor")
 STREAMING = ("auto", "never", "all")
 STATES_TIERS = ("auto", "compute", "ram", "disk")
+# the global gradient norm ``tierflow train`` clips to unless told (``--clip``), and so what
+# ``tierflow plan`` and ``sweep`` predict: clipping moves the updates after the backward
+DEFAULT_CLIP = 1.0
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 import tomllib
 
+from ..config import DEFAULT_CLIP
 from ..errors import TierflowError
 from ..precision.config import CHOICES
 from ..train.options import (
@@ -67,7 +68,7 @@ _HELP = {
     "warmup": ("N", "linear warmup steps (default 5%% of the steps)"),
     "min_lr": ("F", "learning rate at the end of the cosine decay (default lr/10)"),
     "weight_decay": ("F", "AdamW weight decay on matrices (default 0.1)"),
-    "clip": ("F", "clip the global gradient norm to F; 0 disables (default 1.0)"),
+    "clip": ("F", f"clip the global gradient norm to F; 0 disables (default {DEFAULT_CLIP})"),
     "seed": ("N", "seed of the init and the batches (default 0)"),
     "eval_every": ("N", "evaluate every N steps; 0 disables (default 100)"),
     "eval_steps": ("N", "eval batches per evaluation (default 10)"),

@@ -9,6 +9,7 @@ import argparse
 import os
 from pathlib import Path
 
+from ..config import DEFAULT_CLIP
 from ..errors import TierflowError
 from ..models.freeze import split_patterns
 from ..precision.config import (
@@ -83,10 +84,10 @@ def add_setup_arguments(parser: argparse.ArgumentParser, *, lists: bool) -> None
                         help="sequences per micro-batch (default 1)")
     parser.add_argument("--grad-accum", default="1", metavar="N",
                         help="micro-batches per optimizer step (default 1)")
-    parser.add_argument("--clip", type=float, default=1.0, metavar="F",
+    parser.add_argument("--clip", type=float, default=DEFAULT_CLIP, metavar="F",
                         help="as tierflow train --clip: the global gradient norm clipped to F, "
                              "which moves the updates after the backward; 0: no clipping, "
-                             "updates inside it (default 1.0)")
+                             f"updates inside it (default {DEFAULT_CLIP})")
     parser.add_argument("--model-dtype", choices=MODEL_DTYPES, default=None,
                         help="weights and gradients (default: bf16 on a GPU, fp32 on the cpu)")
     parser.add_argument("--master", choices=MASTERS, default=None,

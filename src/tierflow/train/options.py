@@ -20,6 +20,7 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
+from ..config import DEFAULT_CLIP
 from ..enforce import check_flags as check_enforce_flags
 from ..errors import TierflowError
 from ..models.freeze import split_patterns
@@ -61,7 +62,7 @@ class TrainOptions:
     warmup: int | None = None  # default: 5% of the steps
     min_lr: float | None = None  # default: lr / 10
     weight_decay: float = 0.1
-    clip: float = 1.0  # 0 disables clipping
+    clip: float = DEFAULT_CLIP  # 0 disables clipping
     seed: int = 0
     eval_every: int = 100  # 0 disables evaluation
     eval_steps: int = 10
