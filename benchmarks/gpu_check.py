@@ -162,7 +162,8 @@ def llama8b(check: Check, splits: str, limit_s: float, disk: bool) -> None:
     disk tier below host RAM, or (``disk`` False) the issue's command, which has none."""
     proc = check.run("llama8b", [sys.executable, "benchmarks/gpu_llama8b.py", "--work",
                                  "/tmp/gpu-llama8b", "--splits", splits, "--deadline",
-                                 str(limit_s - 15), *([] if disk else ["--no-disk"])],
+                                 str(limit_s - 15),
+                                 *([] if disk else ["--no-disk", "--disk-if-refused"])],
                      limit_s, need_s=90)
     result = last_json(proc.stdout) if proc is not None and proc.returncode == 0 else None
     if result is None:
@@ -191,7 +192,8 @@ def main() -> None:
                         help="gpu_llama8b.py's --splits ('' skips the 8B part)")
     parser.add_argument("--llama8b-s", type=float, default=300.0, help="seconds for the 8B part")
     parser.add_argument("--llama8b-no-disk", action="store_true",
-                        help="the 8B without a disk tier (the issue's command)")
+                        help="the 8B without a disk tier (the issue's command); with one if "
+                             "the trainer refuses that")
     parser.add_argument("--trace", action="store_true",
                         help="a trace of each streamed configuration in OUT, its predicted "
                              "timeline beside it, and busy seconds per resource in the JSON")
