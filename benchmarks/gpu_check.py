@@ -38,6 +38,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = r"""
 import json, time, torch, transformers
+def rss():
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * __import__("os").sysconf("SC_PAGE_SIZE")
+before_cuda = rss()
 n = 8192
 a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
@@ -65,6 +69,13 @@ for _ in range(5):
     products()
 torch.cuda.synchronize()
 layer_tflops = 5 * sum(6 * m * k * o for m, k, o in layer) / (time.perf_counter() - start) / 1e12
+# the host RAM the GPU runtime holds once used as a trainer uses it (context, cuBLAS, the
+# attention kernels forward and backward): what a --ram budget below a GPU cannot plan with
+q = torch.randn(1, 32, 8192, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+torch.cuda.synchronize()
+runtime_host = rss() - before_cuda
+del q
 host = torch.empty(2**30, dtype=torch.uint8, pin_memory=True)
 dev = torch.empty(2**30, dtype=torch.uint8, device="cuda")
 dev.copy_(host, non_blocking=True); torch.cuda.synchronize()
@@ -83,6 +94,7 @@ print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version_
                   "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
                   "bf16_matmul_tflops": round(tflops, 1),
                   "llama8b_layer_matmul_tflops": round(layer_tflops, 1),
+                  "cuda_runtime_host_mib": round(runtime_host / 2**20),
                   "pinned_h2d_gb_s": round(h2d, 1),
                   "pinned_d2h_gb_s": round(d2h, 1), "cpu_count": __import__("os").cpu_count()}))
 """
@@ -157,13 +169,14 @@ def junit_outcomes(path: Path) -> dict[str, str]:
     return outcomes
 
 
-def llama8b(check: Check, splits: str, limit_s: float, disk: bool) -> None:
+def llama8b(check: Check, splits: str, limit_s: float, disk: bool, trace: bool) -> None:
     """Part 3: the 8B runs, each split's MFU against the measured bf16 matmul peak; with a
     disk tier below host RAM, or (``disk`` False) the issue's command, which has none."""
     proc = check.run("llama8b", [sys.executable, "benchmarks/gpu_llama8b.py", "--work",
                                  "/tmp/gpu-llama8b", "--splits", splits, "--deadline",
                                  str(limit_s - 15),
-                                 *([] if disk else ["--no-disk", "--disk-if-refused"])],
+                                 *([] if disk else ["--no-disk", "--disk-if-refused"]),
+                                 *(["--trace", str(check.out)] if trace else [])],
                      limit_s, need_s=90)
     result = last_json(proc.stdout) if proc is not None and proc.returncode == 0 else None
     if result is None:
@@ -182,7 +195,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="folder for gpu-check.json and the logs")
     parser.add_argument("--deadline", type=float, default=420.0, help="seconds for everything")
     parser.add_argument("--peers", help="folder holding peers.py (../shared/peers copied in)")
-    parser.add_argument("--batches", default="8,32")
+    parser.add_argument("--batches", default="8,32", help="tinyllama's ('': none)")
     parser.add_argument("--configs", default="plain,stream,stream-host")
     parser.add_argument("--tests", default="tests/test_cuda.py", help="pytest's arguments")
     parser.add_argument("--commit", help="the commit the tree is (a device's copy of the "
@@ -195,8 +208,9 @@ def main() -> None:
                         help="the 8B without a disk tier (the issue's command); with one if "
                              "the trainer refuses that")
     parser.add_argument("--trace", action="store_true",
-                        help="a trace of each streamed configuration in OUT, its predicted "
-                             "timeline beside it, and busy seconds per resource in the JSON")
+                        help="a trace of each streamed configuration and 8B split in OUT, "
+                             "its predicted timeline beside it, and busy seconds per resource "
+                             "in the JSON")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -210,7 +224,8 @@ def main() -> None:
     check.save()
 
     if args.llama8b_splits:
-        llama8b(check, args.llama8b_splits, args.llama8b_s, not args.llama8b_no_disk)
+        llama8b(check, args.llama8b_splits, args.llama8b_s, not args.llama8b_no_disk,
+                args.trace)
 
     junit = out / "test-cuda.xml"
     proc = None if args.no_tests else check.run("test_cuda", [sys.executable, "-m", "pytest", *args.tests.split(), "-q",
@@ -224,7 +239,7 @@ def main() -> None:
     check.save()
 
     stream_env = dict(check.env, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
-    for batch in map(int, args.batches.split(",")):
+    for batch in (int(b) for b in args.batches.split(",") if b):
         gpu, ram = ("10GiB", "64GiB") if batch <= 8 else ("20GiB", "100GiB")
         rows = []
         for config in args.configs.split(","):

@@ -4,7 +4,7 @@ issue "GPU throughput at the seeds' scale", through ``tierflow train`` as a user
 
     PYTHONPATH=src python3 benchmarks/gpu_llama8b.py --work DIR [--splits 4x4,8x2]
         [--steps 3] [--deadline 300] [--model llama3-8b] [--gpu 24GiB] [--ram 60GiB]
-        [--seq 8192] [--no-disk [--disk-if-refused]] [--simulate-gpu]
+        [--seq 8192] [--no-disk [--disk-if-refused]] [--trace OUT] [--simulate-gpu]
 
 The model is the preset at random init (seed 0) on uniformly random token ids (vocab
 128,256, uint32 token files written under DIR), in ml_dataflow's "full bf16": bf16 weights,
@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from trace_stats import rss_peak  # benchmarks/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 128256  # Llama 3's: token files of uint32 ids
@@ -85,6 +87,7 @@ def run_split(args: argparse.Namespace, data: Path, batch: int, accum: int,
            "--master", "none", "--optim-dtype", "bf16", "--matmul-dtype", "bf16",
            "--steps", str(args.steps + 1), "--warmup", "0", "--eval-every", "0",
            "--log", str(log), "--out", str(work / "out"),
+           *(["--trace", str(work / "trace.json")] if args.trace else []),
            *(["--simulate-gpu"] if args.simulate_gpu else [])]
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
@@ -98,9 +101,13 @@ def run_split(args: argparse.Namespace, data: Path, batch: int, accum: int,
             pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
             if pid:  # the process has ended
                 break
-            steps = [r for r in read_log(log) if r.get("kind") == "train"]
-            if len(steps) >= args.steps or time.monotonic() - start > limit_s:
-                stopped = "measured" if len(steps) >= args.steps else "time limit"
+            records = read_log(log)
+            steps = [r for r in records if r.get("kind") == "train"]
+            # traced, the trainer writes its trace once its steps are done, then the record
+            done = any(r.get("kind") == "trace" for r in records) if args.trace \
+                else len(steps) >= args.steps
+            if done or time.monotonic() - start > limit_s:
+                stopped = "measured" if done else "time limit"
                 os.killpg(proc.pid, signal.SIGKILL)
                 _, status, usage = os.wait4(proc.pid, 0)
                 break
@@ -117,6 +124,14 @@ def run_split(args: argparse.Namespace, data: Path, batch: int, accum: int,
                  "rc": None if stopped else proc.returncode,
                  "peak_rss_gib": round(usage.ru_maxrss * 1024 / 2**30, 2),
                  "output_tail": (work / "output.log").read_text()[-800:] if not steps else None}
+    row["plan_text"] = plan_block((work / "output.log").read_text())
+    traced = next((r for r in records if r.get("kind") == "trace"), None)
+    if traced is not None:
+        kept = Path(args.trace) / f"trace-llama8b-{batch}x{accum}.json"
+        shutil.copyfile(traced["path"], kept)
+        row["trace"] = {"file": kept.name, "micro_batches": traced["micro_batches"],
+                        "busy_s_per_micro_batch": traced["busy_s"],
+                        "rss_peak": rss_peak(kept)}
     if plan:
         row["plan"] = {"strategy": plan.get("strategy"),
                        "predicted_step_s": plan.get("predicted_step_s"),
@@ -145,6 +160,16 @@ def run_split(args: argparse.Namespace, data: Path, batch: int, accum: int,
     return row
 
 
+def plan_block(output: str) -> str | None:
+    """The trainer's ``[Plan]`` block (its first), as printed."""
+    lines = output.splitlines()
+    start = next((k for k, line in enumerate(lines) if line.startswith("[Plan")), None)
+    if start is None:
+        return None
+    end = next((k for k in range(start + 1, len(lines)) if not lines[k].strip()), len(lines))
+    return "\n".join(lines[start:end])
+
+
 def _gib(n: int) -> float:
     return round(n / 2**30, 3)
 
@@ -166,6 +191,10 @@ def main() -> None:
                         help="with --no-disk: a split the trainer refuses (exit code 2) runs "
                              "again with a disk tier in the time left")
     parser.add_argument("--simulate-gpu", action="store_true", help="on the CPU (a small model)")
+    parser.add_argument("--trace", help="a folder: each split's Chrome trace of its steps "
+                                        "there (the steps' figures then include the "
+                                        "recording), its busy seconds per resource and where "
+                                        "its RSS peaked in the JSON")
     args = parser.parse_args()
     end = time.monotonic() + args.deadline
     splits = [tuple(map(int, s.split("x"))) for s in args.splits.split(",")]

@@ -428,3 +428,14 @@ def test_an_int8_model_decodes_on_cuda_as_on_the_cpu(family):
     torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-4, atol=1e-4)
     assert len(list(sample_ids(gpu_model, ids[0].tolist(), max_new_tokens=4,
                                temperature=0))) == 4
+
+
+def test_host_ram_below_the_gpu_reserves_the_pinned_heaps_unused_end():
+    """The copies in host RAM come from page-locked segments of up to a GiB: the RAM tier's
+    reserve holds the last one's unused end, so a plan cannot count on it."""
+    from tierflow.config import PINNED_SEGMENT_BYTES
+    from tierflow.fitting.tiers import lower_tiers
+
+    tiers, stores = lower_tiers(torch.device("cuda"), None, 8 << 30, True, None)
+    assert tiers[0].name == "ram" and tiers[0].reserve == PINNED_SEGMENT_BYTES
+    assert stores["ram"].unused_bytes_bound == PINNED_SEGMENT_BYTES

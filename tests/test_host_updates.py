@@ -2,6 +2,7 @@
 below a GPU (exec/host_update.py), here below a simulated GPU: the same training as plain
 PyTorch, what moves and what does not, and how the planner prices and chooses it."""
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from side_by_side import train_and_match
 
 import tierflow
 from tierflow import FitConfig
+from tierflow.errors import BudgetError
 from tierflow.exec.host_store import HostStore
 from tierflow.plan.costs import ChainCosts, StageCost
 from tierflow.plan.tier_candidates import TierProblem, UpdateRates
@@ -227,6 +229,23 @@ def test_host_updates_count_their_gradients_in_host_ram():
     held = dict(placed.held)["ram"]
     weights_and_states = 4 * (64 << 20) * 3
     assert held == weights_and_states + 2 * (64 << 20)
+
+
+def test_the_ram_tiers_reserve_counts_with_what_a_placement_keeps_there():
+    """Host RAM below a GPU holds what no plan can use (the GPU runtime's host memory, the
+    page-locked heap's unused end): a budget that fits the placement's own bytes but not
+    those too refuses it, naming the bytes with the reserve."""
+    config = FitConfig(stream="all", planner="checkpoint-all", host_updates="all")
+    problem = _problem(link=2e9, host_seconds_per_byte=2e-10)
+    own = dict(place_on_tiers(problem, 1 << 30, config, "gpu").held)["ram"]
+    reserve = 256 << 20
+    ram = replace(problem.lower[0], budget=own + reserve, reserve=reserve)
+    placed = place_on_tiers(replace(problem, lower=(ram,)), 1 << 30, config, "gpu")
+    assert dict(placed.held)["ram"] == own + reserve
+    short = replace(ram, budget=own + reserve - 1)
+    with pytest.raises(BudgetError, match="outside any plan") as refused:
+        place_on_tiers(replace(problem, lower=(short,)), 1 << 30, config, "gpu")
+    assert refused.value.smallest == own + reserve
 
 
 

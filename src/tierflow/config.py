@@ -15,6 +15,9 @@ STATES_TIERS = ("auto", "compute", "ram", "disk")
 # the global gradient norm ``tierflow train`` clips to unless told (``--clip``), and so what
 # ``tierflow plan`` and ``sweep`` predict: clipping moves the updates after the backward
 DEFAULT_CLIP = 1.0
+# the largest segment of page-locked host RAM the copies below a GPU are carved from
+# (``exec/pinned.py``); the last one's unused end, at most this, is RAM no plan can use
+PINNED_SEGMENT_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,12 @@ class HostStore:
         self.peak_bytes = 0
 
     @property
+    def unused_bytes_bound(self) -> int:
+        """The most RAM the store may hold beyond its copies: the unused end of its
+        page-locked heap's last segment (0 when the copies are pageable)."""
+        return self._heap.segment_bytes if self._heap is not None else 0
+
+    @property
     def bytes(self) -> int:
         """What the tier holds now."""
         return sum(t.nbytes for tensors in self._entries.values() for t in tensors)

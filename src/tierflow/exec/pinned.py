@@ -20,8 +20,10 @@ import threading
 
 import torch
 
+from ..config import PINNED_SEGMENT_BYTES
+
 ALIGN = 512  # bytes: a carved tensor's offset in its segment, a multiple of every dtype's size
-SEGMENT = 1 << 30  # bytes: the largest segment, unless a tensor needs a larger one
+SEGMENT = PINNED_SEGMENT_BYTES  # the largest segment, unless a tensor needs a larger one
 
 
 class PinnedHeap:

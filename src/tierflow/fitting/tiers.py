@@ -122,15 +122,18 @@ def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
                 host_tier: bool, offloaded: OffloadedParameters | None
                 ) -> tuple[list[LowerTier], dict[str, TensorStore]]:
     """The tiers below the compute tier, nearest first, with their bandwidths measured (host
-    RAM under a GPU, real or simulated, then the disk directory when one is given), and the
-    store of each, by the tier's name (the model's own where it starts there)."""
+    RAM under a GPU, real or simulated, less the unused end of its page-locked heap, then the
+    disk directory when one is given), and the store of each, by the tier's name (the model's
+    own where it starts there)."""
     tiers, stores = [], {}
     if host_tier:
         below = "the GPU" if device.type != "cpu" else "the simulated GPU"
         own = offloaded is not None and offloaded.store.kind == "ram"  # the model starts there
+        store = offloaded.store if own else HostStore(device)
         tiers.append(LowerTier("ram", measure_copy_bandwidth(device), ram,
-                               f"host RAM (the tier below {below})"))
-        stores["ram"] = offloaded.store if own else HostStore(device)
+                               f"host RAM (the tier below {below})",
+                               reserve=store.unused_bytes_bound))
+        stores["ram"] = store
     if disk is not None:
         same = offloaded is not None and offloaded.store.kind == "disk" and \
             Path(offloaded.store.directory) == Path(disk)

@@ -22,12 +22,16 @@ from .tape_offload import activation_tape, offloaded_tape_costs
 @dataclass(frozen=True)
 class LowerTier:
     """A tier below the compute tier: its bandwidth each way (measured, or a hardware
-    profile's), its budget (None: as large as its free space) and where it is in words."""
+    profile's), its budget (None: as large as its free space), where it is in words, and the
+    bytes of it that no plan can use (``reserve``: host RAM below a GPU holds the GPU
+    runtime's own host memory and the unused end of the page-locked heap, ``exec/pinned.py``);
+    a placement's bytes there are counted with the reserve."""
 
     name: str  # "ram" or "disk"
     bandwidth: float  # bytes per second
     budget: int | None = None
     about: str = ""  # e.g. "the disk tier (/scratch)"
+    reserve: int = 0
 
 
 @dataclass(frozen=True)

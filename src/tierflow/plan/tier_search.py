@@ -168,8 +168,9 @@ def _costs(candidate: Candidate, problem: TierProblem,
 
 
 def _held(candidate: Candidate, problem: TierProblem, state_of: list[int]) -> dict[str, int]:
-    """Bytes the candidate keeps on each lower tier it uses."""
-    return {lower.name: lower_bytes(candidate, problem.costs, state_of, lower, problem.deferred)
+    """Bytes the candidate keeps on each lower tier it uses, the tier's reserve included."""
+    return {lower.name: lower.reserve + lower_bytes(candidate, problem.costs, state_of, lower,
+                                                    problem.deferred)
             for lower in {id(t): t for t in candidate.tiers}.values()}
 
 
@@ -321,9 +322,11 @@ def _check_lower(candidate: Candidate, placed: TierPlan) -> None:
         lower = tiers[name]
         if not _fits(lower, held):
             need = format_bytes(held, round_up=True)
+            outside = f" ({format_bytes(lower.reserve)} of it outside any plan)" \
+                if lower.reserve else ""
             raise BudgetError(f"{lower.name} budget {format_bytes(lower.budget)} is below the "
-                              f"{need} this placement keeps there: raise {lower.name} to at "
-                              f"least {need}", tier=lower.name, budget=lower.budget,
+                              f"{need} this placement keeps there{outside}: raise {lower.name} "
+                              f"to at least {need}", tier=lower.name, budget=lower.budget,
                               smallest=held)
 
 

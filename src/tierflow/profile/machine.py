@@ -107,6 +107,20 @@ def run_baseline() -> int:
     return maxrss_bytes()
 
 
+def load_gpu_runtime(device: Any) -> None:
+    """Run a bf16 matmul and a causal attention's forward and backward on the CUDA
+    ``device``, so that the runtime's host memory (its context, cuBLAS, the attention
+    kernels) is resident before a RAM budget is split between the plan and what it cannot
+    plan with."""
+    import torch
+
+    x = torch.randn(1, 2, 256, 64, device=device, dtype=torch.bfloat16,
+                    requires_grad=True)  # (batch, heads, tokens, head dim)
+    out = torch.nn.functional.scaled_dot_product_attention(x, x, x, is_causal=True)
+    (out @ x.transpose(-1, -2)).sum().backward()
+    torch.cuda.synchronize(device)
+
+
 def reset_peak_rss() -> None:
     """Lower this process's peak RSS (``ru_maxrss``, VmHWM) to its RSS now. Linux only
     (``/proc/self/clear_refs``); elsewhere the peak stays as it was."""

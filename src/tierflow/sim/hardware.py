@@ -45,6 +45,7 @@ class Hardware:
     ram_bytes: int | None = None  # installed RAM, for the defaults of --ram; None: unknown
     attention_efficiency: float | None = None  # of the matmul dtype's peak, causal
     # attention's forward + backward (flash kernels); None: as the matmuls
+    host_runtime_bytes: int = 0  # host RAM a GPU's runtime holds (context, kernel libraries)
     notes: tuple[str, ...] = field(default_factory=tuple)
     # bytes of modelled traffic per second of the host optimizer by moment dtype, where it
     # was measured (the cpu profile); a dtype missing here updates at host_memory_bw

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..config import FitConfig
+from ..config import PINNED_SEGMENT_BYTES, FitConfig
 from ..errors import BudgetError
 from ..plan.placement import (
     KindPlacement,
@@ -128,9 +128,10 @@ def lower_tiers(setup: Setup) -> tuple[LowerTier, ...]:
     bytes, as the trainer measures its disk, unless ``disk_bw`` says)."""
     hw = setup.hardware
     tiers = []
-    if hw.has_gpu:
+    if hw.has_gpu:  # less what the trainer cannot plan with there (LowerTier.reserve)
         tiers.append(LowerTier("ram", hw.host_link_bw, setup.ram,
-                               "host RAM (the tier below the GPU)"))
+                               "host RAM (the tier below the GPU)",
+                               reserve=PINNED_SEGMENT_BYTES + hw.host_runtime_bytes))
     if setup.disk:
         bandwidth = setup.disk_bw if setup.disk_bw is not None else \
             2 / (1 / hw.disk_read_bw + 1 / hw.disk_write_bw)

@@ -18,6 +18,7 @@ from ..errors import BudgetError, TierflowError
 from ..exec.memory import return_free_memory, rss_bytes
 from ..exec.stage_call import storage_key
 from ..precision.config import BytesPerParameter
+from ..profile.machine import load_gpu_runtime
 from ..units import budget_to_give, format_bytes, parse_bytes
 from .options import TrainOptions
 
@@ -67,19 +68,24 @@ class ComputeTier:
     def fit_budgets(self, held: int = 0) -> dict[str, Any]:
         """The budget arguments of ``tierflow.fit``; ``held``: bytes of the RAM budget the
         process already takes (``held_outside_the_plan``)."""
-        if self.gpu is None:  # at least a byte: a plan that cannot fit names what would
-            return {"ram": None if self.ram is None else max(1, self.ram - held)}
-        return {"gpu": self.gpu, "ram": self.ram}
+        # at least a byte: a plan that cannot fit names what would
+        ram = None if self.ram is None else max(1, self.ram - held)
+        if self.gpu is None:
+            return {"ram": ram}
+        return {"gpu": self.gpu, "ram": ram}
 
     def held_outside_the_plan(self, model: nn.Module, baseline: int) -> int:
         """Bytes the process holds above its post-import RSS ``baseline`` besides the model's
-        resident parameters (which the plan counts): torch's kernels and thread pools on first
-        use, the model's own objects, what building it left allocated. ``--ram`` covers the
-        whole run above that baseline while ``fit`` counts what is resident when it starts as
-        outside its budget, so the trainer hands ``fit`` the budget less this. 0 unless the
-        CPU computes under --ram."""
-        if self.gpu is not None or self.ram is None:
+        parameters in host RAM (which the plan counts): torch's kernels and thread pools on
+        first use, a GPU's runtime (its context and kernel libraries),
+        the model's own objects, what building it left allocated. ``--ram`` covers the whole
+        run above that baseline while ``fit`` counts what is resident when it starts as
+        outside its budget, so the trainer hands ``fit`` the budget less this. 0 without
+        --ram, and on the simulated GPU (whose RAM is the process's, its --gpu included)."""
+        if self.ram is None or self.simulated:
             return 0
+        if self.device.type == "cuda":
+            load_gpu_runtime(self.device)
         return_free_memory()
         params = {storage_key(p): p.untyped_storage().nbytes() for p in model.parameters()
                   if p.device.type == "cpu"}

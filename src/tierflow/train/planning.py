@@ -110,8 +110,8 @@ class StepPlanner:
         held = tier.held_outside_the_plan(model, self.site.baseline)
         if held:
             self.logger.print(f"{format_bytes(held)} of --ram is held before planning "
-                              "(torch's first-use caches, the model's objects): the plan gets "
-                              "the rest")
+                              "(torch's first-use caches, a GPU's runtime, the model's "
+                              "objects): the plan gets the rest")
         owned = fit_owns_optimizer(opts)
         try:
             with torch.random.fork_rng(devices=[]), self.site.autocast():
