@@ -19,6 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from tierflow.plan.placement import PlacementError
 from tierflow.precision.config import PrecisionConfig
 from tierflow.sim.hardware import PUBLISHED
 from tierflow.sim.predict import predict
@@ -78,7 +79,13 @@ def cases() -> list[Case]:
 def run() -> list[dict]:
     rows = []
     for case in cases():
-        p = predict(case.setup)
+        try:
+            p = predict(case.setup)
+        except PlacementError as refused:  # what `tierflow plan` prints, its one line
+            rows.append({"case": case.name, "source": case.source,
+                         "published_tok_s": case.published, "predicted_tok_s": None,
+                         "refused": str(refused), "assumptions": case.assumptions})
+            continue
         pl = p.placement
         rows.append({"case": case.name, "source": case.source, "published_tok_s": case.published,
                      "predicted_tok_s": round(p.tokens_per_second),
@@ -96,13 +103,18 @@ def markdown(rows: list[dict]) -> str:
               "weights / optimizer states / activations | bottleneck |"),
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r["predicted_tok_s"] is None:
+            lines.append(f"| {r['case']} | {r['source']} | {r['published_tok_s']:,.0f} | "
+                         f"refused: {r['refused']} | | | | |")
+            continue
         where = (f"{r['placement']['weights']} / {r['placement']['optimizer']} / "
                  f"{r['activations']}")
         lines.append(f"| {r['case']} | {r['source']} | {r['published_tok_s']:,.0f} | "
                      f"{r['predicted_tok_s']:,} | {100 * r['error']:+.0f}% | "
                      f"{100 * r['mfu']:.0f}% | {where} | {r['bottleneck']} |")
     lines += ["", "Assumptions per case:", ""]
-    lines += [f"- {r['case']}: {r['assumptions']}; {r['precision']}." for r in rows]
+    lines += [f"- {r['case']}: {r['assumptions']}" + (f"; {r['precision']}." if "precision" in r
+                                                       else ".") for r in rows]
     return "\n".join(lines)
 
 

@@ -83,18 +83,37 @@ def w2() -> tuple[str, ...]:
             "`./run python benchmarks/train_w2.py --disk /tmp/w2disk --tag amx`")
 
 
+GPU_CHECK = "gpu-check-2026-11-28-h200-llama8b-no-disk.json"  # tinyllama and the 8B, no disk
+GPU_WITHIN = "gpu-check-2026-11-28-h200-llama8b-reserve.json"  # the 8B within its budgets
+
+
 def gpu() -> tuple[str, ...]:
-    name = "gpu-check-2026-11-27-h200-one-schedule.json"
-    data = load(name)
+    data = load(GPU_CHECK)
     plain = _by(data["stream_b32"], "config", "plain")
     ours = _by(data["stream_b32"], "config", "stream")
+    peer = data["peer_b32"]
     return ("tinyllama-1.1b on one GPU, seq 1024 x batch 32; weights and AdamW states "
             "streamed from host RAM",
             f"{ours['tok_s']:,.0f} tok/s in {ours['gpu_peak_allocated_gib']:.1f} GiB of GPU",
-            f"HF gradient checkpointing: {plain['tok_s']:,.0f} tok/s in "
-            f"{plain['gpu_peak_allocated_gib']:.1f} GiB",
-            machine_of(name, data),
+            f"HF gradient checkpointing: {peer['tok_s']:,.0f} tok/s in "
+            f"{peer['gpu_peak_allocated_gib']:.1f} GiB; plain PyTorch {plain['tok_s']:,.0f}",
+            machine_of(GPU_CHECK, data),
             "`python3 benchmarks/gpu_check.py --out OUT --peers PEERS_DIR`")
+
+
+def gpu_llama8b() -> tuple[str, ...]:
+    within = load(GPU_WITHIN)
+    run = within["llama8b"]["splits"][0]
+    over = load(GPU_CHECK)["llama8b"]["splits"][0]
+    return ("Llama-3-8B on one GPU, seq 8192 x 16 sequences per step (4 x 4), bf16 weights and "
+            "moments, `--gpu 24GiB --ram 60GiB`",
+            f"{run['tok_s']:,.0f} tok/s with a disk tier (AdamW states there), host RAM "
+            f"{run['ram_above_baseline_gib']:.1f} GiB, GPU {run['gpu_peak_allocated_gib']:.1f} "
+            f"GiB; without one {over['tok_s']:,.0f} tok/s but host RAM "
+            f"{over['ram_above_baseline_gib']:.1f} GiB, past the budget (now refused)",
+            "published (ml_dataflow README, H100): 9,478 tok/s in these budgets",
+            machine_of(GPU_WITHIN, within),
+            "`python3 benchmarks/gpu_check.py --out OUT --llama8b-splits 4x4 --batches ''`")
 
 
 def finetune() -> tuple[str, ...]:
@@ -126,8 +145,9 @@ def prediction() -> tuple[str, ...]:
     name = "predictions-2026-11-28.json"
     rows = load(name)
     case = _by(rows, "case", "Llama-3-8B, H100, seq 8k, 24 GB device / 60 GB host")
-    return (f"`tierflow plan`: {case['case']}",
-            f"PREDICTED {case['predicted_tok_s']:,} tok/s",
+    predicted = f"PREDICTED {case['predicted_tok_s']:,} tok/s" if case["predicted_tok_s"] \
+        else f"refused: {case['refused'].split(': ', 1)[-1]}"
+    return (f"`tierflow plan`: {case['case']}", predicted,
             f"published ({case['source']}): {case['published_tok_s']:,} tok/s",
             machine_of(name, rows), "`./run python benchmarks/predictions.py`")
 
@@ -164,10 +184,10 @@ def budget() -> tuple[str, ...]:
             "`--modes`, `--tag`)")
 
 
-ROWS: tuple[Callable[[], tuple[str, ...]], ...] = (w1, w2, gpu, finetune, generate, prediction,
-                                                   budget)
+ROWS: tuple[Callable[[], tuple[str, ...]], ...] = (w1, w2, gpu, gpu_llama8b, finetune, generate,
+                                                   prediction, budget)
 SOURCES = ("remat-2026-11-22.json", "train-w2-2026-11-27-amx.json",
-           "gpu-check-2026-11-27-h200-one-schedule.json", "frozen-budget-2026-11-25.json",
+           GPU_CHECK, GPU_WITHIN, "frozen-budget-2026-11-25.json",
            "generate-stream-2026-11-27-amx.json", "predictions-2026-11-28.json", *SWEEP)
 
 

@@ -84,12 +84,12 @@ def test_a_tier_below_its_floor_is_named():
 
 
 def test_the_disk_holds_what_host_ram_cannot():
-    """llama-134m's optimizer states (1.5 GiB) fit neither 512 MiB of GPU nor 2 GiB of host
-    RAM (of which the page-locked heap's unused end may take 1 GiB): they live on the disk
-    below them."""
-    pl = predict(setup(gpu=GIB // 2, ram=2 * GIB, disk=True)).placement
+    """llama-134m's optimizer states (1.5 GiB) fit neither 512 MiB of GPU nor 3 GiB of host
+    RAM (of which the CUDA runtime and the page-locked heap may take 1.4 GiB): they live on
+    the disk below them."""
+    pl = predict(setup(gpu=GIB // 2, ram=3 * GIB, disk=True)).placement
     assert pl.optimizer.home == "disk"
-    assert pl.peaks["disk"] > 0 and pl.peaks["ram"] <= 2 * GIB
+    assert pl.peaks["disk"] > 0 and pl.peaks["ram"] <= 3 * GIB
 
 
 def test_a_cpu_machine_computes_in_ram_over_the_disk():

@@ -95,6 +95,10 @@ MEMORY_EFFICIENCY = 0.8
 PCIE4 = 25 * GB  # in practice (nominal 32)
 PCIE5 = 50 * GB  # in practice (nominal 64)
 NVME4_READ, NVME4_WRITE = 7 * GB, 5 * GB
+# host RAM the CUDA runtime holds once a trainer has used it (context, cuBLAS, attention
+# forward and backward): 403 MiB measured on an H200 with torch 2.11 and CUDA 13
+# (benchmarks/results/gpu-check-2026-11-28-h200-llama8b-reserve.json, cuda_runtime_host_mib)
+CUDA_HOST_RUNTIME = 403 << 20
 FP8_EFFICIENCY_SCALE = 0.75  # fp8 matmuls reach a smaller fraction of their doubled peak
 
 
@@ -107,7 +111,7 @@ def _gpu(name: str, about: str, gib: float, bf16_tflops: float, fp8_tflops: floa
                     memory_bw=hbm_tb_s * 1e12, host_link_bw=link,
                     host_memory_bw=host_memory_gb_s * GB, disk_read_bw=NVME4_READ,
                     disk_write_bw=NVME4_WRITE, matmul_efficiency=matmul_eff,
-                    memory_efficiency=MEMORY_EFFICIENCY,
+                    memory_efficiency=MEMORY_EFFICIENCY, host_runtime_bytes=CUDA_HOST_RUNTIME,
                     notes=_notes(matmul_eff, link, host_memory_gb_s))
 
 
