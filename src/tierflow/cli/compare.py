@@ -10,7 +10,7 @@ from typing import Any
 from .. import measure
 from ..config import PLANNERS
 from ..profile.machine import default_matmul_dtype
-from ..units import format_bytes, format_margin
+from ..units import format_bytes, format_margin, with_rerun_margin
 from .args import positive_int, size
 
 
@@ -66,8 +66,10 @@ def run(args: argparse.Namespace) -> int:
         if args.ram is not None or not fitted.get("smallest"):
             raise measure.ChildUserError(fitted["error"])
         print(f"\n  {fitted['error']}\n  -> using the smallest budget that fits instead")
-        budget = int(fitted["smallest"])
-        _progress(f"tierflow under ram={format_bytes(budget)} (the smallest feasible budget)")
+        # with the room the error asks for: a new process measures its runtime a little apart
+        budget = with_rerun_margin(int(fitted["smallest"]))
+        _progress(f"tierflow under ram={format_bytes(budget)} (the smallest feasible budget "
+                  "and a new process's margin)")
         fitted = measure.measure(workload, "tierflow", ram=budget, planner=args.planner)
         if fitted["status"] == "infeasible":
             raise measure.ChildUserError(fitted["error"])
