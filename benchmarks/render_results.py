@@ -155,7 +155,7 @@ def prediction() -> tuple[str, ...]:
 # the budget sweep's parts (each a set of models and modes, training and generation)
 SWEEP = ("budget-sweep-2026-11-28-enforce-small.json",
          "budget-sweep-2026-11-28-enforce-resnet.json",
-         "budget-sweep-2026-11-28-enforce-large-llama.json",
+         "budget-sweep-2026-11-28-enforce-large-llama-trim.json",
          "budget-sweep-2026-11-28-enforce-large-gpt2.json",
          "budget-sweep-2026-11-28-enforce-generate-large.json",
          "budget-sweep-2026-11-28-enforce-large-modes.json")
