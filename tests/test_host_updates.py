@@ -14,6 +14,7 @@ import tierflow
 from tierflow import FitConfig
 from tierflow.errors import BudgetError
 from tierflow.exec.host_store import HostStore
+from tierflow.plan import tier_candidates
 from tierflow.plan.costs import ChainCosts, StageCost
 from tierflow.plan.tier_candidates import TierProblem, UpdateRates
 from tierflow.plan.tier_costs import LowerTier
@@ -229,6 +230,49 @@ def test_host_updates_count_their_gradients_in_host_ram():
     held = dict(placed.held)["ram"]
     weights_and_states = 4 * (64 << 20) * 3
     assert held == weights_and_states + 2 * (64 << 20)
+
+
+def test_a_stage_kept_whole_when_host_ram_is_a_little_short():
+    """Host RAM one byte short of every streamed stage's weights and states: the planner
+    keeps a stage or a few whole on the GPU (weights, gradients, states, stepped there) and
+    the others below, stepped in host RAM, rather than refusing."""
+    config = FitConfig(planner="checkpoint-all", host_updates="all", optimizer_states="ram")
+    problem = _problem(link=2e9, host_seconds_per_byte=2e-10)
+    everything = dict(place_on_tiers(problem, 300 << 20, config, "gpu").held)["ram"]
+    short = replace(problem.lower[0], budget=everything - 1)
+    placed = place_on_tiers(replace(problem, lower=(short,)), 400 << 20, config, "gpu")
+    assert placed.states_kept and placed.states_kept.isdisjoint(placed.streamed)
+    assert placed.host_stages == frozenset(range(4)) - placed.states_kept
+    assert dict(placed.held)["ram"] <= everything - 1
+    assert placed.plan.transfers.states is None  # the others' states never leave host RAM
+
+
+@pytest.mark.parametrize("grad_accum", [1, 4])
+def test_a_stage_kept_whole_on_the_gpu_trains_as_plain_pytorch(monkeypatch, grad_accum):
+    """Host RAM at the least any placement needs, on a GPU that keeps no weights resident
+    otherwise: a few stages stay whole on the (simulated) GPU, stepped there,
+    while the others stream from host RAM and step there (inside the backward, or in the
+    pass after 4 clipped micro-batches): 3 steps as plain PyTorch's."""
+    monkeypatch.setattr(tier_candidates, "_stream_sets",  # no stage's weights fit otherwise
+                        lambda costs, streamable, *args: [tuple(sorted(streamable))])
+    model = tiny_hf("llama", layers=3, dropout=0.1)
+    reference = copy.deepcopy(model)
+    samples = [hf_sample(seed=k) for k in range(grad_accum)]
+    config = FitConfig(simulated_gpu=True, planner="checkpoint-all", host_updates="all",
+                       optimizer_states="ram")
+
+    def fit(into, ram):
+        return tierflow.fit(into, samples[0], optimizer=_adamw, gpu="1GiB", ram=ram,
+                            grad_accum=grad_accum,
+                            max_grad_norm=0.5 if grad_accum > 1 else None, config=config)
+
+    with pytest.raises(BudgetError) as short:
+        fit(copy.deepcopy(model), 1)
+    # what a new fit measures moves by a few KiB; every stage below needs over 100 KiB more
+    module = fit(model, short.value.smallest + (32 << 10))
+    kept = set(range(len(module.optimizer.stage_params))) - module.optimizer.host.stages
+    assert kept and "stay whole on the compute tier" in " ".join(module.plan.notes)
+    train_and_match(module, reference, samples, _adamw)
 
 
 def test_the_ram_tiers_reserve_counts_with_what_a_placement_keeps_there():

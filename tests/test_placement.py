@@ -35,10 +35,12 @@ def test_everything_fits_the_gpu_nothing_streamed():
 
 def test_a_small_gpu_streams_weights_from_host_ram_over_the_link():
     """llama-134m (0.27 GB of bf16 weights, 2 GB of training state) under 512 MiB of GPU:
-    weights and states live in host RAM, the weights cross the link up."""
+    weights and states live in host RAM, the weights cross the link up; the states that
+    stay on the GPU are those of stages kept whole there."""
     pl = predict(setup(gpu=GIB // 2, ram=16 * GIB)).placement
     assert pl.weights.home == "ram" and pl.weights.resident < pl.stages
-    assert pl.optimizer.home == "ram" and pl.optimizer.resident == 0
+    assert pl.optimizer.home == "ram" and pl.optimizer.resident <= pl.weights.resident
+    assert pl.optimizer.resident < pl.stages // 2
     assert pl.peaks["gpu"] <= GIB // 2 and 0 < pl.peaks["ram"] <= 16 * GIB
     assert pl.times["copy up"] > 0
 

@@ -31,6 +31,7 @@ from .tier_costs import (
 )
 
 PREFETCH_DEPTHS = (0, 1, 2)  # what the planner tries when the config leaves the depth open
+KEPT_WHOLE = (1, 2, 4)  # stages kept whole on the compute tier when a lower tier is short
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,9 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
                     candidates.append(streams)
                 if hosted is not None:
                     candidates.append(hosted)
+            if home is source:
+                candidates += _kept_whole(problem, resident, stages, state_of, home, notes,
+                                          config, depth)
     if config.selective != "never":
         candidates = with_selective(candidates, config)
     if problem.lower and config.offload_tapes != "never":
@@ -182,9 +186,10 @@ def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
     if (config.host_updates == "never" or rates.host_seconds_per_byte is None
             or home is None or ram is None):
         return None
-    host = frozenset(problem.host_updatable)
+    host = frozenset(problem.host_updatable) - candidate.states_kept
     if not host:
         return None
+    state_of = candidate.states_below(state_of)
     read_ahead = candidate.depth > 0
     on_disk = host & candidate.streamed if candidate.weights is not ram else frozenset()
     costs = updated_on_host(candidate.costs, problem.costs, state_of, host,
@@ -222,6 +227,64 @@ def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
                                   "host steps read weights": bool(on_disk)})
     return replace(candidate, costs=costs, notes=weights_notes + (why,), host_stages=host,
                    host=ram)
+
+
+def _kept_whole(problem: TierProblem, resident: ChainCosts, stages: list[StageCost],
+                state_of: list[int], home: LowerTier, notes: tuple[str, ...],
+                config: FitConfig, depth: int) -> list[Candidate]:
+    """Under a budget of ``home`` (the tier of the states and of every streamed stage's
+    weights), the placements that keep a few stages whole on the compute tier (weights
+    resident, gradients and states beside them, updated there) and stream the rest from
+    ``home``: for a tier a little short of every stage's weights, gradients and states.
+    The stages kept are the first ``KEPT_WHOLE`` of those that own at least the median
+    stage's bytes, fewest bytes first (a decoder layer before the embedding), whatever the
+    budget, so that the smallest budget the search names is the least these need. None
+    without a budget and when the config streams every stage. ``notes``: the states' own."""
+    every = frozenset(problem.streamable)
+    if home.budget is None or config.stream == "all":
+        return []
+    freed = {i: problem.costs.stages[i].weight_bytes + state_of[i] +
+             (problem.costs.stages[i].param_bytes if problem.deferred else 0)
+             for i in every & set(problem.optimizer_stages)}
+    if not freed:
+        return []
+    median = sorted(freed.values())[len(freed) // 2]
+    order = sorted((i for i, n in freed.items() if n >= median), key=lambda i: (freed[i], i))
+    out: list[Candidate] = []
+    for count in KEPT_WHOLE:
+        kept = frozenset(order[:count])
+        if count > len(order) or kept >= every:  # nothing would stream: resident candidates
+            break
+        streams = _streamed_from(resident, problem, stages, state_of, home, notes,
+                                 every - kept, kept, depth)
+        hosted = _updated_on_host(streams, streams.notes[-1:], problem, stages, state_of,
+                                  config)
+        if hosted is None or config.host_updates != "all":
+            out.append(streams)
+        if hosted is not None:
+            out.append(hosted)
+    return out
+
+
+def _streamed_from(resident: ChainCosts, problem: TierProblem, stages: list[StageCost],
+                   state_of: list[int], home: LowerTier, notes: tuple[str, ...],
+                   streamed: frozenset[int], kept: frozenset[int], depth: int) -> Candidate:
+    """The candidate whose states and ``streamed`` stages' weights live on ``home``, but
+    for the ``kept`` stages' states, which stay on the compute tier."""
+    with_states = states_below(resident, problem.costs, stages, state_of, home, depth > 0,
+                               kept=kept)
+    moved = streamed_costs(with_states, set(streamed), home=home.name,
+                           read_bytes_per_s=home.bandwidth, write_bytes_per_s=home.bandwidth,
+                           depth=depth)
+    moved = replace(moved, extra={**moved.extra, "weights tier": home.name})
+    why = (f"the weights of {len(streamed)} of {problem.costs.length} stages "
+           f"({format_bytes(moved.extra['streamed bytes'])}) live in {home.about}, "
+           f"{'read ' + str(depth) + ' stages ahead of use' if depth else 'read when needed'}")
+    if kept:
+        why += (f"; {len(kept)} stage(s) stay whole on the compute tier (weights, gradients and "
+                f"optimizer states: {format_bytes(sum(state_of[i] for i in kept))} of states), "
+                f"so that {home.about} holds the rest")
+    return Candidate(moved, home, home, streamed, notes + (why,), depth, states_kept=kept)
 
 
 def _stream_sets(costs: ChainCosts, streamable: tuple[int, ...], budget: int | None,

@@ -62,6 +62,14 @@ class Candidate:
     host_stages: frozenset[int] = frozenset()  # stages the optimizer steps in host RAM
     host: LowerTier | None = None  # that host RAM (the states' tier, or the RAM above it);
     # what those updates hold there is costs.extra["host step bytes"]
+    # stages whose states stay on the compute tier beside their resident weights although
+    # ``states`` names a lower tier: the fewest that make that tier hold the rest
+    states_kept: frozenset[int] = frozenset()
+
+    def states_below(self, state_of: list[int]) -> list[int]:
+        """Per stage, the bytes of its optimizer states on the states' lower tier (0 for a
+        stage whose states are kept on the compute tier)."""
+        return [0 if i in self.states_kept else n for i, n in enumerate(state_of)]
 
     @property
     def tiers(self) -> tuple[LowerTier, ...]:
@@ -141,19 +149,23 @@ def with_stashed_boundaries(candidates: list[Candidate], tier: LowerTier, config
 
 
 def states_below(resident: ChainCosts, base: ChainCosts, stages: list, state_of: list[int],
-                 home: LowerTier, read_ahead: bool = True) -> ChainCosts:
+                 home: LowerTier, read_ahead: bool = True,
+                 kept: frozenset[int] = frozenset()) -> ChainCosts:
     """``resident`` with the optimizer states on a lower tier: each stage's states are in
     memory while it updates, and two stages' are in flight (the next one's read ahead and the
     last one's written back; without ``read_ahead`` the last one's only). Their reads and
-    writes are the plan's ops (``plan/state_schedule.py``), priced at ``home``'s bandwidth."""
-    moved = [replace(stage, update_transient=stage.update_transient + state_of[i])
+    writes are the plan's ops (``plan/state_schedule.py``), priced at ``home``'s bandwidth.
+    The ``kept`` stages' states stay on the compute tier throughout (static bytes)."""
+    below = [0 if i in kept else n for i, n in enumerate(state_of)]
+    moved = [replace(stage, update_transient=stage.update_transient + below[i])
              for i, stage in enumerate(stages)]
     read, write = TRANSFER_RESOURCES[home.name]
-    return replace(resident, stages=tuple(moved),
-                   static_bytes=base.static_bytes + states_in_flight(state_of, read_ahead),
+    static = base.static_bytes + states_in_flight(below, read_ahead) + \
+        sum(state_of[i] for i in kept)
+    return replace(resident, stages=tuple(moved), static_bytes=static,
                    bandwidths={**resident.bandwidths, read: home.bandwidth,
                                write: home.bandwidth},
-                   extra={**base.extra, f"optimizer states on {home.name}": sum(state_of)})
+                   extra={**base.extra, f"optimizer states on {home.name}": sum(below)})
 
 
 def states_in_flight(state_of: list[int], read_ahead: bool) -> int:
@@ -236,7 +248,7 @@ def lower_bytes(candidate: Candidate, base: ChainCosts, state_of: list[int],
                  lower: LowerTier, deferred: bool) -> int:
     """Bytes a placement keeps on ``lower``: states, what their host updates hold, streamed
     weights, stashed gradients."""
-    held = sum(state_of) if candidate.states is lower else 0
+    held = sum(candidate.states_below(state_of)) if candidate.states is lower else 0
     if candidate.host is lower:
         held += candidate.costs.extra["host step bytes"]
     if candidate.weights is lower:
@@ -263,7 +275,7 @@ def deferred_costs(candidate: Candidate, base: ChainCosts, state_of: list[int], 
     gradients to ones it reads back (a streamed stage's) or keeps, so a stage's backward
     also holds a fresh gradient of its ``largest`` parameter. A stage stepped in host RAM
     (``candidate.host_stages``) adds nothing to the pass's peak on the compute tier."""
-    states = candidate.states
+    states, state_of = candidate.states, candidate.states_below(state_of)
     stages, persistent, in_flight = [], 0, 0
     own: dict[int, int] = {}  # stage -> its bytes on the compute tier while it updates there
     work: dict[int, int] = {}  # stage -> its bytes in flight while a neighbour updates

@@ -66,6 +66,7 @@ class TierPlan:
     boundaries: LowerTier | None = None  # where the plan's Stash ops put checkpoints
     host_stages: frozenset[int] = frozenset()  # stages the optimizer steps in host RAM
     micro_batches: int = 1  # per optimizer step, each running the plan once
+    states_kept: frozenset[int] = frozenset()  # stages whose states stay on the compute tier
 
     @property
     def predicted_time(self) -> float:
@@ -207,7 +208,7 @@ def _plan(candidate: Candidate, problem: TierProblem, state_of: list[int], budge
     return TierPlan(replace(plan, notes=plan.notes + notes), candidate.states,
                     candidate.weights, candidate.streamed, update_pass, candidate.tapes,
                     candidate.tape_stages, candidate.depth, held, candidate.boundaries,
-                    candidate.host_stages, problem.micro_batches)
+                    candidate.host_stages, problem.micro_batches, candidate.states_kept)
 
 
 def streamed_weights(candidate: Candidate, problem: TierProblem,
@@ -232,8 +233,9 @@ def stored_states(candidate: Candidate, problem: TierProblem, state_of: list[int
     of the compute tier (None: none; the host RAM's own stages move theirs there)."""
     if candidate.states is None:
         return None
-    sizes = tuple((i, state_of[i]) for i in problem.optimizer_stages
-                  if i not in candidate.host_stages and state_of[i])
+    below = candidate.states_below(state_of)
+    sizes = tuple((i, below[i]) for i in problem.optimizer_stages
+                  if i not in candidate.host_stages and below[i])
     return _kept_below(STATES, sizes, candidate.states, tier, candidate.depth > 0)
 
 

@@ -177,8 +177,10 @@ def _as_placement(setup: Setup, problem: TierProblem, placed: TierPlan,
     home = placed.weights.name if placed.weights else tier
     weights = KindPlacement(n - len(streamed), home, streamed or None)
     grads = weights if problem.deferred and streamed else KindPlacement(n, tier)
-    optimizer = KindPlacement(0 if placed.states else n,
-                              placed.states.name if placed.states else tier)
+    kept = placed.states_kept  # stages whose states stay beside their resident weights
+    optimizer = KindPlacement(len(kept) if placed.states else n,
+                              placed.states.name if placed.states else tier,
+                              tuple(sorted(set(range(n)) - kept)) if kept else None)
     recomputed = len(plan.recomputed_stages())
     mode = "offload" if placed.tapes else ("recompute" if recomputed else "keep")
     mode = "offload+recompute" if plan.stashed_boundaries() else mode
