@@ -240,7 +240,7 @@ def test_a_stage_kept_whole_when_host_ram_is_a_little_short():
     problem = _problem(link=2e9, host_seconds_per_byte=2e-10)
     everything = dict(place_on_tiers(problem, 300 << 20, config, "gpu").held)["ram"]
     short = replace(problem.lower[0], budget=everything - 1)
-    placed = place_on_tiers(replace(problem, lower=(short,)), 400 << 20, config, "gpu")
+    placed = place_on_tiers(replace(problem, lower=(short,)), 600 << 20, config, "gpu")
     assert placed.states_kept and placed.states_kept.isdisjoint(placed.streamed)
     assert placed.host_stages == frozenset(range(4)) - placed.states_kept
     assert dict(placed.held)["ram"] <= everything - 1

@@ -31,7 +31,7 @@ from .tier_costs import (
 )
 
 PREFETCH_DEPTHS = (0, 1, 2)  # what the planner tries when the config leaves the depth open
-KEPT_WHOLE = (1, 2, 4)  # stages kept whole on the compute tier when a lower tier is short
+KEPT_WHOLE = (1, 2, 4)  # stages kept whole on the compute tier, at the deepest prefetch
 
 
 @dataclass(frozen=True)
@@ -106,17 +106,18 @@ def all_candidates(problem: TierProblem, budget: int | None, config: FitConfig,
     candidates: list[Candidate] = []
     for depth in depths:
         candidates += _candidates(problem, resident, stages, state_of, state_bytes, budget,
-                                  config, tier, depth)
+                                  config, tier, depth, kept_whole=depth == depths[-1])
     return candidates, state_of
 
 
 def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCost],
                 state_of: list[int], state_bytes: int, budget: int | None, config: FitConfig,
-                tier: str, depth: int) -> list[Candidate]:
+                tier: str, depth: int, kept_whole: bool = True) -> list[Candidate]:
     """The placements read ``depth`` stages ahead: the optimizer states on the compute tier
     or on each lower tier, with the weights of the largest stages (or all) streamed from a
-    lower tier too, and each of those run selectively, with its tapes offloaded (of the
-    stages not selective) and its checkpoints stashable."""
+    lower tier too, or (``kept_whole``: at the deepest prefetch only, each is a rotor plan
+    more) of all but a few stages kept whole, and each of those run selectively, with its
+    tapes offloaded (of the stages not selective) and its checkpoints stashable."""
     candidates: list[Candidate] = []
     base = problem.costs
     ahead = f"read {depth} stages ahead of use" if depth else "read when needed"
@@ -158,7 +159,7 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
                     candidates.append(streams)
                 if hosted is not None:
                     candidates.append(hosted)
-            if home is source:
+            if home is source and kept_whole:
                 candidates += _kept_whole(problem, resident, stages, state_of, home, notes,
                                           config, depth)
     if config.selective != "never":
