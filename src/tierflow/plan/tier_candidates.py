@@ -239,8 +239,9 @@ def _kept_whole(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
     ``home``: for a tier a little short of every stage's weights, gradients and states.
     The stages kept are the first ``KEPT_WHOLE`` of those that own at least the median
     stage's bytes, fewest bytes first (a decoder layer before the embedding), whatever the
-    budget, so that the smallest budget the search names is the least these need. None
-    without a budget and when the config streams every stage. ``notes``: the states' own."""
+    budget, so that the smallest budget the search names is the least these need; the
+    streamed stages stepped in host RAM where they can be. None without a budget and when the
+    config streams every stage. ``notes``: the states' own."""
     every = frozenset(problem.streamable)
     if home.budget is None or config.stream == "all":
         return []
@@ -260,10 +261,7 @@ def _kept_whole(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
                                  every - kept, kept, depth)
         hosted = _updated_on_host(streams, streams.notes[-1:], problem, stages, state_of,
                                   config)
-        if hosted is None or config.host_updates != "all":
-            out.append(streams)
-        if hosted is not None:
-            out.append(hosted)
+        out.append(hosted or streams)  # stepped in host RAM where it can be (half the plans)
     return out
 
 
