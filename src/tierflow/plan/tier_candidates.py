@@ -120,7 +120,6 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
     tapes offloaded (of the stages not selective) and its checkpoints stashable."""
     candidates: list[Candidate] = []
     base = problem.costs
-    ahead = f"read {depth} stages ahead of use" if depth else "read when needed"
     sources = problem.lower if problem.weights_tiers is None else problem.weights_tiers
     for home in [None, *problem.lower]:
         if config.optimizer_states not in ("auto", home.name if home else "compute"):
@@ -144,13 +143,7 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
         for source in sources:
             for streamed in _stream_sets(with_states, problem.streamable, budget, config, tier,
                                          source, depth):
-                moved = streamed_costs(with_states, set(streamed), home=source.name,
-                                       read_bytes_per_s=source.bandwidth,
-                                       write_bytes_per_s=source.bandwidth, depth=depth)
-                moved = replace(moved, extra={**moved.extra, "weights tier": source.name})
-                why = (f"the weights of {len(streamed)} of {base.length} stages "
-                       f"({format_bytes(moved.extra['streamed bytes'])}) live in "
-                       f"{source.about}, {ahead}")
+                moved, why = _streaming(with_states, source, frozenset(streamed), depth)
                 streams = Candidate(moved, home, source, frozenset(streamed),
                                     notes + (why + " and written back after each update",),
                                     depth)
@@ -272,18 +265,26 @@ def _streamed_from(resident: ChainCosts, problem: TierProblem, stages: list[Stag
     for the ``kept`` stages' states, which stay on the compute tier."""
     with_states = states_below(resident, problem.costs, stages, state_of, home, depth > 0,
                                kept=kept)
-    moved = streamed_costs(with_states, set(streamed), home=home.name,
-                           read_bytes_per_s=home.bandwidth, write_bytes_per_s=home.bandwidth,
-                           depth=depth)
-    moved = replace(moved, extra={**moved.extra, "weights tier": home.name})
-    why = (f"the weights of {len(streamed)} of {problem.costs.length} stages "
-           f"({format_bytes(moved.extra['streamed bytes'])}) live in {home.about}, "
-           f"{'read ' + str(depth) + ' stages ahead of use' if depth else 'read when needed'}")
+    moved, why = _streaming(with_states, home, streamed, depth)
     if kept:
         why += (f"; {len(kept)} stage(s) stay whole on the compute tier (weights, gradients and "
                 f"optimizer states: {format_bytes(sum(state_of[i] for i in kept))} of states), "
                 f"so that {home.about} holds the rest")
     return Candidate(moved, home, home, streamed, notes + (why,), depth, states_kept=kept)
+
+
+def _streaming(costs: ChainCosts, source: LowerTier, streamed: frozenset[int],
+               depth: int) -> tuple[ChainCosts, str]:
+    """``costs`` with the ``streamed`` stages' weights read from ``source`` ``depth`` stages
+    ahead, and why, in words."""
+    moved = streamed_costs(costs, set(streamed), home=source.name,
+                           read_bytes_per_s=source.bandwidth, write_bytes_per_s=source.bandwidth,
+                           depth=depth)
+    moved = replace(moved, extra={**moved.extra, "weights tier": source.name})
+    ahead = f"read {depth} stages ahead of use" if depth else "read when needed"
+    return moved, (f"the weights of {len(streamed)} of {costs.length} stages "
+                   f"({format_bytes(moved.extra['streamed bytes'])}) live in {source.about}, "
+                   f"{ahead}")
 
 
 def _stream_sets(costs: ChainCosts, streamable: tuple[int, ...], budget: int | None,
