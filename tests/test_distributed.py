@@ -198,11 +198,16 @@ def test_two_ranks_with_disk_tiers_match_one_process(env, tmp_path, flags, rel):
         torch.testing.assert_close(weights[1][name], value, rtol=100 * rel, atol=100 * rel,
                                    msg=name)
     assert list(disk.iterdir()) == []  # each rank's scratch directory removed
-    for trace in ("two.json", "two.rank1.json"):  # one per rank, the averaging in each
+    for trace in ("two.json", "two.rank1.json"):  # one per rank, the reductions in each
         events = json.loads((tmp_path / trace).read_text())["traceEvents"]
-        rows = {e["args"]["name"]: e["tid"] for e in events if e.get("name") == "thread_name"}
-        assert any(e.get("name", "").startswith("reduce ") and e["tid"] == rows["communication"]
-                   for e in events), trace
+        network = next(e["tid"] for e in events if e.get("name") == "thread_name"
+                       and e["args"]["name"] == "network")
+        reduces = {}  # per process (measured, predicted): the reduce ops on the network row
+        for e in events:
+            if e.get("name", "").startswith("reduce(") and e["tid"] == network:
+                reduces.setdefault(e["pid"], set()).add(e["name"])
+        # the plan's reduce ops, measured and predicted, one per trained stage
+        assert len(reduces) == 2 and len(set(map(frozenset, reduces.values()))) == 1, reduces
     if flags:
         return
     # resumed on 2 ranks, each reading the checkpoint's states onto its own disk tier
@@ -256,8 +261,9 @@ def world_of_one():
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # qwen2: the head is tied
 def test_stages_are_reduced_during_backward_and_zero_matches_adamw(world_of_one, family):
-    """Each stage's reduction starts inside backward, last stage first, before the stages
-    below it have run their backward; none during a no-sync micro-batch. One rank's ZeRO
+    """Each stage's reduction starts inside backward, at the plan's Reduce op, last stage
+    first, before the stages below it have run their backward; none during a no-sync
+    micro-batch. One rank's ZeRO
     update equals torch's AdamW on the same two micro-batches (fitted the same way, so the
     gradients are bit for bit the same; torch sums the clipping norm in fp32, so the clip
     factors differ in the 7th digit: 1e-7 on updates of 1e-2)."""
@@ -267,6 +273,8 @@ def test_stages_are_reduced_during_backward_and_zero_matches_adamw(world_of_one,
 
     import tierflow
     from tierflow.distributed import ShardedOptimizer
+    from tierflow.plan.ops import Reduce
+    from tierflow.plan.reductions import Reductions
 
     def adamw(groups):
         return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
@@ -277,17 +285,21 @@ def test_stages_are_reduced_during_backward_and_zero_matches_adamw(world_of_one,
     module = tierflow.fit(model, batches[0])
     stages = [list(stage.parameters()) for stage in module.chain.stages]
     zero = ShardedOptimizer(world_of_one, stages, [{"params": list(model.parameters())}], adamw)
+    module.reduce_stages_with(zero.reduce_stage, Reductions(1, all_reduce=False, bus=1e9))
+    reduces = [op.stage for op in module.plan.ops if isinstance(op, Reduce)]
+    assert reduces == list(range(len(stages)))[::-1]  # one per stage, each after its backward
     launched = []
+    arrived = [0]  # stage 1's first parameter's gradient, this micro-batch
+    stages[1][0].register_post_accumulate_grad_hook(lambda p: arrived.__setitem__(0, 1))
     launch = zero.reducer._launch
-    first_layer = id(stages[1][0])  # its gradient arrives only in stage 1's backward
-    zero.reducer._launch = lambda s: (
-        launched.append((s, zero.reducer._arrivals.get(first_layer, 0))), launch(s))
+    zero.reducer._launch = lambda s: (launched.append((s, arrived[0])), launch(s))
     for k, batch in enumerate(batches):
         zero.micro_batch(last=k == 1)
+        arrived[0] = 0
         (module(**batch).loss / 2).backward()
         assert len(launched) == (0 if k == 0 else len(stages))
     assert [s for s, _ in launched] == list(range(len(stages)))[::-1]
-    assert launched[0][1] == 0  # the head's reduction started before layer 0's backward
+    assert launched[0][1] == 0  # the head's reduction started before layer 1's backward
     assert all(p.grad is None for p in model.parameters())  # packed and freed
     norm = zero.clip_grad_norm(0.5)
     zero.step()

@@ -1,6 +1,7 @@
 """``TierflowModule.reduce_gradients_with``: data parallelism with an optimizer tierflow owns.
-Each stage's gradients go to the reduction once complete for the step (last stage first, only
-on the last micro-batch), before the clipping norm, the disk tier and the update see them."""
+The plan gains a Reduce op after each stage's backward; each stage's gradients go to the
+reduction once complete for the step (last stage first, only on the last micro-batch), before
+the clipping norm, the disk tier and the update see them."""
 import copy
 
 import pytest
@@ -10,6 +11,10 @@ from models import hf_sample, tiny_hf
 import tierflow
 from tierflow import FitConfig
 from tierflow.errors import TierflowError
+from tierflow.plan.ops import Backward, Reduce, Update
+from tierflow.plan.reductions import Reductions
+
+TWO = Reductions(2, all_reduce=True, bus=1e9)  # two workers, 1 GB/s bus
 
 
 def _sgd(params):
@@ -38,7 +43,7 @@ def test_the_update_sees_the_reduced_gradients(family, grad_accum, clip, disk, t
         calls[-1].append(len(grads))
         for g in grads:
             g.mul_(0.5)
-    module.reduce_gradients_with(halve)
+    module.reduce_gradients_with(halve, TWO)
     plain = _sgd(reference.parameters())
     for step in range(2):
         for k, sample in enumerate(samples):
@@ -64,7 +69,7 @@ def test_stages_are_reduced_last_first():
     stages = module.optimizer.stage_params
     order: list[int] = []
     module.reduce_gradients_with(lambda grads: order.append(next(
-        i for i, ps in enumerate(stages) if any(p.grad is grads[0] for p in ps))))
+        i for i, ps in enumerate(stages) if any(p.grad is grads[0] for p in ps))), TWO)
     module(**hf_sample()).loss.backward()
     assert order == [i for i in reversed(range(len(stages))) if stages[i]]
 
@@ -72,4 +77,37 @@ def test_stages_are_reduced_last_first():
 def test_without_an_owned_optimizer_it_is_refused():
     module = tierflow.fit(tiny_hf("llama"), hf_sample())
     with pytest.raises(TierflowError, match="with your own, average the gradients"):
-        module.reduce_gradients_with(lambda grads: None)
+        module.reduce_gradients_with(lambda grads: None, TWO)
+
+
+def test_each_reduce_comes_between_its_backward_and_its_update_and_is_priced():
+    """Reduce(i) right after Backward(i), before Update(i); the plan's step grows by the
+    reductions' bytes over the bus only where nothing hides them (the update waits)."""
+    model = tiny_hf("llama", layers=2)
+    module = tierflow.fit(model, hf_sample(), optimizer=_sgd)
+    before = module.plan.step_time(1)
+    slow = Reductions(2, all_reduce=True, bus=1e6)  # 1 MB/s: the reductions dominate
+    module.reduce_gradients_with(lambda grads: None, slow)
+    ops = module.plan.ops
+    trained = [i for i, ps in enumerate(module.optimizer.stage_params) if ps]
+    for i in trained:
+        b = ops.index(Backward(i))
+        reduce = next(op for op in ops if isinstance(op, Reduce) and op.stage == i)
+        assert ops.index(reduce) == b + 1 < ops.index(Update(i))
+        grad_bytes = module.plan.costs.stages[i].param_bytes
+        assert reduce.nbytes == slow.link_bytes(grad_bytes) == grad_bytes  # 2 (N-1)/N = 1
+    reduced = sum(op.nbytes for op in ops if isinstance(op, Reduce))
+    assert module.plan.step_time(1) >= before + 0.99 * reduced / slow.bus
+    assert "reduces each stage's gradients over 2 ranks" in module.explain()
+    again = type(module.plan).from_json(module.plan.to_json())
+    assert again.ops == ops and again.transfers.reductions == slow
+
+
+def test_only_the_last_micro_batch_pays_for_the_reductions():
+    model = tiny_hf("llama", layers=2)
+    module = tierflow.fit(model, hf_sample(), optimizer=_sgd, grad_accum=3, max_grad_norm=1.0)
+    plain = module.plan
+    module.reduce_gradients_with(lambda grads: None, Reductions(2, all_reduce=True, bus=1e6))
+    reduced = module.plan
+    extra = reduced.step_time(3) - plain.step_time(3)
+    assert 0 < extra <= reduced.step_time(1) - plain.step_time(1) + 1e-9

@@ -22,11 +22,12 @@ from .exec.tapes import TapeOffload
 from .exec.trace import span
 from .exec.transfers import transfer_to
 from .exec.weights import WeightStreamer
-from .plan.gradient_schedule import GRADS
-from .plan.ops import TRANSFERS, Load, Stash, Store, Transfer, Update
+from .plan.ops import TRANSFERS, Load, Reduce, Stash
 from .plan.plan import Plan
+from .plan.reductions import Reductions
 from .plan.tape_schedule import TAPE
 from .plan.tier_costs import UpdatePass, with_update_pass
+from .plan.transfers import Transfers
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,10 @@ class TierflowModule(nn.Module):
         self._streamer = streamer = executors.streamer
         self._deferred = executors.deferred
         self._tapes = executors.tapes
-        self._host_room = host_room = executors.host_room
+        self._host_room = executors.host_room
         self._boundaries = executors.boundaries
         self._update_pass = executors.update_pass
-        self._growth = plan.simulation.growth() if host_room is not None else []
-        self._largest_growth = max(self._growth, default=0)  # no stage adds more in eval
-        # per op, the tapes read back right before it (see tape_reads), once per plan
-        self._tape_reads = [tape_reads(plan.ops, position) for position in
-                            range(len(plan.ops))] if host_room is not None else []
+        self._adopt(plan)
         # per stage, the blocks malloc's scattered free pieces cannot serve: its largest
         # parameter's gradient and the largest tensor it allocates (the LM head's chunk of
         # logits), each one block
@@ -86,12 +83,24 @@ class TierflowModule(nn.Module):
         self._cold = True  # nothing read yet: the next step first runs the plan's cold routine
         self._transfer = transfer_to(streamer, optimizer, self._tapes,  # starts a transfer op
                                      self._boundaries,
-                                     self._deferred.stash if self._deferred else None)
+                                     self._deferred.stash if self._deferred else None,
+                                     self._run_reduce)
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
-        self._forward_count = len(plan.forward_ops)
         self.ledger = Ledger({storage_key(p) for p in model.parameters()})
         self.fit_log = executors.log
-        self._reduce: Callable[[list[torch.Tensor]], None] | None = None
+        # data parallelism: what the plan's Reduce(i) calls (reduce_stages_with)
+        self._reduce_stage: Callable[[int], None] | None = None
+
+    def _adopt(self, plan: Plan) -> None:
+        """Run ``plan`` from now on: what the module reads from its op positions."""
+        self._plan = plan
+        host_room = self._host_room
+        self._growth = plan.simulation.growth() if host_room is not None else []
+        self._largest_growth = max(self._growth, default=0)  # no stage adds more in eval
+        # per op, the tapes read back right before it (see tape_reads), once per plan
+        self._tape_reads = [tape_reads(plan.ops, position) for position in
+                            range(len(plan.ops))] if host_room is not None else []
+        self._forward_count = len(plan.forward_ops)
 
     @property
     def plan(self) -> Plan:
@@ -133,30 +142,64 @@ class TierflowModule(nn.Module):
             # a plan of compute ops alone (e.g. rotor's): this module's weights and states
             # move as its own plan's do, placed among the new ops
             plan = plan.with_transfers(self._plan.transfers)
+        ours = self._plan.transfers.reductions if self._plan.transfers else None
+        if ours is not None and (plan.transfers is None or plan.transfers.reductions is None):
+            plan = plan.with_transfers(replace(plan.transfers or Transfers(), reductions=ours))
         if self._streamer is not None:  # the new plan's transfers start from nothing read
             self._streamer.drop_fetched()
         if self._deferred is not None:
             self._deferred.routines = plan.routines
         module = TierflowModule(self.model, self._chain, plan,
                                 replace(self._executors, host_room=host_room))
-        module._reduce = self._reduce
+        module._reduce_stage = self._reduce_stage
         return module
 
-    def reduce_gradients_with(self, reduce: Callable[[list[torch.Tensor]], None] | None
-                              ) -> None:
+    def reduce_stages_with(self, reduce_stage: Callable[[int], None],
+                           reductions: Reductions) -> None:
+        """Data parallelism over ``reductions.ranks`` workers: the plan gains a ``Reduce``
+        op right after each backward of a stage with trainable parameters
+        (``plan/reductions.py``), priced on the network, and running it calls
+        ``reduce_stage(i)``, which must start (or do) the reduction of stage i's gradients
+        in the step's last micro-batch and nothing in the others. The stages come in the same
+        order on every worker, last stage first, whatever each worker's plan."""
+        moves = self._plan.transfers or Transfers()
+        self._adopt(self._plan.with_transfers(replace(moves, reductions=reductions)))
+        if self._deferred is not None:
+            self._deferred.routines = self._plan.routines
+        self._reduce_stage = reduce_stage
+
+    def reduce_gradients_with(self, reduce: Callable[[list[torch.Tensor]], None],
+                              reductions: Reductions) -> None:
         """Data parallelism with an optimizer tierflow owns (``fit(optimizer=...)``): once a
-        stage's gradients are complete for the step (in its last micro-batch's backward,
-        before the clipping norm, the disk tier or the update see them), ``reduce`` gets
-        them and must replace each in place by its mean over the workers, as DDP's
-        all-reduce does (``tierflow.distributed.World.average``). Every worker then updates its
-        own copy of the weights and states the same way. The stages' reductions come in the
-        same order on every worker, last stage first, whatever each worker's plan. None:
-        one worker, no reduction."""
+        stage's gradients are complete for the step (its ``Reduce`` op in the last
+        micro-batch, right after its backward, before the clipping norm, the disk tier or
+        the update see them), ``reduce`` gets them and must replace each in place by its
+        mean over the workers, as DDP's all-reduce does
+        (``tierflow.distributed.World.average``; ``reductions`` says over how many and at
+        what bandwidth, for the plan's price). Every worker then updates its own copy of
+        the weights and states the same way."""
         if self._optimizer is None:
             raise TierflowError("reduce_gradients_with is for an optimizer tierflow owns "
                                 "(fit(optimizer=...)): with your own, average the gradients "
                                 "after backward() as DDP does")
-        self._reduce = reduce
+        stage_params = self._optimizer.stage_params
+
+        def reduce_stage(i: int) -> None:
+            deferred = self._deferred  # updates inside the backward: one micro-batch a step
+            if deferred is not None and deferred.micro != deferred.grad_accum - 1:
+                return
+            grads = [p.grad for p in stage_params[i] if p.grad is not None]
+            if grads:
+                reduce(grads)
+        self.reduce_stages_with(reduce_stage, reductions)
+
+    def _run_reduce(self, op: Reduce) -> None:
+        """The plan's Reduce(i): stage i's gradients reduced over the workers."""
+        if self._reduce_stage is None:
+            raise TierflowError(f"the plan reduces gradients over ranks ({op}) but nothing "
+                                "reduces them: call reduce_stages_with first")
+        with span(str(op), op.resource):
+            self._reduce_stage(op.stage)
 
     @property
     def update_pass(self) -> UpdatePass | None:
@@ -250,18 +293,13 @@ class TierflowModule(nn.Module):
         deferred = self._deferred
         if deferred is not None:
             update = deferred.gradients_complete
-        transfer = self._transfer
-        if self._reduce is not None:
-            update = self._reduced_before(update)
-            if deferred is None:  # a host stage's gradients go down before its Update
-                transfer = self._reduced_before_down(transfer)
         hooks = StepHooks(update, self.ledger, streamer,
                           before_backward=deferred.before_backward if deferred else None,
                           backward_done=deferred.backward_done if deferred
                           else self._backward_done,
                           tapes=self._tapes,
                           before_op=self._make_room if self._host_room else None,
-                          boundaries=self._boundaries, transfer=transfer)
+                          boundaries=self._boundaries, transfer=self._transfer)
         run = StepRun(self._chain, self._plan.ops, self._forward_count, self._device, hooks)
         run.begin()
         x0, ctx, autocast = self._split_inputs(args, kwargs)
@@ -289,35 +327,6 @@ class TierflowModule(nn.Module):
             self._optimizer.release_buffers()
         for op in self._plan.routines.between:
             self._transfer(op)
-
-    def _reduced_before(self, update: Callable[[Update], None]) -> Callable[[Update], None]:
-        """``update`` preceded, on the step's last micro-batch, by the reduction of the
-        stage's gradients (earlier micro-batches accumulate locally, as DDP's no_sync)."""
-        deferred = self._deferred
-
-        def reduce_then_update(op: Update) -> None:
-            if deferred is None or deferred.micro == deferred.grad_accum - 1:
-                self._reduce_stage(op.stage)
-            update(op)
-        return reduce_then_update
-
-    def _reduced_before_down(self, transfer: Callable[[Transfer], None]
-                             ) -> Callable[[Transfer], None]:
-        """``transfer`` preceded, for the plan's Store of a host-stepped stage's gradients
-        (updates inside the backward), by their reduction: they leave the compute tier
-        before its Update (which then finds none to reduce)."""
-        def reduce_then_send(op: Transfer) -> None:
-            if isinstance(op, Store) and op.what == GRADS:
-                self._reduce_stage(op.stage)
-            transfer(op)
-        return reduce_then_send
-
-    def _reduce_stage(self, i: int) -> None:
-        """Reduce stage i's gradients across the ranks (those it has)."""
-        grads = [p.grad for p in self._optimizer.stage_params[i] if p.grad is not None]
-        if grads:
-            with span(f"reduce {i}", "communication"):
-                self._reduce(grads)
 
     def _make_room(self, position: int) -> None:
         op = self._plan.ops[position]

@@ -63,12 +63,10 @@ class ShardLayout:
         self.order: list[nn.Parameter] = [p for group in groups for p in group]
         where = {id(p): (i, g) for i, (p, g) in enumerate(
             (p, g) for g, group in enumerate(groups) for p in group)}
-        self.uses: dict[int, int] = {}  # id(param) -> how many stages accumulate into it
         owner: dict[int, int] = {}
         for s, params in enumerate(stage_params):
             for p in {id(p): p for p in params}.values():
                 if id(p) in where:
-                    self.uses[id(p)] = self.uses.get(id(p), 0) + 1
                     owner.setdefault(id(p), s)
         stray = [i for i, p in enumerate(self.order) if id(p) not in owner]
         if stray:

@@ -60,6 +60,11 @@ class ShardedOptimizer:
         """Before a micro-batch's backward: reduce the gradients only after the last one."""
         self.reducer.sync = last
 
+    def reduce_stage(self, s: int) -> None:
+        """The plan's Reduce(s) (``TierflowModule.reduce_stages_with``): start reducing stage
+        ``s``'s gradients, on the step's last micro-batch."""
+        self.reducer.reduce_stage(s)
+
     def clip_grad_norm(self, max_norm: float) -> float:
         """Wait for the reductions, clip every shard by the global norm, return the norm
         (``torch.nn.utils.clip_grad_norm_``'s rule: scale by max_norm / (norm + 1e-6) when

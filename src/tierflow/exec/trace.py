@@ -5,7 +5,7 @@ Resources are rows: ``compute`` (stage forwards, backwards and updates on the ca
 and its waits for transfers), ``optimizer`` (the host RAM's updates and the deferred update
 pass), ``disk read`` and ``disk write`` (the I/O threads of weights and optimizer states),
 ``copy up`` and ``copy down`` (weights moved between host RAM and a GPU, real or simulated),
-``communication`` (gradients averaged over data-parallel workers before an update). Beside
+``network`` (the plan's reductions of gradients over data-parallel workers). Beside
 them a counter track, ``host RSS``, follows the process's resident set (sampled every few
 milliseconds, a point wherever it moved by a MiB or more): where a step's memory peak falls
 among its operations. Recording is off unless a ``recording()`` block is open; ``span`` then
@@ -26,11 +26,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from ..plan.reductions import NETWORK
 from ..plan.timeline import Timeline
 from .memory import rss_bytes
 
 _ROWS = ("compute", "optimizer", "host optimizer", "disk read", "disk write", "copy up",
-         "copy down", "communication")
+         "copy down", NETWORK)
 RSS_COUNTER = "host RSS"  # the counter track's name; its value is in MiB
 RSS_INTERVAL = 0.002  # seconds between RSS samples
 RSS_STEP = 1 << 20  # bytes the RSS must move by to add a point

@@ -2,13 +2,14 @@
 stages' weights, a states transfer to the optimizer that owns them, a tape transfer to the
 tapes' offload, a checkpoint's to the stash, a gradients transfer to the gradients'
 stash when it holds the stage's (streamed) gradients, else to the optimizer that steps the
-stage in host RAM (their Store down to it)."""
+stage in host RAM (their Store down to it), a reduction over the ranks to the data
+parallelism's ``reduce``."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from ..plan.boundary_schedule import BOUNDARY
-from ..plan.ops import WEIGHTS, Transfer
+from ..plan.ops import WEIGHTS, Reduce, Transfer
 from ..plan.state_schedule import STATES
 from ..plan.tape_schedule import TAPE
 from ..plan.gradient_schedule import GRADS
@@ -22,10 +23,13 @@ from .weights import WeightStreamer
 def transfer_to(weights: WeightStreamer | None, states: OwnedOptimizer | None,
                 tapes: TapeOffload | None = None,
                 boundaries: BoundaryStash | None = None,
-                gradients: GradientStash | None = None) -> Callable[[Transfer], None]:
+                gradients: GradientStash | None = None,
+                reduce: Callable[[Reduce], None] | None = None) -> Callable[[Transfer], None]:
     """The function that starts a transfer op on what moves its tensors."""
     def start(op: Transfer) -> None:
-        if op.what == WEIGHTS:
+        if isinstance(op, Reduce):
+            reduce(op)
+        elif op.what == WEIGHTS:
             weights.dispatch(op)
         elif op.what == STATES:
             states.dispatch(op)

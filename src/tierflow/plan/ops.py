@@ -27,6 +27,14 @@ thread, a copy stream) where the plan puts it and overlapping the ops after it:
   written, unless ``keep`` (its next use comes before it could be read back).
 - ``Drop(what, i, tier)``: forget the compute tier's copy (the one below is current), once
   a Store of it in flight is done.
+
+A collective between the ranks of data-parallel training, started where the plan puts it:
+
+- ``Reduce(i, resource, nbytes)``: start averaging stage i's parameter gradients over the
+  ranks on ``resource`` (the network; ``nbytes`` through each rank's link), in the step's
+  last micro-batch (the others accumulate locally, as DDP's ``no_sync``); what reads the
+  stage's gradients after it (its Update, a Store of them) waits for it
+  (``plan/reductions.py``).
 """
 from __future__ import annotations
 
@@ -173,9 +181,23 @@ class Drop:
         return f"drop({self.what[0]}{self.stage})"
 
 
-Transfer = Union[Load, Store, Drop]
-Op = Union[Forward, Backward, Free, Update, Stash, Fetch, Load, Store, Drop]
-TRANSFERS = (Load, Store, Drop)
+@dataclass(frozen=True)
+class Reduce:
+    stage: int
+    resource: str  # what carries it: the network between the ranks
+    nbytes: int  # through each rank's link
+
+    def to_dict(self) -> dict:
+        return {"op": "reduce", "stage": self.stage, "resource": self.resource,
+                "nbytes": self.nbytes}
+
+    def __str__(self) -> str:
+        return f"reduce(g{self.stage})"
+
+
+Transfer = Union[Load, Store, Drop, Reduce]
+Op = Union[Forward, Backward, Free, Update, Stash, Fetch, Load, Store, Drop, Reduce]
+TRANSFERS = (Load, Store, Drop, Reduce)
 
 
 def stage_of(op: Op) -> int | None:
@@ -206,8 +228,10 @@ def op_from_dict(data: dict) -> Op:
                      str(data["resource"]), int(data["nbytes"]), bool(data["keep"]))
     if kind == "drop":
         return Drop(str(data["what"]), int(data["stage"]), str(data["tier"]))
+    if kind == "reduce":
+        return Reduce(int(data["stage"]), str(data["resource"]), int(data["nbytes"]))
     raise ValueError(f"unknown plan op {kind!r}: expected forward, backward, free, update, "
-                     "stash, fetch, load, store or drop")
+                     "stash, fetch, load, store, drop or reduce")
 
 
 def forward_phase_length(ops: list[Op] | tuple[Op, ...], length: int) -> int:

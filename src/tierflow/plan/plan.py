@@ -21,12 +21,14 @@ from .ops import (
     Free,
     Load,
     Op,
+    Reduce,
     Stash,
     Store,
     Update,
     forward_phase_length,
     op_from_dict,
 )
+from .reductions import NETWORK, with_reductions
 from .selective import check_selective
 from .simulate import Simulation, check_complete, simulate
 from .timeline import Timeline, timeline
@@ -114,12 +116,18 @@ class Plan:
     def step_time(self, micro_batches: int) -> float:
         """Seconds of the ``micro_batches`` of one optimizer step, its update pass left out:
         the first reads back no accumulated gradients (none were written yet: its gradient
-        Loads do nothing), the others run ``ops`` as they stand."""
-        rest = self.predicted_time
-        ops = tuple(op for op in self.ops if not _reads_gradients(op))
-        first = rest if len(ops) == len(self.ops) else timeline(
-            self.costs, (*ops, *self.routines.between), join=len(ops)).time
-        return first + (micro_batches - 1) * rest
+        Loads do nothing), only the last reduces them over the ranks (its Reduce ops), the
+        others run ``ops`` as they stand."""
+        def seconds(first: bool, last: bool) -> float:
+            ops = tuple(op for op in self.ops if not (first and _reads_gradients(op))
+                        and not (not last and isinstance(op, Reduce)))
+            if len(ops) == len(self.ops):
+                return self.predicted_time
+            return timeline(self.costs, (*ops, *self.routines.between), join=len(ops)).time
+        if micro_batches == 1:
+            return seconds(first=True, last=True)
+        return (seconds(first=True, last=False) + (micro_batches - 2) * seconds(False, False)
+                + seconds(first=False, last=True))
 
     def with_transfers(self, transfers: Transfers) -> "Plan":
         """This plan's compute ops with the transfers of ``transfers`` placed among them and
@@ -165,7 +173,12 @@ class Plan:
             step = with_tape_transfers(step, transfers.tapes)
         if transfers.boundaries is not None:
             step = with_boundary_transfers(step, transfers.boundaries)
-        return replace(self, ops=step, routines=routines, transfers=transfers)
+        costs = self.costs
+        if transfers.reductions is not None:  # last: each right after its stage's backward
+            step = with_reductions(step, costs, transfers.reductions)
+            costs = replace(costs, bandwidths={**costs.bandwidths,
+                                               NETWORK: transfers.reductions.bus})
+        return replace(self, ops=step, costs=costs, routines=routines, transfers=transfers)
 
     @property
     def host_updated_stages(self) -> frozenset[int]:
@@ -304,6 +317,8 @@ class Plan:
             lines.append("  nothing is recomputed")
         transfers = [op for op in (*self.ops, *self.routines.between,
                                    *self.routines.update_pass) if isinstance(op, TRANSFERS)]
+        reduced = [op for op in self.ops if isinstance(op, Reduce)]
+        transfers = [op for op in transfers if not isinstance(op, Reduce)]
         if transfers:
             moved = {}
             for op in transfers:
@@ -311,6 +326,12 @@ class Plan:
             what = " and ".join(f"{format_bytes(n)} of {kind}" for kind, n in moved.items())
             lines.append(f"  each step moves {what} in {len(transfers)} transfer ops (loads, "
                          "stores, drops) placed among its compute ops")
+        if reduced:
+            ranks = self.transfers.reductions.ranks
+            lines.append(f"  its last micro-batch reduces each stage's gradients over {ranks} "
+                         f"ranks right after the stage's backward ({len(reduced)} reduce ops, "
+                         f"{format_bytes(sum(op.nbytes for op in reduced))} through each "
+                         f"rank's link, on the {NETWORK})")
         if any(isinstance(op, Update) for op in self.ops):
             lines.append("  each stage's parameters are updated as soon as its gradients are "
                          "complete, then its gradients are freed")

@@ -14,6 +14,8 @@ Pure data. One dispatcher walks the ops in order, as the executor does:
   that resource's earlier transfers, once the dispatcher reaches it and what it waits for
   is done, and takes its bytes over the resource's bandwidth (``ChainCosts.bandwidths``);
   the dispatcher goes on at once;
+- a Reduce starts on its resource (the network) as a Store does, queued behind the
+  network's earlier reductions;
 - a Drop waits (on the dispatcher) for the stage's Store in flight, and the Store of a
   tape, a checkpoint or a stage's gradients for the Store of the one before it (the
   executor writes one of each at a time); a Fetch waits (on the dispatcher) for its checkpoint's Load; Free and Stash
@@ -22,7 +24,8 @@ What an op waits for: a compute op of a streamed stage, the last Load of its wei
 Update also the last Store of its weights (a kept stage's write reads them) and the last
 Load of its optimizer states; a Backward the Load of its tape (when it went down); a
 Backward and an Update the last Load of their stage's gradients (deferred updates), an
-Update in host RAM also the last Store of them (copied down for it); a Load,
+Update in host RAM also the last Store of them (copied down for it); an Update and a
+Store of a stage's gradients, the stage's Reduce; a Load,
 the last Store of the same tensors (read only once written). The same ops run step after step, so a
 step's time is the steady state's: the dispatcher's time over one repetition after two.
 """
@@ -32,7 +35,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .costs import ChainCosts
-from .ops import COMPUTE, HOST_OPTIMIZER, WEIGHTS, Backward, Drop, Fetch, Forward, Load, Op, Store, Update
+from .ops import (
+    COMPUTE,
+    HOST_OPTIMIZER,
+    WEIGHTS,
+    Backward,
+    Drop,
+    Fetch,
+    Forward,
+    Load,
+    Op,
+    Reduce,
+    Store,
+    Update,
+)
 from .state_schedule import STATES
 from .tape_schedule import TAPE
 from .boundary_schedule import BOUNDARY
@@ -74,6 +90,7 @@ def timeline(costs: ChainCosts, ops: Sequence[Op], join: int | None = None) -> T
     free: dict[str, float] = {}  # resource -> when its last op ends
     loaded: dict[tuple[str, int], float] = {}  # (what, stage) -> when its last Load ends
     stored: dict[tuple[str, int], float] = {}  # (what, stage) -> when its last Store ends
+    reduced: dict[int, float] = {}  # stage -> when its last Reduce ends
     spans: list[Span] = []
     written: dict[str, float] = {}  # what -> when its last Store ends (ONE_WRITE_AT_A_TIME)
     start = 0.0
@@ -96,7 +113,7 @@ def timeline(costs: ChainCosts, ops: Sequence[Op], join: int | None = None) -> T
                     ready = max(ready, loaded.get((GRADS, op.stage), 0.0))
                 if isinstance(op, Update):
                     ready = max(ready, stored.get((WEIGHTS, op.stage), 0.0),
-                                loaded.get((STATES, op.stage), 0.0))
+                                loaded.get((STATES, op.stage), 0.0), reduced.get(op.stage, 0.0))
                 if isinstance(op, Update) and op.on_host:  # its gradients down in host RAM
                     ready = max(ready, stored.get((GRADS, op.stage), 0.0))
                 elif isinstance(op, Backward):
@@ -113,12 +130,18 @@ def timeline(costs: ChainCosts, ops: Sequence[Op], join: int | None = None) -> T
                 if serial:
                     clock = max(clock, written.get(op.what, 0.0))
                 key = (op.what, op.stage)
-                after = stored.get(key, 0.0) if isinstance(op, Load) else clock
+                after = stored.get(key, 0.0) if isinstance(op, Load) else \
+                    reduced.get(op.stage, clock) if op.what == GRADS else clock
                 ready = max(clock, free.get(op.resource, 0.0), after)
                 end = free[op.resource] = ready + op.nbytes / costs.bandwidths[op.resource]
                 (loaded if isinstance(op, Load) else stored)[key] = end
                 if serial:
                     written[op.what] = end
+                span = Span(position, str(op), op.resource, ready, end)
+            elif isinstance(op, Reduce):
+                ready = max(clock, free.get(op.resource, 0.0))
+                end = reduced[op.stage] = free[op.resource] = \
+                    ready + op.nbytes / costs.bandwidths[op.resource]
                 span = Span(position, str(op), op.resource, ready, end)
             elif isinstance(op, Drop):
                 clock = max(clock, stored.get((op.what, op.stage), 0.0))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .kept_below import KeptBelow
+from .reductions import Reductions
 from .weight_schedule import StreamedWeights
 
 
@@ -26,7 +27,8 @@ class Transfers:
     of those of them that the plan copies down from the compute tier to the host RAM for
     their step (``home``: that RAM), each stored after its backward (inside the backward)
     or right before its Update (deferred; a stage whose gradients wait below already, in
-    ``gradients``, has none)."""
+    ``gradients``, has none). ``reductions``: data parallelism, each stage's gradients
+    reduced over the ranks (``plan/reductions.py``; None: one worker)."""
 
     weights: StreamedWeights | None = None
     states: KeptBelow | None = None
@@ -37,6 +39,7 @@ class Transfers:
     accumulates: bool = False
     host_stages: frozenset[int] = frozenset()
     host_gradients: KeptBelow | None = None
+    reductions: Reductions | None = None
 
     @property
     def deferred(self) -> bool:
@@ -52,7 +55,8 @@ class Transfers:
                 "accumulates": self.accumulates,
                 "host_stages": sorted(self.host_stages),
                 "host_gradients": self.host_gradients.to_dict() if self.host_gradients
-                else None}
+                else None,
+                "reductions": self.reductions.to_dict() if self.reductions else None}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Transfers":
@@ -68,4 +72,6 @@ class Transfers:
                    accumulates=bool(data["accumulates"]),
                    host_stages=frozenset(int(i) for i in data["host_stages"]),
                    host_gradients=KeptBelow.from_dict(data["host_gradients"])
-                   if data["host_gradients"] else None)
+                   if data["host_gradients"] else None,
+                   reductions=Reductions.from_dict(data["reductions"])
+                   if data.get("reductions") else None)

@@ -217,8 +217,9 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
                         "averages each stage's gradients over the ranks (all-reduce) before "
                         "its update")
         comm = (f"{dist['predicted_comm_s'] * 1e3:.2f} ms per step predicted "
-                f"({format_bytes(dist['comm_bytes'])} x {n - 1}/{n} at "
-                f"{format_bytes(dist['bus_bandwidth'])}/s bus bandwidth, measured at start)")
+                f"({format_bytes(dist['comm_bytes'])} through each rank's link at "
+                f"{format_bytes(dist['bus_bandwidth'])}/s bus bandwidth, measured at start; "
+                "the gradient reductions are the plan's reduce ops, in its predicted step)")
         rows += [("data parallel", parallel), ("communication", comm)]
         fields.update({k: v for k, v in dist.items() if k != "comm_bytes"})
     return section("Plan", rows), fields

@@ -190,8 +190,8 @@ def _run(run: Run, site: Site, built: BuiltModel, reports: Reports, header_shown
     planner = StepPlanner.for_run(run, site, built, logger)
     module = planner.plan(site.tier)
     logger.keep()  # planned: this run's log replaces an earlier run's in its place
-    planner.report(module)
     optimizer = _optimizer(planner, module)
+    planner.report(module)
     return StepLoop(run, site, built, reports, planner, module, optimizer, peak).run_steps()
 
 
@@ -199,9 +199,15 @@ def _optimizer(planner: StepPlanner, module: Any) -> Any:
     """The optimizer the steps use, with ``optimizer.LocalOptimizer``'s interface: the
     per-stage optimizers of the planned ``module`` when fit owns them
     (``roles.fit_owns_optimizer``), else the trainer's, over every parameter in one process
-    or as ZeRO-2 shards under torchrun. Replicas (``roles.ranks_hold_replicas``) average
-    each stage's gradients over the ranks before its update."""
+    or as ZeRO-2 shards under torchrun. Under torchrun the module's plan gains each stage's
+    reduction over the ranks (``plan/reductions.py``, priced at the bus bandwidth measured
+    here): replicas (``roles.ranks_hold_replicas``) average each stage's gradients before
+    its update, ZeRO-2 reduce-scatters them."""
+    import torch
+
     from ..distributed import ShardedOptimizer
+    from ..plan.reductions import Reductions
+    from ..profile.machine import bus_bandwidth
     from .optimizer import LocalOptimizer, build_optimizer, param_groups
     from .owned import FitOwnedOptimizer
 
@@ -218,6 +224,12 @@ def _optimizer(planner: StepPlanner, module: Any) -> Any:
                                              for stage in module.chain.stages],
                                      param_groups(params, opts),
                                      lambda shard: build_optimizer(shard, opts, precision))
-    if world is not None and ranks_hold_replicas(opts):
-        module.reduce_gradients_with(world.average)
+    if world is not None:
+        replicas = ranks_hold_replicas(opts)
+        reductions = Reductions(world.size, all_reduce=replicas,
+                                bus=bus_bandwidth(world, torch.device("cpu")))
+        if replicas:
+            module.reduce_gradients_with(world.average, reductions)
+        else:
+            module.reduce_stages_with(optimizer.reduce_stage, reductions)
     return optimizer
