@@ -263,7 +263,7 @@ def world_of_one():
 def test_stages_are_reduced_during_backward_and_zero_matches_adamw(world_of_one, family):
     """Each stage's reduction starts inside backward, at the plan's Reduce op, last stage
     first, before the stages below it have run their backward; none during a no-sync
-    micro-batch. One rank's ZeRO
+    micro-batch; the plan's gathers after the step, first stage first. One rank's ZeRO
     update equals torch's AdamW on the same two micro-batches (fitted the same way, so the
     gradients are bit for bit the same; torch sums the clipping norm in fp32, so the clip
     factors differ in the 7th digit: 1e-7 on updates of 1e-2)."""
@@ -285,7 +285,7 @@ def test_stages_are_reduced_during_backward_and_zero_matches_adamw(world_of_one,
     module = tierflow.fit(model, batches[0])
     stages = [list(stage.parameters()) for stage in module.chain.stages]
     zero = ShardedOptimizer(world_of_one, stages, [{"params": list(model.parameters())}], adamw)
-    module.reduce_stages_with(zero.reduce_stage, Reductions(1, all_reduce=False, bus=1e9))
+    module.run_collectives_with(zero, Reductions(1, all_reduce=False, bus=1e9))
     reduces = [op.stage for op in module.plan.ops if isinstance(op, Reduce)]
     assert reduces == list(range(len(stages)))[::-1]  # one per stage, each after its backward
     launched = []
@@ -303,6 +303,9 @@ def test_stages_are_reduced_during_backward_and_zero_matches_adamw(world_of_one,
     assert all(p.grad is None for p in model.parameters())  # packed and freed
     norm = zero.clip_grad_norm(0.5)
     zero.step()
+    gathers = [op.stage for op in module.plan.routines.gathers]
+    assert gathers == list(range(len(stages)))  # after the step, in stage order
+    module.gather_parameters()
 
     optimizer = adamw(reference.parameters())
     plain = tierflow.fit(reference, batches[0])  # the same gradients, bit for bit

@@ -1,4 +1,5 @@
-"""``TierflowModule.reduce_gradients_with``: data parallelism with an optimizer tierflow owns.
+"""Data parallelism in the plan: ``TierflowModule.reduce_gradients_with`` (an optimizer tierflow
+owns) and ``run_collectives_with`` (ZeRO-2's shards, their gathers after the step).
 The plan gains a Reduce op after each stage's backward; each stage's gradients go to the
 reduction once complete for the step (last stage first, only on the last micro-batch), before
 the clipping norm, the disk tier and the update see them."""
@@ -111,3 +112,45 @@ def test_only_the_last_micro_batch_pays_for_the_reductions():
     reduced = module.plan
     extra = reduced.step_time(3) - plain.step_time(3)
     assert 0 < extra <= reduced.step_time(1) - plain.step_time(1) + 1e-9
+
+
+def test_zero_plans_gather_each_stage_after_the_step():
+    """Each rank stepping its shard (not all_reduce): a Gather per trained stage, first stage
+    first, priced one after another on the network; replicas gather nothing."""
+    class Recorded:
+        def __init__(self):
+            self.calls = []
+
+        def reduce_stage(self, stage):
+            self.calls.append(("reduce", stage))
+
+        def gather_stage(self, stage):
+            self.calls.append(("gather", stage))
+
+        def wait_gathered(self):
+            self.calls.append(("wait", None))
+
+    module = tierflow.fit(tiny_hf("qwen2", layers=2), hf_sample())  # the head tied
+    shards = Reductions(4, all_reduce=False, bus=1e6)
+    collectives = Recorded()
+    module.run_collectives_with(collectives, shards)
+    plan = module.plan
+    trained = [op.stage for op in plan.ops if isinstance(op, Reduce)]
+    assert [op.stage for op in plan.routines.gathers] == sorted(trained)
+    for reduce, gather in zip(sorted((op for op in plan.ops if isinstance(op, Reduce)),
+                                     key=lambda op: op.stage), plan.routines.gathers):
+        assert reduce.nbytes == gather.nbytes  # reduce-scatter and all-gather: (N-1)/N b
+    moved = sum(op.nbytes for op in plan.routines.gathers)
+    assert moved == pytest.approx(3 / 4 * sum(p.nbytes for p in module.parameters()), rel=1e-3)
+    assert plan.gather_time == pytest.approx(moved / shards.bus)
+    assert "gather ops all-gather the updated shards" in module.explain()
+    assert type(plan).from_json(plan.to_json()).routines.gathers == plan.routines.gathers
+    module(**hf_sample()).loss.backward()
+    module.gather_parameters()
+    reduced = [stage for kind, stage in collectives.calls if kind == "reduce"]
+    assert reduced == sorted(trained, reverse=True)
+    assert collectives.calls[len(reduced):] == [("gather", i) for i in sorted(trained)] + [
+        ("wait", None)]
+    replicas = tierflow.fit(tiny_hf("llama"), hf_sample(), optimizer=_sgd)
+    replicas.reduce_gradients_with(lambda grads: None, TWO)
+    assert replicas.plan.routines.gathers == () and replicas.plan.gather_time == 0.0

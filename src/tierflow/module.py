@@ -11,6 +11,7 @@ from torch import nn
 from .chain.base import Chain
 from .errors import TierflowError
 from .exec.boundaries import BoundaryStash
+from .exec.collectives import Collectives
 from .exec.context import AutocastMode
 from .exec.deferred import DeferredUpdates
 from .exec.function import RunPlan
@@ -22,7 +23,7 @@ from .exec.tapes import TapeOffload
 from .exec.trace import span
 from .exec.transfers import transfer_to
 from .exec.weights import WeightStreamer
-from .plan.ops import TRANSFERS, Load, Reduce, Stash
+from .plan.ops import TRANSFERS, Collective, Load, Reduce, Stash
 from .plan.plan import Plan
 from .plan.reductions import Reductions
 from .plan.tape_schedule import TAPE
@@ -84,12 +85,12 @@ class TierflowModule(nn.Module):
         self._transfer = transfer_to(streamer, optimizer, self._tapes,  # starts a transfer op
                                      self._boundaries,
                                      self._deferred.stash if self._deferred else None,
-                                     self._run_reduce)
+                                     self._run_collective)
         self._anchor = torch.empty(0, requires_grad=True)  # makes the output require grad
         self.ledger = Ledger({storage_key(p) for p in model.parameters()})
         self.fit_log = executors.log
-        # data parallelism: what the plan's Reduce(i) calls (reduce_stages_with)
-        self._reduce_stage: Callable[[int], None] | None = None
+        # data parallelism: what runs the plan's Reduce and Gather ops (run_collectives_with)
+        self._collectives: Collectives | None = None
 
     def _adopt(self, plan: Plan) -> None:
         """Run ``plan`` from now on: what the module reads from its op positions."""
@@ -151,22 +152,21 @@ class TierflowModule(nn.Module):
             self._deferred.routines = plan.routines
         module = TierflowModule(self.model, self._chain, plan,
                                 replace(self._executors, host_room=host_room))
-        module._reduce_stage = self._reduce_stage
+        module._collectives = self._collectives
         return module
 
-    def reduce_stages_with(self, reduce_stage: Callable[[int], None],
-                           reductions: Reductions) -> None:
-        """Data parallelism over ``reductions.ranks`` workers: the plan gains a ``Reduce``
-        op right after each backward of a stage with trainable parameters
-        (``plan/reductions.py``), priced on the network, and running it calls
-        ``reduce_stage(i)``, which must start (or do) the reduction of stage i's gradients
-        in the step's last micro-batch and nothing in the others. The stages come in the same
-        order on every worker, last stage first, whatever each worker's plan."""
+    def run_collectives_with(self, collectives: Collectives, reductions: Reductions) -> None:
+        """Data parallelism over ``reductions.ranks`` workers: the plan gains a ``Reduce`` op
+        right after each backward of a stage with trainable parameters and, when each rank
+        steps only its shard (not ``reductions.all_reduce``), a ``Gather`` of each such stage
+        for after the optimizer's step (``plan/reductions.py``), all priced on the network;
+        running them calls ``collectives``. The stages come in the same order on every
+        worker, last stage first, whatever each worker's plan."""
         moves = self._plan.transfers or Transfers()
         self._adopt(self._plan.with_transfers(replace(moves, reductions=reductions)))
         if self._deferred is not None:
             self._deferred.routines = self._plan.routines
-        self._reduce_stage = reduce_stage
+        self._collectives = collectives
 
     def reduce_gradients_with(self, reduce: Callable[[list[torch.Tensor]], None],
                               reductions: Reductions) -> None:
@@ -182,24 +182,31 @@ class TierflowModule(nn.Module):
             raise TierflowError("reduce_gradients_with is for an optimizer tierflow owns "
                                 "(fit(optimizer=...)): with your own, average the gradients "
                                 "after backward() as DDP does")
-        stage_params = self._optimizer.stage_params
+        if not reductions.all_reduce:
+            raise TierflowError("reduce_gradients_with averages whole gradients on every "
+                                "worker: give it Reductions(..., all_reduce=True)")
+        self.run_collectives_with(_Averaging(self, reduce), reductions)
 
-        def reduce_stage(i: int) -> None:
-            deferred = self._deferred  # updates inside the backward: one micro-batch a step
-            if deferred is not None and deferred.micro != deferred.grad_accum - 1:
-                return
-            grads = [p.grad for p in stage_params[i] if p.grad is not None]
-            if grads:
-                reduce(grads)
-        self.reduce_stages_with(reduce_stage, reductions)
+    def gather_parameters(self) -> None:
+        """After the optimizer's step under ZeRO-2: the plan's gathers, each all-gathering a
+        stage's updated shards onto every worker, in stage order; returns once all
+        arrived. Nothing for a plan without them."""
+        for op in self._plan.routines.gathers:
+            self._transfer(op)
+        if self._plan.routines.gathers:
+            with span("wait for gathers", "compute"):
+                self._collectives.wait_gathered()
 
-    def _run_reduce(self, op: Reduce) -> None:
-        """The plan's Reduce(i): stage i's gradients reduced over the workers."""
-        if self._reduce_stage is None:
-            raise TierflowError(f"the plan reduces gradients over ranks ({op}) but nothing "
-                                "reduces them: call reduce_stages_with first")
+    def _run_collective(self, op: Collective) -> None:
+        """The plan's Reduce(i) or Gather(i), handed to the collectives."""
+        if self._collectives is None:
+            raise TierflowError(f"the plan has a collective between ranks ({op}) but nothing "
+                                "runs them: call run_collectives_with first")
         with span(str(op), op.resource):
-            self._reduce_stage(op.stage)
+            if isinstance(op, Reduce):
+                self._collectives.reduce_stage(op.stage)
+            else:
+                self._collectives.gather_stage(op.stage)
 
     @property
     def update_pass(self) -> UpdatePass | None:
@@ -376,3 +383,26 @@ def tape_reads(ops: tuple, position: int) -> int:
         if isinstance(op, Load) and op.what == TAPE:
             nbytes += op.nbytes
     return nbytes
+
+
+class _Averaging:
+    """Replicas' collectives: a stage's Reduce, in the step's last micro-batch, hands its
+    gradients to ``reduce`` (which averages them in place); replicas gather nothing."""
+
+    def __init__(self, module: TierflowModule, reduce: Callable[[list[torch.Tensor]], None]):
+        self.module = module
+        self.reduce = reduce
+
+    def reduce_stage(self, stage: int) -> None:
+        deferred = self.module._deferred  # updates inside the backward: one micro-batch a step
+        if deferred is not None and deferred.micro != deferred.grad_accum - 1:
+            return
+        grads = [p.grad for p in self.module.optimizer.stage_params[stage] if p.grad is not None]
+        if grads:
+            self.reduce(grads)
+
+    def gather_stage(self, stage: int) -> None:
+        raise AssertionError(f"replicas gather nothing (stage {stage})")
+
+    def wait_gathered(self) -> None:
+        """Nothing was gathered."""

@@ -7,14 +7,13 @@ tier, each stage's gradients averaged by ``World.average`` before its update).
 - ``layout.py``: which rank owns which elements of each stage's parameters;
 - ``reducer.py``: each stage's gradients reduce-scattered by the plan's Reduce op, right
   after its backward;
-- ``zero.py``: the optimizer over this rank's shard, then parameters all-gathered;
-- ``state.py``: the sharded optimizer state to and from the single-process checkpoint format;
-- ``comm.py``: the predicted time of the parameter all-gather after a ZeRO-2 step (the
-  gradient reductions are plan ops: ``plan/reductions.py``).
+- ``zero.py``: the optimizer over this rank's shard, then parameters all-gathered by the
+  plan's Gather ops;
+- ``state.py``: the sharded optimizer state to and from the single-process checkpoint format.
+
+The collectives of a step are plan ops (``plan/reductions.py``), priced there.
 """
-from .comm import gather_seconds
 from .world import RankLostError, World, exit_rank, join_from_env
 from .zero import ShardedOptimizer
 
-__all__ = ["RankLostError", "ShardedOptimizer", "World", "exit_rank", "join_from_env",
-           "gather_seconds"]
+__all__ = ["RankLostError", "ShardedOptimizer", "World", "exit_rank", "join_from_env"]

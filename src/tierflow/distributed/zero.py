@@ -1,4 +1,6 @@
 """ZeRO-2 over the default process group: each rank updates only its shard of the parameters.
+It runs the plan's collectives (``exec/collectives.Collectives``): each stage's Reduce, and
+each stage's Gather after the step.
 
 The optimizer is any ``torch.optim.Optimizer`` whose update is element-wise (AdamW), built by
 the caller's factory over *pieces*: one-dimensional aliases of the parts of the parameters that
@@ -6,8 +8,8 @@ fall in this rank's shards (``layout.py``). Its states (the AdamW moments) there
 for 1/N of the elements on each rank, and the update writes straight into the model's
 parameters (the pieces share their storage: the fp32 weights are their own master copy).
 After the update each stage's shards are all-gathered so that every rank holds the whole,
-updated model again. The global gradient norm is the square root of the sum over ranks of
-each shard's sum of squares.
+updated model again (the plan's Gather ops, in stage order). The global gradient norm is the
+square root of the sum over ranks of each shard's sum of squares.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class ShardedOptimizer:
         self.optimizer = make([{**{k: v for k, v in g.items() if k != "params"}, "params": ps}
                                for g, ps in zip(groups, by_group)])
         self.reducer = GradReducer(self.layout, world)
+        self._gathering: tuple[StageShard, dist.Work, torch.Tensor] | None = None
 
     def set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -61,8 +64,8 @@ class ShardedOptimizer:
         self.reducer.sync = last
 
     def reduce_stage(self, s: int) -> None:
-        """The plan's Reduce(s) (``TierflowModule.reduce_stages_with``): start reducing stage
-        ``s``'s gradients, on the step's last micro-batch."""
+        """The plan's Reduce(s) (``TierflowModule.run_collectives_with``): start reducing
+        stage ``s``'s gradients, on the step's last micro-batch."""
         self.reducer.reduce_stage(s)
 
     def clip_grad_norm(self, max_norm: float) -> float:
@@ -86,20 +89,29 @@ class ShardedOptimizer:
         return norm
 
     def step(self) -> None:
-        """Update this rank's pieces, then all-gather every stage's parameters."""
+        """Update this rank's pieces (the plan's gathers then bring every rank the others':
+        ``TierflowModule.gather_parameters``)."""
         self.optimizer.step()
         self.zero_grad()
+
+    def gather_stage(self, s: int) -> None:
+        """The plan's Gather(s): start all-gathering stage ``s``'s updated shards, and
+        unpack the one before it meanwhile."""
+        stage = self.layout.stages[s]
+        if stage.numel == 0:
+            return
         with self.world.collective("parameter all-gather"):
-            pending = None
-            for stage in self.layout.stages:
-                if stage.numel == 0:
-                    continue
-                launched = self._start_gather(stage)
-                if pending is not None:
-                    _unpack(*pending)
-                pending = launched
-            if pending is not None:
-                _unpack(*pending)
+            launched = self._start_gather(stage)
+            if self._gathering is not None:
+                _unpack(*self._gathering)
+        self._gathering = launched
+
+    def wait_gathered(self) -> None:
+        """Unpack the last gather started (the others were, as the next one started)."""
+        if self._gathering is not None:
+            with self.world.collective("parameter all-gather"):
+                _unpack(*self._gathering)
+            self._gathering = None
 
     def _start_gather(self, stage: StageShard) -> tuple[StageShard, dist.Work, torch.Tensor]:
         first = stage.params[0]

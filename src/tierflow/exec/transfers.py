@@ -2,14 +2,13 @@
 stages' weights, a states transfer to the optimizer that owns them, a tape transfer to the
 tapes' offload, a checkpoint's to the stash, a gradients transfer to the gradients'
 stash when it holds the stage's (streamed) gradients, else to the optimizer that steps the
-stage in host RAM (their Store down to it), a reduction over the ranks to the data
-parallelism's ``reduce``."""
+stage in host RAM (their Store down to it), a collective between the ranks to ``collective``."""
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from ..plan.boundary_schedule import BOUNDARY
-from ..plan.ops import WEIGHTS, Reduce, Transfer
+from ..plan.ops import COLLECTIVES, WEIGHTS, Collective, Transfer
 from ..plan.state_schedule import STATES
 from ..plan.tape_schedule import TAPE
 from ..plan.gradient_schedule import GRADS
@@ -24,11 +23,12 @@ def transfer_to(weights: WeightStreamer | None, states: OwnedOptimizer | None,
                 tapes: TapeOffload | None = None,
                 boundaries: BoundaryStash | None = None,
                 gradients: GradientStash | None = None,
-                reduce: Callable[[Reduce], None] | None = None) -> Callable[[Transfer], None]:
+                collective: Callable[[Collective], None] | None = None
+                ) -> Callable[[Transfer], None]:
     """The function that starts a transfer op on what moves its tensors."""
     def start(op: Transfer) -> None:
-        if isinstance(op, Reduce):
-            reduce(op)
+        if isinstance(op, COLLECTIVES):
+            collective(op)
         elif op.what == WEIGHTS:
             weights.dispatch(op)
         elif op.what == STATES:

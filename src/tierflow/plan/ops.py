@@ -35,6 +35,9 @@ A collective between the ranks of data-parallel training, started where the plan
   last micro-batch (the others accumulate locally, as DDP's ``no_sync``); what reads the
   stage's gradients after it (its Update, a Store of them) waits for it
   (``plan/reductions.py``).
+- ``Gather(i, resource, nbytes)``: start all-gathering stage i's updated parameter shards
+  (ZeRO-2: each rank stepped only its shard), in the plan's ``gathers`` routine that runs
+  after the optimizer's step; the routine ends once every gather has arrived.
 """
 from __future__ import annotations
 
@@ -195,9 +198,25 @@ class Reduce:
         return f"reduce(g{self.stage})"
 
 
-Transfer = Union[Load, Store, Drop, Reduce]
-Op = Union[Forward, Backward, Free, Update, Stash, Fetch, Load, Store, Drop, Reduce]
-TRANSFERS = (Load, Store, Drop, Reduce)
+@dataclass(frozen=True)
+class Gather:
+    stage: int
+    resource: str  # what carries it: the network between the ranks
+    nbytes: int  # through each rank's link
+
+    def to_dict(self) -> dict:
+        return {"op": "gather", "stage": self.stage, "resource": self.resource,
+                "nbytes": self.nbytes}
+
+    def __str__(self) -> str:
+        return f"gather(w{self.stage})"
+
+
+Collective = Union[Reduce, Gather]
+COLLECTIVES = (Reduce, Gather)
+Transfer = Union[Load, Store, Drop, Reduce, Gather]
+Op = Union[Forward, Backward, Free, Update, Stash, Fetch, Load, Store, Drop, Reduce, Gather]
+TRANSFERS = (Load, Store, Drop, Reduce, Gather)
 
 
 def stage_of(op: Op) -> int | None:
@@ -228,10 +247,11 @@ def op_from_dict(data: dict) -> Op:
                      str(data["resource"]), int(data["nbytes"]), bool(data["keep"]))
     if kind == "drop":
         return Drop(str(data["what"]), int(data["stage"]), str(data["tier"]))
-    if kind == "reduce":
-        return Reduce(int(data["stage"]), str(data["resource"]), int(data["nbytes"]))
+    if kind in ("reduce", "gather"):
+        collective = Reduce if kind == "reduce" else Gather
+        return collective(int(data["stage"]), str(data["resource"]), int(data["nbytes"]))
     raise ValueError(f"unknown plan op {kind!r}: expected forward, backward, free, update, "
-                     "stash, fetch, load, store, drop or reduce")
+                     "stash, fetch, load, store, drop, reduce or gather")
 
 
 def forward_phase_length(ops: list[Op] | tuple[Op, ...], length: int) -> int:

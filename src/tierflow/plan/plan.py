@@ -28,7 +28,7 @@ from .ops import (
     forward_phase_length,
     op_from_dict,
 )
-from .reductions import NETWORK, with_reductions
+from .reductions import NETWORK, gathers, with_reductions
 from .selective import check_selective
 from .simulate import Simulation, check_complete, simulate
 from .timeline import Timeline, timeline
@@ -54,17 +54,21 @@ class Routines:
     backward (and the optimizer's work in it), reading what the next one starts with;
     ``update_pass`` the deferred updates after the last micro-batch of a step, then
     ``after_pass``; ``cold`` what a step starts with when nothing was read yet (the first
-    step, after a failed one); ``evaluation`` every stage forward without gradients."""
+    step, after a failed one); ``evaluation`` every stage forward without gradients;
+    ``gathers`` ZeRO-2's all-gathers of the updated shards after the optimizer's step
+    (``plan/reductions.py``)."""
 
     between: tuple[Op, ...] = ()
     update_pass: tuple[Op, ...] = ()
     after_pass: tuple[Op, ...] = ()
     cold: tuple[Op, ...] = ()
     evaluation: tuple[Op, ...] = ()
+    gathers: tuple[Op, ...] = ()
 
     def to_dict(self) -> dict:
         return {name: [op.to_dict() for op in getattr(self, name)]
-                for name in ("between", "update_pass", "after_pass", "cold", "evaluation")}
+                for name in ("between", "update_pass", "after_pass", "cold", "evaluation",
+                             "gathers")}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Routines":
@@ -112,6 +116,13 @@ class Plan:
     def predicted_time(self) -> float:
         """Seconds of one micro-batch in the steady state (``timeline``)."""
         return self.timeline.time
+
+    @property
+    def gather_time(self) -> float:
+        """Seconds of the all-gathers after the optimizer's step (ZeRO-2; else 0): one
+        after another on the network, the routine waiting for the last."""
+        gathered = self.routines.gathers
+        return timeline(self.costs, gathered).busy(NETWORK) if gathered else 0.0
 
     def step_time(self, micro_batches: int) -> float:
         """Seconds of the ``micro_batches`` of one optimizer step, its update pass left out:
@@ -175,6 +186,7 @@ class Plan:
             step = with_boundary_transfers(step, transfers.boundaries)
         costs = self.costs
         if transfers.reductions is not None:  # last: each right after its stage's backward
+            routines = replace(routines, gathers=gathers(step, costs, transfers.reductions))
             step = with_reductions(step, costs, transfers.reductions)
             costs = replace(costs, bandwidths={**costs.bandwidths,
                                                NETWORK: transfers.reductions.bus})
@@ -332,6 +344,11 @@ class Plan:
                          f"ranks right after the stage's backward ({len(reduced)} reduce ops, "
                          f"{format_bytes(sum(op.nbytes for op in reduced))} through each "
                          f"rank's link, on the {NETWORK})")
+            if self.routines.gathers:
+                gathered = sum(op.nbytes for op in self.routines.gathers)
+                lines.append(f"  after the optimizer's step, {len(self.routines.gathers)} gather "
+                             f"ops all-gather the updated shards ({format_bytes(gathered)} "
+                             "through each rank's link)")
         if any(isinstance(op, Update) for op in self.ops):
             lines.append("  each stage's parameters are updated as soon as its gradients are "
                          "complete, then its gradients are freed")

@@ -14,8 +14,8 @@ Pure data. One dispatcher walks the ops in order, as the executor does:
   that resource's earlier transfers, once the dispatcher reaches it and what it waits for
   is done, and takes its bytes over the resource's bandwidth (``ChainCosts.bandwidths``);
   the dispatcher goes on at once;
-- a Reduce starts on its resource (the network) as a Store does, queued behind the
-  network's earlier reductions;
+- a Reduce or a Gather starts on its resource (the network) as a Store does, queued
+  behind the network's earlier collectives;
 - a Drop waits (on the dispatcher) for the stage's Store in flight, and the Store of a
   tape, a checkpoint or a stage's gradients for the Store of the one before it (the
   executor writes one of each at a time); a Fetch waits (on the dispatcher) for its checkpoint's Load; Free and Stash
@@ -43,6 +43,7 @@ from .ops import (
     Drop,
     Fetch,
     Forward,
+    Gather,
     Load,
     Op,
     Reduce,
@@ -138,10 +139,11 @@ def timeline(costs: ChainCosts, ops: Sequence[Op], join: int | None = None) -> T
                 if serial:
                     written[op.what] = end
                 span = Span(position, str(op), op.resource, ready, end)
-            elif isinstance(op, Reduce):
+            elif isinstance(op, (Reduce, Gather)):
                 ready = max(clock, free.get(op.resource, 0.0))
-                end = reduced[op.stage] = free[op.resource] = \
-                    ready + op.nbytes / costs.bandwidths[op.resource]
+                end = free[op.resource] = ready + op.nbytes / costs.bandwidths[op.resource]
+                if isinstance(op, Reduce):
+                    reduced[op.stage] = end
                 span = Span(position, str(op), op.resource, ready, end)
             elif isinstance(op, Drop):
                 clock = max(clock, stored.get((op.what, op.stage), 0.0))

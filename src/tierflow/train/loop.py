@@ -231,5 +231,5 @@ def _optimizer(planner: StepPlanner, module: Any) -> Any:
         if replicas:
             module.reduce_gradients_with(world.average, reductions)
         else:
-            module.reduce_stages_with(optimizer.reduce_stage, reductions)
+            module.run_collectives_with(optimizer, reductions)
     return optimizer

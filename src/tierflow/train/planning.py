@@ -22,7 +22,7 @@ from .. import api, enforce
 from ..config import FitConfig
 from ..errors import BudgetError, TierflowError
 from ..models.freeze import tied_frozen
-from ..plan.ops import Reduce
+from ..plan.ops import COLLECTIVES
 from ..units import format_bytes
 from .device import ComputeTier
 from .logger import Logger, PlanPrecision, plan_section
@@ -154,7 +154,6 @@ class StepPlanner:
         gradients are freed by its update), the optimizer step's ``step_temporaries``
         (reserved with the states), the precision's bytes per parameter and, under
         torchrun, the measured bus and predicted communication."""
-        from ..distributed import gather_seconds
         opts, site, precision = self.opts, self.site, self.site.precision
         world, ranks = site.world, site.ranks
         trainable = [p for p in self.built.model.parameters() if p.requires_grad]
@@ -165,16 +164,15 @@ class StepPlanner:
         replicas = ranks_hold_replicas(opts)
         dist_figures = None
         if world is not None:
-            # the plan's reductions (replicas: all-reduced; ZeRO-2: reduce-scattered, then
-            # the parameters all-gathered after the step, outside the plan)
-            bus = module.plan.transfers.reductions.bus
-            reduced = sum(op.nbytes for op in module.plan.ops if isinstance(op, Reduce))
-            gathered = 0 if replicas else sum(p.nbytes for p in trainable)
-            gather_s = gather_seconds(ranks, gathered, bus)
+            # the plan's collectives (replicas: gradients all-reduced; ZeRO-2: reduce-scattered,
+            # then the updated shards all-gathered after the step)
+            plan = module.plan
+            bus = plan.transfers.reductions.bus
+            moved = sum(op.nbytes for op in (*plan.ops, *plan.routines.gathers)
+                        if isinstance(op, COLLECTIVES))
             dist_figures = {"world_size": ranks, "backend": world.backend, "bus_bandwidth": bus,
-                            "comm_bytes": reduced + round(gather_s * bus),
-                            "replicas": replicas,
-                            "predicted_comm_s": reduced / bus + gather_s}
+                            "comm_bytes": moved, "replicas": replicas,
+                            "predicted_comm_s": moved / bus}
         per = precision.bytes_per_parameter()
         count = sum(p.numel() for p in trainable)
         shards = 1 if replicas else ranks  # replicas: each rank holds every state

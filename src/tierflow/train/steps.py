@@ -200,6 +200,7 @@ class StepLoop:
                                 "lower --lr, raise --warmup or set --clip")
         self.module.make_room(self.planner.step_temporaries)  # what the plan reserved for it
         self.optimizer.step()
+        self.module.gather_parameters()  # ZeRO-2: every rank's updated shards (the plan's)
         return loss, norm
 
     def _not_rerun(self, step: int, updated: int) -> TierflowError:
