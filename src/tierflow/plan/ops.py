@@ -42,7 +42,7 @@ A collective between the ranks of data-parallel training, started where the plan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Union
+from typing import ClassVar, Union
 
 
 @dataclass(frozen=True)
@@ -185,31 +185,33 @@ class Drop:
 
 
 @dataclass(frozen=True)
-class Reduce:
+class _BetweenRanks:
+    """A collective over stage i's tensors: Reduce (its gradients) or Gather (its weights)."""
+
     stage: int
     resource: str  # what carries it: the network between the ranks
     nbytes: int  # through each rank's link
+    KIND: ClassVar[str] = ""
+    TENSOR: ClassVar[str] = ""  # g: gradients, w: weights
 
     def to_dict(self) -> dict:
-        return {"op": "reduce", "stage": self.stage, "resource": self.resource,
+        return {"op": self.KIND, "stage": self.stage, "resource": self.resource,
                 "nbytes": self.nbytes}
 
     def __str__(self) -> str:
-        return f"reduce(g{self.stage})"
+        return f"{self.KIND}({self.TENSOR}{self.stage})"
 
 
 @dataclass(frozen=True)
-class Gather:
-    stage: int
-    resource: str  # what carries it: the network between the ranks
-    nbytes: int  # through each rank's link
+class Reduce(_BetweenRanks):
+    KIND: ClassVar[str] = "reduce"
+    TENSOR: ClassVar[str] = "g"
 
-    def to_dict(self) -> dict:
-        return {"op": "gather", "stage": self.stage, "resource": self.resource,
-                "nbytes": self.nbytes}
 
-    def __str__(self) -> str:
-        return f"gather(w{self.stage})"
+@dataclass(frozen=True)
+class Gather(_BetweenRanks):
+    KIND: ClassVar[str] = "gather"
+    TENSOR: ClassVar[str] = "w"
 
 
 Collective = Union[Reduce, Gather]
