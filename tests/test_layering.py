@@ -10,14 +10,16 @@ each its own node); ``tierflow/__init__.py`` is the node ``tierflow``. The rules
 - ``models/`` does not import ``exec/``: a model knows nothing about memory;
 - ``sim/`` does not import ``train/``: the simulator prices a run without the trainer;
 - ``exec/`` imports neither ``sim/`` nor ``train/``: the executor only reads a plan;
-- no import cycle between nodes (cycles between the files of one package are not counted).
+- no import cycle between nodes (cycles between the files of one package are not counted);
+- no import cycle between any two modules either, type-only imports included: a circle of
+  files reads as one tangle, whatever Python runs.
 
 The checker is tested on made-up trees first, so that a rule that can no longer fail is seen.
 """
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,22 +62,24 @@ def _type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _statements(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """The import statements of ``tree`` at any depth, less those under ``if TYPE_CHECKING``."""
+def _statements(tree: ast.AST, typing_too: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The import statements of ``tree`` at any depth, less those under ``if TYPE_CHECKING``
+    unless ``typing_too``."""
     for child in ast.iter_child_nodes(tree):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             yield child
-        if isinstance(child, ast.If) and _type_checking(child.test):
+        if isinstance(child, ast.If) and _type_checking(child.test) and not typing_too:
             for orelse in child.orelse:
                 yield from _statements(ast.Module(body=[orelse], type_ignores=[]))
             continue
-        yield from _statements(child)
+        yield from _statements(child, typing_too)
 
 
-def read_imports(root: Path, package: str = PACKAGE) -> list[Import]:
-    """Every import of the ``.py`` files of ``root/package``, each resolved to the module it
-    names: a relative import to its absolute name, ``from pkg import name`` to ``pkg.name``
-    when that is a module of the tree, else to ``pkg``."""
+def read_imports(root: Path, package: str = PACKAGE, typing_too: bool = False) -> list[Import]:
+    """Every import of the ``.py`` files of ``root/package`` (those under ``if TYPE_CHECKING``
+    only when ``typing_too``), each resolved to the module it names: a relative import to its
+    absolute name, ``from pkg import name`` to ``pkg.name`` when that is a module of the
+    tree, else to ``pkg``."""
     found = []
     for path in sorted((root / package).rglob("*.py")):
         rel = path.relative_to(root)
@@ -83,7 +87,7 @@ def read_imports(root: Path, package: str = PACKAGE) -> list[Import]:
         is_package = parts[-1] == "__init__"
         module = ".".join(parts[:-1] if is_package else parts)
         here = module.split(".") if is_package else module.split(".")[:-1]
-        for node in _statements(ast.parse(path.read_text(), str(path))):
+        for node in _statements(ast.parse(path.read_text(), str(path)), typing_too):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -118,14 +122,16 @@ def forbidden(imports: Iterable[Import], rules=RULES) -> list[str]:
     return lines
 
 
-def cycles(imports: Iterable[Import], package: str = PACKAGE) -> list[str]:
+def cycles(imports: Iterable[Import], package: str = PACKAGE,
+           node: Callable[[str, str], str] = node_of) -> list[str]:
     """One line per import cycle between nodes (a strongly connected set of several), naming
-    every import that joins two of its nodes."""
+    every import that joins two of its nodes; ``node`` maps a module to its node (a package,
+    or with ``module_itself`` each module)."""
     edges: dict[str, dict[str, list[Import]]] = {}
     for imp in imports:
         if imp.target.split(".")[0] != package:
             continue
-        a, b = node_of(imp.source, package), node_of(imp.target, package)
+        a, b = node(imp.source, package), node(imp.target, package)
         if a != b:
             edges.setdefault(a, {}).setdefault(b, []).append(imp)
             edges.setdefault(b, {})
@@ -137,6 +143,11 @@ def cycles(imports: Iterable[Import], package: str = PACKAGE) -> list[str]:
                  if b in group for imp in via]
         lines.append(f"import cycle between {', '.join(sorted(group))}: " + "; ".join(joins))
     return lines
+
+
+def module_itself(module: str, package: str = PACKAGE) -> str:
+    """Each module its own node (for cycles between files)."""
+    return module
 
 
 def _strongly_connected(edges: dict[str, dict[str, list[Import]]]) -> list[set[str]]:
@@ -236,6 +247,21 @@ def test_the_checker_finds_a_cycle_between_packages_and_not_within_one(tmp_path)
     assert cycles([i for i in imports if i.file != "tierflow/sim/hardware.py"]) == []
 
 
+def test_the_checker_finds_a_cycle_between_files_through_type_only_imports(tmp_path):
+    root = _tree(tmp_path, {
+        "__init__.py": "",
+        "train/__init__.py": "",
+        "train/options.py": "from .roles import rule\n",
+        "train/roles.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                          "    from .options import Options\n",
+    })
+    assert cycles(read_imports(root), node=module_itself) == []  # Python runs no circle
+    assert cycles(read_imports(root, typing_too=True), node=module_itself) == [
+        "import cycle between tierflow.train.options, tierflow.train.roles: "
+        "tierflow/train/options.py:1 imports tierflow.train.roles; "
+        "tierflow/train/roles.py:3 imports tierflow.train.options"]
+
+
 # ---------------------------------------------------------------------------- the real tree
 
 @pytest.fixture(scope="module")
@@ -252,4 +278,9 @@ def test_no_package_imports_what_the_layering_forbids(imports):
 
 def test_no_import_cycle_between_packages(imports):
     found = cycles(imports)
+    assert not found, "\n".join(found)
+
+
+def test_no_import_cycle_between_files_type_only_imports_included():
+    found = cycles(read_imports(SRC, typing_too=True), node=module_itself)
     assert not found, "\n".join(found)

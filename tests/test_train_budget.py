@@ -97,7 +97,7 @@ def test_a_model_whose_states_pass_the_ram_is_refused_before_it_is_built(train_e
 def test_the_states_floor_counts_bf16_weights_and_shards_over_ranks():
     from tierflow.precision import PrecisionConfig
     from tierflow.train.device import BUILT_TO_MEASURE
-    from tierflow.train.model import ParameterCount
+    from tierflow.train.device import ParameterCount
 
     def count(n: int, trainable: int | None = None) -> ParameterCount:
         return ParameterCount(n, n if trainable is None else trainable)

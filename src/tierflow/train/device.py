@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,14 +22,19 @@ from ..profile.machine import load_gpu_runtime
 from ..units import budget_to_give, format_bytes, parse_bytes
 from .options import TrainOptions
 
-if TYPE_CHECKING:
-    from .model import ParameterCount
-
 ALLOCATOR_SETTINGS = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF under --gpu
 # a model whose weights and AdamW states take less than this is built to measure the exact
 # smallest --ram (cheap on any machine); a larger one is refused from its parameter count
 BUILT_TO_MEASURE = 1 << 30
 BUILD_BYTES = 4  # per parameter while a model is built: float32 (build_model), then cast
+
+
+@dataclass(frozen=True)
+class ParameterCount:
+    """The parameters of the model a run trains (tied ones once), and how many of them train
+    after ``--freeze`` and ``--train-only``."""
+    total: int
+    trainable: int
 
 
 @dataclass(frozen=True)

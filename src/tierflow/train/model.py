@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +29,7 @@ from ..models.freeze import freeze_parameters
 from ..models.lora import LoraSpec, add_adapters, split_targets
 from ..precision import PrecisionConfig, apply_precision, parameter_dtype
 from .codec import config_hash, differences, model_arch, spec_arch
+from .device import ParameterCount
 from .model_limits import check_model_limits
 
 if TYPE_CHECKING:
@@ -87,14 +87,6 @@ def build_model(run: Run, precision: PrecisionConfig,
     freeze_parameters(model, opts.freeze, opts.train_only)
     model.train()
     return model, adapters
-
-
-@dataclass(frozen=True)
-class ParameterCount:
-    """The parameters of the model a run trains (tied ones once), and how many of them train
-    after ``--freeze`` and ``--train-only``."""
-    total: int
-    trainable: int
 
 
 def count_model_parameters(run: Run) -> ParameterCount:

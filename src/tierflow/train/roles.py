@@ -13,14 +13,25 @@ No torch here: the command line applies the first two to its flags before import
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .device import ComputeTier
-    from .options import TrainOptions
+from typing import Protocol
 
 
-def fit_owns_optimizer(opts: TrainOptions) -> bool:
+class RunFlags(Protocol):
+    """What the rules read of a run's flags (``options.TrainOptions`` has them); named here so
+    that the options, which apply the rules, are not imported by them."""
+
+    disk: str | None  # the disk tier's directory
+    gpu: str | None  # the GPU budget
+
+
+class TierBudgets(Protocol):
+    """What ``builds_on_disk`` reads of the compute tier (``device.ComputeTier`` has them)."""
+
+    gpu: int | None  # bytes
+    ram: int | None  # bytes
+
+
+def fit_owns_optimizer(opts: RunFlags) -> bool:
     """Whether ``tierflow.fit`` owns the optimizer (one AdamW per stage, stepped during the
     backward or in a pass right after it; ``owned.FitOwnedOptimizer``) rather than the
     trainer (``optimizer.LocalOptimizer``, or ``distributed.ShardedOptimizer`` under
@@ -47,7 +58,7 @@ def fit_owns_optimizer(opts: TrainOptions) -> bool:
     return bool(opts.disk) or opts.gpu is not None
 
 
-def ranks_hold_replicas(opts: TrainOptions) -> bool:
+def ranks_hold_replicas(opts: RunFlags) -> bool:
     """Under torchrun, whether every rank holds the whole model and its optimizer states
     (replicas, each stage's gradients averaged over the ranks before its update) rather than
     a 1/ranks shard of the states (ZeRO-2, ``distributed.ShardedOptimizer``). Replicas
@@ -57,7 +68,7 @@ def ranks_hold_replicas(opts: TrainOptions) -> bool:
     return fit_owns_optimizer(opts)
 
 
-def builds_on_disk(tier: ComputeTier, weights: int) -> bool:
+def builds_on_disk(tier: TierBudgets, weights: int) -> bool:
     """Whether a run with a disk tier builds its model onto it (a module or a tensor at a
     time: never whole in memory) rather than in host RAM. On the CPU, always: the disk is
     where its weights wait for fit's plan. Under a GPU, when its ``weights`` (bytes in the
