@@ -26,7 +26,7 @@ from tierflow.chain import to_chain  # noqa: E402
 from tierflow.exec.context import AutocastMode  # noqa: E402
 from tierflow.exec.memory import HostMeter, configure_host_allocator  # noqa: E402
 from tierflow.exec.stage_call import forward_plain, storage_key  # noqa: E402
-from tierflow.profile.profiler import measure_round  # noqa: E402
+from tierflow.profile.profiler import StageRun, measure_round  # noqa: E402
 from tierflow.profile.tensor_ledger import TensorLedger  # noqa: E402
 
 MIB = 1 << 20
@@ -66,14 +66,13 @@ def main() -> None:
           "per stage: min-max MiB over the rounds, RSS meter | tensor ledger")
     print(f"{'stage':10s}" + "".join(f"{f:>32s}" for f in FIELDS))
     for i, stage in enumerate(chain.stages):
-        input_grad = x.is_floating_point() and i > 0
+        run = StageRun(stage, x, ctx, autocast, held, input_grad=x.is_floating_point() and i > 0)
         by_rss, by_ledger = [], []
         for _ in range(args.rounds + 1):  # the first is a warm-up
-            by_rss.append(measure_round(stage, x, ctx, autocast, rss, held, input_grad, None))
+            by_rss.append(measure_round(run, rss, None))
             ledger = TensorLedger()
             with ledger:
-                by_ledger.append(measure_round(stage, x, ctx, autocast, blind, held, input_grad,
-                                        ledger))
+                by_ledger.append(measure_round(run, blind, ledger))
         cells = []
         for field in FIELDS:
             a = [getattr(r, field) / MIB for r in by_rss[1:]]

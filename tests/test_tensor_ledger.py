@@ -71,8 +71,8 @@ def _transients(meter: HostMeter, timing) -> profiler.StageCost:
     model = nn.Sequential(_Temporary(), nn.Linear(64, 64))
     x = torch.randn(256, 64)
     chain = to_chain(model, x)
-    costs, _ = profiler.profile_chain(chain, x, {}, AutocastMode.capture("cpu"), meter,
-                                      repeats=1, timing=timing)
+    costs, _ = profiler.profile_chain(chain, x, {}, AutocastMode.capture("cpu"),
+                                      profiler.Measuring(meter, repeats=1, timing=timing))
     return costs[0]
 
 

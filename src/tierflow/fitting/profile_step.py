@@ -22,7 +22,7 @@ from ..plan.costs import ChainCosts
 from ..plan.tier_candidates import UpdateRates
 from ..plan.tier_search import LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK, TierPlan, auto_head_chunk
 from ..profile.head_chunk import head_profile_bytes
-from ..profile.profiler import profile_chain
+from ..profile.profiler import Measuring, profile_chain
 from ..units import budget_to_give, format_bytes
 from .request import FitRequest, as_call
 from .start import FitStart
@@ -77,11 +77,11 @@ def _profile_and_plan(model: nn.Module, sample: Any, request: FitRequest, start:
     if config.compile:
         say(f"compiling {compile_chain(chain)} stages (the first profile round pays for it)")
     with untouched(model, device):
-        stage_costs, shared = profile_chain(chain, x0, ctx, start.autocast, meter,
+        measuring = Measuring(meter, repeats=config.profile_repeats, timing=_timing(start),
+                              selective=config.selective != "never")
+        stage_costs, shared = profile_chain(chain, x0, ctx, start.autocast, measuring,
                                             resident=offloaded.resident if offloaded else None,
-                                            repeats=config.profile_repeats, log=say,
-                                            timing=_timing(start),
-                                            selective=config.selective != "never")
+                                            log=say)
     # what running the model left resident (kernel caches, compiled code, allocator slack; on
     # CUDA the cuBLAS workspaces of the forward's and the autograd thread's handles, 32 MiB
     # each on an H100): it stays for the whole run, so it is planned as static

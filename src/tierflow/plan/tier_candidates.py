@@ -16,7 +16,7 @@ from ..errors import BudgetError
 from ..units import format_bytes
 from .boundary_stash import MIN_BOUNDARY_BYTES
 from .choose import make_plan
-from .costs import ChainCosts, StageCost
+from .costs import ChainCosts
 from .streaming import streamed_costs
 from .tape_offload import MIN_TAPE_BYTES
 from .tier_costs import (
@@ -86,6 +86,19 @@ class TierProblem:
         return tuple(i for i, s in enumerate(self.costs.stages) if s.param_bytes)
 
 
+@dataclass(frozen=True)
+class _Owned:
+    """The owned optimizer priced into ``TierProblem.costs``, once for every prefetch depth
+    (``all_candidates``), which every placement starts from: ``resident``, the costs with
+    each stage's update (its time and temporaries) and every optimizer state on the compute
+    tier; ``state_of``, each stage's state bytes; ``state_bytes``, those of every trainable
+    parameter."""
+
+    resident: ChainCosts
+    state_of: list[int]
+    state_bytes: int
+
+
 def all_candidates(problem: TierProblem, budget: int | None, config: FitConfig,
                     tier: str) -> tuple[list[Candidate], list[int]]:
     """Every placement at every prefetch depth the config allows, and each stage's optimizer
@@ -102,16 +115,16 @@ def all_candidates(problem: TierProblem, budget: int | None, config: FitConfig,
     resident = replace(costs, stages=tuple(stages), optimizer_owned=True,
                        static_bytes=costs.static_bytes + state_bytes,
                        extra={**costs.extra, "optimizer states": state_bytes})
+    owned = _Owned(resident, state_of, state_bytes)
     depths = PREFETCH_DEPTHS if config.prefetch_depth is None else (config.prefetch_depth,)
     candidates: list[Candidate] = []
     for depth in depths:
-        candidates += _candidates(problem, resident, stages, state_of, state_bytes, budget,
-                                  config, tier, depth, kept_whole=depth == depths[-1])
+        candidates += _candidates(problem, owned, budget, config, tier, depth,
+                                  kept_whole=depth == depths[-1])
     return candidates, state_of
 
 
-def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCost],
-                state_of: list[int], state_bytes: int, budget: int | None, config: FitConfig,
+def _candidates(problem: TierProblem, owned: _Owned, budget: int | None, config: FitConfig,
                 tier: str, depth: int, kept_whole: bool = True) -> list[Candidate]:
     """The placements read ``depth`` stages ahead: the optimizer states on the compute tier
     or on each lower tier, with the weights of the largest stages (or all) streamed from a
@@ -125,15 +138,16 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
         if config.optimizer_states not in ("auto", home.name if home else "compute"):
             continue
         if home is None:
-            with_states, notes = resident, ()
+            with_states, notes = owned.resident, ()
         else:
-            with_states = states_below(resident, base, stages, state_of, home, depth > 0)
-            notes = (f"the optimizer states ({format_bytes(state_bytes)}) live in {home.about}"
-                     f", {'read ahead of' if depth else 'read at'} each stage's update and "
-                     f"written back after ({format_bytes(home.bandwidth)}/s)",)
+            with_states = states_below(owned.resident, base, owned.resident.stages,
+                                       owned.state_of, home, depth > 0)
+            notes = (f"the optimizer states ({format_bytes(owned.state_bytes)}) live in "
+                     f"{home.about}, {'read ahead of' if depth else 'read at'} each stage's "
+                     f"update and written back after ({format_bytes(home.bandwidth)}/s)",)
         if config.stream != "all":
             kept = Candidate(with_states, home, None, frozenset(), notes, depth)
-            hosted = _updated_on_host(kept, (), problem, stages, state_of, config)
+            hosted = _updated_on_host(kept, (), problem, owned, config)
             if hosted is None or config.host_updates != "all":
                 candidates.append(kept)
             if hosted is not None:
@@ -147,14 +161,13 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
                 streams = Candidate(moved, home, source, frozenset(streamed),
                                     notes + (why + " and written back after each update",),
                                     depth)
-                hosted = _updated_on_host(streams, (why,), problem, stages, state_of, config)
+                hosted = _updated_on_host(streams, (why,), problem, owned, config)
                 if hosted is None or config.host_updates != "all":
                     candidates.append(streams)
                 if hosted is not None:
                     candidates.append(hosted)
             if home is source and kept_whole:
-                candidates += _kept_whole(problem, resident, stages, state_of, home, notes,
-                                          config, depth)
+                candidates += _kept_whole(problem, owned, home, notes, config, depth)
     if config.selective != "never":
         candidates = with_selective(candidates, config)
     if problem.lower and config.offload_tapes != "never":
@@ -167,8 +180,7 @@ def _candidates(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
 
 
 def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
-                     problem: TierProblem, stages: list[StageCost], state_of: list[int],
-                     config: FitConfig) -> Candidate | None:
+                     problem: TierProblem, owned: _Owned, config: FitConfig) -> Candidate | None:
     """``candidate`` (its states in the host RAM below a GPU, or on the disk below that RAM)
     with the updates of its stages run in host RAM, on their twins (exec/host_update.py): a
     resident stage's weights get a host copy; a streamed stage's are stepped where they live
@@ -183,12 +195,11 @@ def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
     host = frozenset(problem.host_updatable) - candidate.states_kept
     if not host:
         return None
-    state_of = candidate.states_below(state_of)
+    state_of = candidate.states_below(owned.state_of)
     read_ahead = candidate.depth > 0
     on_disk = host & candidate.streamed if candidate.weights is not ram else frozenset()
-    costs = updated_on_host(candidate.costs, problem.costs, state_of, host,
-                            candidate.streamed, home, ram, rates.host_seconds_per_byte,
-                            read_ahead, candidate.weights if on_disk else None,
+    costs = updated_on_host(candidate, problem.costs, state_of, host, ram,
+                            rates.host_seconds_per_byte, candidate.weights if on_disk else None,
                             beside_backward=not rates.host_shares_compute)
     size = [problem.costs.stages[i].param_bytes for i in range(problem.costs.length)]
     copies = sum(size[i] for i in host - candidate.streamed)
@@ -200,7 +211,7 @@ def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
     # weights read from disk (the stage stepping's, the next one's when reading ahead, and
     # a buffer kept for a larger stage), and the gradients of the stage stepping and of the
     # next one
-    held = copies + max(stages[i].update_transient for i in host) + \
+    held = copies + max(owned.resident.stages[i].update_transient for i in host) + \
         host_states_in_flight(state_of, host, home, read_ahead) + \
         sum(sorted(size[i] for i in on_disk)[-(3 if read_ahead else 2):]) + \
         2 * max((size[i] for i in come_down), default=0)
@@ -223,8 +234,7 @@ def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
                    host=ram)
 
 
-def _kept_whole(problem: TierProblem, resident: ChainCosts, stages: list[StageCost],
-                state_of: list[int], home: LowerTier, notes: tuple[str, ...],
+def _kept_whole(problem: TierProblem, owned: _Owned, home: LowerTier, notes: tuple[str, ...],
                 config: FitConfig, depth: int) -> list[Candidate]:
     """Under a budget of ``home`` (the tier of the states and of every streamed stage's
     weights), the placements that keep a few stages whole on the compute tier (weights
@@ -238,7 +248,7 @@ def _kept_whole(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
     every = frozenset(problem.streamable)
     if home.budget is None or config.stream == "all":
         return []
-    freed = {i: problem.costs.stages[i].weight_bytes + state_of[i] +
+    freed = {i: problem.costs.stages[i].weight_bytes + owned.state_of[i] +
              (problem.costs.stages[i].param_bytes if problem.deferred else 0)
              for i in every & set(problem.optimizer_stages)}
     if not freed:
@@ -250,26 +260,24 @@ def _kept_whole(problem: TierProblem, resident: ChainCosts, stages: list[StageCo
         kept = frozenset(order[:count])
         if count > len(order) or kept >= every:  # nothing would stream: resident candidates
             break
-        streams = _streamed_from(resident, problem, stages, state_of, home, notes,
-                                 every - kept, kept, depth)
-        hosted = _updated_on_host(streams, streams.notes[-1:], problem, stages, state_of,
-                                  config)
+        streams = _streamed_from(problem, owned, home, notes, every - kept, kept, depth)
+        hosted = _updated_on_host(streams, streams.notes[-1:], problem, owned, config)
         out.append(hosted or streams)  # stepped in host RAM where it can be (half the plans)
     return out
 
 
-def _streamed_from(resident: ChainCosts, problem: TierProblem, stages: list[StageCost],
-                   state_of: list[int], home: LowerTier, notes: tuple[str, ...],
-                   streamed: frozenset[int], kept: frozenset[int], depth: int) -> Candidate:
+def _streamed_from(problem: TierProblem, owned: _Owned, home: LowerTier,
+                   notes: tuple[str, ...], streamed: frozenset[int], kept: frozenset[int],
+                   depth: int) -> Candidate:
     """The candidate whose states and ``streamed`` stages' weights live on ``home``, but
     for the ``kept`` stages' states, which stay on the compute tier."""
-    with_states = states_below(resident, problem.costs, stages, state_of, home, depth > 0,
-                               kept=kept)
+    with_states = states_below(owned.resident, problem.costs, owned.resident.stages,
+                               owned.state_of, home, depth > 0, kept=kept)
     moved, why = _streaming(with_states, home, streamed, depth)
     if kept:
         why += (f"; {len(kept)} stage(s) stay whole on the compute tier (weights, gradients and "
-                f"optimizer states: {format_bytes(sum(state_of[i] for i in kept))} of states), "
-                f"so that {home.about} holds the rest")
+                f"optimizer states: {format_bytes(sum(owned.state_of[i] for i in kept))} of "
+                f"states), so that {home.about} holds the rest")
     return Candidate(moved, home, home, streamed, notes + (why,), depth, states_kept=kept)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from ..config import FitConfig
 from ..units import format_bytes
 from .boundary_stash import stashable_boundaries, stashed_boundary_costs
-from .costs import ChainCosts
+from .costs import ChainCosts, StageCost
 from .selective import selectable, selective_costs
 from .streaming import TRANSFER_RESOURCES
 from .tape_offload import activation_tape, offloaded_tape_costs
@@ -148,8 +148,8 @@ def with_stashed_boundaries(candidates: list[Candidate], tier: LowerTier, config
     return out
 
 
-def states_below(resident: ChainCosts, base: ChainCosts, stages: list, state_of: list[int],
-                 home: LowerTier, read_ahead: bool = True,
+def states_below(resident: ChainCosts, base: ChainCosts, stages: Sequence[StageCost],
+                 state_of: list[int], home: LowerTier, read_ahead: bool = True,
                  kept: frozenset[int] = frozenset()) -> ChainCosts:
     """``resident`` with the optimizer states on a lower tier: each stage's states are in
     memory while it updates, and two stages' are in flight (the next one's read ahead and the
@@ -174,20 +174,20 @@ def states_in_flight(state_of: list[int], read_ahead: bool) -> int:
     return (2 if read_ahead else 1) * max(state_of, default=0)
 
 
-def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
-                    host: frozenset[int], streamed: frozenset[int], home: LowerTier,
-                    link: LowerTier, host_seconds_per_byte: float,
-                    read_ahead: bool, weights_disk: LowerTier | None = None,
+def updated_on_host(candidate: Candidate, base: ChainCosts, state_of: list[int],
+                    host: frozenset[int], link: LowerTier, host_seconds_per_byte: float,
+                    weights_disk: LowerTier | None = None,
                     beside_backward: bool = True) -> ChainCosts:
-    """``costs`` (states on ``home``, the host RAM below a GPU or the disk below that RAM)
-    with the ``host`` stages' updates run in host RAM instead: their gradients go down the
-    ``link`` (the host RAM tier), the host optimizer steps their states and host copies of
-    their weights, and the new weights come up: a ``streamed`` stage's with its next fetch,
-    a resident stage's right after the step. States on disk are read into host RAM for the
-    step and written back after it: read while the step before runs (``read_ahead``), or by
-    the step itself. Weights streamed from ``weights_disk`` (None: from host RAM) are read
-    for the step the same way, and written back by the host thread after it. A streamed
-    stage stepped there is read for its next forward (the plan's Loads say when).
+    """``candidate``'s costs (its states on ``candidate.states``, the host RAM below a GPU or
+    the disk below that RAM) with the ``host`` stages' updates run in host RAM instead: their
+    gradients go down the ``link`` (the host RAM tier), the host optimizer steps their
+    states and host copies of their weights, and the new weights come up: a streamed
+    stage's with its next fetch, a resident stage's right after the step. States on disk
+    are read into host RAM for the step and written back after it: read while the step
+    before runs (when the candidate reads ahead, ``depth`` > 0), or by the step itself.
+    Weights streamed from ``weights_disk`` (None: from host RAM) are read for the step the
+    same way, and written back by the host thread after it. A streamed stage stepped there
+    is read for its next forward (the plan's Loads say when).
 
     A stage's gradients go down by the plan's Store of them (``plan/gradient_schedule.py``,
     on the link's "copy down", priced at its bandwidth), its ``host_update_time`` is the
@@ -198,6 +198,8 @@ def updated_on_host(costs: ChainCosts, base: ChainCosts, state_of: list[int],
     host thread steps on the cores that compute), the compute tier waits for all of it: the
     step is in ``update_time``. With updates deferred, the update pass runs those Updates
     on these costs (``deferred_costs``, ``tier_search``)."""
+    costs, streamed, home = candidate.costs, candidate.streamed, candidate.states
+    read_ahead = candidate.depth > 0
     stages = list(costs.stages)
     for i in host:
         params = base.stages[i].param_bytes

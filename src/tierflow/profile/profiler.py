@@ -43,6 +43,36 @@ class _Measured:
     selective: SelectiveCost | None = None  # its taped forward run selectively
 
 
+@dataclass(frozen=True)
+class Measuring:
+    """How ``profile_chain`` measures every stage, the same for each of its rounds: ``meter``
+    reads the tier's bytes; ``repeats`` rounds follow a warm-up round; ``timing``, when
+    given, is a context to time the rounds in (the allocator the steps will use, when memory
+    is measured under another); ``selective``: also measure each stage's taped forward run
+    selectively (exec/selective.py)."""
+
+    meter: HostMeter | DeviceMeter
+    repeats: int = 2
+    timing: Callable[[], Any] | None = None
+    selective: bool = True
+
+
+@dataclass(frozen=True)
+class StageRun:
+    """A stage and what each of its rounds runs on: its input ``x``, the step's context
+    ``ctx`` (masks, rotary tables), the autocast mode, the storages that are no tape
+    (``held``: parameters and the context's tensors) and whether ``x`` takes a gradient
+    (``input_grad``). Every round of the stage, timed or measured, whole or selective, runs
+    on the same."""
+
+    stage: nn.Module
+    x: torch.Tensor
+    ctx: dict[str, Any]
+    autocast: AutocastMode
+    held: set[int]
+    input_grad: bool
+
+
 _CACHE: dict[tuple, _Measured] = {}
 
 
@@ -56,16 +86,13 @@ def stage_parameters(stage: nn.Module) -> list[nn.Parameter]:
 
 
 def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
-                  meter: HostMeter | DeviceMeter, *, repeats: int = 2,
-                  log: Any = None, resident: Callable[[list[nn.Parameter]], Any] | None = None,
-                  timing: Callable[[], Any] | None = None,
-                  selective: bool = True) -> tuple[list[StageCost], int]:
-    """Costs of every stage (parameter bytes are those the stage alone uses) and the bytes of
-    gradients of parameters shared between stages (tied embeddings). ``resident(params)``,
-    when given, is a context that holds a stage's weights while it runs (a model whose
-    weights start on disk). ``timing``, when given, is a context to time the stages in (the
-    allocator the steps will use, when memory is measured under another). ``selective``:
-    also measure each stage's taped forward run selectively (exec/selective.py)."""
+                  measuring: Measuring, *,
+                  resident: Callable[[list[nn.Parameter]], Any] | None = None,
+                  log: Any = None) -> tuple[list[StageCost], int]:
+    """Costs of every stage (parameter bytes are those the stage alone uses), measured as
+    ``measuring`` says, and the bytes of gradients of parameters shared between stages (tied
+    embeddings). ``resident(params)``, when given, is a context that holds a stage's weights
+    while it runs (a model whose weights start on disk)."""
     resident = resident or (lambda params: contextlib.nullcontext())
     owners = _parameter_users(chain)
     shared = {key for key, users in owners.items() if len(users) > 1}
@@ -87,13 +114,13 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
         input_grad = x.is_floating_point() and trains
         trains = trains or any(p.requires_grad for p in stage.parameters())
         key = (chain.signatures[i], tuple(x.shape), x.dtype, str(x.device), autocast, input_grad,
-               selective)
+               measuring.selective)
         fresh = key not in _CACHE
         if fresh:
             started = time.perf_counter()
             with resident(list(stage.parameters())):
-                _CACHE[key] = _measure(stage, x, ctx, autocast, meter, held, input_grad,
-                                       repeats, timing, selective)
+                _CACHE[key] = _measure(StageRun(stage, x, ctx, autocast, held, input_grad),
+                                       measuring)
             if log is not None:
                 log(f"profiled {chain.names[i]} in {time.perf_counter() - started:.1f} s")
         m = _CACHE[key]
@@ -125,19 +152,17 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
     return costs, shared_bytes
 
 
-def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
-             meter: HostMeter | DeviceMeter, held: set[int], input_grad: bool,
-             repeats: int, timing: Callable[[], Any] | None, selective: bool) -> _Measured:
-    """The stage's rounds (``_rounds``) and, when ``selective`` and the stage is not compiled,
-    those of its selective variant: kept when the stage can run so (``SelectiveUnsupported``),
-    keeps something (a stage without matmuls that autograd records would recompute all of
-    itself) and less than the whole tape. Its
+def _measure(run: StageRun, measuring: Measuring) -> _Measured:
+    """The stage's rounds (``_rounds``) and, when ``measuring.selective`` and the stage is not
+    compiled, those of its selective variant: kept when the stage can run so
+    (``SelectiveUnsupported``), keeps something (a stage without matmuls that autograd
+    records would recompute all of itself) and less than the whole tape. Its
     recomputation is what its backward takes beyond the whole tape's backward."""
-    whole = _rounds(stage, x, ctx, autocast, meter, held, input_grad, repeats, timing, False)
-    if not selective or is_compiled(stage):
+    whole = _rounds(run, measuring, False)
+    if not measuring.selective or is_compiled(run.stage):
         return whole
     try:
-        part = _rounds(stage, x, ctx, autocast, meter, held, input_grad, repeats, timing, True)
+        part = _rounds(run, measuring, True)
     except SelectiveUnsupported:
         return whole
     if not 0 < part.tape < whole.tape:
@@ -147,23 +172,22 @@ def _measure(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: A
         fwd_transient=part.fwd_transient, bwd_transient=part.bwd_transient))
 
 
-def _rounds(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
-            meter: HostMeter | DeviceMeter, held: set[int], input_grad: bool,
-            repeats: int, timing: Callable[[], Any] | None, selective: bool) -> _Measured:
-    """Memory from ``repeats`` rounds after a warm-up round; times from the same rounds, or,
-    when ``timing`` is given (a context that sets the allocator the steps will run with),
-    from ``repeats`` rounds inside it after one more warm-up round. Memory measured apart
-    from times on the host (a RAM budget is at stake) counts tensor bytes too."""
-    counted = timing is not None and isinstance(meter, HostMeter) and not is_compiled(stage)
+def _rounds(run: StageRun, measuring: Measuring, selective: bool) -> _Measured:
+    """Memory from ``measuring.repeats`` rounds after a warm-up round (run selectively when
+    ``selective``); times from the same rounds, or, when ``measuring.timing`` is given (a
+    context that sets the allocator the steps will run with), from as many rounds inside it
+    after one more warm-up round. Memory measured apart from times on the host (a RAM budget
+    is at stake) counts tensor bytes too."""
+    meter, repeats, timing = measuring.meter, measuring.repeats, measuring.timing
+    counted = timing is not None and isinstance(meter, HostMeter) and not is_compiled(run.stage)
     ledger = TensorLedger() if counted else None
-    run = lambda counter: measure_round(stage, x, ctx, autocast, meter, held,  # noqa: E731
-                                        input_grad, counter, selective)
+    one = lambda counter: measure_round(run, meter, counter, selective)  # noqa: E731
     with ledger if ledger is not None else contextlib.nullcontext():
-        memory = [run(ledger) for _ in range(repeats + 1)][1:]
+        memory = [one(ledger) for _ in range(repeats + 1)][1:]
     timed = memory
     if timing is not None:
         with timing():
-            timed = [run(None) for _ in range(repeats + 1)][1:]
+            timed = [one(None) for _ in range(repeats + 1)][1:]
     last = memory[-1]
     return _Measured(fwd_time=statistics.median(r.fwd_time for r in timed),
                      bwd_time=statistics.median(r.bwd_time for r in timed),
@@ -196,14 +220,12 @@ class _Window:
         return 0 if self.ledger is None else self.ledger.largest
 
 
-def measure_round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any],
-                  autocast: AutocastMode, meter: HostMeter | DeviceMeter, held: set[int],
-                  input_grad: bool, ledger: TensorLedger | None,
+def measure_round(run: StageRun, meter: HostMeter | DeviceMeter, ledger: TensorLedger | None,
                   selective: bool = False) -> _Measured:
-    """One round of ``stage`` on ``x``: a forward without a tape, one with (``held``: the
-    storages that are no tape, such as parameters; ``selective``: run selectively) and its
-    backward, timed and measured by ``meter`` and, when given, ``ledger`` (whose dispatch
-    mode must be active)."""
+    """One round of ``run.stage`` on ``run.x``: a forward without a tape, one with
+    (``selective``: run selectively) and its backward, timed and measured by ``meter`` and,
+    when given, ``ledger`` (whose dispatch mode must be active)."""
+    stage, x, ctx, autocast = run.stage, run.x, run.ctx, run.autocast
     params = stage_parameters(stage)
     window = _Window(meter, ledger)
     y = forward_plain(stage, x, ctx, autocast)
@@ -220,10 +242,11 @@ def measure_round(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any],
 
     window = _Window(meter, ledger)
     start = time.perf_counter()
-    taped = forward_taped(stage, x, ctx, autocast, input_grad=input_grad, selective=selective)
+    taped = forward_taped(stage, x, ctx, autocast, input_grad=run.input_grad,
+                          selective=selective)
     meter.finish()
     fwd_time = time.perf_counter() - start
-    tape = tape_bytes(taped, held)
+    tape = tape_bytes(taped, run.held)
     output_in_tape = storage_key(taped.y) in taped.saved
     tape_transient = window.growth() - out_bytes - tape
     largest = max(largest, window.largest())
