@@ -154,11 +154,11 @@ def prediction() -> tuple[str, ...]:
 
 # the budget sweep's parts (each a set of models and modes, training and generation)
 SWEEP = ("budget-sweep-2026-11-28-enforce-small.json",
-         "budget-sweep-2026-11-28-enforce-resnet.json",
+         "budget-sweep-2026-11-28-enforce-resnet-trim.json",
          "budget-sweep-2026-11-28-enforce-large-llama-trim.json",
-         "budget-sweep-2026-11-28-enforce-large-gpt2.json",
+         "budget-sweep-2026-11-28-enforce-large-gpt2-trim.json",
          "budget-sweep-2026-11-28-enforce-generate-large.json",
-         "budget-sweep-2026-11-28-enforce-large-modes.json")
+         "budget-sweep-2026-11-28-enforce-large-modes-trim.json")
 
 
 def budget() -> tuple[str, ...]:
