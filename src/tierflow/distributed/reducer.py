@@ -52,8 +52,8 @@ class GradReducer:
         self._inflight[s] = (work, bucket, shard)
 
     def finish(self) -> tuple[list[torch.Tensor], set[int]]:
-        """Start the stages whose Reduce did not run (a plan without them: one loaded from
-        a file), wait for every reduction; returns this rank's shard of each stage's
+        """Start the stages whose Reduce did not run (none when the plan has a Reduce for
+        every stage with parameters, as placed), wait for every reduction; returns this rank's shard of each stage's
         reduced gradient, ``(shard,)`` per stage, and the ids of the parameters that had a
         gradient on this rank."""
         stages = self.layout.stages
