@@ -50,7 +50,7 @@ from generate_enforce import TIERFLOW_CHILD  # noqa: E402
 from harness import machine, source_commit, write_results  # noqa: E402
 from random_tokens import random_token_files  # noqa: E402
 
-from tierflow.units import format_bytes, parse_bytes  # noqa: E402
+from tierflow.core.units import format_bytes, parse_bytes  # noqa: E402
 
 MODELS = ("llama-20m", "llama-134m", "gpt2-124m", "qwen2-tiny", "resnet")
 MODES = {"ram": [], "disk": None, "bf16": ["--model-dtype", "bf16", "--optim-dtype", "bf16"],

@@ -95,9 +95,9 @@ def main() -> int:
     import transformers.modeling_utils  # noqa: F401  (part of the baseline, as the trainer's)
 
     import tierflow
+    from tierflow.core.units import budget_to_give
     from tierflow.exec.memory import rss_bytes
     from tierflow.profile.machine import default_matmul_dtype, maxrss_bytes
-    from tierflow.units import budget_to_give
     base, base_rss = maxrss_bytes(), rss_bytes()
     bf16 = default_matmul_dtype() == "bf16"
     torch.manual_seed(0)

@@ -34,15 +34,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from harness import source_commit, write_results  # noqa: E402
 
-from tierflow import measure  # noqa: E402
-from tierflow.units import format_bytes  # noqa: E402
+from tierflow.cli import measure  # noqa: E402
+from tierflow.core.units import format_bytes  # noqa: E402
 
 # One configuration in this fresh process: one JSON line.
 CHILD = r"""
 import json, statistics, sys, tempfile, time
 import torch
-import tierflow, tierflow.api
-from tierflow import measure
+import tierflow, tierflow.fitting.fit
+from tierflow.cli import measure
 from tierflow.exec.memory import return_free_memory
 from tierflow.profile.machine import maxrss_bytes, reset_peak_rss
 mode, arch, checkpoint = sys.argv[1:4]
@@ -114,7 +114,7 @@ print(json.dumps(record), flush=True)
 # --built-on-disk: the peers' model, saved once by a process of its own
 SAVE = r"""
 import sys
-from tierflow import measure
+from tierflow.cli import measure
 measure.build(sys.argv[1], int(sys.argv[2])).save_pretrained(sys.argv[3])
 """
 

@@ -51,7 +51,7 @@ from generate_stream import PEER_CHILD, checkpoint, out_of_page_cache  # noqa: E
 from harness import machine, source_commit, write_results  # noqa: E402
 from memory_cgroup import MemoryCgroup, memory_cgroup, unavailable  # noqa: E402
 
-from tierflow.units import format_bytes, parse_bytes  # noqa: E402
+from tierflow.core.units import format_bytes, parse_bytes  # noqa: E402
 
 GIB = 2 ** 30
 ENV = dict(os.environ, PYTHONPATH=str(ROOT / "src"))

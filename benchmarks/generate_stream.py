@@ -44,8 +44,8 @@ from memory_cgroup import MemoryCgroup, memory_cgroup, unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from tierflow import measure  # noqa: E402
-from tierflow.page_cache import drop_from_page_cache  # noqa: E402
+from tierflow.cli import measure  # noqa: E402
+from tierflow.core.page_cache import drop_from_page_cache  # noqa: E402
 
 TEXT = ("The quick brown fox jumps over the lazy dog near the river bank, and then it runs "
         "back home to sleep until the sun comes up again over the hills.")
@@ -220,7 +220,7 @@ def under_cgroup(args: argparse.Namespace, model: Path, int8: Path, prompt: str)
     why = "--cgroup none" if args.cgroup == "none" else unavailable()
     if why is not None:
         return {"skipped": why}
-    from tierflow.units import parse_bytes
+    from tierflow.core.units import parse_bytes
     runs: dict = {"limit": args.cgroup}
     with memory_cgroup(parse_bytes(args.cgroup)) as cgroup:
         for name in ("peer", "tierflow", "tierflow_int8"):

@@ -21,7 +21,7 @@ def speed(r: dict) -> str:
 
 def disk_bound(printed: list[str]) -> dict:
     """Bytes read per token and the read bandwidth streaming measured, from what it printed."""
-    from tierflow.units import parse_bytes
+    from tierflow.core.units import parse_bytes
     text = "\n".join(printed)
     per_token = re.search(r"([\d.]+) (\w?i?B) read per token", text)
     read = re.search(r"read \d+ layers \(([\d.]+) (\w?i?B)\) in ([\d.]+) s \(([\d.]+) GB/s\)"

@@ -1,6 +1,6 @@
 """What the benchmark scripts share: the commit a benchmark measured and where its results go.
 
-A script runs each configuration in a fresh process with ``tierflow.measure.run_json`` (the
+A script runs each configuration in a fresh process with ``tierflow.cli.measure.run_json`` (the
 runner ``tierflow compare`` uses), then writes ``results/<name>.md`` (the table) and
 ``results/<name>.json`` (every record) with ``write_results``, naming the measured source
 with ``source_commit`` and the machine with ``machine``. Scripts import it as ``from harness

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from harness import write_results  # noqa: E402
 
-from tierflow import measure  # noqa: E402
+from tierflow.cli import measure  # noqa: E402
 
 # Both models on the same windows, in a fresh process: one JSON line.
 CHILD = r"""

@@ -58,7 +58,8 @@ from random_tokens import random_token_files
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from tierflow.measure import last_json  # noqa: E402
+from tierflow.cli.measure import last_json  # noqa: E402
+
 PEERS = ROOT.parent / "shared" / "peers" / "peers.py"
 RESULTS = ROOT / "benchmarks" / "results"
 GIB = 2 ** 30
@@ -131,7 +132,7 @@ def _wait4(pid: int, timeout: float | None):
 
 
 def _size(text: str) -> int:
-    from tierflow.units import parse_bytes, size_with_unit
+    from tierflow.core.units import parse_bytes, size_with_unit
     return parse_bytes(size_with_unit(text, "--ram"), what="--ram")
 
 

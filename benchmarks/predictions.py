@@ -19,13 +19,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+from tierflow.core.units import format_bytes
 from tierflow.plan.placement import PlacementError
 from tierflow.precision.config import PrecisionConfig
 from tierflow.sim.hardware import PUBLISHED
 from tierflow.sim.predict import predict
 from tierflow.sim.setup import Setup
 from tierflow.sim.shapes import load_shape, shape_from_config
-from tierflow.units import format_bytes
 
 GIB = 2 ** 30
 # Qwen/Qwen2.5-7B's config.json (the shape only): no preset of ours is that size

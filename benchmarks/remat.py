@@ -22,8 +22,8 @@ import json
 import os
 import platform
 import subprocess
-import tempfile
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -31,10 +31,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 try:
-    from tierflow import measure
+    from tierflow.cli import measure
 except ImportError:  # run from a checkout without the editable install
     sys.path.insert(0, str(ROOT / "src"))
-    from tierflow import measure
+    from tierflow.cli import measure
 from tierflow.profile.machine import fast_bf16
 
 GIB = 2**30

@@ -27,15 +27,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 from harness import source_commit, write_results  # noqa: E402
 
-from tierflow import measure  # noqa: E402
+from tierflow.cli import measure  # noqa: E402
 
 # One process: fit refused at 1 MiB, with the probe's steps recorded. One JSON line.
 CHILD = r"""
 import json, sys, tempfile
 import torch
-import tierflow, tierflow.api
+import tierflow, tierflow.fitting.fit
 import tierflow.profile.optimizer_probe as probe
-from tierflow import measure
+from tierflow.cli import measure
 arch, seq, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 import tierflow.fitting.tiers
 steps, priced = [], []

@@ -23,9 +23,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
-from tierflow import measure  # noqa: E402
-
 from random_tokens import random_token_files  # noqa: E402
+
+from tierflow.cli import measure  # noqa: E402
 
 VOCAB, SEQ, BATCH = 32000, 1024, 4
 

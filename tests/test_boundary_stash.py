@@ -12,7 +12,7 @@ from side_by_side import gathered_parameters, train_accumulating, train_side_by_
 from test_rotor import keep_all_peak, random_chain
 
 import tierflow
-from tierflow.config import FitConfig
+from tierflow.core.config import FitConfig
 from tierflow.plan import Plan
 from tierflow.plan.boundary_schedule import BOUNDARY, with_boundary_transfers
 from tierflow.plan.boundary_stash import stashable_boundaries, stashed_boundary_costs

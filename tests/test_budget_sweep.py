@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tierflow import enforce
+from tierflow.exec import enforce
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from models import (
+    CORE_FAMILIES,
+    HF_FAMILIES,
+    hf_sample,
+    mlp_sample,
+    residual_mlp,
+    resnet_cnn,
+    resnet_sample,
+    sequential_mlp,
+    tiny_hf,
+)
 from torch import nn
 
-from models import (CORE_FAMILIES, HF_FAMILIES, hf_sample, mlp_sample, resnet_cnn,
-                    resnet_sample, residual_mlp, sequential_mlp, tiny_hf)
 from tierflow.chain import ChainError, call_args, stateful_modules, to_chain
 
 
@@ -212,7 +221,7 @@ def test_hf_refusal_names_the_family():
     import transformers
 
     from tierflow.chain.base import UnsupportedModelError
-    from tierflow.errors import TierflowError
+    from tierflow.core.errors import TierflowError
 
     config = transformers.XLMConfig(vocab_size=128, emb_dim=32, n_layers=2, n_heads=4,
                                     dropout=0.1, causal=True)

@@ -1,5 +1,5 @@
 """The command line: user errors are one line with exit code 2; `tierflow compare` runs end to
-end. Also the measurement helpers compare and the benchmarks share (tierflow.measure)."""
+end. Also the measurement helpers compare and the benchmarks share (tierflow.cli.measure)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,10 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cli_support import assert_error_line
-from tierflow import measure
-from tierflow.cli import compare
+
+from tierflow.cli import compare, measure
 from tierflow.cli.main import main
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -59,7 +58,7 @@ def test_bad_ram_from_python_dash_m():
 
 
 def test_tierflow_value_error_is_one_line(monkeypatch, capsys):
-    from tierflow.errors import BudgetError
+    from tierflow.core.errors import BudgetError
 
     def infeasible(args):
         raise BudgetError("ram budget 1.00 MiB is too small:\nthe smallest plan needs 9.00 MiB",

@@ -11,8 +11,8 @@ from cli_support import assert_error_line, run_main
 
 from tierflow.cli.main import build_parser, main
 from tierflow.cli.train import from_args
-from tierflow.errors import TierflowError
-from tierflow.units import parse_bytes
+from tierflow.core.errors import TierflowError
+from tierflow.core.units import parse_bytes
 
 GIB = 2**30
 COMMANDS = ["train", "generate", "compare", "demo", "plan", "sweep"]

@@ -377,14 +377,14 @@ def test_a_real_out_of_memory_error_replans_and_retries(train_env, tmp_path, cap
     step needs, well above what a plan under 80% of its predicted peak needs: step 1 runs
     out of memory for real, the trainer re-plans from the measured costs and reruns it, and
     the losses are those of an uncapped run."""
-    from tierflow import api
+    from tierflow.fitting import fit
 
     gpu = ("--gpu", "4GiB", "--ram", "8GiB", "--seq-len", "128", "--batch-size", "256")
     code, _, err = run_main(*fp32_train_args(train_env, tmp_path / "free", 2, *gpu),
                             capsys=capsys)
     assert code == 0, err
     total = torch.cuda.get_device_properties(CUDA).total_memory
-    real_fit = api.fit
+    real_fit = fit.fit
     limits: list[int] = []
 
     def capped_after_the_first_plan(*args, **kwargs):
@@ -400,7 +400,7 @@ def test_a_real_out_of_memory_error_replans_and_retries(train_env, tmp_path, cap
             torch.cuda.set_per_process_memory_fraction(limits[0] / total)
         return module
 
-    monkeypatch.setattr(api, "fit", capped_after_the_first_plan)
+    monkeypatch.setattr(fit, "fit", capped_after_the_first_plan)
     try:
         code, out, err = run_main(*fp32_train_args(train_env, tmp_path / "capped", 2, *gpu),
                                   capsys=capsys)
@@ -433,7 +433,7 @@ def test_an_int8_model_decodes_on_cuda_as_on_the_cpu(family):
 def test_host_ram_below_the_gpu_reserves_the_pinned_heaps_unused_end():
     """The copies in host RAM come from page-locked segments of up to a GiB: the RAM tier's
     reserve holds the last one's unused end, so a plan cannot count on it."""
-    from tierflow.config import PINNED_SEGMENT_BYTES
+    from tierflow.core.config import PINNED_SEGMENT_BYTES
     from tierflow.fitting.tiers import lower_tiers
 
     tiers, stores = lower_tiers(torch.device("cuda"), None, 8 << 30, True, None)

@@ -43,7 +43,7 @@ def _free_port() -> int:
 def launch(args, ranks: int) -> list[subprocess.Popen]:
     """``python -m tierflow ARGS`` as ``ranks`` processes of one gloo world (1: no world),
     each in a session of its own (kill one with ``os.killpg``) and forked by /bin/sh, so that
-    its peak RSS starts from its own, not from this test process's (see tierflow.measure)."""
+    its peak RSS starts from its own, not from this test process's (see tierflow.cli.measure)."""
     base = dict(os.environ, PYTHONPATH=SRC, OMP_NUM_THREADS="1")
     for key in ("TIERFLOW_TRACEBACK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         base.pop(key, None)

@@ -1,4 +1,4 @@
-"""``tierflow.enforce``: the files each cgroup version's function writes (on a made-up cgroup
+"""``tierflow.exec.enforce``: the files each cgroup version's function writes (on a made-up cgroup
 tree, on any machine), and the kernel holding a child process to its limit under the cgroup
 version this machine mounts (each test skips, naming why, where that version has no memory
 controller or cannot be written)."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tierflow import enforce
+from tierflow.exec import enforce
 
 MiB = 1 << 20
 
@@ -50,7 +50,7 @@ def test_no_cgroup_says_why_in_one_line(tmp_path):
 # and then touches N MiB of fresh anonymous memory
 _CHILD = textwrap.dedent("""
     import mmap, os, sys, tempfile
-    from tierflow import enforce
+    from tierflow.exec import enforce
     parent = getattr(enforce, sys.argv[1])(os.getpid())
     if isinstance(parent, str):
         print("SKIP", parent, flush=True); sys.exit(0)
@@ -195,7 +195,7 @@ def test_without_a_cgroup_fit_says_why_and_runs_on_only_if_asked(monkeypatch):
 
 def test_a_budget_the_process_already_holds_is_refused_whatever_unenforced_ok_says():
     """No cgroup can keep it: one line with the value, the limit and the fix, never a note."""
-    from tierflow.errors import TierflowError
+    from tierflow.core.errors import TierflowError
     for unenforced_ok in (False, True):
         with pytest.raises(TierflowError) as err:
             enforce.hold(10 * MiB, baseline=100 * MiB, rss=130 * MiB,
@@ -268,7 +268,7 @@ def generate_enforced(model: str, ram: str) -> None:
     import io
 
     from tierflow.cli.main import main
-    from tierflow.units import parse_bytes
+    from tierflow.core.units import parse_bytes
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         assert main(["generate", "--model", model, *GENERATE, "--ram", ram, "--enforce"]) == 0
@@ -292,10 +292,11 @@ def test_generate_under_enforce_streams_in_its_cgroup(generate_model):
     why = _no_cgroup_here()
     if why:
         pytest.skip(why)
-    from fresh_process import run_in_fresh_process
     import io
 
-    from tierflow.errors import TierflowError
+    from fresh_process import run_in_fresh_process
+
+    from tierflow.core.errors import TierflowError
     from tierflow.generate.options import GenerateRequest
     from tierflow.generate.sample import run
     with pytest.raises(TierflowError, match="give --ram") as refused:  # the plan's floor

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tierflow.errors import TierflowError
+from tierflow.core.errors import TierflowError
 from tierflow.exec import file_io
 from tierflow.exec.disk import DiskStore
 from tierflow.exec.file_io import ALIGN, direct_io_supported, file_bytes

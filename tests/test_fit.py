@@ -6,18 +6,25 @@ from dataclasses import replace
 
 import pytest
 import torch
+from models import (
+    CORE_FAMILIES,
+    hf_sample,
+    mlp_sample,
+    residual_mlp,
+    resnet_cnn,
+    resnet_sample,
+    sequential_mlp,
+    tiny_hf,
+)
+from side_by_side import train_side_by_side
 
 import tierflow
-from tierflow.config import FitConfig
+from tierflow.core.config import FitConfig
 from tierflow.exec.file_io import ALIGN
 from tierflow.plan import Plan
 from tierflow.plan.rotor import rotor, smallest_budget
 from tierflow.plan.simulate import simulate
 from tierflow.plan.strategies import keep_all
-
-from models import (CORE_FAMILIES, hf_sample, mlp_sample, residual_mlp, resnet_cnn, resnet_sample,
-                    sequential_mlp, tiny_hf)
-from side_by_side import train_side_by_side
 
 PLANNERS = ("keep-all", "checkpoint-all", "rotor-mid", "rotor-min")
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tierflow.cli.main import main
+from tierflow.core.errors import TierflowError
 from tierflow.data.tokenizer import EOT, train_tokenizer
-from tierflow.errors import TierflowError
 from tierflow.generate.sample import GenerateStats, encode_prompt, generate, sample_ids, stop_ids
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -209,14 +209,15 @@ def test_cli_chat_renders_the_template_and_prints_only_the_reply(chat_dir, capsy
     template with its generation prompt (the ids the model gets), generation ends at the
     template's end token <|im_end|>, and only the reply is printed, its end token not. The
     model's next tokens are forced by a hook on its LM head: two words, then <|im_end|>."""
-    import tierflow.load
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
+
+    import tierflow.exec.load
     tok = Tokenizer.from_file(str(chat_dir / "tokenizer.json"))
     reply_ids = tok.encode(" wrapped text").ids
     end = tok.token_to_id("<|im_end|>")
     forced, seen = [*reply_ids, end, *reply_ids], []
-    real_load = tierflow.load.load_model
+    real_load = tierflow.exec.load.load_model
 
     def load_forcing(*args, **kwargs):
         model = real_load(*args, **kwargs)
@@ -229,7 +230,7 @@ def test_cli_chat_renders_the_template_and_prints_only_the_reply(chat_dir, capsy
             return logits
         model.lm_head.register_forward_hook(force)
         return model
-    monkeypatch.setattr(tierflow.load, "load_model", load_forcing)
+    monkeypatch.setattr(tierflow.exec.load, "load_model", load_forcing)
     assert main(["generate", "--model", str(chat_dir), "--chat", "--prompt", "wrap this",
                  "--temperature", "0", "--dtype", "fp32", "--max-new-tokens", "10"]) == 0
     out = capsys.readouterr().out
@@ -243,8 +244,9 @@ def test_cli_chat_renders_the_template_and_prints_only_the_reply(chat_dir, capsy
 
 
 def test_chat_template_end_ids_are_the_tokenizer_and_generation_eos(chat_dir):
-    from tierflow.data.examples import ChatTemplate
     from tokenizers import Tokenizer
+
+    from tierflow.data.examples import ChatTemplate
     end = Tokenizer.from_file(str(chat_dir / "tokenizer.json")).token_to_id("<|im_end|>")
     assert ChatTemplate(chat_dir).end_ids() == {end}
 

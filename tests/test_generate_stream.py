@@ -9,13 +9,13 @@ import shutil
 import pytest
 import torch
 
+from tierflow.core.errors import TierflowError
+from tierflow.core.units import parse_bytes
 from tierflow.data.tokenizer import EOT, train_tokenizer
-from tierflow.errors import TierflowError
 from tierflow.generate.memory import RUNTIME_BYTES, MemoryNeed, memory_needed
 from tierflow.generate.options import GenerateRequest
 from tierflow.generate.sample import run, sample_ids
 from tierflow.generate.stream import PAGE_CACHE_BYTES, PREFETCH_SLOTS, load_streamed, plan_stream
-from tierflow.units import parse_bytes
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "the quick brown fox jumps over the lazy dog. " * 4,
          "import os\nprint(os.getcwd())\n"] * 3
@@ -106,8 +106,8 @@ def smallest_budget(directory, dtype: str) -> int:
 
 def layer_bytes(directory, dtype: torch.dtype) -> int:
     """One decoder layer's parameter bytes in ``dtype``."""
-    from tierflow.chain.hf import decoder_layers
     from tierflow import load_model
+    from tierflow.chain.hf import decoder_layers
     model = load_model(directory, dtype=dtype)
     return sum(p.nbytes for p in decoder_layers(model.base_model)[1][0].parameters())
 

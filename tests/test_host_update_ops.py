@@ -147,7 +147,7 @@ def test_a_host_step_takes_the_gradients_its_store_sent_down_and_refuses_others(
     import torch
     from torch import nn
 
-    from tierflow.errors import TierflowError
+    from tierflow.core.errors import TierflowError
     from tierflow.exec.host_update import HostUpdates
     from tierflow.plan.ops import Store
 

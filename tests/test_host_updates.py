@@ -12,7 +12,7 @@ from side_by_side import train_and_match
 
 import tierflow
 from tierflow import FitConfig
-from tierflow.errors import BudgetError
+from tierflow.core.errors import BudgetError
 from tierflow.exec.host_store import HostStore
 from tierflow.plan import tier_candidates
 from tierflow.plan.costs import ChainCosts, StageCost

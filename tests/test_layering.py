@@ -3,9 +3,11 @@
 Every ``import`` and ``from ... import`` counts, also one inside a function (a lazy import is
 still a dependency: it only runs later), except those under ``if TYPE_CHECKING:``, which
 type checkers read and Python never runs. A node of the graph is a subpackage of tierflow
-(``plan``, ``exec``, ``sim``, ...) or a module at the package root (``api``, ``measure``, ...,
-each its own node); ``tierflow/__init__.py`` is the node ``tierflow``. The rules:
+(``plan``, ``exec``, ``sim``, ...); ``tierflow/__init__.py`` is the node ``tierflow``. The
+rules:
 
+- no module at the package root but ``__init__.py`` and ``__main__.py``: each has a package;
+- ``core/`` imports no torch and no other package of tierflow: it is what every one shares;
 - ``plan/`` imports no torch: the planner is data, tested and run without a GPU;
 - ``models/`` does not import ``exec/``: a model knows nothing about memory;
 - ``sim/`` does not import ``train/``: the simulator prices a run without the trainer;
@@ -30,6 +32,7 @@ PACKAGE = "tierflow"
 
 # (importing node, imported node or top-level package, why not)
 RULES = (
+    ("core", "torch", "what every package shares imports no torch"),
     ("plan", "torch", "the planner is pure data and imports no torch"),
     ("models", "exec", "a model knows nothing about memory: place its tensors from outside"),
     ("sim", "train", "the simulator prices a run without importing the trainer"),
@@ -104,7 +107,7 @@ def read_imports(root: Path, package: str = PACKAGE, typing_too: bool = False) -
 
 def node_of(module: str, package: str = PACKAGE) -> str:
     """The graph node of a dotted module: ``tierflow.exec.offload`` -> ``exec``,
-    ``tierflow.api`` -> ``api``, ``tierflow`` -> ``tierflow``; outside the package its
+    ``tierflow`` -> ``tierflow``; outside the package its
     top-level name (``torch.nn`` -> ``torch``)."""
     parts = module.split(".")
     if parts[0] != package:
@@ -274,6 +277,18 @@ def imports() -> list[Import]:
 def test_no_package_imports_what_the_layering_forbids(imports):
     found = forbidden(imports)
     assert not found, "\n".join(found)
+
+
+def test_core_imports_no_other_package_of_tierflow(imports):
+    found = [str(i) for i in imports if node_of(i.source) == "core"
+             and i.target.split(".")[0] == PACKAGE and node_of(i.target) != "core"]
+    assert not found, "\n".join(found)
+
+
+def test_no_module_sits_at_the_package_root():
+    loose = sorted(p.name for p in (SRC / PACKAGE).glob("*.py")
+                   if p.name not in ("__init__.py", "__main__.py"))
+    assert not loose, f"give these modules a package: {loose}"
 
 
 def test_no_import_cycle_between_packages(imports):

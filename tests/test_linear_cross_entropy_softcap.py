@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tierflow.errors import TierflowError
+from tierflow.core.errors import TierflowError
 from tierflow.kernels import linear_cross_entropy
 
 loss_utils = pytest.importorskip("transformers.loss.loss_utils")

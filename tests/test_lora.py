@@ -12,7 +12,7 @@ from side_by_side import train_and_match
 
 import tierflow
 from tierflow import FitConfig
-from tierflow.errors import TierflowError
+from tierflow.core.errors import TierflowError
 from tierflow.models.lora import ALL_LINEAR, LoraSpec, add_adapters, split_targets
 
 SPEC = LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=ALL_LINEAR)

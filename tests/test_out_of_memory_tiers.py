@@ -15,7 +15,7 @@ from models import hf_sample, tiny_hf
 from side_by_side import train_and_match
 
 import tierflow
-from tierflow.config import FitConfig
+from tierflow.core.config import FitConfig
 
 STEPS = 3
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from tierflow.errors import BudgetError
+from tierflow.core.errors import BudgetError
 from tierflow.plan.placement import Placement, PlacementError
 from tierflow.sim.calibrate import hardware
 from tierflow.sim.hardware import Hardware

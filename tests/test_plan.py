@@ -6,7 +6,16 @@ from pathlib import Path
 import pytest
 
 from tierflow import BudgetError, FitConfig
-from tierflow.plan import Backward, ChainCosts, Forward, Free, InvalidPlan, Plan, StageCost, simulate
+from tierflow.plan import (
+    Backward,
+    ChainCosts,
+    Forward,
+    Free,
+    InvalidPlan,
+    Plan,
+    StageCost,
+    simulate,
+)
 from tierflow.plan.choose import make_plan
 from tierflow.plan.strategies import checkpoint_all, keep_all
 
@@ -22,7 +31,7 @@ def chain_costs(n: int = 4, *, owned: bool = False, static: int = 1000) -> Chain
 
 def test_planner_imports_no_torch():
     code = ("import sys; sys.path.insert(0, %r); import tierflow.plan, tierflow.plan.choose, "
-            "tierflow.config; assert 'torch' not in sys.modules, 'torch was imported'" % str(SRC))
+            "tierflow.core.config; assert 'torch' not in sys.modules, 'torch was imported'" % str(SRC))
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

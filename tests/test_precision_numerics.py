@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tierflow.errors import TierflowError
+from tierflow.core.errors import TierflowError
 from tierflow.precision import PrecisionConfig, PrecisionError, stochastic_round_bf16
 from tierflow.precision.adamw import CHUNK
 from tierflow.precision.quant import (

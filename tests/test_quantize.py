@@ -13,8 +13,8 @@ from models import CORE_FAMILIES, tiny_hf
 from test_generate_stream import LAYERS, PROMPT, save_tiny, smallest_budget
 
 from tierflow import load_model
+from tierflow.core.errors import TierflowError
 from tierflow.data.tokenizer import train_tokenizer
-from tierflow.errors import TierflowError
 from tierflow.generate.memory import memory_needed
 from tierflow.generate.options import GenerateRequest
 from tierflow.generate.sample import run
@@ -218,8 +218,8 @@ def test_a_sharded_checkpoint_is_quantized_into_one_file(tok, tmp_path):
 def test_every_core_family_quantizes_and_decodes(family, tmp_path):
     """Each family's checkpoint, quantized on disk, loads as the model quantized in memory,
     stays within 3% of the float logits, and decodes with its KV cache."""
-    from tierflow.generate.sample import sample_ids
     from tierflow.generate.quantize import quantize_checkpoint
+    from tierflow.generate.sample import sample_ids
     tiny_hf(family).save_pretrained(tmp_path / "model")
     quantize_checkpoint(tmp_path / "model", tmp_path / "int8", log=io.StringIO())
     loaded = load_model(tmp_path / "int8", for_generation=True)

@@ -11,7 +11,7 @@ from models import hf_sample, tiny_hf
 
 import tierflow
 from tierflow import FitConfig
-from tierflow.errors import TierflowError
+from tierflow.core.errors import TierflowError
 from tierflow.plan.ops import Backward, Reduce, Update
 from tierflow.plan.reductions import Reductions
 

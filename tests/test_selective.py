@@ -14,7 +14,7 @@ from torch import nn
 
 import tierflow
 from tierflow.chain import to_chain
-from tierflow.config import FitConfig
+from tierflow.core.config import FitConfig
 from tierflow.exec.context import AutocastMode
 from tierflow.exec.selective import SelectiveUnsupported, run_selective
 from tierflow.exec.stage_call import (

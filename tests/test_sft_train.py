@@ -13,7 +13,7 @@ from cli_support import records, run_main
 from sft_support import chat_model_dir, chats, pairs, unanswered, write_jsonl
 
 import tierflow
-from tierflow.config import FitConfig
+from tierflow.core.config import FitConfig
 from tierflow.data.tokenfile import TokenFile, TokenWriter
 from tierflow.data.tokenize import tokenize
 from tierflow.train.packing import IGNORE, PackedBatches, step_inputs, targets

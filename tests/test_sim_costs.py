@@ -7,7 +7,7 @@ import torch
 from models import CORE_FAMILIES, hf_config, hf_sample
 from torch.utils.flop_counter import FlopCounterMode
 
-from tierflow.errors import TierflowError
+from tierflow.core.errors import TierflowError
 from tierflow.models.presets import count_parameters, preset_config
 from tierflow.plan.simulate import simulate
 from tierflow.plan.strategies import keep_all
@@ -74,7 +74,7 @@ def test_activation_bytes_match_the_profiler():
     were measured on (another width, GQA ratio and MLP width)."""
     from transformers import LlamaConfig
 
-    from tierflow.api import fit
+    from tierflow.fitting.fit import fit
     config = LlamaConfig(num_hidden_layers=1, hidden_size=192, intermediate_size=384,
                          num_attention_heads=6, num_key_value_heads=2, vocab_size=512,
                          use_cache=False, attn_implementation="sdpa")

@@ -10,7 +10,7 @@ from cli_support import assert_error_line, run_main
 from models import hf_config, hf_sample
 from torch.utils.flop_counter import FlopCounterMode
 
-from tierflow.errors import TierflowError
+from tierflow.core.errors import TierflowError
 from tierflow.models.freeze import freeze_parameters
 from tierflow.precision.config import PrecisionConfig
 from tierflow.sim.freeze import selection_for
@@ -90,7 +90,7 @@ def test_stage_costs_match_the_profiler_of_the_frozen_model(tmp_path):
     analytic costs say, stage by stage."""
     from transformers import AutoModelForCausalLM
 
-    from tierflow.api import fit
+    from tierflow.fitting.fit import fit
     config = hf_config("llama", layers=4)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)

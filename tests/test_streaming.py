@@ -14,7 +14,7 @@ from side_by_side import (
 )
 
 import tierflow
-from tierflow.config import FitConfig
+from tierflow.core.config import FitConfig
 from tierflow.exec.file_io import file_bytes
 from tierflow.plan.costs import ChainCosts, StageCost
 from tierflow.plan.ops import TRANSFERS, Forward, Load, Store, stage_of

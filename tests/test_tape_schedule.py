@@ -8,7 +8,7 @@ from models import hf_sample, tiny_hf
 from side_by_side import train_side_by_side
 
 import tierflow
-from tierflow.config import FitConfig
+from tierflow.core.config import FitConfig
 from tierflow.plan.costs import ChainCosts, StageCost
 from tierflow.plan.kept_below import KeptBelow
 from tierflow.plan.ops import Backward, Drop, Forward, Load, Store

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from fresh_process import run_in_fresh_process
 
-from tierflow.config import FitConfig
+from tierflow.core.config import FitConfig
 from tierflow.plan.placement import PlacementError
 from tierflow.plan.tier_search import TierSearch, place_on_tiers
 from tierflow.sim.hardware import Hardware
@@ -94,8 +94,8 @@ def _probe_matches_the_prediction(moments: str, weights: str) -> None:
     import torch
 
     from tierflow.exec.memory import meter_for
-    from tierflow.profile.optimizer_probe import probe_optimizer
     from tierflow.precision.adamw import AdamW
+    from tierflow.profile.optimizer_probe import probe_optimizer
     from tierflow.sim.tiered import adamw_transient_bytes
 
     dtype = torch.bfloat16 if weights == "bf16" else torch.float32

@@ -14,11 +14,11 @@ import pytest
 from cli_support import assert_error_line
 
 from tierflow.cli.main import main
+from tierflow.core.errors import TierflowError
 from tierflow.data import TokenFile, collect, stdlib_corpus, write_tokens
 from tierflow.data.tokenfile import HEADER_BYTES, MAGIC
 from tierflow.data.tokenize import eval_indices, tokenize
 from tierflow.data.tokenizer import EOT
-from tierflow.errors import TierflowError
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

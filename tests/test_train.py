@@ -329,7 +329,7 @@ def test_schedule_warmup_then_cosine():
 def test_the_plan_table_lists_every_kind_on_the_disk_tier():
     """Optimizer states, streamed weights, offloaded tapes and stashed checkpoints each have
     a share of the disk tier in the [Plan] table and in its JSON record."""
-    from tierflow.config import FitConfig
+    from tierflow.core.config import FitConfig
     from tierflow.plan.choose import make_plan
     from tierflow.plan.costs import ChainCosts, StageCost
     from tierflow.precision.config import PrecisionConfig
@@ -356,7 +356,7 @@ def test_the_plan_table_lists_every_kind_on_the_disk_tier():
 def test_the_plan_table_says_what_host_steps_hold_in_ram():
     """Below a GPU, the [Plan]'s ram-tier line names what AdamW's steps there hold: the
     states' and the weights' reads from disk only when the plan makes them."""
-    from tierflow.config import FitConfig
+    from tierflow.core.config import FitConfig
     from tierflow.plan.choose import make_plan
     from tierflow.plan.costs import ChainCosts, StageCost
     from tierflow.precision.config import PrecisionConfig
@@ -385,7 +385,7 @@ def test_the_plan_table_says_what_host_steps_hold_in_ram():
 def test_the_plan_table_counts_the_update_pass():
     """With updates after the backward (clipping, accumulation) the [Plan] table's step time
     includes the pass and its peak is the larger of the plan's and the pass's."""
-    from tierflow.config import FitConfig
+    from tierflow.core.config import FitConfig
     from tierflow.plan.choose import make_plan
     from tierflow.plan.costs import ChainCosts, StageCost
     from tierflow.plan.tier_costs import UpdatePass
@@ -413,12 +413,12 @@ def test_the_plan_table_counts_the_optimizer_step_and_what_is_held_outside_the_p
     """The [Plan] table lists the optimizer step's temporaries apart from its states (both are
     reserved), and its margin is the budget less the peak and less what the process held
     before planning (the plan got only the rest)."""
-    from tierflow.config import FitConfig
+    from tierflow.core.config import FitConfig
+    from tierflow.core.units import format_margin
     from tierflow.plan.choose import make_plan
     from tierflow.plan.costs import ChainCosts, StageCost
     from tierflow.precision.config import PrecisionConfig
     from tierflow.train.logger import PlanPrecision, plan_section
-    from tierflow.units import format_margin
 
     stage = StageCost("layer", fwd_time=1.0, bwd_time=2.0, param_bytes=100, output_bytes=10,
                       tape=30)

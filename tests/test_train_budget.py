@@ -9,7 +9,7 @@ from fresh_process import run_in_fresh_process
 from torch import nn
 
 import tierflow
-from tierflow.errors import BudgetError
+from tierflow.core.errors import BudgetError
 from tierflow.exec.memory import return_free_memory, rss_bytes
 from tierflow.train.device import ComputeTier
 
@@ -96,8 +96,7 @@ def test_a_model_whose_states_pass_the_ram_is_refused_before_it_is_built(train_e
 
 def test_the_states_floor_counts_bf16_weights_and_shards_over_ranks():
     from tierflow.precision import PrecisionConfig
-    from tierflow.train.device import BUILT_TO_MEASURE
-    from tierflow.train.device import ParameterCount
+    from tierflow.train.device import BUILT_TO_MEASURE, ParameterCount
 
     def count(n: int, trainable: int | None = None) -> ParameterCount:
         return ParameterCount(n, n if trainable is None else trainable)

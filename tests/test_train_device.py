@@ -63,7 +63,7 @@ def test_a_model_whose_weights_pass_a_cuda_gpu_budget_is_one_line():
     """Without --disk the model goes to the GPU whole: weights above --gpu are one line naming
     both sizes and --disk, before anything is moved. (The CUDA tier is made by hand: this
     machine has none, and the check runs before any CUDA call.)"""
-    from tierflow.errors import TierflowError
+    from tierflow.core.errors import TierflowError
     from tierflow.train.device import ComputeTier
 
     model = torch.nn.Linear(1024, 1024, bias=False)  # 4 MiB of weights
@@ -102,7 +102,7 @@ def test_simulated_gpu_matches_the_cpu_run(train_env, tmp_path, capsys):
 
 def _out_of_memory_at(monkeypatch, calls: set[int]) -> None:
     """The fitted module's forward raises a GPU out-of-memory error on these calls (1-based)."""
-    from tierflow.module import TierflowModule
+    from tierflow.exec.module import TierflowModule
     forward = TierflowModule.forward
     count = [0]
 

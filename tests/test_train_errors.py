@@ -463,7 +463,7 @@ def test_generate_ram_refuses_below_the_need_and_runs_at_it(gen_dir, tmp_path):
         assert fragment in lines[0]
     import re
     smallest = re.search(r"give --ram (\S+ \S+|\d+ B) or more", lines[0]).group(1)
-    from tierflow.units import parse_bytes
+    from tierflow.core.units import parse_bytes
     assert need <= parse_bytes(smallest.replace(" ", "")) <= need * 1.01 + 1
     ok = subprocess.run([*base, "--ram", smallest.replace(" ", "")], capture_output=True,
                         text=True, env=env, timeout=300)

@@ -14,10 +14,10 @@ from cli_support import assert_error_line, fp32_train_args, records, run_main, t
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+from tierflow.core.errors import TierflowError
 from tierflow.data.tokenfile import TokenFile
-from tierflow.errors import TierflowError
-from tierflow.train.data import Batches
 from tierflow.models.freeze import freeze_parameters
+from tierflow.train.data import Batches
 from tierflow.train.optimizer import BETAS, EPS
 from tierflow.train.schedule import lr_at
 from tierflow.train.sol import model_flops_per_token

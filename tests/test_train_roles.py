@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierflow.errors import TierflowError
+from tierflow.core.errors import TierflowError
 from tierflow.train.device import ComputeTier
 from tierflow.train.options import TrainOptions
 from tierflow.train.roles import builds_on_disk, fit_owns_optimizer, ranks_hold_replicas

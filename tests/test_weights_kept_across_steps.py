@@ -12,7 +12,7 @@ from models import hf_sample, tiny_hf
 from side_by_side import gathered_parameters, train_side_by_side
 
 import tierflow
-from tierflow.config import FitConfig
+from tierflow.core.config import FitConfig
 from tierflow.plan.costs import ChainCosts, StageCost
 
 

@@ -26,12 +26,13 @@ from typing import Any
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from .errors import BudgetError, TierflowError
-from .units import format_bytes, parse_bytes
+from .core.errors import BudgetError, TierflowError
+from .core.units import format_bytes, parse_bytes
 
 __version__ = "0.1.0"
 
-_LAZY = {"fit": "api", "TierflowModule": "api", "FitConfig": "config", "load_model": "load",
+_LAZY = {"fit": "fitting.fit", "TierflowModule": "exec.module", "FitConfig": "core.config",
+         "load_model": "exec.load",
          "PrecisionConfig": "precision", "apply_precision": "precision",
          "autocast_context": "precision", "make_optimizer": "precision",
          "quantize_int8": "models.int8"}

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 Context = dict[str, Any]
 

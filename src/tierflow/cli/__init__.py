@@ -10,7 +10,8 @@ the work or calls the package that does: ``tokenize`` (``data/``), ``train`` (it
 ``train/evaluate.py``), ``generate`` and ``quantize`` (``generate/``), ``plot`` (reads a
 training log and draws it), ``plan``, ``sweep`` and ``calibrate`` (``sim/``), ``demo``
 (tokenize, train, generate and plot on the Python standard library) and ``compare`` (plain
-PyTorch against tierflow, measured by ``measure.py``).
+PyTorch against tierflow, measured by ``measure.py``, whose children run as
+``python -m tierflow.cli.measure``).
 
 Nothing is imported here: ``main.py`` imports the commands.
 """

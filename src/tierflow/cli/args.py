@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
-from ..errors import TierflowError
-from ..units import parse_bytes, size_with_unit
+from ..core.errors import TierflowError
+from ..core.units import parse_bytes, size_with_unit
 
 PROG = "tierflow"
 

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 
 def register(sub: Any) -> None:
@@ -23,8 +23,8 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Measure, cache and print the cpu profile."""
+    from ..core.units import section
     from ..sim.calibrate import calibrate
-    from ..units import section
     if args.disk is not None and not args.disk.is_dir():
         raise TierflowError(f"--disk {args.disk} is not a directory: create it or give "
                             "another one")

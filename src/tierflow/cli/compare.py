@@ -1,16 +1,16 @@
 """``tierflow compare``: fit a small Llama on random tokens under a RAM budget and measure
 plain PyTorch and tierflow side by side, each in a fresh process (the first demo of the
-project; the measuring is ``tierflow.measure``'s)."""
+project; the measuring is ``tierflow.cli.measure``'s)."""
 from __future__ import annotations
 
 import argparse
 import time
 from typing import Any
 
-from .. import measure
-from ..config import PLANNERS
+from ..core.config import PLANNERS
+from ..core.units import format_bytes, format_margin, with_rerun_margin
 from ..profile.machine import default_matmul_dtype
-from ..units import format_bytes, format_margin, with_rerun_margin
+from . import measure
 from .args import positive_int, size
 
 

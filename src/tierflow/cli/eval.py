@@ -9,7 +9,7 @@ import argparse
 import json
 from typing import Any
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from .args import bounded_number, memory_size
 
 DEFAULT_SEQ_LEN = 256  # tierflow train's
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         if data.eval.mask is not None:
             check_fits(data.eval, opts.seq_len)
     if opts.disk:
-        from ..paths import require_disk_directory
+        from ..core.paths import require_disk_directory
         require_disk_directory(opts.disk)
     from ..train.evaluate import evaluate_files
     for result in evaluate_files(opts, datas, max_batches=args.max_batches):

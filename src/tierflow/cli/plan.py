@@ -10,7 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from ..errors import BudgetError, TierflowError
+from ..core.errors import BudgetError, TierflowError
 from .args import memory_bytes
 
 

@@ -26,7 +26,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Write the CSV and heatmaps; print one line per file."""
-    from ..paths import require_writable_dir
+    from ..core.paths import require_writable_dir
     from ..sim.freeze import selection_for
     from ..sim.options import base_setup, hardware_from_args, positive_list
     from ..sim.shapes import load_shape

@@ -11,8 +11,8 @@ from typing import Any
 
 import tomllib
 
-from ..config import DEFAULT_CLIP
-from ..errors import TierflowError
+from ..core.config import DEFAULT_CLIP
+from ..core.errors import TierflowError
 from ..precision.config import CHOICES
 from ..train.options import (
     DTYPES,
@@ -261,7 +261,7 @@ def register(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train; under torchrun, end this rank's process the way ``dist.exit_rank`` says."""
-    from ..torchrun_env import world_size_from_env
+    from ..core.torchrun_env import world_size_from_env
     from ..train.preflight import preflight
     opts = from_args(args)
     preflight(opts)  # bad input fails here, before the seconds of importing torch

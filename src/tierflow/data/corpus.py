@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from . import STDLIB
 from .examples import TEXT, Example, check_columns, example_of
 from .records import columns, is_record_file, read_records

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 CHAT, COMPLETION, TEXT = "chat", "prompt/completion", "text"

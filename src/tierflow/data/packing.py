@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from .tokenfile import TokenFile
 
 

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 _BATCH_ROWS = 1024

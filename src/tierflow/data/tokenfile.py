@@ -29,8 +29,8 @@ from typing import BinaryIO, Iterable, Sequence
 
 import numpy as np
 
-from ..errors import TierflowError
-from ..page_cache import drop_from_page_cache
+from ..core.errors import TierflowError
+from ..core.page_cache import drop_from_page_cache
 
 MAGIC = b"TFTOKENS"
 VERSION = 2

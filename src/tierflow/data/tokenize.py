@@ -24,7 +24,7 @@ from typing import Any, Iterator, Sequence, TextIO
 import numpy as np
 from tokenizers import Tokenizer
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from . import DEFAULT_EVAL_FRACTION, DEFAULT_VOCAB_SIZE, STDLIB
 from .corpus import Corpus, collect
 from .examples import CHAT, TEXT, ChatTemplate, encode_example

@@ -12,7 +12,7 @@ from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 EOT = "<|endoftext|>"
 # the files beside tokenizer.json that transformers reads to load a tokenizer as it was saved

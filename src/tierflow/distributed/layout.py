@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from .layout import Piece, ShardLayout
 
 

@@ -27,8 +27,8 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ..errors import TierflowError
-from ..torchrun_env import world_size_from_env
+from ..core.errors import TierflowError
+from ..core.torchrun_env import world_size_from_env
 
 _ALIVE = "tierflow/alive/{}"
 _CLOSED = "tierflow/closed/{}"

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from ..errors import TierflowError
-from ..paths import require_disk_directory
-from ..units import format_bytes
+from ..core.errors import TierflowError
+from ..core.paths import require_disk_directory
+from ..core.units import format_bytes
 from .copy_stream import SideStreamCopier
 from .file_io import direct_io_supported, file_bytes, read_tensors, write_tensors
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..page_cache import drop_from_page_cache
+from ..core.page_cache import drop_from_page_cache
 
 ALIGN = 4096  # bytes: the file offsets and memory addresses that direct I/O accepts
 BOUNCE_BYTES = 1 << 20  # per I/O thread: a multiple of ALIGN

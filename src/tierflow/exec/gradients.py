@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from ..plan.ops import Load, Store, Transfer
 from .disk import DiskStore, WriteBehind
 from .grad_norm import square_norm

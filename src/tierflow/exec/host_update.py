@@ -39,7 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from ..plan.ops import HOST_OPTIMIZER, Store
 from .buffers import BufferPool
 from .copy_stream import SideStreamCopier

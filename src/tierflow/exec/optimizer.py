@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..chain.base import Chain
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from ..plan.gradient_schedule import GRADS
 from ..plan.ops import Load, Store, Transfer, Update
 from .buffers import BufferPool

@@ -20,7 +20,7 @@ import threading
 
 import torch
 
-from ..config import PINNED_SEGMENT_BYTES
+from ..core.config import PINNED_SEGMENT_BYTES
 
 ALIGN = 512  # bytes: a carved tensor's offset in its segment, a multiple of every dtype's size
 SEGMENT = PINNED_SEGMENT_BYTES  # the largest segment, unless a tensor needs a larger one

@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..chain.base import Chain, stateful_modules
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from ..plan.ops import (
     TRANSFERS,
     Backward,

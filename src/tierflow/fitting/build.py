@@ -11,21 +11,21 @@ from dataclasses import replace
 from torch import nn
 
 from ..chain.base import Chain
+from ..core.units import format_bytes
 from ..exec.boundaries import BoundaryStash
 from ..exec.deferred import DeferredUpdates
 from ..exec.gradients import GradientStash
 from ..exec.host_update import HostUpdates
 from ..exec.memory import CACHING_THRESHOLD, HostRoom, configure_host_allocator
+from ..exec.module import Executors, TierflowModule
 from ..exec.offload import OffloadedParameters, attach, offloaded_parameters
 from ..exec.optimizer import OwnedOptimizer
 from ..exec.stage_call import storage_key
 from ..exec.tapes import TapeOffload
 from ..exec.transfers import transfer_to
 from ..exec.weights import WeightStreamer, stage_parameters_to_stream
-from ..module import Executors, TierflowModule
 from ..plan.plan import Plan
 from ..plan.tier_search import TierPlan
-from ..units import format_bytes
 from .request import FitRequest
 from .start import FitStart
 

@@ -1,11 +1,11 @@
 """The last step of ``fit`` under ``FitConfig(enforce=True)``: the kernel, not a measurement
 after the fact, holds the process to its RAM budget from the first step on (a memory cgroup,
-``tierflow/enforce.py``). Entered once the step is planned, so that a budget the plan refuses
+``tierflow/exec/enforce.py``). Entered once the step is planned, so that a budget the plan refuses
 is refused in one line before anything runs under the limit."""
 from __future__ import annotations
 
-from .. import enforce
-from ..errors import TierflowError
+from ..core.errors import TierflowError
+from ..exec import enforce
 from ..exec.memory import return_free_memory, rss_bytes
 from .request import FitRequest
 from .start import FitStart

@@ -12,7 +12,8 @@ from torch import nn
 
 from ..chain import to_chain
 from ..chain.base import Chain
-from ..errors import BudgetError
+from ..core.errors import BudgetError
+from ..core.units import budget_to_give, format_bytes
 from ..exec.compile import compile_chain
 from ..exec.context import untouched
 from ..exec.memory import caching_allocator, meter_for, return_free_memory
@@ -23,7 +24,6 @@ from ..plan.tier_candidates import UpdateRates
 from ..plan.tier_search import LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK, TierPlan, auto_head_chunk
 from ..profile.head_chunk import head_profile_bytes
 from ..profile.profiler import Measuring, profile_chain
-from ..units import budget_to_give, format_bytes
 from .request import FitRequest, as_call
 from .start import FitStart
 from .tiers import PlacedTiers, place, update_rates

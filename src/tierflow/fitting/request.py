@@ -2,36 +2,61 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..config import FitConfig
-from ..errors import TierflowError
-from ..units import parse_bytes
+from ..core.config import FitConfig
+from ..core.errors import TierflowError
+from ..core.units import parse_bytes
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
 @dataclass(frozen=True)
 class FitRequest:
-    """``fit``'s arguments: budgets as given (bytes or strings), the optimizer factory (None:
-    the caller steps its own), the disk tier's directory, the bytes the caller's optimizer
-    holds (``reserve``), micro-batches per update, the clipping norm, the planner's config."""
+    """``fit``'s keyword arguments, checked as the record is made (a TierflowError names the
+    first that contradicts itself or another): budgets as given (bytes or strings), the
+    optimizer factory (None: the caller steps its own), the disk tier's directory, the bytes
+    the caller's optimizer holds (``reserve``, a size string parsed to bytes), micro-batches
+    per update, the clipping norm, the planner's config (``planner`` names only the planner,
+    merged into it)."""
 
-    ram: int | str | None
-    gpu: int | str | None
-    optimizer: OptimizerFactory | None
-    disk: str | Path | None
-    reserve: int
-    grad_accum: int
-    max_grad_norm: float | None
-    config: FitConfig
-    verbose: bool
+    ram: int | str | None = None
+    gpu: int | str | None = None
+    optimizer: OptimizerFactory | None = None
+    disk: str | Path | None = None
+    reserve: int | str = 0  # bytes once made
+    grad_accum: int = 1
+    max_grad_norm: float | None = None
+    config: FitConfig | None = None  # a FitConfig once made
+    verbose: bool = False
     baseline: int | None = None  # the RSS a RAM budget counts from (None: fit's start)
+    planner: InitVar[str] = "auto"
+
+    def __post_init__(self, planner: str) -> None:
+        config = self.config or FitConfig(planner=planner)
+        if planner != "auto" and config.planner != planner:
+            raise TierflowError(f"planner={planner!r} disagrees with config.planner="
+                                f"{config.planner!r}: give one or the other")
+        if self.grad_accum < 1:
+            raise TierflowError(f"grad_accum={self.grad_accum} must be at least 1")
+        norm = self.max_grad_norm
+        if norm is not None and not norm > 0:
+            raise TierflowError(f"max_grad_norm={norm} must be > 0 (None: no clipping)")
+        if self.optimizer is None and norm is not None:
+            raise TierflowError("max_grad_norm= applies to an optimizer tierflow owns: pass "
+                                "optimizer= too, or clip around your own optimizer as in plain "
+                                "PyTorch")
+        if self.baseline is not None and self.baseline < 0:
+            raise TierflowError(f"baseline={self.baseline} is negative: give the process's RSS "
+                                "in bytes (e.g. right after its imports), or None")
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "reserve", parse_bytes(self.reserve, what="reserve")
+                           if self.reserve else 0)
 
     @property
     def deferred(self) -> bool:
@@ -43,33 +68,6 @@ class FitRequest:
     def grads_resident(self) -> bool:
         """The caller accumulates gradients over micro-batches: they live the whole step."""
         return self.optimizer is None and self.grad_accum > 1
-
-
-def make_request(*, ram: int | str | None, gpu: int | str | None, planner: str,
-                 optimizer: OptimizerFactory | None, disk: str | Path | None,
-                 reserve: int | str, grad_accum: int, max_grad_norm: float | None,
-                 config: FitConfig | None, verbose: bool,
-                 baseline: int | None = None) -> FitRequest:
-    """``fit``'s keyword arguments as a ``FitRequest``; a TierflowError names the first one
-    that contradicts itself or another."""
-    config = config or FitConfig(planner=planner)
-    if planner != "auto" and config.planner != planner:
-        raise TierflowError(f"planner={planner!r} disagrees with config.planner="
-                            f"{config.planner!r}: give one or the other")
-    if grad_accum < 1:
-        raise TierflowError(f"grad_accum={grad_accum} must be at least 1")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise TierflowError(f"max_grad_norm={max_grad_norm} must be > 0 (None: no clipping)")
-    if optimizer is None and max_grad_norm is not None:
-        raise TierflowError("max_grad_norm= applies to an optimizer tierflow owns: pass "
-                            "optimizer= too, or clip around your own optimizer as in plain "
-                            "PyTorch")
-    reserved = parse_bytes(reserve, what="reserve") if reserve else 0
-    if baseline is not None and baseline < 0:
-        raise TierflowError(f"baseline={baseline} is negative: give the process's RSS in bytes "
-                            "(e.g. right after its imports), or None")
-    return FitRequest(ram, gpu, optimizer, disk, reserved, grad_accum, max_grad_norm, config,
-                      verbose, baseline)
 
 
 def check_model(model: nn.Module, sample: Any) -> None:

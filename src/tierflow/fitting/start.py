@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
+from ..core.units import parse_bytes
 from ..exec.context import AutocastMode
 from ..exec.host_model import start_in_host_ram, start_on_disk
 from ..exec.memory import EXACT_THRESHOLD, configure_host_allocator, meter_for, return_free_memory
@@ -20,7 +21,6 @@ from ..exec.offload import OffloadedParameters, offloaded_parameters
 from ..exec.stage_call import storage_key
 from ..exec.storage import TensorStore
 from ..plan.tier_costs import LowerTier
-from ..units import parse_bytes
 from .request import FitRequest, as_call, check_tiers
 from .tiers import lower_tiers
 

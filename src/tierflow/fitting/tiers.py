@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..chain.base import Chain
-from ..config import FitConfig
+from ..core.config import FitConfig
 from ..exec import boundaries as boundary_stash
 from ..exec import tapes as tape_offload
 from ..exec.disk import DiskStore, measure_bandwidth
@@ -24,11 +24,11 @@ from ..exec.optimizer import stage_owned_parameters
 from ..exec.stage_call import storage_key
 from ..exec.storage import TensorStore
 from ..exec.weights import stage_parameters_to_stream
-from ..profile.optimizer_probe import probe_optimizer
 from ..plan.costs import ChainCosts
 from ..plan.tier_candidates import TierProblem, UpdateRates
 from ..plan.tier_costs import LowerTier
 from ..plan.tier_search import TierPlan, place_on_tiers
+from ..profile.optimizer_probe import probe_optimizer
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 PROBE_SHARE = 4  # the optimizer probe's scratch parameters take 1/PROBE_SHARE of the budget

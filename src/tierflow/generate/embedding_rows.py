@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from ..models.safetensors_io import StoredTensor
 
 

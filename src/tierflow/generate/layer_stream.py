@@ -33,8 +33,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..core.units import format_bytes
 from ..models.safetensors_io import StoredTensor, pread_exact
-from ..units import format_bytes
 
 ALIGN = 64  # every tensor starts on a cache line in its slot, as torch's allocator places them
 SAMPLE_BYTES = 256 << 20  # read before generating to measure the disk (about 0.1 s)

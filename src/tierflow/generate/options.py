@@ -10,11 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..enforce import check_flags as check_enforce_flags
-from ..errors import TierflowError
+from ..core.errors import TierflowError
+from ..core.units import parse_bytes
+from ..exec.enforce import check_flags as check_enforce_flags
 from ..models.files import read_config_json, require_weight_files
 from ..train.checkpoint_dirs import latest_checkpoint
-from ..units import parse_bytes
 
 DEFAULT_MAX_NEW_TOKENS = 64
 DEFAULT_TEMPERATURE = 0.8

@@ -21,7 +21,8 @@ from typing import TextIO
 
 import torch
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
+from ..core.units import format_bytes
 from ..models.files import read_config_json
 from ..models.int8 import (
     INT8,
@@ -31,7 +32,6 @@ from ..models.int8 import (
     quantize_weight,
 )
 from ..models.safetensors_io import StoredTensor, read_tensor
-from ..units import format_bytes
 from .memory import stored_tensors
 from .options import check_new_directory
 

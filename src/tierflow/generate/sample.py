@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Sequence, TextIO
 
 import torch
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from ..models.files import max_positions
 from .memory import MemoryNeed, dtype_name, fits_in_ram, memory_needed
 from .options import (
@@ -285,8 +285,8 @@ def run(request: GenerateRequest, out: TextIO | None = None) -> GenerateStats:
     (``enforce.hold``; what it says goes to stderr), or with ``unenforced_ok`` says why it
     cannot and runs on. Returns the last prompt's stats."""
     from ..data.tokenizer import load_tokenizer
+    from ..exec.load import load_model
     from ..models.int8 import is_quantized
-    from ..load import load_model
 
     out = out if out is not None else sys.stdout
     r = request
@@ -345,9 +345,9 @@ def _kernel_limit(budget: int, unenforced_ok: bool) -> Callable[[], object]:
     stderr says which, or why none)."""
     import transformers.modeling_utils  # noqa: F401  (part of the RSS baseline)
 
-    from ..enforce import hold
+    from ..exec.enforce import hold
+    from ..exec.load import load_model  # noqa: F401  (part of the RSS baseline)
     from ..exec.memory import return_free_memory, rss_bytes
-    from ..load import load_model  # noqa: F401  (part of the RSS baseline)
     baseline = rss_bytes()
 
     def enter() -> object:

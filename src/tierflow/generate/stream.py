@@ -22,9 +22,9 @@ from typing import Callable, TextIO
 import torch
 from torch import nn
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
+from ..core.units import format_bytes
 from ..models.safetensors_io import StoredTensor, read_tensor
-from ..units import format_bytes
 from .embedding_rows import EmbeddingRows
 from .layer_stream import LayerStreamer, slot_bytes
 from .memory import RUNTIME_BYTES, MemoryNeed, dtype_name, stored_tensors

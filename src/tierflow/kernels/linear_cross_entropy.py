@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 _AUTOCAST_ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)

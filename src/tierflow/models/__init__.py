@@ -1,7 +1,7 @@
 """Models: architecture presets and loading local Hugging Face checkpoints (gpt-fast style:
 built on the meta device, weights memory-mapped from safetensors, loaded with assign=True).
 The models know nothing about memory tiers: ``tierflow.load_model`` builds or loads one
-(onto the disk tier when asked) with ``load.py``'s functions.
+(onto the disk tier when asked) with this package's ``load.py`` functions.
 
 ``read_safetensors_index`` (and torch with it) is imported only when it is used."""
 from __future__ import annotations

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 if TYPE_CHECKING:
     from torch import nn

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..seeding import derived_seed
+from ..core.seeding import derived_seed
 
 # what takes a tensor of the model as soon as it is complete: (its name, the tensor)
 Place = Callable[[str, torch.Tensor], None]

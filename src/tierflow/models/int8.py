@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 QUANTIZATION_KEY = "tierflow_quantization"  # in config.json: {"weights": "int8", ...}
 INT8 = {"weights": "int8", "scales": "one per output channel, symmetric"}

@@ -12,8 +12,7 @@ are exactly what ``from_pretrained`` computes. Only safetensors is read, never p
 ``place`` (``init.Place``) is how a caller keeps the model from ever being whole in memory:
 it takes each tensor as soon as it is read or initialized (``tierflow.load_model`` puts it on
 the disk tier). This package knows nothing about memory tiers; the public entry point,
-which picks between a preset and a directory, is ``tierflow.load_model`` (``load.py`` at
-the package root).
+which picks between a preset and a directory, is ``tierflow.load_model`` (``exec/load.py``).
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from .files import INDEX_NAME, SINGLE_NAME, read_config_json, require_weight_files
 from .init import Place, initialize
 from .int8 import align_int8, is_quantized, quantize_int8

@@ -26,7 +26,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 if TYPE_CHECKING:
     from peft import LoraConfig, PeftModel

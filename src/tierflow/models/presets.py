@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 
 @dataclass(frozen=True)

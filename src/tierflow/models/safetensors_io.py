@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 CHUNK_BYTES = 4 << 20  # read, then drop from the page cache, this much at a time
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,

@@ -1,9 +1,9 @@
 """Pick a strategy for a budget and make its Plan; say why, or say what budget would work."""
 from __future__ import annotations
 
-from ..config import FitConfig
-from ..errors import BudgetError
-from ..units import format_bytes
+from ..core.config import FitConfig
+from ..core.errors import BudgetError
+from ..core.units import format_bytes
 from .costs import ChainCosts
 from .plan import Plan
 from .rotor import Infeasible, rotor, smallest_budget

@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from ..errors import BudgetError
-from ..units import format_bytes
+from ..core.errors import BudgetError
+from ..core.units import format_bytes
 
 KINDS = ("weights", "grads", "optimizer")
 

@@ -8,9 +8,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 
-from ..units import format_bytes
+from ..core.units import format_bytes
+from .boundary_schedule import with_boundary_transfers
 from .costs import ChainCosts
 from .forward_only import forward_only_length
+from .gradient_schedule import (
+    GRADS,
+    with_gradient_reads,
+    with_gradient_transfers,
+    with_host_gradient_stores,
+)
 from .ops import (
     HOST_OPTIMIZER,
     TRANSFERS,
@@ -31,16 +38,9 @@ from .ops import (
 from .reductions import NETWORK, gathers, with_reductions
 from .selective import check_selective
 from .simulate import Simulation, check_complete, simulate
-from .timeline import Timeline, timeline
 from .state_schedule import first_read, with_state_transfers
-from .boundary_schedule import with_boundary_transfers
-from .gradient_schedule import (
-    GRADS,
-    with_gradient_reads,
-    with_gradient_transfers,
-    with_host_gradient_stores,
-)
 from .tape_schedule import with_tape_transfers
+from .timeline import Timeline, timeline
 from .transfers import Transfers
 from .weight_schedule import WeightSchedule, check_schedule, schedule_weights
 

@@ -38,7 +38,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..units import format_bytes
+from ..core.units import format_bytes
 from .costs import ChainCosts
 from .forward_only import after_prefix, forward_only_length, planned_with_prefix, prefix_ops
 from .ops import Backward, Fetch, Forward, Free, Op, Stash, Update

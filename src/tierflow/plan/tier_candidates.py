@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..config import FitConfig
-from ..errors import BudgetError
-from ..units import format_bytes
+from ..core.config import FitConfig
+from ..core.errors import BudgetError
+from ..core.units import format_bytes
 from .boundary_stash import MIN_BOUNDARY_BYTES
 from .choose import make_plan
 from .costs import ChainCosts

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from ..config import FitConfig
-from ..units import format_bytes
+from ..core.config import FitConfig
+from ..core.units import format_bytes
 from .boundary_stash import stashable_boundaries, stashed_boundary_costs
 from .costs import ChainCosts, StageCost
 from .selective import selectable, selective_costs

@@ -18,13 +18,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
-from ..config import FitConfig
-from ..errors import BudgetError, TierflowError
-from ..units import format_bytes
+from ..core.config import FitConfig
+from ..core.errors import BudgetError, TierflowError
+from ..core.units import format_bytes
+from .boundary_schedule import BOUNDARY
 from .choose import budget_for, make_plan
 from .costs import ChainCosts
+from .gradient_schedule import GRADS
+from .kept_below import KeptBelow
 from .plan import Plan
 from .rotor import smallest_budget
+from .state_schedule import STATES
+from .streaming import TRANSFER_RESOURCES
+from .tape_schedule import TAPE
 from .tier_candidates import TierProblem, all_candidates
 from .tier_costs import (
     Candidate,
@@ -34,13 +40,7 @@ from .tier_costs import (
     lower_bytes,
     with_update_pass,
 )
-from .streaming import TRANSFER_RESOURCES
 from .timeline import timeline
-from .boundary_schedule import BOUNDARY
-from .gradient_schedule import GRADS
-from .kept_below import KeptBelow
-from .state_schedule import STATES
-from .tape_schedule import TAPE
 from .transfers import Transfers
 from .weight_schedule import StreamedWeights
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 MODEL_DTYPES = ("fp32", "bf16")
 MASTERS = ("fp32", "none")

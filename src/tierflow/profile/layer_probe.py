@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from .machine import timed
 
 # hidden 1024, 16 heads of 64, 4 KV heads, SwiGLU 2816

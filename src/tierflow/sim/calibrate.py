@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from ..precision.config import OPTIM_DTYPES
 from ..profile.machine import (
     cache_dir,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from .selection import Selection
 
 
@@ -21,8 +21,8 @@ def selection_for(spec: str, freeze: str | None, train_only: str | None) -> Sele
     if freeze is None and train_only is None:
         return None
     from ..chain.hf import decoder_layers
-    from ..models.presets import meta_model
     from ..models.freeze import freeze_parameters
+    from ..models.presets import meta_model
 
     model = meta_model(_config(spec))
     try:

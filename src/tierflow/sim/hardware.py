@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 GB = 1e9
 

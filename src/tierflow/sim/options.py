@@ -9,8 +9,9 @@ import argparse
 import os
 from pathlib import Path
 
-from ..config import DEFAULT_CLIP
-from ..errors import TierflowError
+from ..core.config import DEFAULT_CLIP
+from ..core.errors import TierflowError
+from ..core.units import parse_bytes, size_with_unit
 from ..models.freeze import split_patterns
 from ..precision.config import (
     MASTERS,
@@ -19,7 +20,6 @@ from ..precision.config import (
     OPTIM_DTYPES,
     PrecisionConfig,
 )
-from ..units import parse_bytes, size_with_unit
 from .calibrate import hardware
 from .hardware import NAMES, Hardware
 from .setup import Setup, default_precision

@@ -2,7 +2,7 @@
 trainer's ``[Section]`` style, every figure labelled PREDICTED."""
 from __future__ import annotations
 
-from ..units import format_bytes, format_rate, section
+from ..core.units import format_bytes, format_rate, section
 from .hardware import Hardware
 from .predict import Prediction
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 # Families whose MLP is two matrices (up, down) rather than gated (gate, up, down).
 PLAIN_MLP = ("gpt2", "gpt_neox", "gpt_neox_japanese", "gpt_bigcode", "gptj", "gpt_neo", "opt",

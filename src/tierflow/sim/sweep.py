@@ -9,10 +9,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ..errors import BudgetError
+from ..core.errors import BudgetError
 from .predict import Prediction, predict
-from .setup import Setup
 from .selection import Selection
+from .setup import Setup
 from .shapes import ModelShape
 
 GIB = 2 ** 30

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ..config import PINNED_SEGMENT_BYTES, FitConfig
-from ..errors import BudgetError
+from ..core.config import PINNED_SEGMENT_BYTES, FitConfig
+from ..core.errors import BudgetError
 from ..plan.placement import (
     KindPlacement,
     Placement,

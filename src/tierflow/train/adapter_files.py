@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from .checkpoint import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,

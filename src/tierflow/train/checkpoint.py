@@ -39,8 +39,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import TierflowError
-from ..page_cache import drop_from_page_cache
+from ..core.errors import TierflowError
+from ..core.page_cache import drop_from_page_cache
 from .checkpoint_dirs import (
     STATE_FILE,
     checkpoint_directory,

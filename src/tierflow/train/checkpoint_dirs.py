@@ -9,7 +9,7 @@ import re
 import shutil
 from pathlib import Path
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 STATE_FILE = "trainer_state.json"  # written last: a step_N directory holding it is complete
 _STEP_DIR = re.compile(r"^step_(\d+)$")

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 # ---------------------------------------------------------------------------------------------
 # JSON for nested Python values that hold tensors

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..core.errors import TierflowError
 from ..data.tokenfile import TokenFile
-from ..errors import TierflowError
 
 
 class Batches:

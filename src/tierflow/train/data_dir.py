@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..core.errors import TierflowError
 from ..data.tokenfile import TokenFile
-from ..errors import TierflowError
 
 
 @dataclass

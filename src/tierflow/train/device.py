@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import BudgetError, TierflowError
+from ..core.errors import BudgetError, TierflowError
+from ..core.units import budget_to_give, format_bytes, parse_bytes
 from ..exec.memory import return_free_memory, rss_bytes
 from ..exec.stage_call import storage_key
 from ..precision.config import BytesPerParameter
 from ..profile.machine import load_gpu_runtime
-from ..units import budget_to_give, format_bytes, parse_bytes
 from .options import TrainOptions
 
 ALLOCATOR_SETTINGS = "expandable_segments:True"  # PYTORCH_CUDA_ALLOC_CONF under --gpu

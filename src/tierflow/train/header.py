@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..core.units import section
 from ..profile.machine import cpu_model, fast_bf16, peak_matmul_flops
-from ..units import section
 
 if TYPE_CHECKING:
     from .logger import Logger

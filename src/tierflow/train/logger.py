@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, TextIO
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
+from ..core.units import format_bytes, format_margin, format_rate, section
 from ..plan.tier_costs import UpdatePass, with_update_pass
-from ..units import format_bytes, format_margin, format_rate, section
 
 GIB = 2 ** 30
 

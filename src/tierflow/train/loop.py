@@ -40,9 +40,9 @@ import gc
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
+from ..core.units import format_bytes
 from ..profile.machine import fast_bf16, run_baseline
-from ..units import format_bytes
 from .device import ComputeTier
 from .header import print_header
 from .options import TrainOptions
@@ -75,9 +75,9 @@ def _train(opts: TrainOptions) -> int:
     # ``from transformers import AutoModelForCausalLM`` does not make it
     import transformers.modeling_utils  # noqa: F401  (part of the RSS baseline)
 
-    from .. import api  # noqa: F401  (part of the RSS baseline)
+    from ..core.torchrun_env import world_size_from_env
     from ..distributed import join_from_env
-    from ..torchrun_env import world_size_from_env
+    from ..fitting import fit  # noqa: F401  (part of the RSS baseline)
     from .checkpoint import load_checkpoint
     from .preflight import check_paths
 
@@ -118,7 +118,7 @@ def _train_on(run: Run, tier: ComputeTier, world: World | None, baseline: int) -
     weights fit ``--ram`` is built in host RAM; if the plan then finds too little host RAM
     beside it, it is built again on the disk tier (one process only: ranks could decide
     apart). ``baseline``: the RSS after the imports."""
-    from ..errors import BudgetError
+    from ..core.errors import BudgetError
     from ..exec.memory import return_free_memory
     from .model import count_model_parameters
 

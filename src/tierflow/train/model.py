@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from ..exec.offload import offloaded_parameters
 from ..models.files import max_positions
 from ..models.freeze import freeze_parameters
@@ -57,7 +57,7 @@ def build_model(run: Run, precision: PrecisionConfig,
     and every base weight frozen. With ``disk`` (the disk tier's directory) it is built or
     loaded straight onto the disk tier there (``tierflow.load_model``), a module or a tensor
     at a time, its weights kept in the precision's dtype: it never exists whole in memory."""
-    from ..load import load_model
+    from ..exec.load import load_model
     from ..models.presets import PRESETS
 
     opts, ckpt, data = run.opts, run.ckpt, run.data

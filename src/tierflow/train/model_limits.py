@@ -5,7 +5,7 @@ checks them again from the built model's config (a preset's, or a config.json th
 them at their defaults)."""
 from __future__ import annotations
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 from .data_dir import DataDir
 
 

@@ -20,12 +20,12 @@ import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from ..config import DEFAULT_CLIP
-from ..enforce import check_flags as check_enforce_flags
-from ..errors import TierflowError
+from ..core.config import DEFAULT_CLIP
+from ..core.errors import TierflowError
+from ..core.units import parse_bytes
+from ..exec.enforce import check_flags as check_enforce_flags
 from ..models.freeze import split_patterns
 from ..precision.config import CHOICES
-from ..units import parse_bytes
 from .roles import fit_owns_optimizer, ranks_hold_replicas
 
 if TYPE_CHECKING:

@@ -19,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..core.errors import TierflowError
 from ..data.packing import document_lengths, pack_rows
 from ..data.tokenfile import TokenFile
-from ..errors import TierflowError
 
 IGNORE = -100  # the label that counts nothing (transformers' and PyTorch's ignore_index)
 

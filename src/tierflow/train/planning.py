@@ -18,12 +18,13 @@ from typing import Any
 
 import torch
 
-from .. import api, enforce
-from ..config import FitConfig
-from ..errors import BudgetError, TierflowError
+from ..core.config import FitConfig
+from ..core.errors import BudgetError, TierflowError
+from ..core.units import format_bytes
+from ..exec import enforce
+from ..fitting import fit
 from ..models.freeze import tied_frozen
 from ..plan.ops import COLLECTIVES
-from ..units import format_bytes
 from .device import ComputeTier
 from .logger import Logger, PlanPrecision, plan_section
 from .optimizer import (
@@ -117,7 +118,7 @@ class StepPlanner:
         try:
             with torch.random.fork_rng(devices=[]), self.site.autocast():
                 if owned:  # weights and states may be on the tiers below, the disk's included
-                    fitted = api.fit(model, self.sample, **tier.fit_budgets(held),
+                    fitted = fit.fit(model, self.sample, **tier.fit_budgets(held),
                                      config=self.config,
                                      # a model built onto the disk tier brings its own
                                      disk=None if self.built.on_disk else self.site.disk,
@@ -127,7 +128,7 @@ class StepPlanner:
                     self.rounding.reseed(opts.seed)  # the optimizer probe drew from it
                     self._say_enforcement(fitted)
                     return fitted
-                fitted = api.fit(model, self.sample, **tier.fit_budgets(held),
+                fitted = fit.fit(model, self.sample, **tier.fit_budgets(held),
                                  reserve=self.reserve + self.step_temporaries,
                                  grad_accum=opts.grad_accum, config=self.config)
                 self._say_enforcement(fitted)

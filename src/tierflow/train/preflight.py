@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core.paths import check_writable_dir, require_disk_directory, require_writable_dir
+from ..core.torchrun_env import world_size_from_env
+from ..data.packing import check_fits
 from ..models.files import read_config_json, require_weight_files, vocab_and_positions
 from ..models.presets import model_directory
-from ..paths import check_writable_dir, require_disk_directory, require_writable_dir
-from ..torchrun_env import world_size_from_env
 from .checkpoint_dirs import checkpoint_directory
-from ..data.packing import check_fits
 from .data_dir import DataDir, open_data
 from .model_limits import check_model_limits
 from .options import TrainOptions

@@ -19,19 +19,19 @@ from typing import Any
 
 import torch
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
+from ..core.seeding import derived_seed
+from ..core.units import format_bytes
 from ..profile.machine import maxrss_bytes
-from ..seeding import derived_seed
-from ..units import format_bytes
 from . import checkpoint
 from .adapter_files import Current, adapter_weights, merged_weights
 from .checkpoint_dirs import latest_checkpoint
 from .codec import capture_rng, restore_rng
 from .data import Batches
 from .device import ComputeTier
+from .evaluate import evaluation_batches, evaluation_loss
 from .guards import Interrupt, traced
 from .logger import StepLine, eval_line, near_budget
-from .evaluate import evaluation_batches, evaluation_loss
 from .packing import PackedBatches, step_inputs, targets
 from .planning import StepPlanner
 from .roles import fit_owns_optimizer

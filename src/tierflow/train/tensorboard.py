@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from ..errors import TierflowError
+from ..core.errors import TierflowError
 
 FILE_VERSION = "brain.Event:2"
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..core.errors import TierflowError
 from ..data.tokenizer import TOKENIZER_FILES
-from ..errors import TierflowError
 from ..models.presets import model_directory
 from .data_dir import DataDir
 

@@ -1,7 +1,7 @@
 """Measure one training configuration in a fresh child process (``tierflow compare``; the
 benchmark scripts run their children with the same ``run_json``).
 
-    python -m tierflow.measure --mode plain|tierflow --arch llama-20m --seq 512 --batch 4 \\
+    python -m tierflow.cli.measure --mode plain|tierflow --arch llama-20m --seq 512 --batch 4 \\
         --steps 3 --dtype bf16 [--ram 600MiB] [--planner auto]
 
 prints one JSON line: the median step time over ``--steps`` timed steps after one warm-up
@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .models.presets import PRESETS, preset_config
-from .profile.machine import maxrss_bytes
+from ..models.presets import PRESETS, preset_config
+from ..profile.machine import maxrss_bytes
 
 # the presets compare builds and counts: the Llamas (one architecture, as peers.py's)
 ARCHS = tuple(name for name, preset in PRESETS.items() if preset.family == "llama")
@@ -138,14 +138,14 @@ def measure(workload: Workload, mode: str, *, ram: int | None = None, planner: s
     record with ``status == "infeasible"`` and ``smallest`` (bytes); other tierflow user
     errors raise ChildUserError, crashes raise ChildError.
     """
-    cmd = [python or sys.executable, "-m", "tierflow.measure", "--mode", mode, *workload.args()]
+    cmd = [python or sys.executable, "-m", "tierflow.cli.measure", "--mode", mode, *workload.args()]
     if ram is not None:
         cmd += ["--ram", str(int(ram))]
     if mode == "tierflow":
         cmd += ["--planner", planner] + (["--compile"] if compile else [])
         cmd += ["--disk", disk] if disk else []
     env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[1])  # the child imports this same tierflow
+    src = str(Path(__file__).resolve().parents[2])  # the child imports this same tierflow
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     result = run_json(cmd, timeout=timeout, env=env)
     if result.get("status") == "error":
@@ -181,13 +181,13 @@ def _smallest(err: BaseException) -> int | None:
     smallest = getattr(err, "smallest", None)
     if isinstance(smallest, int):
         return smallest
-    from .units import parse_bytes
+    from ..core.units import parse_bytes
     match = re.search(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B)\b", str(err))
     return parse_bytes(match.group(1) + match.group(2)) if match else None
 
 
 def child_main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tierflow.measure", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tierflow.cli.measure", description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=["plain", "tierflow"], default="plain")
     p.add_argument("--arch", choices=sorted(ARCHS), default="llama-20m")
     p.add_argument("--seq", type=int, default=512)
@@ -203,6 +203,7 @@ def child_main(argv: list[str] | None = None) -> int:
 
     import torch
     import transformers
+
     # transformers' model code (some 130 MiB, imported when the first model is built) is part
     # of the baseline, as in tierflow train and the peers: imports are not the workload
     import transformers.modeling_utils  # noqa: F401
@@ -211,7 +212,7 @@ def child_main(argv: list[str] | None = None) -> int:
     import tierflow
     from tierflow.exec.memory import rss_bytes
     if args.mode == "tierflow":
-        import tierflow.api  # noqa: F401  (part of the baseline: imports are not the workload)
+        import tierflow.fitting.fit  # noqa: F401  (part of the baseline: imports are not the workload)
     base = maxrss_bytes()
     base_rss = rss_bytes()  # fit's budget counts from here: what the model's build holds too
     base_hwm = _status_bytes("VmHWM")

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .errors import TierflowError
-from .units import format_bytes
+from ..core.errors import TierflowError
+from ..core.units import format_bytes
 
 CGROUP_MOUNT = Path("/sys/fs/cgroup")
 # where cgroup v1's memory controller and a v2 hierarchy beside it are mounted on a hybrid

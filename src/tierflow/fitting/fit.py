@@ -9,13 +9,13 @@ from typing import Any
 
 from torch import nn
 
-from .config import FitConfig
-from .fitting.build import build_module
-from .fitting.kernel_limit import hold_to_budget
-from .fitting.profile_step import profile_and_place
-from .fitting.request import OptimizerFactory, check_model, make_request
-from .fitting.start import start_fit
-from .module import TierflowModule
+from ..core.config import FitConfig
+from ..exec.module import TierflowModule
+from .build import build_module
+from .kernel_limit import hold_to_budget
+from .profile_step import profile_and_place
+from .request import FitRequest, OptimizerFactory, check_model
+from .start import start_fit
 
 
 def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
@@ -54,14 +54,13 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
     gradients then live for the whole step, and the plan holds them as static bytes.
     A RAM budget covers the process's RSS above what it held when ``fit`` began, less the
     model's parameters; with ``baseline`` (bytes of RSS, e.g. right after the imports, as
-    ``tierflow.measure`` and ``tierflow train`` measure a peak) it covers the RSS above that,
+    ``tierflow.cli.measure`` and ``tierflow train`` measure a peak) it covers the RSS above that,
     and what the process holds above it before ``fit`` (the model's objects, the kernels'
     first-use caches) is planned as static bytes, "held before fit".
     """
-    request = make_request(ram=ram, gpu=gpu, planner=planner, optimizer=optimizer, disk=disk,
-                           reserve=reserve, grad_accum=grad_accum,
-                           max_grad_norm=max_grad_norm, config=config, verbose=verbose,
-                           baseline=baseline)
+    request = FitRequest(ram=ram, gpu=gpu, optimizer=optimizer, disk=disk, reserve=reserve,
+                         grad_accum=grad_accum, max_grad_norm=max_grad_norm, config=config,
+                         verbose=verbose, baseline=baseline, planner=planner)
     check_model(model, sample)
     start = start_fit(model, sample, request)  # the tiers, and where the weights wait
     chain, placed = profile_and_place(model, sample, request, start)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import TierflowError
+from ..core.errors import TierflowError
 
 
 def load_model(spec: str | Path, *, disk: str | Path | None = None,
@@ -37,10 +37,10 @@ def load_model(spec: str | Path, *, disk: str | Path | None = None,
     (``module.settle()`` first). Without ``disk`` the model is built in RAM, as
     ``from_pretrained`` would. ``for_generation`` accepts a directory of int8 weights
     (``tierflow quantize``), which only generation reads."""
-    from .exec.disk import DiskStore
-    from .exec.offload import OffloadedParameters, attach
-    from .models.load import load_pretrained, random_init
-    from .models.presets import model_directory
+    from ..models.load import load_pretrained, random_init
+    from ..models.presets import model_directory
+    from .disk import DiskStore
+    from .offload import OffloadedParameters, attach
 
     offloaded = OffloadedParameters(DiskStore(disk), dtype=disk_dtype) \
         if disk is not None else None

@@ -8,27 +8,27 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .chain.base import Chain
-from .errors import TierflowError
-from .exec.boundaries import BoundaryStash
-from .exec.collectives import Collectives
-from .exec.context import AutocastMode
-from .exec.deferred import DeferredUpdates
-from .exec.function import RunPlan
-from .exec.memory import HostRoom
-from .exec.optimizer import OwnedOptimizer
-from .exec.runner import Ledger, StepHooks, StepRun
-from .exec.stage_call import context_tensors, forward_plain, storage_key
-from .exec.tapes import TapeOffload
-from .exec.trace import span
-from .exec.transfers import transfer_to
-from .exec.weights import WeightStreamer
-from .plan.ops import TRANSFERS, Collective, Load, Reduce, Stash
-from .plan.plan import Plan
-from .plan.reductions import Reductions
-from .plan.tape_schedule import TAPE
-from .plan.tier_costs import UpdatePass, with_update_pass
-from .plan.transfers import Transfers
+from ..chain.base import Chain
+from ..core.errors import TierflowError
+from ..plan.ops import TRANSFERS, Collective, Load, Reduce, Stash
+from ..plan.plan import Plan
+from ..plan.reductions import Reductions
+from ..plan.tape_schedule import TAPE
+from ..plan.tier_costs import UpdatePass, with_update_pass
+from ..plan.transfers import Transfers
+from .boundaries import BoundaryStash
+from .collectives import Collectives
+from .context import AutocastMode
+from .deferred import DeferredUpdates
+from .function import RunPlan
+from .memory import HostRoom
+from .optimizer import OwnedOptimizer
+from .runner import Ledger, StepHooks, StepRun
+from .stage_call import context_tensors, forward_plain, storage_key
+from .tapes import TapeOffload
+from .trace import span
+from .transfers import transfer_to
+from .weights import WeightStreamer
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ class FitConfig:
     # the rest (exec/selective.py), where the planner finds it faster: auto/never/all
     selective: str = "auto"
     # the kernel holds the process to the RAM budget: a memory cgroup (v2, else v1) entered
-    # once the step is planned, page cache counted, no swap (``tierflow/enforce.py``)
+    # once the step is planned, page cache counted, no swap (``tierflow/exec/enforce.py``)
     enforce: bool = False
     # with enforce: where no cgroup can be made, say why and run on unenforced (else an error)
     unenforced_ok: bool = False
