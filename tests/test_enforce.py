@@ -67,7 +67,7 @@ _CHILD = textwrap.dedent("""
 
 
 def _child(parent_of: str, enter: str, mib: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(Path(enforce.__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(enforce.__file__).parents[2])}
     return subprocess.run([sys.executable, "-c", _CHILD, parent_of, enter, str(mib)],
                           capture_output=True, text=True, env=env, timeout=60)
 
@@ -134,7 +134,7 @@ def test_fit_enters_a_cgroup_of_the_budget_once_planned():
 
 def _train(env: dict, out: Path, *extra: str) -> subprocess.CompletedProcess:
     from cli_support import fp32_train_args
-    src = str(Path(enforce.__file__).parents[1])
+    src = str(Path(enforce.__file__).parents[2])
     return subprocess.run([sys.executable, "-m", "tierflow", *fp32_train_args(env, out, 2),
                            *extra], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": src})
@@ -234,7 +234,7 @@ def generate_model(tmp_path_factory):
 
 
 def _generate(model: Path, *extra: str) -> subprocess.CompletedProcess:
-    src = str(Path(enforce.__file__).parents[1])
+    src = str(Path(enforce.__file__).parents[2])
     return subprocess.run([sys.executable, "-m", "tierflow", "generate", "--model", str(model),
                            *GENERATE, *extra], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": src})
