@@ -132,12 +132,13 @@ import json, sys
 import torch
 from tierflow import load_model
 from tierflow.data.tokenizer import load_tokenizer
+from tierflow.generate.options import Sampling
 from tierflow.generate.sample import sample_ids
 original, int8, prompt, tokens = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 tok = load_tokenizer(original + "/tokenizer.json")
 prompt_ids = tok.encode(prompt).ids
 bf16 = load_model(original, dtype=torch.bfloat16)
-ids = prompt_ids + list(sample_ids(bf16, prompt_ids, max_new_tokens=tokens, temperature=0))
+ids = prompt_ids + list(sample_ids(bf16, prompt_ids, Sampling(tokens, temperature=0)))
 with torch.inference_mode():
     reference = bf16(input_ids=torch.tensor([ids])).logits[0].float()  # (positions, vocab)
     del bf16

@@ -15,6 +15,7 @@ import torch
 from tierflow.cli.main import main
 from tierflow.core.errors import TierflowError
 from tierflow.data.tokenizer import EOT, train_tokenizer
+from tierflow.generate.options import Sampling
 from tierflow.generate.sample import GenerateStats, encode_prompt, generate, sample_ids, stop_ids
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -59,7 +60,7 @@ def test_greedy_equals_transformers_generate(tok, family, prompt):
     eos = tok.token_to_id(EOT)
     model = tiny_lm(family, tok.get_vocab_size(), eos)
     ids = encode_prompt(tok, prompt)
-    ours = list(sample_ids(model, ids, max_new_tokens=40, temperature=0, stop={eos}))
+    ours = list(sample_ids(model, ids, Sampling(40, temperature=0), stop={eos}))
     ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=40,
                          pad_token_id=eos, eos_token_id=eos)[0, len(ids):].tolist()
     assert ours == ref
@@ -84,16 +85,17 @@ def test_loaded_checkpoint_greedy_matches_and_text_streams(model_dir, tok):
 def test_seeded_sampling_is_reproducible(model_dir, tok):
     from tierflow import load_model
     model = load_model(model_dir, dtype=torch.float32)
-    kw = dict(max_new_tokens=25, temperature=1.0, stop=set())
-    a = list(sample_ids(model, [5, 6, 7], seed=1, **kw))
-    b = list(sample_ids(model, [5, 6, 7], seed=1, **kw))
-    c = list(sample_ids(model, [5, 6, 7], seed=2, **kw))
+    def seeded(seed: int, **kw) -> list[int]:
+        return list(sample_ids(model, [5, 6, 7], Sampling(25, temperature=1.0, seed=seed, **kw),
+                               stop=set()))
+    a, b, c = seeded(1), seeded(1), seeded(2)
     assert a == b and a != c and len(a) == 25
     # top-k 1 is greedy whatever the temperature
-    greedy = list(sample_ids(model, [5, 6, 7], **{**kw, "temperature": 0}))
-    assert list(sample_ids(model, [5, 6, 7], seed=3, top_k=1, **kw)) == greedy
+    greedy = list(sample_ids(model, [5, 6, 7], Sampling(25, temperature=0), stop=set()))
+    assert seeded(3, top_k=1) == greedy
     buf = io.StringIO()
-    assert generate(model, tok, "x = ", seed=4, stream=buf) == generate(model, tok, "x = ", seed=4)
+    assert generate(model, tok, "x = ", Sampling(seed=4), stream=buf) == \
+        generate(model, tok, "x = ", Sampling(seed=4))
 
 
 def test_ids_beyond_the_tokenizer_are_never_picked(tok):
@@ -101,7 +103,7 @@ def test_ids_beyond_the_tokenizer_are_never_picked(tok):
     model = tiny_lm("llama", tok.get_vocab_size() + 64, eos)
     with torch.no_grad():  # make the padded ids the most likely ones
         model.lm_head.weight[tok.get_vocab_size():] *= 50
-    ids = list(sample_ids(model, [5, 6], max_new_tokens=20, temperature=0,
+    ids = list(sample_ids(model, [5, 6], Sampling(20, temperature=0),
                           allowed_vocab=tok.get_vocab_size()))
     assert all(i < tok.get_vocab_size() for i in ids)
 
@@ -111,11 +113,11 @@ def test_api_errors(tok):
     with pytest.raises(TierflowError, match="empty"):
         generate(model, tok, "")
     with pytest.raises(TierflowError, match="positions"):
-        generate(model, tok, "hi", max_new_tokens=500)
+        generate(model, tok, "hi", Sampling(max_new_tokens=500))
     with pytest.raises(TierflowError, match="temperature"):
-        generate(model, tok, "hi", temperature=-0.5)
+        generate(model, tok, "hi", Sampling(temperature=-0.5))
     with pytest.raises(TierflowError, match="top-k"):
-        generate(model, tok, "hi", top_k=0)
+        generate(model, tok, "hi", Sampling(top_k=0))
     assert 0 in stop_ids(model, tok)
 
 

@@ -14,6 +14,7 @@ from tierflow.core.units import parse_bytes
 from tierflow.data.tokenizer import EOT, train_tokenizer
 from tierflow.generate.memory import RUNTIME_BYTES, MemoryNeed, memory_needed
 from tierflow.generate.options import GenerateRequest
+from tierflow.generate.options import Sampling
 from tierflow.generate.sample import run, sample_ids
 from tierflow.generate.stream import PAGE_CACHE_BYTES, PREFETCH_SLOTS, load_streamed, plan_stream
 
@@ -153,7 +154,7 @@ def test_prefill_reads_each_streamed_layer_once(model_dir, tok):
     streamed, reads = len(streaming.layers.modules), lambda: streaming.layers.reads
     try:
         assert 0 < streamed < LAYERS
-        ids = list(sample_ids(model, prompt, max_new_tokens=6, temperature=0))
+        ids = list(sample_ids(model, prompt, Sampling(6, temperature=0)))
         passes = 1 + len(ids) - 1  # the prefill, then one pass per new token but the last
         assert len(ids) == 6
         assert streamed * passes <= reads() <= streamed * passes + PREFETCH_SLOTS
@@ -201,7 +202,7 @@ def test_a_checkpoint_truncated_mid_run_is_one_clear_error(model_dir, tok, tmp_p
         with open(copy / "model.safetensors", "r+b") as f:
             f.truncate(4096)
         with pytest.raises(TierflowError, match="truncated"):
-            list(sample_ids(model, [5, 6, 7], max_new_tokens=4, temperature=0))
+            list(sample_ids(model, [5, 6, 7], Sampling(4, temperature=0)))
     finally:
         streaming.close()
 

@@ -219,6 +219,7 @@ def test_every_core_family_quantizes_and_decodes(family, tmp_path):
     """Each family's checkpoint, quantized on disk, loads as the model quantized in memory,
     stays within 3% of the float logits, and decodes with its KV cache."""
     from tierflow.generate.quantize import quantize_checkpoint
+    from tierflow.generate.options import Sampling
     from tierflow.generate.sample import sample_ids
     tiny_hf(family).save_pretrained(tmp_path / "model")
     quantize_checkpoint(tmp_path / "model", tmp_path / "int8", log=io.StringIO())
@@ -230,7 +231,7 @@ def test_every_core_family_quantizes_and_decodes(family, tmp_path):
     torch.testing.assert_close(logits(loaded, ids), logits(in_memory, ids), rtol=0, atol=0)
     relative = (logits(loaded, ids) - reference).norm() / reference.norm()
     assert 0 < relative < 0.03, relative
-    decoded = list(sample_ids(loaded, ids[0].tolist(), max_new_tokens=6, temperature=0))
+    decoded = list(sample_ids(loaded, ids[0].tolist(), Sampling(6, temperature=0)))
     assert len(decoded) == 6
 
 

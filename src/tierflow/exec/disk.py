@@ -15,7 +15,6 @@ import errno
 import os
 import shutil
 import tempfile
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -110,18 +109,6 @@ class WriteBehind:
 
     def shutdown(self) -> None:
         self._executor.shutdown()
-
-
-def measure_bandwidth(directory: str | Path, nbytes: int = 64 << 20) -> float:
-    """Bytes per second of a synced write followed by a read of ``nbytes`` in ``directory``."""
-    store = DiskStore(directory)
-    probe = torch.ones(nbytes // 4, dtype=torch.float32)
-    start = time.perf_counter()
-    store.write("bandwidth-probe", [probe])
-    store.read("bandwidth-probe", [probe])
-    elapsed = time.perf_counter() - start
-    (store.directory / "bandwidth-probe.bin").unlink()
-    return 2 * nbytes / max(elapsed, 1e-9)
 
 
 @contextlib.contextmanager

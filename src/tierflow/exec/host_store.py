@@ -10,7 +10,6 @@ accounted apart from the compute tier.
 """
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -73,17 +72,3 @@ class HostStore:
         if self._heap is not None:
             return self._heap.empty(like.shape, like.dtype)
         return torch.empty(like.shape, dtype=like.dtype, device="cpu")
-
-
-def measure_copy_bandwidth(device: torch.device | str = "cpu", nbytes: int = 64 << 20) -> float:
-    """Bytes per second of a copy from host memory to ``device`` (on the CPU, host to host:
-    the link of the simulated GPU; on an accelerator, from page-locked memory)."""
-    device = torch.device(device)
-    accelerator = device.type != "cpu"
-    source = torch.ones(nbytes // 4, pin_memory=accelerator)
-    target = torch.empty_like(source, device=device)
-    copier = SideStreamCopier(device)
-    copier.copy([target], [source])  # touch the pages (and start the stream) first
-    start = time.perf_counter()
-    copier.copy([target], [source])
-    return nbytes / max(time.perf_counter() - start, 1e-9)

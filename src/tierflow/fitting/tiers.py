@@ -16,8 +16,8 @@ from ..chain.base import Chain
 from ..core.config import FitConfig
 from ..exec import boundaries as boundary_stash
 from ..exec import tapes as tape_offload
-from ..exec.disk import DiskStore, measure_bandwidth
-from ..exec.host_store import HostStore, measure_copy_bandwidth
+from ..exec.disk import DiskStore
+from ..exec.host_store import HostStore
 from ..exec.memory import meter_for
 from ..exec.offload import OffloadedParameters
 from ..exec.optimizer import stage_owned_parameters
@@ -28,6 +28,7 @@ from ..plan.costs import ChainCosts
 from ..plan.tier_candidates import TierProblem, UpdateRates
 from ..plan.tier_costs import LowerTier
 from ..plan.tier_search import TierPlan, place_on_tiers
+from ..profile.machine import copy_bandwidth, disk_tier_bandwidth
 from ..profile.optimizer_probe import probe_optimizer
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -130,7 +131,7 @@ def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
         below = "the GPU" if device.type != "cpu" else "the simulated GPU"
         own = offloaded is not None and offloaded.store.kind == "ram"  # the model starts there
         store = offloaded.store if own else HostStore(device)
-        tiers.append(LowerTier("ram", measure_copy_bandwidth(device), ram,
+        tiers.append(LowerTier("ram", copy_bandwidth(device), ram,
                                f"host RAM (the tier below {below})",
                                reserve=store.unused_bytes_bound))
         stores["ram"] = store
@@ -138,7 +139,7 @@ def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
         same = offloaded is not None and offloaded.store.kind == "disk" and \
             Path(offloaded.store.directory) == Path(disk)
         store = offloaded.store if same else DiskStore(disk, device=device)
-        tiers.append(LowerTier("disk", measure_bandwidth(store.directory), None,
+        tiers.append(LowerTier("disk", disk_tier_bandwidth(store.directory), None,
                                f"the disk tier ({store.directory})"))
         stores["disk"] = store
     return tiers, stores

@@ -35,6 +35,22 @@ def check_options(max_new_tokens: int, temperature: float, top_k: int | None) ->
                             "out to sample from the whole vocabulary)")
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How many new ids, and how each is picked (the part of transformers' ``GenerationConfig``
+    that tierflow's loop reads), checked as it is made: ``temperature`` 0 is greedy, else
+    ``softmax(logits / temperature)`` over the ``top_k`` largest (None: all), drawn from a
+    generator seeded with ``seed`` (None: a fresh seed)."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    temperature: float = DEFAULT_TEMPERATURE
+    top_k: int | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        check_options(self.max_new_tokens, self.temperature, self.top_k)
+
+
 def checkpoint_directory(model_dir: str | Path) -> Path:
     """The model directory ``--model`` names: ``model_dir`` itself, or the latest checkpoint
     of a ``tierflow train --out`` directory; one line unless it has a config and weights."""
@@ -80,6 +96,10 @@ class GenerateRequest:
     chat: bool = False  # each prompt is a user message, rendered by the chat template
     enforce: bool = False
     unenforced_ok: bool = False
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.max_new_tokens, self.temperature, self.top_k, self.seed)
 
     @classmethod
     def of(cls, model: str | Path, prompt: str | Sequence[str], **options) -> GenerateRequest:

@@ -1,7 +1,8 @@
 """``tierflow generate``: sample text from a causal LM with a KV cache, streamed as it comes.
 
-``generate(model, tokenizer, prompt, ...)`` returns the continuation (the prompt not included);
-``sample_ids(model, prompt_ids, ...)`` is the token-level loop underneath, a generator of ids.
+``generate(model, tokenizer, prompt, Sampling(...))`` returns the continuation (the prompt not
+included); ``sample_ids(model, prompt_ids, Sampling(...))`` is the token-level loop underneath,
+a generator of ids.
 The loop is ours, not ``model.generate``: one forward pass over the prompt fills the KV cache
 (``use_cache=True``), then one pass per new token feeds only that token with
 ``past_key_values``. Each step takes the last position's logits in fp32, masks the ids the
@@ -37,13 +38,7 @@ import torch
 from ..core.errors import TierflowError
 from ..models.files import max_positions
 from .memory import MemoryNeed, dtype_name, fits_in_ram, memory_needed
-from .options import (
-    DEFAULT_MAX_NEW_TOKENS,
-    DEFAULT_TEMPERATURE,
-    GenerateRequest,
-    check_options,
-    check_request,
-)
+from .options import GenerateRequest, Sampling, check_request
 from .stream import load_streamed
 
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
@@ -117,28 +112,25 @@ def _pick(logits: torch.Tensor, temperature: float, top_k: int | None,
 
 
 @torch.inference_mode()
-def sample_ids(model: Any, prompt_ids: Sequence[int], *,
-               max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-               temperature: float = DEFAULT_TEMPERATURE, top_k: int | None = None,
-               seed: int | None = None, stop: set[int] | None = None,
-               allowed_vocab: int | None = None,
+def sample_ids(model: Any, prompt_ids: Sequence[int], sampling: Sampling = Sampling(), *,
+               stop: set[int] | None = None, allowed_vocab: int | None = None,
                stats: GenerateStats | None = None) -> Iterator[int]:
-    """Yield up to ``max_new_tokens`` new ids after ``prompt_ids``, using a KV cache.
+    """Yield up to ``sampling.max_new_tokens`` new ids after ``prompt_ids``, using a KV cache.
 
     ``stop``: ids that end generation (the stop id is yielded, then the loop ends).
     ``allowed_vocab``: ids at or above it are never picked (a model vocabulary padded beyond
-    the tokenizer's). ``seed=None`` draws a fresh seed. ``stats`` is filled in as it goes.
+    the tokenizer's). ``stats`` is filled in as it goes (with the seed drawn, when
+    ``sampling.seed`` is None).
     """
-    check_options(max_new_tokens, temperature, top_k)
     if len(prompt_ids) == 0:
         raise TierflowError("the prompt encodes to no tokens: give a non-empty --prompt")
-    check_length(model, len(prompt_ids), max_new_tokens)
+    check_length(model, len(prompt_ids), sampling.max_new_tokens)
     stats = stats if stats is not None else GenerateStats()
     stats.prompt_tokens = len(prompt_ids)
     stop = stop or set()
     generator = torch.Generator()
-    if temperature > 0:
-        stats.seed = generator.seed() if seed is None else seed
+    if sampling.temperature > 0:
+        stats.seed = generator.seed() if sampling.seed is None else sampling.seed
         generator.manual_seed(stats.seed)
     model.config.use_cache = True
     if model.training:
@@ -156,17 +148,17 @@ def sample_ids(model: Any, prompt_ids: Sequence[int], *,
     stats.prefill_s = time.perf_counter() - start
 
     start = time.perf_counter()
-    for i in range(max_new_tokens):
+    for i in range(sampling.max_new_tokens):
         if allowed_vocab is not None and allowed_vocab < logits.numel():
             logits[allowed_vocab:] = float("-inf")
-        token = _pick(logits, temperature, top_k, generator)
+        token = _pick(logits, sampling.temperature, sampling.top_k, generator)
         stats.new_tokens = i + 1
         stats.decode_s = time.perf_counter() - start
         yield token
         if token in stop:
             stats.stopped_at_eos = True
             break
-        if i + 1 == max_new_tokens:
+        if i + 1 == sampling.max_new_tokens:
             break
         ids = torch.tensor([[token]], dtype=torch.long, device=device)
         out = model(input_ids=ids, past_key_values=cache, use_cache=True)
@@ -222,27 +214,22 @@ def encode_prompt(tokenizer: Any, prompt: str, chat_template: Any = None) -> lis
     return ids
 
 
-def generate(model: Any, tokenizer: Any, prompt: str, *,
-             max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-             temperature: float = DEFAULT_TEMPERATURE, top_k: int | None = None,
-             seed: int | None = None, stream: TextIO | Callable[[str], Any] | None = None,
+def generate(model: Any, tokenizer: Any, prompt: str, sampling: Sampling = Sampling(), *,
+             stream: TextIO | Callable[[str], Any] | None = None,
              stats: GenerateStats | None = None, chat_template: Any = None) -> str:
     """The text ``model`` writes after ``prompt`` (a ``tokenizers.Tokenizer`` encodes and
-    decodes). ``temperature=0`` is greedy; ``stream`` (a text file or a function) receives
+    decodes), picked as ``sampling`` says; ``stream`` (a text file or a function) receives
     the text piece by piece as it is generated; ``stats`` receives counts and times. With
     ``chat_template`` (``data.examples.ChatTemplate``) ``prompt`` is a user message: the
     reply is written after the template's generation prompt and ends at the template's end
     token (the tokenizer's eos, besides the model's and generation config's eos ids)."""
-    check_options(max_new_tokens, temperature, top_k)
     prompt_ids = encode_prompt(tokenizer, prompt, chat_template)
     streamer = _Streamer(tokenizer, prompt_ids)
     emit = _emitter(stream)
     stop = stop_ids(model, tokenizer)
     if chat_template is not None:
         stop |= chat_template.end_ids()
-    for token in sample_ids(model, prompt_ids, max_new_tokens=max_new_tokens,
-                            temperature=temperature, top_k=top_k, seed=seed,
-                            stop=stop,
+    for token in sample_ids(model, prompt_ids, sampling, stop=stop,
                             allowed_vocab=tokenizer.get_vocab_size(with_added_tokens=True),
                             stats=stats):
         emit(streamer.push(token))
@@ -325,9 +312,8 @@ def run(request: GenerateRequest, out: TextIO | None = None) -> GenerateStats:
             if template is None:
                 out.write(text)
                 out.flush()
-            generate(model, tok, text, max_new_tokens=r.max_new_tokens,
-                     temperature=r.temperature, top_k=r.top_k, seed=r.seed, stream=out,
-                     stats=stats, chat_template=template)
+            generate(model, tok, text, r.sampling, stream=out, stats=stats,
+                     chat_template=template)
             out.write("\n" + stats.summary() + f", {dtype_name(torch_dtype)}{weights}\n")
             out.flush()
     finally:

@@ -1,8 +1,9 @@
 """Probes of this machine and of this process: what the CPU computes natively, its peak
 matmul rate, the memcpy, disk and AdamW rates, the process's peak RSS, and the bus
-bandwidth between the ranks of a distributed run.
+bandwidth between the ranks of a distributed run. Every probe lives here.
 
-The trainer prints its speed-of-light % over ``peak_matmul_flops``, ``tierflow calibrate``
+``fit`` measures its lower tiers with ``copy_bandwidth`` (host RAM under a GPU) and
+``disk_tier_bandwidth`` (the disk directory) as it starts; the trainer prints its speed-of-light % over ``peak_matmul_flops``, ``tierflow calibrate``
 builds the ``cpu`` hardware profile from these figures (``sim/calibrate.py``), and
 ``tierflow compare`` and the benchmarks measure a run's peak RSS with ``maxrss_bytes``. No
 torch is imported until a probe that needs it runs. Measured figures are cached in the
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 
 _COPY_BYTES = 256 << 20  # memcpy_bandwidth's copy
 _DISK_BYTES = 128 << 20  # disk_bandwidth's file
+_LINK_BYTES = 64 << 20  # the probes fit runs for its lower tiers
 _OPTIMIZER_PARAMS = 1 << 23  # elements of the parameter optimizer_bandwidth's AdamW updates
 _BUS_BYTES = 8 << 20  # bus_bandwidth's all-reduce: past gloo's latency, cheap (a few ms)
 
@@ -284,6 +286,31 @@ def disk_bandwidth(directory: Path, nbytes: int = _DISK_BYTES) -> tuple[float, f
         write = timed(lambda: store.write("probe", [probe]))
         read = timed(lambda: store.read("probe", [probe]))
     return nbytes / read, nbytes / write
+
+
+def copy_bandwidth(device: Any = "cpu", nbytes: int = _LINK_BYTES) -> float:
+    """Bytes per second of a copy from host memory to ``device`` on the executor's side
+    stream (on the CPU, host to host: the link of the simulated GPU; on an accelerator, from
+    page-locked memory): the RAM tier's bandwidth under a GPU."""
+    import torch
+
+    from ..exec.copy_stream import SideStreamCopier
+    device = torch.device(device)
+    accelerator = device.type != "cpu"
+    source = torch.ones(nbytes // 4, pin_memory=accelerator)  # (nbytes / 4,)
+    target = torch.empty_like(source, device=device)
+    copier = SideStreamCopier(device)
+    copier.copy([target], [source])  # touch the pages (and start the stream) first
+    start = time.perf_counter()
+    copier.copy([target], [source])
+    return nbytes / max(time.perf_counter() - start, 1e-9)
+
+
+def disk_tier_bandwidth(directory: Path, nbytes: int = _LINK_BYTES) -> float:
+    """The disk tier's one bandwidth for the planner: ``disk_bandwidth``'s synced write and
+    uncached read of ``nbytes``, as the bytes of both over the time of both."""
+    read, write = disk_bandwidth(directory, nbytes)
+    return 2 / (1 / read + 1 / write)
 
 
 # ---------------------------------------------------------------- between ranks
