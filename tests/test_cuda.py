@@ -417,6 +417,7 @@ def test_a_real_out_of_memory_error_replans_and_retries(train_env, tmp_path, cap
 def test_an_int8_model_decodes_on_cuda_as_on_the_cpu(family):
     """Int8 layers (``tierflow.quantize_int8``) on a GPU take the dequantized matmul; the
     logits match the same model's on the CPU (fp32, no fused kernel there either)."""
+    from tierflow.generate.options import Sampling
     from tierflow.generate.sample import sample_ids
     model = tiny_hf(family).float()
     tierflow.quantize_int8(model)
@@ -426,8 +427,7 @@ def test_an_int8_model_decodes_on_cuda_as_on_the_cpu(family):
         gpu_model = copy.deepcopy(model).to(CUDA)
         on_gpu = gpu_model(input_ids=ids.to(CUDA)).logits.cpu()
     torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-4, atol=1e-4)
-    assert len(list(sample_ids(gpu_model, ids[0].tolist(), max_new_tokens=4,
-                               temperature=0))) == 4
+    assert len(list(sample_ids(gpu_model, ids[0].tolist(), Sampling(4, temperature=0)))) == 4
 
 
 def test_host_ram_below_the_gpu_reserves_the_pinned_heaps_unused_end():

@@ -72,7 +72,7 @@ def test_loaded_checkpoint_greedy_matches_and_text_streams(model_dir, tok):
     model = load_model(model_dir, dtype=torch.float32)
     pieces: list[str] = []
     stats = GenerateStats()
-    text = generate(model, tok, "def add", max_new_tokens=30, temperature=0, stream=pieces.append,
+    text = generate(model, tok, "def add", Sampling(30, temperature=0), stream=pieces.append,
                     stats=stats)
     assert "".join(pieces) == text
     ids = encode_prompt(tok, "def add")
