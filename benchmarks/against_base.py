@@ -20,7 +20,8 @@ for this tree, how far the prediction is off, and for W2 whether the plan `tierf
 decisions (`Plan.decisions`: strategy, recomputed and stashed stages, what streams where,
 how far ahead) as the plan `tierflow train` ran.
 Writes benchmarks/results/against-base-<date>[-TAG].{md,json} (the JSON names both commits
-and the CPU). Run it on a quiet machine.
+and the CPU). Run it on a quiet machine. `--replan RESULT` only reruns the W2 rows' `tierflow
+plan` of a saved result with this tree.
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ def predicted_decisions(tree: Path, model: str, batch: int, ram: str, disk: Path
     disk.mkdir(parents=True, exist_ok=True)  # the run's own was removed after it
     cmd = [sys.executable, "-m", "tierflow", "plan", "--model", model, "--hardware", "cpu",
            "--ram", ram, "--disk", str(disk), "--seq-len", "1024", "--batch-size", str(batch),
-           "--matmul-dtype", "bf16", "--json"]
+           "--matmul-dtype", "bf16", "--clip", "0", "--json"]  # as `train` runs: no clipping
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -117,7 +118,13 @@ def main() -> None:
                         help="W2's --ram values, comma-separated")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tag", default="")
+    parser.add_argument("--replan", type=Path, default=None, metavar="RESULT",
+                        help="only rerun `tierflow plan` for the W2 rows of RESULT (a JSON this "
+                             "script wrote) with this tree, and rewrite RESULT and its table")
     args = parser.parse_args()
+    if args.replan is not None:
+        replan(args.replan)
+        return
     stamp = dt.date.today().isoformat() + (f"-{args.tag}" if args.tag else "")
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -161,10 +168,31 @@ def main() -> None:
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
                            capture_output=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"against-base-{stamp}.json").write_text(json.dumps(result, indent=1) + "\n")
+    write(result, RESULTS / f"against-base-{stamp}.json")
+
+
+def replan(path: Path) -> None:
+    """Rerun the W2 rows' `tierflow plan` of a saved result with this tree (the training runs
+    are kept), recording the commit that planned them."""
+    result = json.loads(path.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in result["rows"]:
+            if row["workload"] == "W2" and "decisions" in row["head"]:
+                row["plan_command"] = predicted_decisions(ROOT, "tinyllama-1.1b", 2, row["ram"],
+                                                          Path(tmp) / "disk")
+                row["same_plan"] = row["plan_command"].get("decisions") == \
+                    row["head"]["decisions"]
+    result["replanned_by"] = commit_of(ROOT)
+    write(result, path)
+
+
+def write(result: dict, path: Path) -> None:
+    """``result`` as JSON at ``path`` and as a Markdown table beside it."""
+    stamp, rows = result["date"], result["rows"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# This tree against {result['base'][:12]} ({stamp})", "",
-             f"head {result['head'][:12]}; {result['cores']} cores; {args.steps} steps, the "
+             f"head {result['head'][:12]}; {result['cores']} cores; {result['steps']} steps, the "
              "median after the first. `benchmarks/against_base.py`.", "",
              "| workload | budget | base step s | head step s | head/base | base peak GiB | "
              "head peak GiB | head/base | head PREDICTED step s (off) | PREDICTED peak GiB "
@@ -181,7 +209,7 @@ def main() -> None:
                      f"| {r['peak_ratio']} | {h['predicted_step_s']} ({r['step_error']:+.0%}) | "
                      f"{h['predicted_peak_gib']} ({r['peak_error']:+.0%}) | "
                      f"{_same(r)} |")
-    (RESULTS / f"against-base-{stamp}.md").write_text("\n".join(lines) + "\n")
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
