@@ -3,8 +3,8 @@
 train` from each source tree, each configuration in a fresh process, the two trees
 alternating, so that both see the same machine.
 
-    ./run python benchmarks/against_base.py --base REF [--only w1,w2] [--steps 3] [--tag TAG]
-        [--w2-budgets 2GiB,4GiB,8GiB]
+    ./run python benchmarks/against_base.py --base REF [--only w1,w2] [--steps 3] [--rounds 1]
+        [--tag TAG] [--w2-budgets 2GiB,4GiB,8GiB]
 
 REF's source is checked out into a temporary git worktree. Configurations:
 - W1: llama-134m, seq 1024, batch 4, bf16 autocast, under `--ram` of 25, 50 and 100% of the
@@ -12,9 +12,13 @@ REF's source is checked out into a temporary git worktree. Configurations:
   measured first in the same run), with a disk tier for what does not fit;
 - W2: tinyllama-1.1b, seq 1024, batch 2, bf16 autocast, `--ram` 2, 4 and 8 GiB over a disk
   tier (its model built onto it).
-Both on random tokens, AdamW lr 1e-4 without clipping or warm-up. Reported per tree: the
-median step after the first, the peak RAM above the post-import baseline (the trainer's
-`ram` figure), the plan's predicted step and peak, and the ratios of this tree to the base;
+Both on random tokens, AdamW lr 1e-4 without clipping or warm-up. `--rounds N` runs each
+configuration N times per tree (base, head, base, head, ...): on a 2-core VM one process's
+median step varies by up to 10% from the next one's, so a ratio from one process each cannot
+tell 5% apart. Reported per tree: the median over its rounds of each process's median step
+after the first, the median of their peak RAM above the post-import baseline (the trainer's
+`ram` figure), each round's figures, the plan's predicted step and peak (of the first round),
+and the ratios of this tree to the base;
 for this tree, how far the prediction is off, and for W2 whether the plan `tierflow plan
 --hardware cpu ... --json` prints (fresh process, right after the run) made the same
 decisions (`Plan.decisions`: strategy, recomputed and stashed stages, what streams where,
@@ -94,6 +98,31 @@ def train(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
     return row
 
 
+def over_rounds(rounds: list[dict]) -> dict:
+    """One tree's row from its rounds: the first round's plan, the medians of the rounds'
+    step and peak, and each round's (an error if any round failed)."""
+    failed = [r for r in rounds if "error" in r]
+    if failed:
+        return failed[0]
+    if len(rounds) == 1:
+        return rounds[0]
+    return {**rounds[0], "step_s": round(statistics.median(r["step_s"] for r in rounds), 3),
+            "peak_gib": round(statistics.median(r["peak_gib"] for r in rounds), 3),
+            "rounds": [{"step_s": r["step_s"], "steps_s": r["steps_s"],
+                        "peak_gib": r["peak_gib"]} for r in rounds]}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def predicted_decisions(tree: Path, model: str, batch: int, ram: str, disk: Path) -> dict:
     """What `tierflow plan --hardware cpu --json` of ``tree`` decides for the same run."""
     disk.mkdir(parents=True, exist_ok=True)  # the run's own was removed after it
@@ -117,6 +146,8 @@ def main() -> None:
     parser.add_argument("--w2-budgets", default="2GiB,4GiB,8GiB",
                         help="W2's --ram values, comma-separated")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="fresh processes per configuration and tree, the trees alternating")
     parser.add_argument("--tag", default="")
     parser.add_argument("--replan", type=Path, default=None, metavar="RESULT",
                         help="only rerun `tierflow plan` for the W2 rows of RESULT (a JSON this "
@@ -145,10 +176,14 @@ def main() -> None:
             rows = []
             for workload, model, batch, label, ram in configs:
                 row = {"workload": workload, "budget": label, "ram": ram}
-                for name in ("base", "head"):  # alternating, each in a fresh process
-                    row[name] = train(trees[name], model, batch, ram, args.steps, data,
-                                      tmp / f"{workload}-{label}-{name}")
-                    print(f"{workload} {label} {name}: {row[name]}", flush=True)
+                runs: dict[str, list[dict]] = {"base": [], "head": []}
+                for _ in range(args.rounds):
+                    for name in runs:  # alternating, each in a fresh process
+                        runs[name].append(train(trees[name], model, batch, ram, args.steps, data,
+                                                tmp / f"{workload}-{label}-{name}"))
+                        print(f"{workload} {label} {name}: {runs[name][-1]}", flush=True)
+                for name, rounds in runs.items():
+                    row[name] = over_rounds(rounds)
                 head = row["head"]
                 if "step_s" in row["base"] and "step_s" in head:
                     row["step_ratio"] = round(head["step_s"] / row["base"]["step_s"], 3)
@@ -162,9 +197,9 @@ def main() -> None:
                         ROOT, model, batch, ram, tmp / f"{workload}-{label}-head" / "disk")
                     row["same_plan"] = row["plan_command"].get("decisions") == head["decisions"]
                 rows.append(row)
-            result = {"date": stamp, "cpu": platform.processor() or platform.machine(),
-                      "cores": os.cpu_count(), "base": commit_of(base), "head": commit_of(ROOT),
-                      "steps": args.steps, "rows": rows}
+            result = {"date": stamp, "cpu": cpu_name(), "cores": os.cpu_count(),
+                      "base": commit_of(base), "head": commit_of(ROOT), "steps": args.steps,
+                      "rounds": args.rounds, "rows": rows}
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
                            capture_output=True)
@@ -192,8 +227,10 @@ def write(result: dict, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# This tree against {result['base'][:12]} ({stamp})", "",
-             f"head {result['head'][:12]}; {result['cores']} cores; {result['steps']} steps, the "
-             "median after the first. `benchmarks/against_base.py`.", "",
+             f"head {result['head'][:12]}; {result['cpu']}, {result['cores']} cores; "
+             f"{result['steps']} steps, the median after the first; the median of "
+             f"{result.get('rounds', 1)} fresh process(es) per tree. "
+             "`benchmarks/against_base.py`.", "",
              "| workload | budget | base step s | head step s | head/base | base peak GiB | "
              "head peak GiB | head/base | head PREDICTED step s (off) | PREDICTED peak GiB "
              "(off) | `tierflow plan` the same plan |",
