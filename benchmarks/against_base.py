@@ -233,21 +233,27 @@ def write(result: dict, path: Path) -> None:
              "`benchmarks/against_base.py`.", "",
              "| workload | budget | base step s | head step s | head/base | base peak GiB | "
              "head peak GiB | head/base | head PREDICTED step s (off) | PREDICTED peak GiB "
-             "(off) | `tierflow plan` the same plan |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(off) | `tierflow plan` the same plan | rounds' spread, base / head |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b, h = r["base"], r["head"]
         if "step_s" not in b or "step_s" not in h:
             lines.append(f"| {r['workload']} | {r['budget']} | {b.get('error', '')} | "
-                         f"{h.get('error', '')} | | | | | | | |")
+                         f"{h.get('error', '')} | | | | | | | | |")
             continue
         lines.append(f"| {r['workload']} | {r['budget']} ({r['ram']}) | {b['step_s']} | "
                      f"{h['step_s']} | {r['step_ratio']} | {b['peak_gib']} | {h['peak_gib']} "
                      f"| {r['peak_ratio']} | {h['predicted_step_s']} ({r['step_error']:+.0%}) | "
                      f"{h['predicted_peak_gib']} ({r['peak_error']:+.0%}) | "
-                     f"{_same(r)} |")
+                     f"{_same(r)} | {_spread(b)} / {_spread(h)} |")
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _spread(tree: dict) -> str:
+    """How far a tree's slowest round is from its fastest (its runs' noise), or - with one."""
+    steps = [r["step_s"] for r in tree.get("rounds", [])]
+    return f"{max(steps) / min(steps) - 1:.0%}" if len(steps) > 1 else "-"
 
 
 def _same(row: dict) -> str:

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""The compute ops of several `--trace` files side by side: per op (``Fall(3)``, ``B(3)``,
+``U(3)``), the median of its measured durations over the steps after the first, and the sum of
+those medians, for each trace. Traces of the same run from two commits tell where one step is
+slower than the other; two traces of the same commit tell how far a run differs from the next
+one on this machine (the noise a ratio between commits has to clear).
+
+    ./run python benchmarks/trace_ops.py NAME=TRACE.json [NAME=TRACE.json ...] [--json OUT]
+
+Works with the traces of earlier commits too: it reads only the measured process's thread named
+``compute`` (and ``optimizer``, where earlier commits put the Updates).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+COMPUTE_THREADS = ("compute", "optimizer")
+
+
+def op_medians(path: Path) -> dict[str, float]:
+    """Milliseconds per compute op: the median over the steps after the first."""
+    events = json.loads(path.read_text())["traceEvents"]
+    measured = min(e["pid"] for e in events if "pid" in e)  # the predicted process comes after
+    threads = {e["tid"] for e in events if e["name"] == "thread_name" and e["pid"] == measured
+               and e["args"]["name"] in COMPUTE_THREADS}
+    runs: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "X" and e["pid"] == measured and e.get("tid") in threads \
+                and re.fullmatch(r"(F|Fall|Fsel|B|U|Uh)\(\d+\)", e["name"]):
+            runs[e["name"]].append(e["dur"] / 1e3)
+    return {name: statistics.median(durations[1:] or durations)
+            for name, durations in runs.items()}
+
+
+def _order(name: str) -> tuple[str, int]:
+    return name.split("(")[0], int(re.search(r"\d+", name).group())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("traces", nargs="+", metavar="NAME=TRACE")
+    parser.add_argument("--json", type=Path, default=None, help="also write the table here")
+    args = parser.parse_args()
+    named = dict(item.split("=", 1) for item in args.traces)
+    medians = {name: op_medians(Path(path)) for name, path in named.items()}
+    ops = sorted({op for table in medians.values() for op in table}, key=_order)
+    print("op".ljust(10) + "".join(name.rjust(12) for name in medians))
+    for op in ops:
+        print(op.ljust(10) + "".join(f"{table.get(op, 0.0):12.1f}" for table in medians.values()))
+    sums = {name: round(sum(table.values()), 1) for name, table in medians.items()}
+    print("sum".ljust(10) + "".join(f"{s:12.1f}" for s in sums.values()))
+    if args.json is not None:
+        args.json.write_text(json.dumps(
+            {"traces": named, "sum_ms": sums,
+             "op_ms": {name: {op: round(v, 1) for op, v in sorted(table.items(),
+                                                                  key=lambda kv: _order(kv[0]))}
+                       for name, table in medians.items()}}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
