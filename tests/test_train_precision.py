@@ -113,7 +113,8 @@ def test_fp8_checkpoint_has_the_plain_names(env, tmp_path, capsys):
     code, out, err = run_main(*train_args(env, tmp_path / "run", "--steps", "2", "--matmul-dtype",
                                           "fp8", "--fp8-grad", "e5m2"), capsys=capsys)
     assert code == 0, err
-    assert "matmuls fp8 e4m3 (gradients e5m2; torch._scaled_mm, emulated on this CPU)" in out
+    assert ("matmuls fp8 e4m3 (gradients e5m2; products of the fp8 operands summed in fp32 "
+            "matmuls on this CPU)") in out
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "step_2")
     with safe_open(str(tmp_path / "run" / "step_2" / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == set(theirs.state_dict())

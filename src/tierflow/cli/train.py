@@ -90,8 +90,8 @@ _HELP = {
     "optim_dtype": (None, "AdamW moment storage: fp32 (default), bf16 (stochastic rounding) or "
                           "int8 (blockwise, a float32 scale per 256)"),
     "matmul_dtype": (None, "matmuls: fp32, bf16 autocast, or fp8 (e4m3 decoder Linears through "
-                           "torch._scaled_mm inside bf16 autocast; emulated on a CPU); default "
-                           "from --dtype"),
+                           "torch._scaled_mm inside bf16 autocast; on a CPU, fp32 matmuls of the "
+                           "fp8 operands); default from --dtype"),
     "fp8_grad": (None, "gradient matmuls of fp8 Linears: bf16 (default) or e5m2"),
     "compile": (None, "torch.compile the decoder layers"),
     "recompute": (None, "activation recomputation: auto (the planner), none or all"),

@@ -38,7 +38,8 @@ def print_header(logger: Logger, run: Run, site: Site, model: nn.Module) -> floa
     peak = peak_matmul_flops(peak_dtype) if on_cpu else 0.0  # SOL is measured on CPUs only
     system = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpu": cpu_model(),
               "bf16 native": fast_bf16(), "device": tier.describe(),
-              "dtype": _autocast_name(matmul), "precision": _precision_words(precision),
+              "dtype": _autocast_name(matmul),
+              "precision": _precision_words(precision, on_cpu),
               "peak matmul": f"{peak / 1e9:.1f} GFLOP/s ({peak_dtype}, measured)" if on_cpu
               else "- (measured on CPUs only: no SOL on the GPU)"}
     if site.world is not None:
@@ -77,14 +78,15 @@ def _autocast_name(matmul: str) -> str:
     return "fp32" if matmul == "fp32" else "bf16"
 
 
-def _precision_words(precision) -> str:
+def _precision_words(precision, on_cpu: bool) -> str:
     """``weights bf16, master none (stochastic rounding), moments int8, matmuls fp8 (...)``."""
     master = {"fp32": "fp32", "none": "none (stochastic rounding)"}[precision.master]
     if precision.model_dtype == "fp32":
         master = "- (fp32 weights are their own)"
     matmul = precision.matmul_dtype
     if matmul == "fp8":
-        matmul = (f"fp8 e4m3 (gradients {precision.fp8_grad}; torch._scaled_mm, emulated on "
-                  "this CPU)")
+        how = "products of the fp8 operands summed in fp32 matmuls on this CPU" if on_cpu \
+            else "torch._scaled_mm"
+        matmul = f"fp8 e4m3 (gradients {precision.fp8_grad}; {how})"
     return (f"weights {precision.model_dtype}, master {master}, moments "
             f"{precision.optim_dtype}, matmuls {matmul}")
