@@ -33,7 +33,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -42,6 +41,7 @@ import tempfile
 from pathlib import Path
 
 from random_tokens import random_token_files
+from tierflow.profile.machine import cpu_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = ROOT.parent / "shared" / "peers" / "peers.py"
@@ -110,17 +110,6 @@ def over_rounds(rounds: list[dict]) -> dict:
             "peak_gib": round(statistics.median(r["peak_gib"] for r in rounds), 3),
             "rounds": [{"step_s": r["step_s"], "steps_s": r["steps_s"],
                         "peak_gib": r["peak_gib"]} for r in rounds]}
-
-
-def cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo), else what platform says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def predicted_decisions(tree: Path, model: str, batch: int, ram: str, disk: Path) -> dict:
@@ -197,7 +186,7 @@ def main() -> None:
                         ROOT, model, batch, ram, tmp / f"{workload}-{label}-head" / "disk")
                     row["same_plan"] = row["plan_command"].get("decisions") == head["decisions"]
                 rows.append(row)
-            result = {"date": stamp, "cpu": cpu_name(), "cores": os.cpu_count(),
+            result = {"date": stamp, "cpu": cpu_model(), "cores": os.cpu_count(),
                       "base": commit_of(base), "head": commit_of(ROOT), "steps": args.steps,
                       "rounds": args.rounds, "rows": rows}
         finally:
