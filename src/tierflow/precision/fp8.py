@@ -9,8 +9,9 @@ tensors and their scales are kept for backward: 1 byte per element instead of 2 
 float8 operands in an fp32 matmul: every float8 value and every product of two is exact in
 fp32, and the sums are fp32 as in ``_scaled_mm``'s accumulation, so only their order differs.
 torch's CPU ``_scaled_mm`` runs a reference kernel where the CPU has no fp8 instructions:
-on a 2-core Xeon with AMX it took 1,000-3,000x as long as a bf16 matmul of 256-512 features,
-and a 60-step fp8 run of a tiny Llama 140 s instead of 2.
+on a 2-core Xeon with AMX it took 210-950x as long as this fp32 matmul
+(``benchmarks/fp8_cpu_kernel.py``), which itself takes 5-15x a bf16 matmul's time: fp8 on a
+CPU checks the numerics of the GPU path, it is not a way to go faster there.
 
 Backward, selected by ``grad_dtype``:
 - "bf16": the saved e4m3 tensors are dequantized to bf16 and both gradient matmuls run in bf16;
