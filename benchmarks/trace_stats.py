@@ -21,11 +21,19 @@ WAIT = "wait for weights"
 RSS = "host RSS"  # the counter track of tierflow.exec.trace
 
 
+def measured_pid(events: list[dict]) -> int:
+    """The process of the measured spans: the first one (the plan's predicted timeline, where a
+    trace holds it, is a process after it, with the same thread rows)."""
+    return min(e["pid"] for e in events if "pid" in e)
+
+
 def trace_stats(trace: Path, steps: int) -> dict[str, float]:
     """Per step: seconds each row of ``ROWS`` was busy, and the compute's waits for weights."""
     events = json.loads(trace.read_text())["traceEvents"]
-    tids = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M"}
-    spans = [e for e in events if e["ph"] == "X"]
+    pid = measured_pid(events)
+    tids = {e["args"]["name"]: e["tid"] for e in events
+            if e["ph"] == "M" and e["name"] == "thread_name" and e["pid"] == pid}
+    spans = [e for e in events if e["ph"] == "X" and e["pid"] == pid]
     stats = {row: sum(e["dur"] for e in spans if e["tid"] == tids[row]) / 1e6 / steps
              for row in ROWS}
     stats["waiting for weights"] = sum(e["dur"] for e in spans if e["name"] == WAIT) / 1e6 / steps
