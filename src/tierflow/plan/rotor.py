@@ -37,6 +37,7 @@ from dataclasses import replace
 from typing import Callable
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from ..core.units import format_bytes
 from .costs import ChainCosts
@@ -65,24 +66,6 @@ class Infeasible(ValueError):
             f"more and smaller stages)")
 
 
-def _shifted(values: np.ndarray, offset: int) -> np.ndarray:
-    """out[..., m] = values[..., m - offset] (inf below ``offset``): a child's cost when its
-    parent holds ``offset`` units."""
-    out = np.full_like(values, np.inf)
-    width = values.shape[-1]
-    if offset < width:
-        out[..., offset:] = values[..., : width - offset]
-    return out
-
-
-def _shifted_rows(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Row r of ``values`` shifted by ``offsets[r]``, as ``_shifted`` does for one row."""
-    source = np.arange(values.shape[1])[None, :] - offsets[:, None]
-    out = np.take_along_axis(values, np.maximum(source, 0), axis=1)
-    out[source < 0] = np.inf
-    return out
-
-
 def _at_least(values: np.ndarray, need: int) -> np.ndarray:
     """``values`` with every budget below ``need`` made infeasible."""
     out = values.copy()
@@ -90,78 +73,117 @@ def _at_least(values: np.ndarray, need: int) -> np.ndarray:
     return out
 
 
+def _span_terms(model: SegmentNeeds, span: int) -> dict[str, np.ndarray]:
+    """The per-segment terms of every segment [a, a + span], indexed by a, and of each of
+    its splits j = a+1..a+span, indexed by (a, j - a - 1): what both tables combine."""
+    starts = np.arange(model.length - span)
+    ends = starts + span
+    splits = starts[:, None] + np.arange(1, span + 1)[None, :]  # (segments, span)
+    later = min(PLAN, model.kinds - 1)
+    return {
+        "starts": starts, "splits": splits, "later": later,
+        "tape_need": np.array([model.tape_need(a, a + span) for a in starts], dtype=np.int64),
+        "tape_time": np.array([model.fwd_time(a, a + 1) + model.finish_time[a]
+                               for a in starts]),
+        "tape_hold": np.array([model.tape_hold(a) for a in starts], dtype=np.int64),
+        # a child [a+1, b] of a tape option that keeps its input needs at least this
+        "child_floor": np.array([model.keep_need(a + 1, a + span)
+                                 if span and model.keeps_input(a + 1) else 0
+                                 for a in starts], dtype=np.int64),
+        "hold": [np.array([model.checkpoint_hold(a, kind) for a in starts], dtype=np.int64)
+                 for kind in range(model.kinds)],
+        "sweeps": [np.array([model.sweep_needs(a, a + span, kind) for a in starts],
+                            dtype=np.int64).reshape(len(starts), span)
+                   for kind in range(model.kinds)],
+        "lingering": np.broadcast_to(model.lingering(splits, ends[:, None]), splits.shape),
+        "sweep_time": model.fwd_time(starts[:, None], splits),
+        # cells [kind, j, b] and [kind, a, j - 1] of a (kind, a, b, ...) table
+        "late": (splits, ends[:, None]), "early": (starts[:, None], splits - 1),
+    }
+
+
 def _time_table(model: SegmentNeeds, budget: int) -> tuple[np.ndarray, np.ndarray]:
     """cost[kind, a, b, m]: least seconds for segment [a, b] of that kind within m units (inf
     when nothing fits), and choice[kind, a, b, m]: TAPE or the split j reaching it, for m in
     0..budget (one kind, standing for both, when nothing is stashable).
 
-    Each segment is one numpy step over (split, m): its checkpoint options read the rows
-    cost[PLAN, j, b] (j = a+1..b) and cost[kind, a, j-1], all computed at smaller spans."""
+    All segments of one span are one numpy step over (segment, split, m): their checkpoint
+    options read the rows cost[PLAN, j, b] and cost[kind, a, j-1], of smaller spans, each
+    shifted right by what the parent holds meanwhile (a child given m - o units)."""
     length, width = model.length, budget + 1
-    cost = np.full((model.kinds, length, length, width), np.inf)
+    # each row is padded on the left with width infs: the row shifted right by o units
+    # (inf below o) is then the window of width cells starting at width - o, a view
+    padded = np.full((model.kinds, length, length, 2 * width), np.inf)
+    cost = padded[..., width:]
+    windows = sliding_window_view(padded, width, axis=-1)  # (kinds, a, b, start, m)
+
+    def shifted(kind: int, a: np.ndarray, b: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """cost[kind, a, b, m - offsets] (inf below the offsets), index arrays broadcast."""
+        return windows[kind, a, b, width - np.minimum(offsets, width)]
+
     choice = np.full((model.kinds, length, length, width), TAPE, dtype=np.int32)
     memory = np.arange(width)
-    later = min(PLAN, model.kinds - 1)
     for span in range(length):
-        for a in range(length - span):
-            b = a + span
-            tape = np.full(width, model.fwd_time(a, a + 1) + model.finish_time[a])
-            if a < b:
-                child = cost[HELD, a + 1, b]
-                if model.keeps_input(a + 1):
-                    child = _at_least(child, model.keep_need(a + 1, b))
-                tape = tape + _shifted(child, model.tape_hold(a))
-            tape = _at_least(tape, model.tape_need(a, b))
-            for kind in range(model.kinds):
-                best = tape.copy()
-                sweeps = np.array(model.sweep_needs(a, b, kind), dtype=np.int64)
-                count = int(np.searchsorted(sweeps, budget, side="right"))  # sweeps only grow
-                if count:
-                    splits = np.arange(a + 1, a + 1 + count)
-                    lingering = np.broadcast_to(model.lingering(splits, b), splits.shape)
-                    cand = (model.fwd_time(a, splits)[:, None]
-                            + _shifted(cost[later, a + 1: a + 1 + count, b],
-                                       model.checkpoint_hold(a, kind))
-                            + _shifted_rows(cost[kind, a, a: a + count], lingering))
-                    cand[memory[None, :] < sweeps[:count, None]] = np.inf
-                    row = cand.argmin(axis=0)
-                    fastest = cand[row, memory]
-                    better = fastest < best
-                    best = np.where(better, fastest, best)
-                    choice[kind, a, b, better] = splits[row[better]]
-                cost[kind, a, b] = best
+        t = _span_terms(model, span)
+        starts, ends = t["starts"], t["starts"] + span
+        tape = np.repeat(t["tape_time"][:, None], width, axis=1)  # (segments, m)
+        if span:  # the child [a+1, b] gets m - tape_hold, and needs child_floor of it
+            child = shifted(HELD, starts + 1, ends, t["tape_hold"])
+            child[memory[None, :] < (t["tape_hold"] + t["child_floor"])[:, None]] = np.inf
+            tape = tape + child
+        tape[memory[None, :] < t["tape_need"][:, None]] = np.inf
+        for kind in range(model.kinds):
+            best = tape.copy()
+            if span:
+                splits = t["splits"]  # (segments, splits)
+                cand = (t["sweep_time"][:, :, None]
+                        + shifted(t["later"], splits, ends[:, None], t["hold"][kind][:, None])
+                        + shifted(kind, starts[:, None], splits - 1, t["lingering"]))
+                cand[memory[None, None, :] < t["sweeps"][kind][:, :, None]] = np.inf
+                row = cand.argmin(axis=1)  # (segments, m)
+                fastest = np.take_along_axis(cand, row[:, None, :], axis=1)[:, 0, :]
+                better = fastest < best
+                best = np.where(better, fastest, best)
+                choice[kind, starts, ends] = np.where(better, starts[:, None] + 1 + row, TAPE)
+            cost[kind, starts, ends] = best
     return cost, choice
 
 
-def _min_memory_table(model: SegmentNeeds) -> tuple[dict, dict]:
-    """The least budget of each segment of each kind over all its rotor schedules (ties
-    broken by time), and the choice reaching it: the same recurrences with max in place of
-    the budget test."""
-    best: dict[tuple[int, int, int], tuple[int, float]] = {}  # (need, seconds)
-    choice: dict[tuple[int, int, int], int] = {}
-    later = min(PLAN, model.kinds - 1)
+def _min_memory_table(model: SegmentNeeds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """need[kind, a, b] and seconds[kind, a, b]: the least budget of each segment of each kind
+    over all its rotor schedules (ties broken by time, then by the tape option and the
+    earliest split), and choice[kind, a, b], the option reaching it: the same recurrences
+    with max in place of the budget test, one numpy step per span."""
+    shape = (model.kinds, model.length, model.length)
+    need = np.zeros(shape, dtype=np.int64)
+    seconds = np.zeros(shape)
+    choice = np.full(shape, TAPE, dtype=np.int64)
     for span in range(model.length):
-        for a in range(model.length - span):
-            b = a + span
-            base = model.fwd_time(a, a + 1) + model.finish_time[a]
-            need, seconds = model.tape_need(a, b), base
-            if a < b:
-                child_need, child_time = best[HELD, a + 1, b]
-                if model.keeps_input(a + 1):
-                    child_need = max(child_need, model.keep_need(a + 1, b))
-                need = max(need, child_need + model.tape_hold(a))
-                seconds += child_time
-            for kind in range(model.kinds):
-                options = [((need, seconds), TAPE)]
-                hold = model.checkpoint_hold(a, kind)
-                for j, sweep in zip(range(a + 1, b + 1), model.sweep_needs(a, b, kind)):
-                    (late_need, late_time) = best[later, j, b]
-                    (early_need, early_time) = best[kind, a, j - 1]
-                    options.append(((max(sweep, late_need + hold,
-                                         early_need + model.lingering(j, b)),
-                                     model.fwd_time(a, j) + late_time + early_time), j))
-                best[kind, a, b], choice[kind, a, b] = min(options, key=lambda o: o[0])
-    return best, choice
+        t = _span_terms(model, span)
+        starts, ends = t["starts"], t["starts"] + span
+        tape_need, tape_time = t["tape_need"], t["tape_time"]
+        if span:
+            child_need = np.maximum(need[HELD, starts + 1, ends], t["child_floor"])
+            tape_need = np.maximum(tape_need, child_need + t["tape_hold"])
+            tape_time = tape_time + seconds[HELD, starts + 1, ends]
+        for kind in range(model.kinds):
+            need[kind, starts, ends], seconds[kind, starts, ends] = tape_need, tape_time
+            if not span:
+                continue
+            late, early = (t["later"],) + t["late"], (kind,) + t["early"]
+            cand_need = np.maximum.reduce([t["sweeps"][kind],
+                                           need[late] + t["hold"][kind][:, None],
+                                           need[early] + t["lingering"]])
+            cand_time = t["sweep_time"] + seconds[late] + seconds[early]
+            least = cand_need.min(axis=1)
+            tied = np.where(cand_need == least[:, None], cand_time, np.inf)
+            row = tied.argmin(axis=1)
+            fastest = tied[np.arange(len(starts)), row]
+            split = (least < tape_need) | ((least == tape_need) & (fastest < tape_time))
+            need[kind, starts[split], ends[split]] = least[split]
+            seconds[kind, starts[split], ends[split]] = fastest[split]
+            choice[kind, starts[split], ends[split]] = (starts + 1 + row)[split]
+    return need, seconds, choice
 
 
 def _emit(model: SegmentNeeds, choose: Chooser, a: int, b: int, budget: int, ops: list[Op],
@@ -224,12 +246,12 @@ def _min_memory(costs: ChainCosts) -> tuple[int, float, list[Op]]:
 def _least_memory(costs: ChainCosts) -> tuple[int, float, list[Op]]:
     """``_min_memory`` computed."""
     model = SegmentNeeds(costs, unit=1)
-    best, choice = _min_memory_table(model)
+    need, seconds, choice = _min_memory_table(model)
     last = model.length - 1
-    need, seconds = best[HELD, 0, last]
     ops: list[Op] = []
-    _emit(model, lambda a, b, _m, kind: choice[kind, a, b], 0, last, 0, ops)
-    return int(max(need, model.keep_need(0, last))), float(seconds), ops
+    _emit(model, lambda a, b, _m, kind: int(choice[kind, a, b]), 0, last, 0, ops)
+    return (int(max(need[HELD, 0, last], model.keep_need(0, last))),
+            float(seconds[HELD, 0, last]), ops)
 
 
 def _all_tape(costs: ChainCosts) -> list[Op]:

@@ -83,6 +83,7 @@ class SegmentNeeds:
         self._param_prefix = np.concatenate([[0], np.cumsum(self.params, dtype=np.int64)])
         self.stashable = [i in costs.stashable for i in range(self.length + 1)]
         self.kinds = 2 if any(self.stashable) else 1  # one table serves both kinds without
+        self._sweep_peaks = self._sweep_peak_table()
 
     def stashes(self, a: int, kind: int) -> bool:
         """Whether the checkpoint option of a segment of this kind stashes x[a]."""
@@ -96,11 +97,13 @@ class SegmentNeeds:
         """Seconds of the forwards of stages a..j-1 (per element for an array of j)."""
         return self._fwd_prefix[j] - self._fwd_prefix[a]
 
-    def lingering(self, j: Index, b: int) -> Index:
+    def lingering(self, j: Index, b: Index) -> Index:
         """What solving [j, b] leaves resident besides g[j]: the parameter gradients of
         stages j..b (none when each is updated and freed right away) and, once the last
         stage's backward has run, the shared gradients (they live until Update(0))."""
         params = 0 if self.owned else self._param_prefix[b + 1] - self._param_prefix[j]
+        if np.ndim(b):  # one b per element
+            return params + np.where(b == self.length - 1, self.shared, 0)
         return params + (self.shared if b == self.length - 1 else 0)
 
     def update_need(self, a: int, b: int) -> int:
@@ -141,16 +144,28 @@ class SegmentNeeds:
                     + made_before + g[a] + self.params[a] + shared_now + self.tr_bwd[a])
         return max(forward, backward, self.update_need(a, b))
 
-    def sweep_needs(self, a: int, b: int, kind: int) -> list[int]:
+    def sweep_needs(self, a: int, b: int, kind: int) -> np.ndarray:
         """needs[j - a - 1]: peak of the no-tape forwards a..j-1 of the checkpoint option
-        with split j, for j = a+1..b (a running maximum over the forwards)."""
-        needs, peak = [], 0
-        for k in range(a, b):
-            x_a = self.x[a] if k == a else self.checkpoint_hold(a, kind)
-            held = x_a + self.grad[b + 1] + (self.x[k] if k > a else 0)
-            peak = max(peak, held + self.x[k + 1] + self.tr_nograd[k])
-            needs.append(peak)
-        return needs
+        with split j, for j = a+1..b (a running maximum over the forwards). Every forward
+        of the sweep holds g[b+1], so the running maximum without it is kept per (a, kind)
+        and g[b+1] added here."""
+        return self._sweep_peaks[kind][a][: b - a] + self.grad[b + 1]
+
+    def _sweep_peak_table(self) -> list[list[np.ndarray]]:
+        """[kind][a]: the running maximum, over k = a..L-2, of what Forward(k) without tape
+        holds at its peak in the sweep starting at a, g[b+1] left out."""
+        x = np.array(self.x, dtype=np.int64)
+        made = x[1:] + np.array(self.tr_nograd, dtype=np.int64)  # x[k+1] + transient[k]
+        table = []
+        for kind in range(self.kinds):
+            rows = []
+            for a in range(self.length - 1):
+                held = x[a:self.length - 1] + self.checkpoint_hold(a, kind)  # x[k] + x[a]
+                held[0] = x[a]  # Forward(a) holds x[a] itself, not yet stashed
+                rows.append(np.maximum.accumulate(held + made[a:self.length - 1]))
+            rows.append(np.zeros(0, dtype=np.int64))  # the last stage has no split
+            table.append(rows)
+        return table
 
     def tape_hold(self, a: int) -> int:
         """What the tape option holds while its child [a+1, b] runs: x[a] and tape[a]."""

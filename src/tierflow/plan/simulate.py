@@ -53,6 +53,7 @@ class Simulation:
 class _State:
     def __init__(self, costs: ChainCosts):
         self.costs = costs
+        self.x_sizes = [costs.x_bytes(i) for i in range(costs.length + 1)]
         self.x_refs: set[int] = {0}  # plan references to x[i]
         self.stashed: set[int] = set()  # referenced x[i] held on the tier below
         self.tapes: set[int] = set()
@@ -76,9 +77,9 @@ class _State:
     def resident(self) -> int:
         c = self.costs
         total = c.context_bytes
-        total += sum(c.x_bytes(i) for i in range(c.length + 1) if self.x_resident(i))
+        total += sum(size for i, size in enumerate(self.x_sizes) if self.x_resident(i))
         total += sum(c.stages[i].tape for i in self.tapes)
-        total += sum(c.x_bytes(i) for i in self.grads)
+        total += sum(self.x_sizes[i] for i in self.grads)
         if not c.grads_resident:  # else they are static bytes
             total += sum(c.stages[i].param_bytes for i in self.param_grads | self.read_grads)
             total += c.shared_grad_bytes if self.shared_grads else 0
@@ -91,9 +92,9 @@ def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
     length = costs.length
     events: list[Event] = []
     clock = 0.0
-    peak = state.resident()
+    peak = after = state.resident()
     for op in ops:
-        before = state.resident()
+        before = after  # what the last op left resident
         if isinstance(op, Forward):
             i = op.stage
             _check_stage(i, length, op)
@@ -158,12 +159,12 @@ def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
             if op.index not in state.stashed:
                 raise InvalidPlan(f"{op}: x[{op.index}] is not on the tier below")
             state.stashed.discard(op.index)
-            during = state.resident()
+            during = None  # what is resident after it
         elif isinstance(op, TRANSFERS):
             if isinstance(op, Load) and op.what == GRADS:
                 _check_stage(op.stage, length, op)
                 state.read_grads.add(op.stage)
-            during = state.resident()
+            during = None  # what is resident after it
         elif isinstance(op, Update):
             i = op.stage
             _check_stage(i, length, op)
@@ -178,8 +179,10 @@ def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...]) -> Simulation:
             clock += s.update_time
         else:
             raise InvalidPlan(f"unknown op {op!r}")
-        peak = max(peak, during, state.resident())
-        events.append(Event(str(op), state.resident(), during, clock))
+        after = state.resident()
+        during = after if during is None else during
+        peak = max(peak, during, after)
+        events.append(Event(str(op), after, during, clock))
     return Simulation(tuple(events), peak, clock)
 
 
