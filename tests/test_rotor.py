@@ -338,3 +338,39 @@ def test_resident_gradients_add_nothing_during_the_step(seed: int) -> None:
         assert ops == rotor(bare, budget, slots=None)
         assert simulate(resident, ops).peak <= budget
     assert ChainCosts.from_dict(resident.to_dict()) == resident
+
+
+class _Recording:
+    """A stage whose reads are recorded: which of its fields a computation depends on."""
+
+    def __init__(self, stage: StageCost, read: set[str]):
+        self._stage, self._read = stage, read
+
+    def __getattr__(self, name: str):
+        self._read.add(name)
+        return getattr(self._stage, name)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_rotor_remembers_under_a_key_of_everything_its_tables_read(seed: int) -> None:
+    """rotor remembers its schedules per ``needs_key``: the tables and ``simulate()`` must
+    read no stage field outside it, and costs differing only outside it (static bytes, host
+    update times) get the schedule computed afresh for them."""
+    from tierflow.plan.rotor import _rotor
+    from tierflow.plan.rotor_model import NEEDS_FIELDS, SegmentNeeds, needs_key
+    rng = random.Random(seed)
+    costs = random_chain(rng, rng.randint(2, 7), wild=True)
+    costs = replace(costs, stashable=(1,))
+    read: set[str] = set()
+    recorded = replace(costs, stages=tuple(_Recording(s, read) for s in costs.stages))
+    budget = (smallest_budget(costs) + keep_all_peak(costs)) // 2
+    SegmentNeeds(recorded, unit=1)
+    simulate(recorded, _rotor(recorded, budget, slots=None))
+    assert read <= set(NEEDS_FIELDS)
+    other = replace(costs, static_bytes=costs.static_bytes + 12345, stages=tuple(
+        replace(s, host_update_time=s.host_update_time + 1.0) for s in costs.stages))
+    assert needs_key(other) == needs_key(costs)
+    assert rotor(other, budget, slots=None) == _rotor(costs, budget, slots=None)
+    changed = replace(costs, stages=(replace(costs.stages[0], tape=costs.stages[0].tape + 1),
+                                     *costs.stages[1:]))
+    assert needs_key(changed) != needs_key(costs)

@@ -33,7 +33,6 @@ splits and all m at once.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -43,7 +42,7 @@ from ..core.units import format_bytes
 from .costs import ChainCosts
 from .forward_only import after_prefix, forward_only_length, planned_with_prefix, prefix_ops
 from .ops import Backward, Fetch, Forward, Free, Op, Stash, Update
-from .rotor_model import HELD, PLAN, SegmentNeeds
+from .rotor_model import HELD, PLAN, SegmentNeeds, needs_key
 from .simulate import simulate
 from .strategies import keep_all
 
@@ -223,24 +222,38 @@ def _check_chain(costs: ChainCosts) -> None:
                              f"skip its input gradient")
 
 
-_LEAST_MEMORY: OrderedDict[str, tuple[int, float, tuple[Op, ...]]] = OrderedDict()
-LEAST_MEMORY_KEPT = 256  # chains whose least-memory schedule is remembered, the latest
+class _Remembered(OrderedDict):
+    """The latest ``kept`` results of a function of a chain, least recently used dropped."""
+
+    def __init__(self, kept: int):
+        super().__init__()
+        self.kept = kept
+
+    def get_or_make(self, key: tuple, make: Callable[[], tuple]) -> tuple:
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        self[key] = found = make()
+        if len(self) > self.kept:
+            self.popitem(last=False)
+        return found
+
+
+# a tier search plans each of a few hundred candidates, many with equal needs_key
+_LEAST_MEMORY = _Remembered(kept=1024)  # needs_key -> (need, seconds, ops)
+_FASTEST = _Remembered(kept=1024)  # (needs_key, context, budget, slots) -> (ops,)
 
 
 def _min_memory(costs: ChainCosts) -> tuple[int, float, list[Op]]:
-    """(smallest budget, its time, its ops): a least-memory rotor schedule, in exact bytes.
-    Remembered per chain: a search asks it of the same costs for each plan and each
-    smallest budget (the costs' notes and bandwidths do not enter it)."""
-    key = repr(replace(costs, extra={}, bandwidths={}))
-    if key in _LEAST_MEMORY:
-        _LEAST_MEMORY.move_to_end(key)
-        need, seconds, ops = _LEAST_MEMORY[key]
-        return need, seconds, list(ops)
-    found = _least_memory(costs)
-    _LEAST_MEMORY[key] = (found[0], found[1], tuple(found[2]))
-    if len(_LEAST_MEMORY) > LEAST_MEMORY_KEPT:
-        _LEAST_MEMORY.popitem(last=False)
-    return found
+    """(smallest budget, its time, its ops): a least-memory rotor schedule, in exact bytes,
+    the context left out. Remembered per ``needs_key``."""
+    need, seconds, ops = _LEAST_MEMORY.get_or_make(
+        needs_key(costs), lambda: _frozen(_least_memory(costs)))
+    return need, seconds, list(ops)
+
+
+def _frozen(found: tuple[int, float, list[Op]]) -> tuple[int, float, tuple[Op, ...]]:
+    return found[0], found[1], tuple(found[2])
 
 
 def _least_memory(costs: ChainCosts) -> tuple[int, float, list[Op]]:
@@ -290,7 +303,13 @@ def rotor(costs: ChainCosts, budget: int, *, slots: int | None = 500) -> list[Op
     k = forward_only_length(costs)
     if k and simulate(costs, prefix_ops(k)).peak > budget:
         raise Infeasible(budget, smallest_budget(costs))
-    return planned_with_prefix(costs, lambda rest: _rotor(rest, budget, slots))
+    return planned_with_prefix(costs, lambda rest: _remembered_rotor(rest, budget, slots))
+
+
+def _remembered_rotor(costs: ChainCosts, budget: int, slots: int | None) -> list[Op]:
+    """``_rotor``, remembered per ``needs_key``, context bytes, budget and slots."""
+    key = (needs_key(costs), costs.context_bytes, budget, slots)
+    return list(_FASTEST.get_or_make(key, lambda: (tuple(_rotor(costs, budget, slots)),))[0])
 
 
 def _rotor(costs: ChainCosts, budget: int, slots: int | None) -> list[Op]:

@@ -47,6 +47,21 @@ HELD, PLAN = 0, 1  # segment kinds: x[a] held by more than the plan, or by the p
 Index = Union[int, np.ndarray]  # one stage index, or an array of them (vectorised splits)
 
 
+NEEDS_FIELDS = ("fwd_time", "bwd_time", "update_time", "param_bytes", "output_bytes", "tape",
+                "fwd_transient", "fwd_transient_nograd", "bwd_transient", "update_transient",
+                "input_grad", "needs_backward")  # what the tables and simulate() read of a stage
+
+
+def needs_key(costs: ChainCosts) -> tuple:
+    """Everything of ``costs`` that ``SegmentNeeds`` and ``simulate()`` read, context and
+    static bytes aside: chains with equal keys get the same rotor tables. A tier search
+    plans many candidates whose costs differ only elsewhere (static bytes, host update
+    times, notes), so rotor remembers its results under this key."""
+    return (tuple(tuple(getattr(s, f) for f in NEEDS_FIELDS) for s in costs.stages),
+            costs.input_bytes, costs.optimizer_owned, costs.grads_resident,
+            costs.shared_grad_bytes, costs.stashable)
+
+
 class SegmentNeeds:
     """The chain's byte terms rounded up to whole ``unit``s, and the memory needs of the
     steps of a rotor schedule, measured against the segment's own budget (module docstring).
