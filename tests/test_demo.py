@@ -23,6 +23,7 @@ def run_demo(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.exclusive  # timed
 def test_demo_quick_end_to_end_then_reuses_its_token_files(tmp_path):
     out = tmp_path / "demo"
     start = time.perf_counter()

@@ -28,9 +28,13 @@ def test_rates_price_the_probe_at_its_measured_time(matmuls, regime):
     assert traffic / (MEMCPY * rates.memory_efficiency) == pytest.approx(elementwise)
 
 
-def test_measured_rates_are_fractions_of_the_peaks():
+@pytest.mark.exclusive  # measures the machine
+def test_measured_rates_are_fractions_of_the_peaks(monkeypatch, tmp_path):
     """In the trainer's default regime here (bf16 only where the CPU computes it natively:
-    elsewhere a bf16 probe layer would take an hour)."""
+    elsewhere a bf16 probe layer would take an hour). The peak is measured here too, alone
+    on the machine as the rates are (not a figure another test cached while a second
+    worker shared the cores)."""
+    monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path))
     matmuls = machine.default_matmul_dtype()
     rates = measure_layer_rates(matmuls, machine.peak_matmul_flops(matmuls), MEMCPY, repeats=2)
     assert 0.05 < rates.matmul_efficiency < 1.5

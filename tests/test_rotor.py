@@ -284,6 +284,7 @@ def transformer_like(length: int) -> ChainCosts:
                       shared_grad_bytes=100 * MiB)
 
 
+@pytest.mark.exclusive  # timed
 def test_32_stages_solve_fast_and_fit() -> None:
     costs = transformer_like(32)
     smallest, top = smallest_budget(costs), keep_all_peak(costs)

@@ -75,6 +75,7 @@ def test_plan_unknown_model_and_gpu_on_cpu(capsys, tmp_path):
     assert_error_line(err, ["--gpu 8", "no GPU"])  # at once, before measuring the cpu profile
 
 
+@pytest.mark.exclusive  # timed
 def test_sweep_writes_every_configuration_and_a_heatmap_per_model_and_length(tmp_path, capsys):
     """12 configurations, each planned by the trainer's own search (one process per core),
     in under 60 s on the 2-core development machine."""
@@ -102,6 +103,7 @@ def test_sweep_writes_every_configuration_and_a_heatmap_per_model_and_length(tmp
         assert all(float(s["tokens_per_s"]) >= float(r["tokens_per_s"]) * 0.995 for s in bigger)
 
 
+@pytest.mark.exclusive  # measures the machine
 def test_calibrate_then_plan_on_cpu(capsys):
     code, out, err = run_main("calibrate", capsys=capsys)
     assert code == 0, err
