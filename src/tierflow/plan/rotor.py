@@ -27,8 +27,8 @@ i+1, while x[i+1] is still held); tests/test_rotor.py shows a chain for each.
 
 Time: C(a, b, m) = min(fwd[a] + C(a+1, b, m - X[a] - T[a]) + bwd[a] + upd[a],
                        min_j sum(fwd[a..j-1]) + C(j, b, m - X[a]) + C(a, j-1, m - lin(j, b))).
-The table holds C for every m in 0..budget; each segment is one numpy step over all its
-splits and all m at once.
+The table holds C for every m in 0..budget; all segments of one span (b - a) are one numpy
+step over their splits and all m at once, since each reads only segments of smaller spans.
 """
 from __future__ import annotations
 
