@@ -40,6 +40,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness import predicted_ram_peak
 from random_tokens import random_token_files
 from tierflow.profile.machine import cpu_model
 
@@ -92,7 +93,7 @@ def train(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
            "steps_s": [round(s, 3) for s in steps_s],
            "peak_gib": round(max(r["ram_bytes"] for r in records["train"]) / GIB, 3),
            "predicted_step_s": round(plan["predicted_step_s"], 3),
-           "predicted_peak_gib": round(plan["predicted_peak"] / GIB, 3)}
+           "predicted_peak_gib": round(predicted_ram_peak(plan) / GIB, 3)}
     if "decisions" in plan:  # trees that log them
         row["decisions"] = plan["decisions"]
     return row

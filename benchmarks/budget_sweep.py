@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "src"))
 from generate_enforce import TIERFLOW_CHILD  # noqa: E402
-from harness import machine, source_commit, write_results  # noqa: E402
+from harness import machine, predicted_ram_peak, source_commit, write_results  # noqa: E402
 from random_tokens import random_token_files  # noqa: E402
 
 from tierflow.core.units import format_bytes, parse_bytes  # noqa: E402
@@ -122,8 +122,7 @@ def tierflow_run(model: str, mode: str, spec: str, ram: int, steps: int, enforce
             return {"status": "ok", "budget": ram,
                     "peak_above_baseline_bytes": max(r["ram_bytes"] for r in records
                                                      if r["kind"] == "train"),
-                    "predicted_peak_bytes": plan["predicted_peak"]
-                    + plan.get("held_outside_the_plan", 0), "strategy": plan["strategy"]}
+                    "predicted_peak_bytes": predicted_ram_peak(plan), "strategy": plan["strategy"]}
     if proc.returncode == -9:
         return {"status": "killed", "budget": ram, "stderr": proc.stderr[-500:]}
     # the budget to give, or (before the model is built) what its weights and states take

@@ -21,6 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness import predicted_ram_peak
 from random_tokens import random_token_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +56,7 @@ def main() -> None:
     row = {"ram": args.ram, "strategy": plan["strategy"], "predicted_step_s": round(predicted, 2),
            "measured_step_s": round(measured, 2), "steps_s": [round(s, 2) for s in steps],
            "error": round(predicted / measured - 1, 3), "predicted_peak_gib":
-           round(plan["predicted_peak"] / 2**30, 2), "peak_gib": round(peak, 2)}
+           round(predicted_ram_peak(plan) / 2**30, 2), "peak_gib": round(peak, 2)}
     stamp = dt.date.today().isoformat() + (f"-{args.tag}" if args.tag else "")
     lines = [f"# fit's step prediction for W1 ({stamp})", "",
              f"`tierflow train --model llama-134m --seq-len 1024 --batch-size 4 --dtype bf16 "

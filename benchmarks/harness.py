@@ -55,3 +55,11 @@ def machine() -> dict[str, Any]:
             "avx512_bf16": "avx512_bf16" in flags, "amx_bf16": "amx_bf16" in flags,
             "python": platform.python_version(), "kernel": platform.release(),
             "torch": importlib.metadata.version("torch")}
+
+
+def predicted_ram_peak(plan: dict) -> int:
+    """What a `tierflow train` log's plan record predicts for its step records' ``ram_bytes``
+    (the RSS peak above the post-import baseline) on a CPU: the plan's peak plus what the
+    process held outside the plan when it planned (torch's first-use caches, the model's
+    objects: the plan was made for ``--ram`` less that)."""
+    return plan["predicted_peak"] + plan.get("held_outside_the_plan", 0)

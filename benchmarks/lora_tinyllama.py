@@ -53,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import source_commit, write_results
+from harness import predicted_ram_peak, source_commit, write_results
 from random_tokens import random_token_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,7 +263,7 @@ def train_tierflow(args: argparse.Namespace, work: Path, data: Path) -> dict[str
             "baseline_gib": round(baseline / GIB, 3),
             "losses": [round(r["loss"], 4) for r in trains],
             "predicted_step_s": round(plan["predicted_step_s"], 3),
-            "predicted_peak_gib": round(plan["predicted_peak"] / GIB, 3),
+            "predicted_peak_gib": round(predicted_ram_peak(plan) / GIB, 3),
             "decisions": plan.get("decisions"),
             **({"adapter": str(adapter)} if (adapter / "adapter_config.json").is_file()
                else {"error": f"no adapter directory {adapter}"})}

@@ -22,6 +22,7 @@ import argparse
 import shutil
 from pathlib import Path
 
+from harness import predicted_ram_peak
 from precision_common import load_average, machine, run_train, write_results
 from random_tokens import random_token_files
 
@@ -52,7 +53,7 @@ def main() -> None:
         train = run["records"]["train"]
         runs[name] = {"flags": run["flags"], "wall_s": run["wall_s"],
                       "peak_ram_bytes": max(r["ram_bytes"] for r in train),
-                      "predicted_peak_bytes": plan["predicted_peak"],
+                      "predicted_peak_bytes": predicted_ram_peak(plan),
                       "moments_bytes": plan["moments"], "master_bytes": plan["master"],
                       "optimizer_state_bytes": train[-1]["optimizer_state_bytes_per_rank"][0],
                       "bytes_per_parameter": plan["bytes_per_parameter"]["total"]}

@@ -40,6 +40,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness import predicted_ram_peak
 from random_tokens import random_token_files
 from trace_stats import ROWS, rss_peak, trace_stats
 
@@ -111,7 +112,7 @@ def tierflow(ram: str, prefetch: int | str | None, steps: int, data: Path, disk:
                 (maxrss * 1024 - records["system"][0]["rss_baseline_bytes"]) / 2**30, 3),
             "predicted_step_s": round(plan["predicted_step_s"], 1),
             "prefetch_depth": plan.get("prefetch_depth"),
-            "predicted_peak_gib": round(plan["predicted_peak"] / 2**30, 3),
+            "predicted_peak_gib": round(predicted_ram_peak(plan) / 2**30, 3),
             "disk_gib": {k: round(v / 2**30, 2) for k, v in plan["disk_bytes"].items()},
             "busy_s_per_step": busy, "rss_peak": rss_peak(trace),
             "wall_s": round(wall), "load_before": round(load, 2),
