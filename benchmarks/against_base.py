@@ -17,7 +17,8 @@ configuration N times per tree (base, head, base, head, ...): on a 2-core VM one
 median step varies by up to 10% from the next one's, so a ratio from one process each cannot
 tell 5% apart. Reported per tree: the median over its rounds of each process's median step
 after the first, the median of their peak RAM above the post-import baseline (the trainer's
-`ram` figure), each round's figures, the plan's predicted step and peak (of the first round),
+`ram` figure), each round's figures, the plan's predicted step and peak (of the first round;
+the peak with what the process held outside the plan, which the measured figure counts too),
 and the ratios of this tree to the base;
 for this tree, how far the prediction is off, and for W2 whether the plan `tierflow plan
 --hardware cpu ... --json` prints (fresh process, right after the run) made the same
@@ -93,7 +94,8 @@ def train(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
            "steps_s": [round(s, 3) for s in steps_s],
            "peak_gib": round(max(r["ram_bytes"] for r in records["train"]) / GIB, 3),
            "predicted_step_s": round(plan["predicted_step_s"], 3),
-           "predicted_peak_gib": round(predicted_ram_peak(plan) / GIB, 3)}
+           "predicted_peak_gib": round(predicted_ram_peak(plan) / GIB, 3),
+           "held_outside_the_plan_gib": round(plan.get("held_outside_the_plan", 0) / GIB, 3)}
     if "decisions" in plan:  # trees that log them
         row["decisions"] = plan["decisions"]
     return row
