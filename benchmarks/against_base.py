@@ -25,7 +25,7 @@ for this tree, how far the prediction is off, and for W2 whether the plan `tierf
 decisions (`Plan.decisions`: strategy, recomputed and stashed stages, what streams where,
 how far ahead) as the plan `tierflow train` ran.
 Writes benchmarks/results/against-base-<date>[-TAG].{md,json} (the JSON names both commits
-and the CPU). Run it on a quiet machine. `--replan RESULT` only reruns the W2 rows' `tierflow
+and the CPU) after every row, so a run cut short keeps the rows it finished. Run it on a quiet machine. `--replan RESULT` only reruns the W2 rows' `tierflow
 plan` of a saved result with this tree.
 """
 from __future__ import annotations
@@ -165,7 +165,10 @@ def main() -> None:
             if "w2" in args.only:
                 configs += [("W2", "tinyllama-1.1b", 2, ram, ram)
                             for ram in args.w2_budgets.split(",")]
-            rows = []
+            rows: list[dict] = []
+            result = {"date": stamp, "cpu": cpu_model(), "cores": os.cpu_count(),
+                      "base": commit_of(base), "head": commit_of(ROOT), "steps": args.steps,
+                      "rounds": args.rounds, "rows": rows}
             for workload, model, batch, label, ram in configs:
                 row = {"workload": workload, "budget": label, "ram": ram}
                 runs: dict[str, list[dict]] = {"base": [], "head": []}
@@ -189,13 +192,10 @@ def main() -> None:
                         ROOT, model, batch, ram, tmp / f"{workload}-{label}-head" / "disk")
                     row["same_plan"] = row["plan_command"].get("decisions") == head["decisions"]
                 rows.append(row)
-            result = {"date": stamp, "cpu": cpu_model(), "cores": os.cpu_count(),
-                      "base": commit_of(base), "head": commit_of(ROOT), "steps": args.steps,
-                      "rounds": args.rounds, "rows": rows}
+                write(result, RESULTS / f"against-base-{stamp}.json")  # a cut run keeps these
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base)], cwd=ROOT,
                            capture_output=True)
-    write(result, RESULTS / f"against-base-{stamp}.json")
 
 
 def replan(path: Path) -> None:
