@@ -33,6 +33,7 @@ step over their splits and all m at once, since each reads only segments of smal
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -72,33 +73,55 @@ def _at_least(values: np.ndarray, need: int) -> np.ndarray:
     return out
 
 
-def _span_terms(model: SegmentNeeds, span: int) -> dict[str, np.ndarray]:
-    """The per-segment terms of every segment [a, a + span], indexed by a, and of each of
-    its splits j = a+1..a+span, indexed by (a, j - a - 1): what both tables combine."""
+@dataclass(frozen=True)
+class _SpanTerms:
+    """The terms of every segment [a, a + span] (arrays indexed by a) and of each of its
+    splits j = a+1..a+span (indexed by (a, j - a - 1)): what both tables combine."""
+
+    starts: np.ndarray  # a
+    ends: np.ndarray  # b = a + span
+    splits: np.ndarray  # j, (segments, span)
+    later: int  # the kind of the later child [j, b]
+    tape_need: np.ndarray
+    tape_time: np.ndarray
+    tape_hold: np.ndarray
+    child_floor: np.ndarray  # the least a tape option's child [a+1, b] needs of its budget
+    hold: list[np.ndarray]  # per kind: what x[a] costs the checkpoint option
+    sweeps: list[np.ndarray]  # per kind: the checkpoint option's forwards' peak, per split
+    lingering: np.ndarray  # what [j, b] leaves behind, per split
+    sweep_time: np.ndarray  # seconds of the forwards a..j-1, per split
+
+    @property
+    def late(self) -> tuple[np.ndarray, np.ndarray]:
+        """Index of the cells [j, b] of a (a, b) table, per split."""
+        return self.splits, self.ends[:, None]
+
+    @property
+    def early(self) -> tuple[np.ndarray, np.ndarray]:
+        """Index of the cells [a, j - 1] of a (a, b) table, per split."""
+        return self.starts[:, None], self.splits - 1
+
+
+def _span_terms(model: SegmentNeeds, span: int) -> _SpanTerms:
+    """The terms of every segment of ``span``."""
     starts = np.arange(model.length - span)
     ends = starts + span
     splits = starts[:, None] + np.arange(1, span + 1)[None, :]  # (segments, span)
-    later = min(PLAN, model.kinds - 1)
-    return {
-        "starts": starts, "splits": splits, "later": later,
-        "tape_need": np.array([model.tape_need(a, a + span) for a in starts], dtype=np.int64),
-        "tape_time": np.array([model.fwd_time(a, a + 1) + model.finish_time[a]
-                               for a in starts]),
-        "tape_hold": np.array([model.tape_hold(a) for a in starts], dtype=np.int64),
-        # a child [a+1, b] of a tape option that keeps its input needs at least this
-        "child_floor": np.array([model.keep_need(a + 1, a + span)
-                                 if span and model.keeps_input(a + 1) else 0
-                                 for a in starts], dtype=np.int64),
-        "hold": [np.array([model.checkpoint_hold(a, kind) for a in starts], dtype=np.int64)
-                 for kind in range(model.kinds)],
-        "sweeps": [np.array([model.sweep_needs(a, a + span, kind) for a in starts],
-                            dtype=np.int64).reshape(len(starts), span)
-                   for kind in range(model.kinds)],
-        "lingering": np.broadcast_to(model.lingering(splits, ends[:, None]), splits.shape),
-        "sweep_time": model.fwd_time(starts[:, None], splits),
-        # cells [kind, j, b] and [kind, a, j - 1] of a (kind, a, b, ...) table
-        "late": (splits, ends[:, None]), "early": (starts[:, None], splits - 1),
-    }
+    return _SpanTerms(
+        starts=starts, ends=ends, splits=splits, later=min(PLAN, model.kinds - 1),
+        tape_need=np.array([model.tape_need(a, a + span) for a in starts], dtype=np.int64),
+        tape_time=np.array([model.fwd_time(a, a + 1) + model.finish_time[a] for a in starts]),
+        tape_hold=np.array([model.tape_hold(a) for a in starts], dtype=np.int64),
+        child_floor=np.array([model.keep_need(a + 1, a + span)
+                              if span and model.keeps_input(a + 1) else 0
+                              for a in starts], dtype=np.int64),
+        hold=[np.array([model.checkpoint_hold(a, kind) for a in starts], dtype=np.int64)
+              for kind in range(model.kinds)],
+        sweeps=[np.array([model.sweep_needs(a, a + span, kind) for a in starts],
+                         dtype=np.int64).reshape(len(starts), span)
+                for kind in range(model.kinds)],
+        lingering=np.broadcast_to(model.lingering(splits, ends[:, None]), splits.shape),
+        sweep_time=model.fwd_time(starts[:, None], splits))
 
 
 def _time_table(model: SegmentNeeds, budget: int) -> tuple[np.ndarray, np.ndarray]:
@@ -124,21 +147,21 @@ def _time_table(model: SegmentNeeds, budget: int) -> tuple[np.ndarray, np.ndarra
     memory = np.arange(width)
     for span in range(length):
         t = _span_terms(model, span)
-        starts, ends = t["starts"], t["starts"] + span
-        tape = np.repeat(t["tape_time"][:, None], width, axis=1)  # (segments, m)
+        starts, ends = t.starts, t.ends
+        tape = np.repeat(t.tape_time[:, None], width, axis=1)  # (segments, m)
         if span:  # the child [a+1, b] gets m - tape_hold, and needs child_floor of it
-            child = shifted(HELD, starts + 1, ends, t["tape_hold"])
-            child[memory[None, :] < (t["tape_hold"] + t["child_floor"])[:, None]] = np.inf
+            child = shifted(HELD, starts + 1, ends, t.tape_hold)
+            child[memory[None, :] < (t.tape_hold + t.child_floor)[:, None]] = np.inf
             tape = tape + child
-        tape[memory[None, :] < t["tape_need"][:, None]] = np.inf
+        tape[memory[None, :] < t.tape_need[:, None]] = np.inf
         for kind in range(model.kinds):
             best = tape.copy()
             if span:
-                splits = t["splits"]  # (segments, splits)
-                cand = (t["sweep_time"][:, :, None]
-                        + shifted(t["later"], splits, ends[:, None], t["hold"][kind][:, None])
-                        + shifted(kind, starts[:, None], splits - 1, t["lingering"]))
-                cand[memory[None, None, :] < t["sweeps"][kind][:, :, None]] = np.inf
+                splits = t.splits  # (segments, splits)
+                cand = (t.sweep_time[:, :, None]
+                        + shifted(t.later, splits, ends[:, None], t.hold[kind][:, None])
+                        + shifted(kind, starts[:, None], splits - 1, t.lingering))
+                cand[memory[None, None, :] < t.sweeps[kind][:, :, None]] = np.inf
                 row = cand.argmin(axis=1)  # (segments, m)
                 fastest = np.take_along_axis(cand, row[:, None, :], axis=1)[:, 0, :]
                 better = fastest < best
@@ -159,21 +182,21 @@ def _min_memory_table(model: SegmentNeeds) -> tuple[np.ndarray, np.ndarray, np.n
     choice = np.full(shape, TAPE, dtype=np.int64)
     for span in range(model.length):
         t = _span_terms(model, span)
-        starts, ends = t["starts"], t["starts"] + span
-        tape_need, tape_time = t["tape_need"], t["tape_time"]
+        starts, ends = t.starts, t.ends
+        tape_need, tape_time = t.tape_need, t.tape_time
         if span:
-            child_need = np.maximum(need[HELD, starts + 1, ends], t["child_floor"])
-            tape_need = np.maximum(tape_need, child_need + t["tape_hold"])
+            child_need = np.maximum(need[HELD, starts + 1, ends], t.child_floor)
+            tape_need = np.maximum(tape_need, child_need + t.tape_hold)
             tape_time = tape_time + seconds[HELD, starts + 1, ends]
         for kind in range(model.kinds):
             need[kind, starts, ends], seconds[kind, starts, ends] = tape_need, tape_time
             if not span:
                 continue
-            late, early = (t["later"],) + t["late"], (kind,) + t["early"]
-            cand_need = np.maximum.reduce([t["sweeps"][kind],
-                                           need[late] + t["hold"][kind][:, None],
-                                           need[early] + t["lingering"]])
-            cand_time = t["sweep_time"] + seconds[late] + seconds[early]
+            late, early = (t.later,) + t.late, (kind,) + t.early
+            cand_need = np.maximum.reduce([t.sweeps[kind],
+                                           need[late] + t.hold[kind][:, None],
+                                           need[early] + t.lingering])
+            cand_time = t.sweep_time + seconds[late] + seconds[early]
             least = cand_need.min(axis=1)
             tied = np.where(cand_need == least[:, None], cand_time, np.inf)
             row = tied.argmin(axis=1)
