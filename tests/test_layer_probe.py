@@ -32,13 +32,21 @@ def test_rates_price_the_probe_at_its_measured_time(matmuls, regime):
 def test_measured_rates_are_fractions_of_the_peaks(monkeypatch, tmp_path):
     """In the trainer's default regime here (bf16 only where the CPU computes it natively:
     elsewhere a bf16 probe layer would take an hour). The peak is measured here too, alone
-    on the machine as the rates are (not a figure another test cached while a second
-    worker shared the cores)."""
-    monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path))
+    on the machine as the rates are, before and after the probe, and the better of the two
+    taken (in one clean-clone run the probe's matmuls ran at 1.58 of a single timing). The
+    bounds catch a rate off by a factor (the forward + backward's
+    3x, a unit), not the few tens of percent a VM's neighbours move a timing by."""
     matmuls = machine.default_matmul_dtype()
-    rates = measure_layer_rates(matmuls, machine.peak_matmul_flops(matmuls), MEMCPY, repeats=2)
-    assert 0.05 < rates.matmul_efficiency < 1.5
-    assert 0.01 < rates.attention_efficiency < 1.5
+
+    def fresh_peak(name: str) -> float:
+        monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path / name))  # not a cached figure
+        return machine.peak_matmul_flops(matmuls)
+
+    before = fresh_peak("before")
+    rates = measure_layer_rates(matmuls, before, MEMCPY, repeats=2)
+    peak = max(before, fresh_peak("after"))
+    assert 0.05 < rates.matmul_efficiency * before / peak < 2.0
+    assert 0.01 < rates.attention_efficiency * before / peak < 2.0
     assert rates.memory_efficiency > 0 and rates.layer_seconds > 0
 
 
