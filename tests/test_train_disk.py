@@ -58,6 +58,13 @@ def test_disk_run_matches_the_in_memory_run(train_env, tmp_path, capsys, grad_ac
     assert predicted <= {e["name"] for e in spans["measured"]}
     [record] = records(tmp_path / "disk-run" / "log.jsonl", "trace")
     assert {"compute", "disk read"} <= set(record["busy_s"])
+    # the disk's reads and writes take turns in the plan: its busy time is theirs together
+    disk_busy = record["busy_s"]["disk (disk read, disk write)"]
+    busy = record["busy_s"]
+    assert disk_busy["predicted"] == pytest.approx(
+        busy["disk read"]["predicted"] + busy["disk write"]["predicted"])
+    assert disk_busy["measured"] <= busy["disk read"]["measured"] \
+        + busy["disk write"]["measured"] + 1e-9
     [plan] = records(tmp_path / "disk-run" / "log.jsonl", "plan")  # what the run decided
     assert plan["decisions"]["weights_home"] == "disk" and plan["decisions"]["streamed"]
 

@@ -104,6 +104,24 @@ def test_loads_wait_for_the_store_of_their_stage_and_compute_for_its_load():
     assert line.busy("disk read") == pytest.approx(3.0)
 
 
+def test_a_disks_reads_and_writes_take_turns_and_a_links_copies_do_not():
+    """A Load queued behind a Store on the disk starts once it ends (one device, its
+    bandwidth either way); on a GPU's link the same two run side by side."""
+    ops = (Forward(0, tape=True), Backward(0),
+           Store("weights", 0, "ram", "disk", "disk write", 500),  # 5 s
+           Load("weights", 1, "disk", "ram", "disk read", 300),  # 3 s
+           Drop("weights", 0, "ram"))  # waits for the write: no backlog into the next step
+    spans = {s.name: s for s in timeline(_costs(2), ops).spans}
+    assert spans["load(w1 disk>ram)"].start == pytest.approx(spans["store(w0 ram>disk)"].end)
+    link = ChainCosts(stages=(STAGE,) * 2, input_bytes=10, static_bytes=1000,
+                      optimizer_owned=True, bandwidths={"copy up": 100.0, "copy down": 100.0})
+    ops = (Forward(0, tape=True), Backward(0),
+           Store("weights", 0, "gpu", "ram", "copy down", 500),
+           Load("weights", 1, "ram", "gpu", "copy up", 300), Drop("weights", 0, "gpu"))
+    spans = {s.name: s for s in timeline(link, ops).spans}
+    assert spans["load(w1 ram>gpu)"].start == pytest.approx(spans["store(w0 gpu>ram)"].start)
+
+
 def test_compute_ops_alone_cost_their_stages():
     costs = _costs()
     plan = Plan("rotor", _plans(costs)["rotor"], costs)

@@ -23,7 +23,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..plan.reductions import NETWORK
@@ -74,6 +74,19 @@ class Recorder:
         tid = _ROWS.index(row)
         return sum(e["dur"] for e in self.events if e.get("tid") == tid and e["ph"] == "X"
                    and not e["name"].startswith("wait for")) / 1e6
+
+    def occupied_seconds(self, rows: Sequence[str]) -> float:
+        """Time at least one of ``rows`` was busy with work: a shared device's (a disk's
+        reads and writes), which its rows' working seconds count twice where they overlap."""
+        tids = {_ROWS.index(row) for row in rows}
+        intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in self.events
+                           if e.get("tid") in tids and e["ph"] == "X"
+                           and not e["name"].startswith("wait for"))
+        total, reach = 0.0, float("-inf")
+        for start, end in intervals:
+            total += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        return total / 1e6
 
     def micro_batches(self) -> list[float]:
         """When each micro-batch began, in the trace's microseconds."""

@@ -18,6 +18,10 @@ from .costs import ChainCosts, StageCost
 
 # the resources that read and write a lower tier's weights, by tier
 TRANSFER_RESOURCES = {"disk": ("disk read", "disk write"), "ram": ("copy up", "copy down")}
+# resources that take turns on one device: a disk moves its bandwidth's bytes either way, not
+# that many each way at once (measured: benchmarks/disk_duplex.py, a read and a write side by
+# side each at about half its rate alone); a GPU's link copies both ways at once
+SHARED_DEVICE = {"disk read": "disk", "disk write": "disk"}
 
 
 def streamed_costs(costs: ChainCosts, streamed: set[int], *, home: str,

@@ -11,7 +11,8 @@ Pure data. One dispatcher walks the ops in order, as the executor does:
   dispatcher waits until then (one step queued behind the running one); at ``join`` (the
   end of the backward) it waits for every step of the host optimizer;
 - a Load or Store starts on its own resource (an I/O thread, a copy stream), queued behind
-  that resource's earlier transfers, once the dispatcher reaches it and what it waits for
+  that resource's earlier transfers (and those of the resources that share its device:
+  a disk's reads and writes take turns, ``SHARED_DEVICE``), once the dispatcher reaches it and what it waits for
   is done, and takes its bytes over the resource's bandwidth (``ChainCosts.bandwidths``);
   the dispatcher goes on at once;
 - a Reduce or a Gather starts on its resource (the network) as a Store does, queued
@@ -51,6 +52,7 @@ from .ops import (
     Update,
 )
 from .state_schedule import STATES
+from .streaming import SHARED_DEVICE
 from .tape_schedule import TAPE
 from .boundary_schedule import BOUNDARY
 from .gradient_schedule import GRADS
@@ -88,7 +90,7 @@ def timeline(costs: ChainCosts, ops: Sequence[Op], join: int | None = None) -> T
     for every step of the host optimizer (the end of a backward)."""
     join = len(ops) if join is None else join
     clock = 0.0  # the dispatcher's time
-    free: dict[str, float] = {}  # resource -> when its last op ends
+    free: dict[str, float] = {}  # resource (or the device it shares) -> when its last op ends
     loaded: dict[tuple[str, int], float] = {}  # (what, stage) -> when its last Load ends
     stored: dict[tuple[str, int], float] = {}  # (what, stage) -> when its last Store ends
     reduced: dict[int, float] = {}  # stage -> when its last Reduce ends
@@ -133,8 +135,9 @@ def timeline(costs: ChainCosts, ops: Sequence[Op], join: int | None = None) -> T
                 key = (op.what, op.stage)
                 after = stored.get(key, 0.0) if isinstance(op, Load) else \
                     reduced.get(op.stage, clock) if op.what == GRADS else clock
-                ready = max(clock, free.get(op.resource, 0.0), after)
-                end = free[op.resource] = ready + op.nbytes / costs.bandwidths[op.resource]
+                lane = SHARED_DEVICE.get(op.resource, op.resource)
+                ready = max(clock, free.get(lane, 0.0), after)
+                end = free[lane] = ready + op.nbytes / costs.bandwidths[op.resource]
                 (loaded if isinstance(op, Load) else stored)[key] = end
                 if serial:
                     written[op.what] = end

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..plan.plan import Plan
+from ..plan.streaming import SHARED_DEVICE
 
 
 class Interrupt:
@@ -58,8 +59,14 @@ def traced(path: str | None, logger, plan_of: Callable[[], Plan], rank: int = 0
                          "timeline beside them; open it in https://ui.perfetto.dev or "
                          "chrome://tracing)")
             micro = max(1, len(recorder.micro_batches()))
+            rows = sorted({s.resource for s in predicted.spans})
             busy = {row: (predicted.busy(row), recorder.working_seconds(row) / micro)
-                    for row in sorted({s.resource for s in predicted.spans})}
+                    for row in rows}
+            for device in sorted({SHARED_DEVICE[r] for r in rows if r in SHARED_DEVICE}):
+                shared = [r for r in rows if SHARED_DEVICE.get(r) == device]
+                busy[f"{device} ({', '.join(shared)})"] = (
+                    sum(predicted.busy(r) for r in shared),  # they take turns in the plan
+                    recorder.occupied_seconds(shared) / micro)
             logger.print("busy seconds per micro-batch, predicted / measured: " + ", ".join(
                 f"{row} {p:.3g} / {m:.3g}" for row, (p, m) in busy.items()))
             logger.record("trace", path=path, micro_batches=micro,
