@@ -8,6 +8,7 @@ import pytest
 import torch
 from models import (
     CORE_FAMILIES,
+    hf_config,
     hf_sample,
     mlp_sample,
     residual_mlp,
@@ -147,23 +148,36 @@ def test_bad_budget_strings():
 def test_optimizer_states_on_disk_match_plain_adamw(tmp_path):
     """A budget that cannot hold the AdamW states beside the rest puts them on disk; the
     parameters still follow plain AdamW, and the disk tier's files hold the states. (Whole
-    tapes: selective ones would make room for the states in memory.)"""
-    model = tiny_hf("gpt2", layers=3, dropout=0.1)
+    tapes: selective ones would make room for the states in memory.) The budget is a tenth of
+    the states under the least memory any plan without a disk needs; the model is wide
+    enough that this is far more than the tens of KiB the runtime's measured bytes vary by
+    from one fit to the next (at the tiny models' width, 354 KiB of states, it was not)."""
+    import transformers
+
+    config = hf_config("gpt2", layers=3, dropout=0.1)
+    config.n_embd = 128
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
     reference = copy.deepcopy(model)
     sample = hf_sample()
-    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-3)  # noqa: E731
     whole = FitConfig(selective="never")
     tierflow.fit(model, sample, optimizer=make)  # warm: the runtime's first-use bytes are paid
-    resident = tierflow.fit(model, sample, optimizer=make, config=whole).plan
-    states = resident.costs.extra["optimizer states"]
-    budget = resident.predicted_peak - states * 9 // 10
+    states = tierflow.fit(model, sample, optimizer=make, config=whole).plan.costs.extra[
+        "optimizer states"]
+    with pytest.raises(tierflow.BudgetError) as least:
+        tierflow.fit(model, sample, optimizer=make, ram=4096, config=whole)
+    budget = least.value.smallest - states // 10
     with pytest.raises(tierflow.BudgetError):
         tierflow.fit(model, sample, optimizer=make, ram=budget, config=whole)
     module = tierflow.fit(model, sample, optimizer=make, ram=budget, disk=tmp_path,
                           config=whole)
     assert module.plan.costs.extra["optimizer states on disk"] == states
     assert module.plan.predicted_peak <= budget
-    train_side_by_side(module, reference, sample, make)
+    # at this width the fused LM head's other summation order moves the later losses by
+    # ~1e-6 through Adam at this lr (see train_side_by_side; ~1e-5 at lr 1e-2, and one
+    # weight of 49,152 by 1.3e-4)
+    train_side_by_side(module, reference, sample, make, rtol_after_update=1e-4)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=1e-4)
     module.optimizer.wait()  # state writes run on an I/O thread
