@@ -7,8 +7,9 @@ of each, and per resource the busy seconds of a micro-batch, the first (warm-up)
 
 Kinds: F (a forward without tape), Fall (with tape), B, U, and each transfer by what it
 moves (load w, load s, store w, store s); the compute thread's waits for transfers are
-counted apart. On a GPU the measured compute spans are the kernels' launches on the host
-thread, not their run on the GPU.
+counted apart, and left out of the op they happen inside (an Update waits for its optimizer
+states inside its span). On a GPU the measured compute spans are the kernels' launches on
+the host thread, not their run on the GPU.
 """
 from __future__ import annotations
 
@@ -34,13 +35,21 @@ def compare(path: Path) -> dict:
     start, count = marks[1], len(marks) - 1  # after the warm-up micro-batch
     spans: dict[tuple[str, str], list[float]] = defaultdict(list)
     busy: dict[tuple[str, str], float] = defaultdict(float)
-    for e in events:
-        if e["ph"] != "X" or e["ts"] < start or e["pid"] not in (measured, predicted):
-            continue
+    timed = [e for e in events
+             if e["ph"] == "X" and e["ts"] >= start and e["pid"] in (measured, predicted)]
+    waits = defaultdict(list)  # (pid, tid) -> the waits on that row
+    for e in timed:
+        if e["name"].startswith("wait for"):
+            waits[e["pid"], e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+    for e in timed:
         side = "measured" if e["pid"] == measured else "predicted"
-        spans[side, kind(e["name"])].append(e["dur"] / 1e3)
-        if not e["name"].startswith("wait for"):
-            busy[side, rows[e["tid"]]] += e["dur"] / 1e6
+        duration = e["dur"]
+        if not e["name"].startswith("wait for"):  # less the waits inside it (an Update's
+            end = e["ts"] + e["dur"]  # for its optimizer states)
+            duration -= sum(max(0.0, min(end, b) - max(e["ts"], a))
+                            for a, b in waits[e["pid"], e["tid"]])
+            busy[side, rows[e["tid"]]] += duration / 1e6
+        spans[side, kind(e["name"])].append(duration / 1e3)
     kinds = sorted({k for _, k in spans})
     return {"trace": str(path), "micro_batches": count,
             "mean_ms": {k: {side: round(sum(spans[side, k]) / len(spans[side, k]), 2)

@@ -252,7 +252,8 @@ class OwnedOptimizer:
         if not entries:
             return
         self._prefetch(i)
-        self._flat[i], buffers = self._reads.pop(i).result()
+        with span(f"wait for optimizer states {i}", "compute"):  # inside the op's span
+            self._flat[i], buffers = self._reads.pop(i).result()
         for (state, key, _, _), buffer in zip(entries, buffers):
             state[key] = buffer
         entries.clear()

@@ -70,23 +70,29 @@ class Recorder:
 
     def working_seconds(self, row: str) -> float:
         """Time ``row`` was busy with work, not waiting for a transfer (the spans named
-        "wait for ..."): what a plan's timeline predicts for that resource."""
-        tid = _ROWS.index(row)
-        return sum(e["dur"] for e in self.events if e.get("tid") == tid and e["ph"] == "X"
-                   and not e["name"].startswith("wait for")) / 1e6
+        "wait for ...", on their own or inside an op's span: an Update's for its optimizer
+        states): what a plan's timeline predicts for that resource."""
+        return self.occupied_seconds([row])
 
     def occupied_seconds(self, rows: Sequence[str]) -> float:
-        """Time at least one of ``rows`` was busy with work: a shared device's (a disk's
-        reads and writes), which its rows' working seconds count twice where they overlap."""
+        """Time at least one of ``rows`` was busy with work, waits left out: a shared
+        device's (a disk's reads and writes), which its rows' working seconds count twice
+        where they overlap."""
         tids = {_ROWS.index(row) for row in rows}
-        intervals = sorted((e["ts"], e["ts"] + e["dur"]) for e in self.events
-                           if e.get("tid") in tids and e["ph"] == "X"
-                           and not e["name"].startswith("wait for"))
-        total, reach = 0.0, float("-inf")
-        for start, end in intervals:
-            total += max(0.0, end - max(start, reach))
-            reach = max(reach, end)
-        return total / 1e6
+        spans = [e for e in self.events if e.get("tid") in tids and e["ph"] == "X"]
+        work = _union([(e["ts"], e["ts"] + e["dur"]) for e in spans
+                       if not e["name"].startswith("wait for")])
+        waits = _union([(e["ts"], e["ts"] + e["dur"]) for e in spans
+                        if e["name"].startswith("wait for")])
+        waited, k = 0.0, 0
+        for start, end in work:  # both in order: each wait met once per piece it overlaps
+            while k < len(waits) and waits[k][1] <= start:
+                k += 1
+            j = k
+            while j < len(waits) and waits[j][0] < end:
+                waited += min(end, waits[j][1]) - max(start, waits[j][0])
+                j += 1
+        return (sum(end - start for start, end in work) - waited) / 1e6
 
     def micro_batches(self) -> list[float]:
         """When each micro-batch began, in the trace's microseconds."""
@@ -113,6 +119,17 @@ class Recorder:
                            for s in predicted.spans]
         Path(path).write_text(json.dumps({"traceEvents": names + events,
                                           "displayTimeUnit": "ms"}))
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The intervals merged where they overlap, in order."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
 
 
 _active: Recorder | None = None
