@@ -76,9 +76,11 @@ def runs(env):
     """5 steps on 1 process and on 2 ranks, side by side, each saving step 3 and step 5."""
     root = env["root"]
     extra = ("--steps", "5", "--save-every", "3", "--eval-every", "5", "--eval-steps", "3")
-    procs = launch(_args(env, root / "one", *extra), 1) + launch(_args(env, root / "two", *extra), 2)
+    procs = launch(_args(env, root / "one", *extra), 1) + launch(
+        _args(env, root / "two", *extra, "--trace", str(root / "two.json")), 2)
     outputs = finish(procs)
-    return {"one": root / "one", "two": root / "two", "stdout": [o for o, _ in outputs]}
+    return {"one": root / "one", "two": root / "two", "stdout": [o for o, _ in outputs],
+            "trace": root / "two.json"}
 
 
 def test_two_ranks_match_one_process(runs):
@@ -99,6 +101,15 @@ def test_two_ranks_match_one_process(runs):
     plan = records(runs["two"] / "log.jsonl", "plan")[0]
     assert plan["world_size"] == 2 and plan["predicted_comm_s"] > 0
     assert "optimizer states (reserved, 1/2 shard)" in rank0 and "communication" in rank0
+    # the values the ranks exchange each step are the plan's ops, measured on the network
+    # row: under ZeRO-2 the clipping norm's too
+    events = json.loads(runs["trace"].read_text())["traceEvents"]
+    exchanged = [e["name"] for e in events if e.get("name", "").startswith("exchange(")
+                 and e["ph"] == "X" and e["pid"] == next(
+                     p["pid"] for p in events if p.get("name") == "process_name"
+                     and p["args"]["name"] == "measured")]
+    assert {name: exchanged.count(name) for name in set(exchanged)} == {
+        "exchange(loss)": 5, "exchange(gradient norm)": 5, "exchange(memory report)": 5}
 
 
 def test_each_rank_holds_half_the_optimizer_states(runs):
@@ -208,6 +219,12 @@ def test_two_ranks_with_disk_tiers_match_one_process(env, tmp_path, flags, rel):
                 reduces.setdefault(e["pid"], set()).add(e["name"])
         # the plan's reduce ops, measured and predicted, one per trained stage
         assert len(reduces) == 2 and len(set(map(frozenset, reduces.values()))) == 1, reduces
+        # each step's values exchanged as the plan's ops, on the network row: the loss and
+        # the memory report (replicas measure the clipping norm alone)
+        exchanged = [e["name"] for e in events if e.get("name", "").startswith("exchange(")
+                     and e["tid"] == network and e["ph"] == "X"]
+        assert {name: exchanged.count(name) for name in set(exchanged)} == {
+            "exchange(loss)": 3, "exchange(memory report)": 3}, exchanged
     if flags:
         return
     # resumed on 2 ranks, each reading the checkpoint's states onto its own disk tier
@@ -274,7 +291,7 @@ def test_stages_are_reduced_during_backward_and_zero_matches_adamw(world_of_one,
     import tierflow
     from tierflow.distributed import ShardedOptimizer
     from tierflow.plan.ops import Reduce
-    from tierflow.plan.reductions import Reductions
+    from tierflow.plan.reductions import Reductions, step_values
 
     def adamw(groups):
         return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
@@ -284,8 +301,10 @@ def test_stages_are_reduced_during_backward_and_zero_matches_adamw(world_of_one,
     batches = [hf_sample(seed=k) for k in range(2)]
     module = tierflow.fit(model, batches[0])
     stages = [list(stage.parameters()) for stage in module.chain.stages]
-    zero = ShardedOptimizer(world_of_one, stages, [{"params": list(model.parameters())}], adamw)
-    module.run_collectives_with(zero, Reductions(1, all_reduce=False, bus=1e9))
+    zero = ShardedOptimizer(world_of_one, stages, [{"params": list(model.parameters())}], adamw,
+                            module.exchange)
+    module.run_collectives_with(zero, Reductions(1, all_reduce=False, bus=1e9,
+                                                 exchanged=step_values(all_reduce=False)))
     reduces = [op.stage for op in module.plan.ops if isinstance(op, Reduce)]
     assert reduces == list(range(len(stages)))[::-1]  # one per stage, each after its backward
     launched = []

@@ -13,7 +13,13 @@ import tierflow
 from tierflow import FitConfig
 from tierflow.core.errors import TierflowError
 from tierflow.plan.ops import Backward, Reduce, Update
-from tierflow.plan.reductions import Reductions
+from tierflow.plan.reductions import (
+    GRADIENT_NORM,
+    LOSS,
+    MEMORY_REPORT,
+    Reductions,
+    step_values,
+)
 
 TWO = Reductions(2, all_reduce=True, bus=1e9)  # two workers, 1 GB/s bus
 
@@ -131,7 +137,7 @@ def test_zero_plans_gather_each_stage_after_the_step():
             self.calls.append(("wait", None))
 
     module = tierflow.fit(tiny_hf("qwen2", layers=2), hf_sample())  # the head tied
-    shards = Reductions(4, all_reduce=False, bus=1e6)
+    shards = Reductions(4, all_reduce=False, bus=1e6, exchanged=step_values(all_reduce=False))
     collectives = Recorded()
     module.run_collectives_with(collectives, shards)
     plan = module.plan
@@ -142,9 +148,15 @@ def test_zero_plans_gather_each_stage_after_the_step():
         assert reduce.nbytes == gather.nbytes  # reduce-scatter and all-gather: (N-1)/N b
     moved = sum(op.nbytes for op in plan.routines.gathers)
     assert moved == pytest.approx(3 / 4 * sum(p.nbytes for p in module.parameters()), rel=1e-3)
-    assert plan.gather_time == pytest.approx(moved / shards.bus)
+    # the step's values, each an all-gather of 8-byte values over the 4 ranks
+    assert [(op.what, op.nbytes) for op in plan.routines.exchanges] == [
+        (LOSS, 3 * 8), (GRADIENT_NORM, 3 * 8), (MEMORY_REPORT, 3 * 3 * 8)]
+    exchanged = sum(op.nbytes for op in plan.routines.exchanges)
+    assert plan.network_time_between_steps == pytest.approx((moved + exchanged) / shards.bus)
     assert "gather ops all-gather the updated shards" in module.explain()
-    assert type(plan).from_json(plan.to_json()).routines.gathers == plan.routines.gathers
+    assert "exchange their loss, gradient norm, memory report" in module.explain()
+    again = type(plan).from_json(plan.to_json()).routines
+    assert (again.gathers, again.exchanges) == (plan.routines.gathers, plan.routines.exchanges)
     module(**hf_sample()).loss.backward()
     module.gather_parameters()
     reduced = [stage for kind, stage in collectives.calls if kind == "reduce"]
@@ -153,4 +165,5 @@ def test_zero_plans_gather_each_stage_after_the_step():
         ("wait", None)]
     replicas = tierflow.fit(tiny_hf("llama"), hf_sample(), optimizer=_sgd)
     replicas.reduce_gradients_with(lambda grads: None, TWO)
-    assert replicas.plan.routines.gathers == () and replicas.plan.gather_time == 0.0
+    assert replicas.plan.routines.gathers == replicas.plan.routines.exchanges == ()
+    assert step_values(all_reduce=True) == (LOSS, MEMORY_REPORT)  # the norm measured alone

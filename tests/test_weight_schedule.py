@@ -6,7 +6,7 @@ import pytest
 from schedules import step_seconds, streaming
 
 from tierflow.plan.costs import ChainCosts, StageCost
-from tierflow.plan.ops import Backward, Drop, Forward, Load, Store, Update
+from tierflow.plan.ops import Backward, Drop, Exchange, Forward, Load, Reduce, Store, Update
 from tierflow.plan.plan import Plan
 from tierflow.plan.rotor import rotor, smallest_budget
 from tierflow.plan.strategies import checkpoint_all, keep_all
@@ -120,6 +120,21 @@ def test_a_disks_reads_and_writes_take_turns_and_a_links_copies_do_not():
            Load("weights", 1, "ram", "gpu", "copy up", 300), Drop("weights", 0, "gpu"))
     spans = {s.name: s for s in timeline(link, ops).spans}
     assert spans["load(w1 ram>gpu)"].start == pytest.approx(spans["store(w0 gpu>ram)"].start)
+
+
+def test_an_exchange_holds_the_step_and_a_reduce_does_not():
+    """The step waits for an Exchange (what it returns decides what runs next), not for a
+    Reduce (what needs the stage's gradients waits for it)."""
+    costs = ChainCosts(stages=(STAGE,) * 2, input_bytes=10, static_bytes=1000,
+                       optimizer_owned=True, bandwidths={"network": 100.0})
+    ops = (Forward(0, tape=True), Forward(1, tape=True), Backward(1),
+           Reduce(1, "network", 300),  # 3 s
+           Backward(0), Exchange("loss", "network", 200),  # 2 s, after the reduce
+           Update(0))
+    spans = {s.name: s for s in timeline(costs, ops).spans}
+    assert spans["B(0)"].start == pytest.approx(spans["B(1)"].end)  # beside the reduce
+    assert spans["exchange(loss)"].start == pytest.approx(spans["reduce(g1)"].end)
+    assert spans["U(0)"].start == pytest.approx(spans["exchange(loss)"].end)
 
 
 def test_compute_ops_alone_cost_their_stages():

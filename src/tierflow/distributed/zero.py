@@ -1,6 +1,6 @@
 """ZeRO-2 over the default process group: each rank updates only its shard of the parameters.
-It runs the plan's collectives (``exec/collectives.Collectives``): each stage's Reduce, and
-each stage's Gather after the step.
+It runs the plan's collectives (``exec/collectives.Collectives``): each stage's Reduce, each
+stage's Gather after the step, and the step's Exchanges.
 
 The optimizer is any ``torch.optim.Optimizer`` whose update is element-wise (AdamW), built by
 the caller's factory over *pieces*: one-dimensional aliases of the parts of the parameters that
@@ -9,7 +9,8 @@ for 1/N of the elements on each rank, and the update writes straight into the mo
 parameters (the pieces share their storage: the fp32 weights are their own master copy).
 After the update each stage's shards are all-gathered so that every rank holds the whole,
 updated model again (the plan's Gather ops, in stage order). The global gradient norm is the
-square root of the sum over ranks of each shard's sum of squares.
+square root of the sum over ranks of each shard's sum of squares (the plan's Exchange of the
+gradient norm).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..plan.reductions import GRADIENT_NORM
 from .layout import ShardLayout, StageShard
 from .reducer import GradReducer
 from .state import gather_state, scatter_state
@@ -34,11 +36,15 @@ class ShardedOptimizer:
 
     ``groups`` are torch param groups of full parameters (``{"params": [...], ...}``);
     ``make`` builds the optimizer from the same groups with this rank's pieces in place of
-    the parameters (it is the single-process factory, unchanged)."""
+    the parameters (it is the single-process factory, unchanged); ``plan_exchange(what,
+    values)`` runs the plan's Exchange of ``what`` (``TierflowModule.exchange``, which hands
+    it back to ``exchange`` here): the clipping norm's."""
 
     def __init__(self, world: World, stage_params: Sequence[Sequence[nn.Parameter]],
-                 groups: Sequence[dict[str, Any]], make: OptimizerFactory):
+                 groups: Sequence[dict[str, Any]], make: OptimizerFactory,
+                 plan_exchange: Callable[[str, list[float]], list[list[float]]]):
         self.world = world
+        self.plan_exchange = plan_exchange
         self.layout = ShardLayout(stage_params, [g["params"] for g in groups], world.rank,
                                   world.size)
         with world.collective("parameter broadcast"), torch.no_grad():
@@ -78,15 +84,17 @@ class ShardedOptimizer:
             view.grad = (grad[piece.offset:piece.offset + piece.numel]
                          if id(piece.param) in got else None)
         squares = sum(float(torch.dot(s.double(), s.double())) for s in shards)
-        total = torch.tensor([squares], dtype=torch.float64)
-        with self.world.collective("gradient norm all-reduce"):
-            dist.all_reduce(total)
-        norm = math.sqrt(float(total))
+        by_rank = self.plan_exchange(GRADIENT_NORM, [squares])  # the same sum on every rank
+        norm = math.sqrt(sum(row[0] for row in by_rank))
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for shard in shards:
                 shard.mul_(coef)
         return norm
+
+    def exchange(self, values: list[float], what: str) -> list[list[float]]:
+        """The plan's Exchange(what) (``Collectives``): every rank's ``values``, by rank."""
+        return self.world.all_gather(values, what)
 
     def step(self) -> None:
         """Update this rank's pieces (the plan's gathers then bring every rank the others':

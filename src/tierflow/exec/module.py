@@ -169,7 +169,9 @@ class TierflowModule(nn.Module):
         self._collectives = collectives
 
     def reduce_gradients_with(self, reduce: Callable[[list[torch.Tensor]], None],
-                              reductions: Reductions) -> None:
+                              reductions: Reductions,
+                              exchange: Callable[[list[float], str], list[list[float]]]
+                              | None = None) -> None:
         """Data parallelism with an optimizer tierflow owns (``fit(optimizer=...)``): once a
         stage's gradients are complete for the step (its ``Reduce`` op in the last
         micro-batch, right after its backward, before the clipping norm, the disk tier or
@@ -177,7 +179,9 @@ class TierflowModule(nn.Module):
         mean over the workers, as DDP's all-reduce does
         (``tierflow.distributed.World.average``; ``reductions`` says over how many and at
         what bandwidth, for the plan's price). Every worker then updates its own copy of
-        the weights and states the same way."""
+        the weights and states the same way. ``exchange(values, what)`` runs the plan's
+        Exchange ops (``World.all_gather``): needed when ``reductions.exchanged`` names
+        any."""
         if self._optimizer is None:
             raise TierflowError("reduce_gradients_with is for an optimizer tierflow owns "
                                 "(fit(optimizer=...)): with your own, average the gradients "
@@ -185,7 +189,11 @@ class TierflowModule(nn.Module):
         if not reductions.all_reduce:
             raise TierflowError("reduce_gradients_with averages whole gradients on every "
                                 "worker: give it Reductions(..., all_reduce=True)")
-        self.run_collectives_with(_Averaging(self, reduce), reductions)
+        if reductions.exchanged and exchange is None:
+            raise TierflowError(f"the plan exchanges {', '.join(reductions.exchanged)} between "
+                                "the workers: give reduce_gradients_with an exchange "
+                                "(tierflow.distributed.World.all_gather)")
+        self.run_collectives_with(_Averaging(self, reduce, exchange), reductions)
 
     def gather_parameters(self) -> None:
         """After the optimizer's step under ZeRO-2: the plan's gathers, each all-gathering a
@@ -196,6 +204,18 @@ class TierflowModule(nn.Module):
         if self._plan.routines.gathers:
             with span("wait for gathers", "compute"):
                 self._collectives.wait_gathered()
+
+    def exchange(self, what: str, values: list[float]) -> list[list[float]]:
+        """Run the plan's Exchange of ``what`` (``plan/reductions.py``): every rank's
+        ``values``, by rank. Each rank calls it at the same point of its step."""
+        op = next((op for op in self._plan.routines.exchanges if op.what == what), None)
+        if op is None:
+            planned = [op.what for op in self._plan.routines.exchanges]
+            raise TierflowError(f"the plan exchanges no {what!r} between the ranks (it "
+                                f"exchanges: {', '.join(planned) or 'nothing'}): name it in "
+                                "the Reductions' exchanged values")
+        with span(str(op), op.resource):
+            return self._collectives.exchange(values, what)
 
     def _run_collective(self, op: Collective) -> None:
         """The plan's Reduce(i) or Gather(i), handed to the collectives."""
@@ -387,11 +407,14 @@ def tape_reads(ops: tuple, position: int) -> int:
 
 class _Averaging:
     """Replicas' collectives: a stage's Reduce, in the step's last micro-batch, hands its
-    gradients to ``reduce`` (which averages them in place); replicas gather nothing."""
+    gradients to ``reduce`` (which averages them in place); replicas gather nothing; an
+    Exchange goes to ``exchange``."""
 
-    def __init__(self, module: TierflowModule, reduce: Callable[[list[torch.Tensor]], None]):
+    def __init__(self, module: TierflowModule, reduce: Callable[[list[torch.Tensor]], None],
+                 exchange: Callable[[list[float], str], list[list[float]]] | None):
         self.module = module
         self.reduce = reduce
+        self._exchange = exchange
 
     def reduce_stage(self, stage: int) -> None:
         deferred = self.module._deferred  # updates inside the backward: one micro-batch a step
@@ -406,3 +429,7 @@ class _Averaging:
 
     def wait_gathered(self) -> None:
         """Nothing was gathered."""
+
+    def exchange(self, values: list[float], what: str) -> list[list[float]]:
+        assert self._exchange is not None, "reduce_gradients_with checks it is given"
+        return self._exchange(values, what)

@@ -38,6 +38,10 @@ A collective between the ranks of data-parallel training, started where the plan
 - ``Gather(i, resource, nbytes)``: start all-gathering stage i's updated parameter shards
   (ZeRO-2: each rank stepped only its shard), in the plan's ``gathers`` routine that runs
   after the optimizer's step; the routine ends once every gather has arrived.
+- ``Exchange(what, resource, nbytes)``: all-gather a few values of the step over the ranks
+  (``what``: its loss, the shards' squared gradient norms that clipping needs, its memory
+  report), in the plan's ``exchanges`` routine (``plan/reductions.py``); the step waits for
+  it, since what it returns decides what runs next (the clipping factor) or is reported.
 """
 from __future__ import annotations
 
@@ -214,10 +218,27 @@ class Gather(_BetweenRanks):
     TENSOR: ClassVar[str] = "w"
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """An all-gather of a few values of the step over the ranks (see the module's list)."""
+
+    what: str  # which values: plan/reductions.py's LOSS, GRADIENT_NORM or MEMORY_REPORT
+    resource: str  # the network between the ranks
+    nbytes: int  # through each rank's link
+
+    def to_dict(self) -> dict:
+        return {"op": "exchange", "what": self.what, "resource": self.resource,
+                "nbytes": self.nbytes}
+
+    def __str__(self) -> str:
+        return f"exchange({self.what})"
+
+
 Collective = Union[Reduce, Gather]
 COLLECTIVES = (Reduce, Gather)
 Transfer = Union[Load, Store, Drop, Reduce, Gather]
-Op = Union[Forward, Backward, Free, Update, Stash, Fetch, Load, Store, Drop, Reduce, Gather]
+Op = Union[Forward, Backward, Free, Update, Stash, Fetch, Load, Store, Drop, Reduce, Gather,
+           Exchange]
 TRANSFERS = (Load, Store, Drop, Reduce, Gather)
 
 
@@ -252,8 +273,10 @@ def op_from_dict(data: dict) -> Op:
     if kind in ("reduce", "gather"):
         collective = Reduce if kind == "reduce" else Gather
         return collective(int(data["stage"]), str(data["resource"]), int(data["nbytes"]))
+    if kind == "exchange":
+        return Exchange(str(data["what"]), str(data["resource"]), int(data["nbytes"]))
     raise ValueError(f"unknown plan op {kind!r}: expected forward, backward, free, update, "
-                     "stash, fetch, load, store, drop, reduce or gather")
+                     "stash, fetch, load, store, drop, reduce, gather or exchange")
 
 
 def forward_phase_length(ops: list[Op] | tuple[Op, ...], length: int) -> int:

@@ -35,7 +35,7 @@ from .ops import (
     forward_phase_length,
     op_from_dict,
 )
-from .reductions import NETWORK, gathers, with_reductions
+from .reductions import NETWORK, exchanges, gathers, with_reductions
 from .selective import check_selective
 from .simulate import Simulation, check_complete, simulate
 from .state_schedule import first_read, with_state_transfers
@@ -55,8 +55,9 @@ class Routines:
     ``update_pass`` the deferred updates after the last micro-batch of a step, then
     ``after_pass``; ``cold`` what a step starts with when nothing was read yet (the first
     step, after a failed one); ``evaluation`` every stage forward without gradients;
-    ``gathers`` ZeRO-2's all-gathers of the updated shards after the optimizer's step
-    (``plan/reductions.py``)."""
+    ``gathers`` ZeRO-2's all-gathers of the updated shards after the optimizer's step;
+    ``exchanges`` the values the ranks exchange each step, in the order the trainer asks for
+    them (``plan/reductions.py``)."""
 
     between: tuple[Op, ...] = ()
     update_pass: tuple[Op, ...] = ()
@@ -64,11 +65,12 @@ class Routines:
     cold: tuple[Op, ...] = ()
     evaluation: tuple[Op, ...] = ()
     gathers: tuple[Op, ...] = ()
+    exchanges: tuple[Op, ...] = ()
 
     def to_dict(self) -> dict:
         return {name: [op.to_dict() for op in getattr(self, name)]
                 for name in ("between", "update_pass", "after_pass", "cold", "evaluation",
-                             "gathers")}
+                             "gathers", "exchanges")}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Routines":
@@ -118,11 +120,11 @@ class Plan:
         return self.timeline.time
 
     @property
-    def gather_time(self) -> float:
-        """Seconds of the all-gathers after the optimizer's step (ZeRO-2; else 0): one
-        after another on the network, the routine waiting for the last."""
-        gathered = self.routines.gathers
-        return timeline(self.costs, gathered).busy(NETWORK) if gathered else 0.0
+    def network_time_between_steps(self) -> float:
+        """Seconds of the all-gathers after the optimizer's step (ZeRO-2; else 0) and of the
+        step's exchanges of values: one after another on the network."""
+        ops = (*self.routines.gathers, *self.routines.exchanges)
+        return timeline(self.costs, ops).busy(NETWORK) if ops else 0.0
 
     def step_time(self, micro_batches: int) -> float:
         """Seconds of the ``micro_batches`` of one optimizer step, its update pass left out:
@@ -186,7 +188,8 @@ class Plan:
             step = with_boundary_transfers(step, transfers.boundaries)
         costs = self.costs
         if transfers.reductions is not None:  # last: each right after its stage's backward
-            routines = replace(routines, gathers=gathers(step, costs, transfers.reductions))
+            routines = replace(routines, gathers=gathers(step, costs, transfers.reductions),
+                               exchanges=exchanges(transfers.reductions))
             step = with_reductions(step, costs, transfers.reductions)
             costs = replace(costs, bandwidths={**costs.bandwidths,
                                                NETWORK: transfers.reductions.bus})
@@ -349,6 +352,9 @@ class Plan:
                 lines.append(f"  after the optimizer's step, {len(self.routines.gathers)} gather "
                              f"ops all-gather the updated shards ({format_bytes(gathered)} "
                              "through each rank's link)")
+            lines.append("  each step the ranks exchange their "
+                         + ", ".join(op.what for op in self.routines.exchanges)
+                         + f" ({len(self.routines.exchanges)} exchange ops, a few bytes each)")
         if any(isinstance(op, Update) for op in self.ops):
             lines.append("  each stage's parameters are updated as soon as its gradients are "
                          "complete, then its gradients are freed")

@@ -16,7 +16,8 @@ Pure data. One dispatcher walks the ops in order, as the executor does:
   is done, and takes its bytes over the resource's bandwidth (``ChainCosts.bandwidths``);
   the dispatcher goes on at once;
 - a Reduce or a Gather starts on its resource (the network) as a Store does, queued
-  behind the network's earlier collectives;
+  behind the network's earlier collectives; an Exchange too, and the dispatcher waits for
+  its end (what it returns decides what runs next);
 - a Drop waits (on the dispatcher) for the stage's Store in flight, and the Store of a
   tape, a checkpoint or a stage's gradients for the Store of the one before it (the
   executor writes one of each at a time); a Fetch waits (on the dispatcher) for its checkpoint's Load; Free and Stash
@@ -42,6 +43,7 @@ from .ops import (
     WEIGHTS,
     Backward,
     Drop,
+    Exchange,
     Fetch,
     Forward,
     Gather,
@@ -142,11 +144,13 @@ def timeline(costs: ChainCosts, ops: Sequence[Op], join: int | None = None) -> T
                 if serial:
                     written[op.what] = end
                 span = Span(position, str(op), op.resource, ready, end)
-            elif isinstance(op, (Reduce, Gather)):
+            elif isinstance(op, (Reduce, Gather, Exchange)):
                 ready = max(clock, free.get(op.resource, 0.0))
                 end = free[op.resource] = ready + op.nbytes / costs.bandwidths[op.resource]
                 if isinstance(op, Reduce):
                     reduced[op.stage] = end
+                elif isinstance(op, Exchange):
+                    clock = end
                 span = Span(position, str(op), op.resource, ready, end)
             elif isinstance(op, Drop):
                 clock = max(clock, stored.get((op.what, op.stage), 0.0))

@@ -202,11 +202,12 @@ def _optimizer(planner: StepPlanner, module: Any) -> Any:
     or as ZeRO-2 shards under torchrun. Under torchrun the module's plan gains each stage's
     reduction over the ranks (``plan/reductions.py``, priced at the bus bandwidth measured
     here): replicas (``roles.ranks_hold_replicas``) average each stage's gradients before
-    its update, ZeRO-2 reduce-scatters them."""
+    its update, ZeRO-2 reduce-scatters them; and the values the ranks exchange each step
+    (``step_values``), which the step runs as the plan's Exchange ops."""
     import torch
 
     from ..distributed import ShardedOptimizer
-    from ..plan.reductions import Reductions
+    from ..plan.reductions import Reductions, step_values
     from ..profile.machine import bus_bandwidth
     from .optimizer import LocalOptimizer, build_optimizer, param_groups
     from .owned import FitOwnedOptimizer
@@ -223,13 +224,15 @@ def _optimizer(planner: StepPlanner, module: Any) -> Any:
         optimizer = ShardedOptimizer(world, [list(stage.parameters())
                                              for stage in module.chain.stages],
                                      param_groups(params, opts),
-                                     lambda shard: build_optimizer(shard, opts, precision))
+                                     lambda shard: build_optimizer(shard, opts, precision),
+                                     module.exchange)
     if world is not None:
         replicas = ranks_hold_replicas(opts)
         reductions = Reductions(world.size, all_reduce=replicas,
-                                bus=bus_bandwidth(world, torch.device("cpu")))
+                                bus=bus_bandwidth(world, torch.device("cpu")),
+                                exchanged=step_values(all_reduce=replicas))
         if replicas:
-            module.reduce_gradients_with(world.average, reductions)
+            module.reduce_gradients_with(world.average, reductions, world.all_gather)
         else:
             module.run_collectives_with(optimizer, reductions)
     return optimizer

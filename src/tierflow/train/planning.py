@@ -24,7 +24,7 @@ from ..core.units import format_bytes
 from ..exec import enforce
 from ..fitting import fit
 from ..models.freeze import tied_frozen
-from ..plan.ops import COLLECTIVES
+from ..plan.ops import COLLECTIVES, Exchange
 from .device import ComputeTier
 from .logger import Logger, PlanPrecision, plan_section
 from .optimizer import (
@@ -166,11 +166,12 @@ class StepPlanner:
         dist_figures = None
         if world is not None:
             # the plan's collectives (replicas: gradients all-reduced; ZeRO-2: reduce-scattered,
-            # then the updated shards all-gathered after the step)
+            # then the updated shards all-gathered after the step; the step's exchanges)
             plan = module.plan
             bus = plan.transfers.reductions.bus
-            moved = sum(op.nbytes for op in (*plan.ops, *plan.routines.gathers)
-                        if isinstance(op, COLLECTIVES))
+            moved = sum(op.nbytes for op in (*plan.ops, *plan.routines.gathers,
+                                             *plan.routines.exchanges)
+                        if isinstance(op, (*COLLECTIVES, Exchange)))
             dist_figures = {"world_size": ranks, "backend": world.backend, "bus_bandwidth": bus,
                             "comm_bytes": moved, "replicas": replicas,
                             "predicted_comm_s": moved / bus}

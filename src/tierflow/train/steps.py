@@ -22,6 +22,7 @@ import torch
 from ..core.errors import TierflowError
 from ..core.seeding import derived_seed
 from ..core.units import format_bytes
+from ..plan.reductions import LOSS, MEMORY_REPORT
 from ..profile.machine import maxrss_bytes
 from . import checkpoint
 from .adapter_files import Current, adapter_weights, merged_weights
@@ -184,9 +185,8 @@ class StepLoop:
                     f"the GPU ran out of memory again at step {step}, under the re-planned "
                     f"budget of {format_bytes(self.tier.gpu)}: give a smaller --gpu (what else "
                     "uses the GPU is not in the budget) or a smaller --batch-size") from None
-        world = self.site.world
-        if world is not None:  # the ranks' means of equal row counts: the global mean
-            means = world.all_gather([loss], "loss average")
+        if self.site.world is not None:  # the ranks' means of equal row counts: the mean
+            means = self.module.exchange(LOSS, [loss])  # the plan's Exchange
             loss = sum(r[0] for r in means) / self.site.ranks
         clip = self.run.opts.clip
         norm = self.optimizer.clip_grad_norm(clip if clip > 0 else math.inf)
@@ -239,7 +239,7 @@ class StepLoop:
         ram = max(0, maxrss_bytes() - self.site.baseline)
         per_rank = [[ram, self.optimizer.state_bytes(), interrupted]]
         if world is not None:
-            per_rank = world.all_gather(per_rank[0], "memory report")
+            per_rank = self.module.exchange(MEMORY_REPORT, per_rank[0])  # the plan's Exchange
         ram_ranks = [int(r[0]) for r in per_rank]
         sol = self.flops_per_step / (step_s * self.peak * ranks) if self.peak > 0 else None
         tokens_per_step, total = self.run.schedule.tokens_per_step, self.run.schedule.total
