@@ -110,6 +110,29 @@ def test_each_reduce_comes_between_its_backward_and_its_update_and_is_priced():
     assert again.ops == ops and again.transfers.reductions == slow
 
 
+def test_a_replicas_exchange_runs_through_the_plan_and_only_what_it_names():
+    """The values named in the Reductions are the plan's Exchange ops, handed to the
+    exchange given; one it does not name, or a plan with exchanges and no exchange to run
+    them, is one clear error."""
+    module = tierflow.fit(tiny_hf("llama", layers=2), hf_sample(), optimizer=_sgd)
+    names = step_values(all_reduce=True)
+    with pytest.raises(TierflowError, match="give reduce_gradients_with an exchange"):
+        module.reduce_gradients_with(lambda grads: None,
+                                     Reductions(2, all_reduce=True, bus=1e9, exchanged=names))
+    seen = []
+
+    def exchange(values, what):
+        seen.append((what, values))
+        return [values, values]  # two ranks that agree
+
+    module.reduce_gradients_with(lambda grads: None,
+                                 Reductions(2, all_reduce=True, bus=1e9, exchanged=names),
+                                 exchange)
+    assert module.exchange(LOSS, [2.5]) == [[2.5], [2.5]] and seen == [(LOSS, [2.5])]
+    with pytest.raises(TierflowError, match="exchanges no 'gradient norm'"):
+        module.exchange(GRADIENT_NORM, [1.0])
+
+
 def test_only_the_last_micro_batch_pays_for_the_reductions():
     model = tiny_hf("llama", layers=2)
     module = tierflow.fit(model, hf_sample(), optimizer=_sgd, grad_accum=3, max_grad_norm=1.0)
