@@ -11,10 +11,10 @@ Pure data. One dispatcher walks the ops in order, as the executor does:
   dispatcher waits until then (one step queued behind the running one); at ``join`` (the
   end of the backward) it waits for every step of the host optimizer;
 - a Load or Store starts on its own resource (an I/O thread, a copy stream), queued behind
-  that resource's earlier transfers (and those of the resources that share its device:
-  a disk's reads and writes take turns, ``SHARED_DEVICE``), once the dispatcher reaches it and what it waits for
-  is done, and takes its bytes over the resource's bandwidth (``ChainCosts.bandwidths``);
-  the dispatcher goes on at once;
+  that resource's earlier transfers (and those of the resources that share its device: a
+  disk's reads and writes take turns, ``SHARED_DEVICE``), once the dispatcher reaches it
+  and what it waits for is done, and takes its bytes over the resource's bandwidth
+  (``ChainCosts.bandwidths``); the dispatcher goes on at once;
 - a Reduce or a Gather starts on its resource (the network) as a Store does, queued
   behind the network's earlier collectives; an Exchange too, and the dispatcher waits for
   its end (what it returns decides what runs next);
