@@ -79,20 +79,11 @@ class Recorder:
         device's (a disk's reads and writes), which its rows' working seconds count twice
         where they overlap."""
         tids = {_ROWS.index(row) for row in rows}
-        spans = [e for e in self.events if e.get("tid") in tids and e["ph"] == "X"]
-        work = _union([(e["ts"], e["ts"] + e["dur"]) for e in spans
-                       if not e["name"].startswith("wait for")])
-        waits = _union([(e["ts"], e["ts"] + e["dur"]) for e in spans
-                        if e["name"].startswith("wait for")])
-        waited, k = 0.0, 0
-        for start, end in work:  # both in order: each wait met once per piece it overlaps
-            while k < len(waits) and waits[k][1] <= start:
-                k += 1
-            j = k
-            while j < len(waits) and waits[j][0] < end:
-                waited += min(end, waits[j][1]) - max(start, waits[j][0])
-                j += 1
-        return (sum(end - start for start, end in work) - waited) / 1e6
+        spans = [(e["ts"], e["ts"] + e["dur"], e["name"].startswith("wait for"))
+                 for e in self.events if e.get("tid") in tids and e["ph"] == "X"]
+        waits = _covered([(start, end) for start, end, wait in spans if wait])
+        # the time of work outside any wait: |work and waits together| - |waits|
+        return (_covered([(start, end) for start, end, _ in spans]) - waits) / 1e6
 
     def micro_batches(self) -> list[float]:
         """When each micro-batch began, in the trace's microseconds."""
@@ -121,15 +112,13 @@ class Recorder:
                                           "displayTimeUnit": "ms"}))
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The intervals merged where they overlap, in order."""
-    merged: list[tuple[float, float]] = []
+def _covered(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of ``intervals`` (overlaps counted once)."""
+    total, reach = 0.0, float("-inf")
     for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
+        total += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return total
 
 
 _active: Recorder | None = None
