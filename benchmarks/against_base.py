@@ -23,7 +23,8 @@ and the ratios of this tree to the base;
 for this tree, how far the prediction is off, and for W2 whether the plan `tierflow plan
 --hardware cpu ... --json` prints (fresh process, right after the run) made the same
 decisions (`Plan.decisions`: strategy, recomputed and stashed stages, what streams where,
-how far ahead) as the plan `tierflow train` ran.
+how far ahead) as the plan `tierflow train` ran, once on analytic costs and once with
+`--measure` (the stages measured here as the trainer measures them).
 Writes benchmarks/results/against-base-<date>[-TAG].{md,json} (the JSON names both commits
 and the CPU) after every row, so a run cut short keeps the rows it finished. Run it on a quiet machine. `--replan RESULT` only reruns the W2 rows' `tierflow
 plan` of a saved result with this tree.
@@ -115,12 +116,20 @@ def over_rounds(rounds: list[dict]) -> dict:
                         "peak_gib": r["peak_gib"]} for r in rounds]}
 
 
-def predicted_decisions(tree: Path, model: str, batch: int, ram: str, disk: Path) -> dict:
-    """What `tierflow plan --hardware cpu --json` of ``tree`` decides for the same run."""
+# a row's key for each `tierflow plan` run: its extra flags, and the key of whether it made
+# the trainer's decisions
+PLAN_COMMANDS = {"plan_command": ([], "same_plan"),
+                 "plan_measured": (["--measure"], "same_plan_measured")}
+
+
+def predicted_decisions(tree: Path, model: str, batch: int, ram: str, disk: Path,
+                        flags: list[str]) -> dict:
+    """What `tierflow plan --hardware cpu --json` of ``tree``, with ``flags``, decides for
+    the same run."""
     disk.mkdir(parents=True, exist_ok=True)  # the run's own was removed after it
     cmd = [sys.executable, "-m", "tierflow", "plan", "--model", model, "--hardware", "cpu",
            "--ram", ram, "--disk", str(disk), "--seq-len", "1024", "--batch-size", str(batch),
-           "--matmul-dtype", "bf16", "--clip", "0", "--json"]  # as `train` runs: no clipping
+           "--matmul-dtype", "bf16", "--clip", "0", "--json", *flags]  # as `train`: no clip
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -188,9 +197,7 @@ def main() -> None:
                     row["peak_error"] = round(head["predicted_peak_gib"] / head["peak_gib"] - 1,
                                               3)
                 if workload == "W2" and "decisions" in head:
-                    row["plan_command"] = predicted_decisions(
-                        ROOT, model, batch, ram, tmp / f"{workload}-{label}-head" / "disk")
-                    row["same_plan"] = row["plan_command"].get("decisions") == head["decisions"]
+                    replan_row(row, ROOT, tmp / f"{workload}-{label}-head" / "disk")
                 rows.append(row)
                 write(result, RESULTS / f"against-base-{stamp}.json")  # a cut run keeps these
         finally:
@@ -205,12 +212,17 @@ def replan(path: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for row in result["rows"]:
             if row["workload"] == "W2" and "decisions" in row["head"]:
-                row["plan_command"] = predicted_decisions(ROOT, "tinyllama-1.1b", 2, row["ram"],
-                                                          Path(tmp) / "disk")
-                row["same_plan"] = row["plan_command"].get("decisions") == \
-                    row["head"]["decisions"]
+                replan_row(row, ROOT, Path(tmp) / "disk")
     result["replanned_by"] = commit_of(ROOT)
     write(result, path)
+
+
+def replan_row(row: dict, tree: Path, disk: Path) -> None:
+    """A W2 row's `tierflow plan` results (analytic, then --measure) and whether each made
+    the decisions of the plan the trainer ran."""
+    for key, (flags, same) in PLAN_COMMANDS.items():
+        row[key] = predicted_decisions(tree, "tinyllama-1.1b", 2, row["ram"], disk, flags)
+        row[same] = row[key].get("decisions") == row["head"]["decisions"]
 
 
 def write(result: dict, path: Path) -> None:
@@ -225,7 +237,7 @@ def write(result: dict, path: Path) -> None:
              "`benchmarks/against_base.py`.", "",
              "| workload | budget | base step s | head step s | head/base | base peak GiB | "
              "head peak GiB | head/base | head PREDICTED step s (off) | PREDICTED peak GiB "
-             "(off) | `tierflow plan` the same plan | rounds' spread, base / head |",
+             "(off) | `tierflow plan` the same plan (analytic; --measure) | rounds' spread, base / head |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b, h = r["base"], r["head"]
@@ -237,7 +249,7 @@ def write(result: dict, path: Path) -> None:
                      f"{h['step_s']} | {r['step_ratio']} | {b['peak_gib']} | {h['peak_gib']} "
                      f"| {r['peak_ratio']} | {h['predicted_step_s']} ({r['step_error']:+.0%}) | "
                      f"{h['predicted_peak_gib']} ({r['peak_error']:+.0%}) | "
-                     f"{_same(r)} | {_spread(b)} / {_spread(h)} |")
+                     f"{_same(r, 'plan_command')}; {_same(r, 'plan_measured')} | {_spread(b)} / {_spread(h)} |")
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -248,15 +260,16 @@ def _spread(tree: dict) -> str:
     return f"{max(steps) / min(steps) - 1:.0%}" if len(steps) > 1 else "-"
 
 
-def _same(row: dict) -> str:
-    """The same-plan cell: yes, no (what differs), or - where not compared."""
-    if "same_plan" not in row:
+def _same(row: dict, key: str) -> str:
+    """A same-plan cell of the plan command ``key``: yes, no (what differs), or - where not
+    compared."""
+    if key not in row:
         return "-"
-    if row["same_plan"]:
-        return "yes"
-    theirs = row["plan_command"].get("decisions") or {}
+    theirs = row[key].get("decisions") or {}
     differ = [k for k, v in row["head"]["decisions"].items() if theirs.get(k) != v]
-    return "no: " + (", ".join(differ) or row["plan_command"].get("error", "?"))
+    if not differ and theirs:
+        return "yes"
+    return "no: " + (", ".join(differ) or row[key].get("error", "?"))
 
 
 if __name__ == "__main__":

@@ -170,7 +170,7 @@ def test_a_budget_below_what_is_held_names_the_ram_that_would_work():
 def test_the_optimizer_probe_is_no_larger_than_the_model():
     """Its larger step (4x the smaller one's elements) is the model's size, within the probe's
     bounds: a tiny model's updates are not priced (and paid for) at 16M elements."""
-    from tierflow.fitting.tiers import PROBE_NUMEL, probe_numel
+    from tierflow.profile.optimizer_probe import PROBE_NUMEL, probe_numel
     low, high = PROBE_NUMEL
     assert probe_numel(None) == probe_numel(None, 10**9) == high
     assert probe_numel(None, 8 * low) == 2 * low
@@ -233,7 +233,7 @@ import resource, torch
 from tierflow.exec.memory import HostMeter, configure_host_allocator, rss_bytes
 from tierflow.profile.optimizer_probe import probe_optimizer
 from tierflow.precision import PrecisionConfig, make_optimizer
-from tierflow.fitting.tiers import probe_numel
+from tierflow.profile.optimizer_probe import probe_numel
 configure_host_allocator()
 dtype = torch.{dtype}
 config = PrecisionConfig(model_dtype="bf16" if dtype == torch.bfloat16 else "fp32",

@@ -27,6 +27,12 @@ def register(sub: Any) -> None:
                     "and the cheapest changes that fit (precision, a disk tier, a shorter "
                     "sequence), each with its predicted tok/s.")
     add_setup_arguments(plan, lists=False)
+    plan.add_argument("--measure", action="store_true",
+                      help="measure the model's stages on this machine as tierflow train "
+                           "does before it plans (a copy with one decoder layer, random "
+                           "weights; minutes for a 1B model), and with --disk the directory's "
+                           "bandwidth, instead of pricing them from the calibrated rates: "
+                           "the plan train would make here (--hardware cpu only)")
     plan.set_defaults(func=run)
 
 
@@ -45,12 +51,31 @@ def run(args: argparse.Namespace) -> int:
     setup = base_setup(args, hw, shape)
     selection = selection_for(args.model, args.freeze, args.train_only)
     setup = replace(setup, seq=seq, gpu=gpu, ram=ram, selection=selection)
+    if args.measure:
+        setup = measured_setup(args, setup)
     try:
         prediction = predict(setup)
     except BudgetError as err:
         raise TierflowError(f"{err}; {changes_that_fit(setup)}") from None
     print(prediction.to_json() if args.json else plan_text(prediction, hw), flush=True)
     return 0
+
+
+def measured_setup(args: argparse.Namespace, setup: Any) -> Any:
+    """``setup`` with its chain's costs and update rates measured here (``sim/measured.py``)
+    and, with ``--disk DIR``, that directory's bandwidth as the trainer measures it."""
+    if args.hardware != "cpu":
+        raise TierflowError(f"--measure measures this machine: --hardware {args.hardware} "
+                            "is a profile of another; give --hardware cpu or leave --measure "
+                            "out")
+    if setup.selection is not None:
+        raise TierflowError("--measure measures a model that trains whole: leave --freeze "
+                            "and --train-only out, or --measure")
+    from ..profile.machine import disk_tier_bandwidth
+    from ..sim.measured import measure
+    if args.disk is not None:
+        setup = replace(setup, disk_bw=disk_tier_bandwidth(args.disk))
+    return replace(setup, measured=measure(args.model, setup))
 
 
 SHORTER_SEQUENCES = 3  # halvings of --seq-len tried when nothing fits

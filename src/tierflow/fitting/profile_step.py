@@ -7,7 +7,6 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..chain import to_chain
@@ -17,13 +16,12 @@ from ..core.units import budget_to_give, format_bytes
 from ..exec.compile import compile_chain
 from ..exec.context import untouched
 from ..exec.memory import caching_allocator, meter_for, return_free_memory
-from ..exec.stage_call import context_tensors, storage_key
 from ..plan.choose import fastest_plan
 from ..plan.costs import ChainCosts
 from ..plan.tier_candidates import UpdateRates
 from ..plan.tier_search import LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK, TierPlan, auto_head_chunk
 from ..profile.head_chunk import head_profile_bytes
-from ..profile.profiler import Measuring, profile_chain
+from ..profile.profiler import Measuring, held_inputs, profile_chain
 from .request import FitRequest, as_call
 from .start import FitStart
 from .tiers import PlacedTiers, place, update_rates
@@ -118,13 +116,9 @@ def _chain_costs(model: nn.Module, x0: Any, ctx: dict[str, Any], stage_costs: li
     extra = {"autocast": start.autocast.describe(), "device": str(start.device),
              "parameters": param_bytes, "gradients": grads, "reserved": request.reserve,
              "runtime": runtime, "held before fit": start.held_before}
-    inputs = [x0] if isinstance(x0, torch.Tensor) else []
-    x0_keys = {storage_key(t) for t in inputs}
-    context = {storage_key(t): t.untyped_storage().nbytes() for t in context_tensors(ctx)
-               if storage_key(t) not in x0_keys}
-    return ChainCosts(stages=tuple(stage_costs),
-                      input_bytes=sum(t.untyped_storage().nbytes() for t in inputs),
-                      context_bytes=sum(context.values()),
+    input_bytes, context_bytes = held_inputs(x0, ctx)
+    return ChainCosts(stages=tuple(stage_costs), input_bytes=input_bytes,
+                      context_bytes=context_bytes,
                       static_bytes=param_bytes + grads + runtime + request.reserve
                       + start.held_before,
                       shared_grad_bytes=shared, grads_resident=request.grads_resident,

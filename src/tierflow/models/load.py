@@ -57,9 +57,16 @@ def random_init(name: str, *, vocab_size: int | None, dtype: torch.dtype, seed: 
                 place: Place | None = None) -> nn.Module:
     """Preset ``name`` (with ``vocab_size`` ids when given) initialized from ``seed`` one
     module at a time (``init.py``), each of its tensors handed to ``place`` when given."""
+    return build_random(preset_config(name, vocab_size=vocab_size), dtype=dtype, seed=seed,
+                        place=place)
+
+
+def build_random(config: Any, *, dtype: torch.dtype, seed: int,
+                 place: Place | None = None) -> nn.Module:
+    """The causal LM of the transformers ``config``, initialized from ``seed`` one module at
+    a time (``init.py``), each of its tensors handed to ``place`` when given."""
     from transformers import AutoModelForCausalLM
 
-    config = preset_config(name, vocab_size=vocab_size)
     with params_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     initialize(model, seed, dtype, place)

@@ -85,6 +85,16 @@ def stage_parameters(stage: nn.Module) -> list[nn.Parameter]:
     return [p for p in stage.parameters() if p.requires_grad]
 
 
+def held_inputs(x0: Any, ctx: dict[str, Any]) -> tuple[int, int]:
+    """Bytes of the chain's input ``x0`` (its storage, when a tensor) and of the step's
+    context tensors that are not that storage: what the step holds throughout."""
+    inputs = [x0] if isinstance(x0, torch.Tensor) else []
+    x0_keys = {storage_key(t) for t in inputs}
+    context = {storage_key(t): t.untyped_storage().nbytes() for t in context_tensors(ctx)
+               if storage_key(t) not in x0_keys}
+    return sum(t.untyped_storage().nbytes() for t in inputs), sum(context.values())
+
+
 def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast: AutocastMode,
                   measuring: Measuring, *,
                   resident: Callable[[list[nn.Parameter]], Any] | None = None,

@@ -9,10 +9,9 @@ stage, the final norm and the output projection to the last.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..core.errors import TierflowError
 from .selection import Selection
+from .shapes import model_config
 
 
 def selection_for(spec: str, freeze: str | None, train_only: str | None) -> Selection | None:
@@ -24,7 +23,7 @@ def selection_for(spec: str, freeze: str | None, train_only: str | None) -> Sele
     from ..models.freeze import freeze_parameters
     from ..models.presets import meta_model
 
-    model = meta_model(_config(spec))
+    model = meta_model(model_config(spec))
     try:
         freeze_parameters(model, freeze, train_only)
     except TierflowError as e:  # name the model: a sweep matches the globs in several
@@ -53,13 +52,3 @@ def selection_for(spec: str, freeze: str | None, train_only: str | None) -> Sele
                      (("--train-only", train_only), ("--freeze", freeze)) if value is not None)
     return Selection(tuple(trainable), tuple(matmul), tuple(largest), tied_trains, given)
 
-
-def _config(spec: str):
-    """The transformers config of a preset, or of the directory (or config.json) ``spec``."""
-    from ..models.load import read_config
-    from ..models.presets import PRESETS, preset_config
-
-    if spec in PRESETS:
-        return preset_config(spec)
-    path = Path(spec)
-    return read_config(path if path.is_dir() else path.parent)

@@ -37,6 +37,9 @@ class Prediction:
     mfu: float  # model FLOP/s over the dense peak of the matmul dtype
     matmul_dtype: str
     peak_flops: float  # the dense peak MFU is measured against
+    # where the stages' costs came from: "analytic" (shape and hardware profile) or
+    # "measured" (``tierflow plan --measure``: a one-layer copy run here, sim/measured.py)
+    costs: str = "analytic"
 
     def to_json(self) -> str:
         return json.dumps({"format": "tierflow-prediction", "predicted": True, **asdict(self)},
@@ -62,4 +65,5 @@ def predict(setup: Setup, *, smallest_budgets: bool = True) -> Prediction:
                       placement=placement, step_time=placement.step_time,
                       tokens_per_second=tok_s,
                       mfu=tok_s * flops_token / hw.flops(prec.matmul_dtype),
-                      matmul_dtype=prec.matmul_dtype, peak_flops=hw.flops(prec.matmul_dtype))
+                      matmul_dtype=prec.matmul_dtype, peak_flops=hw.flops(prec.matmul_dtype),
+                      costs="analytic" if setup.measured is None else "measured")

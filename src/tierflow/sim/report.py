@@ -7,6 +7,11 @@ from .hardware import Hardware
 from .predict import Prediction
 
 
+MEASURED = ("every stage measured here as tierflow train measures it before it plans (a copy "
+            "with one decoder layer and random weights; every layer priced at that one), the "
+            "optimizer probed as the trainer probes it")
+
+
 def _budget(value: int | None) -> str:
     return "unlimited" if value is None else format_bytes(value)
 
@@ -31,7 +36,7 @@ def plan_text(pred: Prediction, hw: Hardware) -> str:
                          f"a backward" if pred.forward_only else ""))]
           if pred.selection else []),
         ("hardware", f"{hw.name}: {hw.about}"),
-        ("efficiency", "; ".join(hw.notes)),
+        ("efficiency", MEASURED if pred.costs == "measured" else "; ".join(hw.notes)),
         ("precision", pred.precision),
         ("tokens per step",
          f"{pred.tokens_per_step:,} ({pred.batch} x {pred.grad_accum} x {pred.seq})"),
@@ -57,7 +62,9 @@ def plan_text(pred: Prediction, hw: Hardware) -> str:
              ("bottleneck", pl.bottleneck),
              ("smallest budgets", smallest_text(pl.smallest, pl.budgets))]
     rows += [("note", note) for note in pl.notes]
-    return section("Plan: PREDICTED, nothing was run", rows)
+    ran = "a one-layer copy ran to measure it" if pred.costs == "measured" else \
+        "nothing was run"
+    return section(f"Plan: PREDICTED, {ran}", rows)
 
 
 def smallest_text(smallest: dict[str, int | None], budgets: dict[str, int | None]) -> str:

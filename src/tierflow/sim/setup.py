@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..plan.costs import ChainCosts
+from ..plan.tier_candidates import UpdateRates
 from ..precision.config import PrecisionConfig
 from .hardware import Hardware
 from .selection import Selection
@@ -21,6 +23,16 @@ def default_precision(hw: Hardware) -> PrecisionConfig:
         return PrecisionConfig("bf16", "fp32", "fp32", "bf16")
     matmul = "bf16" if hw.peak_flops.get("bf16", 0.0) > hw.flops("fp32") else "fp32"
     return PrecisionConfig("fp32", "fp32", "fp32", matmul)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What ``tierflow plan --measure`` measured of a model on this machine, as ``fit``
+    measures it before it plans (``measured.py``): the chain's costs for each LM-head chunk
+    size (tokens) the trainer would try, and the optimizer's update rates."""
+
+    costs: dict[int, ChainCosts]
+    rates: UpdateRates
 
 
 @dataclass(frozen=True)
@@ -44,6 +56,7 @@ class Setup:
     # whether the run clips the gradients by their global norm (``tierflow train``'s default):
     # every update then waits for the whole backward, in a pass after it
     clips: bool = True
+    measured: Measured | None = None  # None: the chain's costs from the shape and hardware
 
     @property
     def run_precision(self) -> PrecisionConfig:

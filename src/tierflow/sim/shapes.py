@@ -269,3 +269,15 @@ def load_shape(spec: str) -> ModelShape:
     if not isinstance(config, dict):
         raise TierflowError(f"{file} is not a JSON object: give a Hugging Face config.json")
     return shape_from_config(config, str(spec))
+
+
+def model_config(spec: str):
+    """The transformers config of a preset, or of the directory (or config.json) ``spec``
+    (transformers is imported here, when a model is built)."""
+    from ..models.load import read_config
+    from ..models.presets import PRESETS, preset_config
+
+    if spec in PRESETS:
+        return preset_config(spec)
+    path = Path(spec)
+    return read_config(path if path.is_dir() else path.parent)

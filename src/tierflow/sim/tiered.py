@@ -65,7 +65,7 @@ def tiered_placement(setup: Setup, *, smallest_budgets: bool = True) -> Placemen
     try:
         search, placed = auto_head_chunk(
             lambda chunk: _searched(_problem(setup, chunk), budget, config, tier),
-            lambda result: result[1])
+            lambda result: result[1], try_large=LARGE_HEAD_CHUNK in _chunks(setup))
     except BudgetError:
         if not smallest_budgets:
             raise
@@ -90,13 +90,16 @@ def _searched(problem: TierProblem, budget: int | None, config: FitConfig,
 
 
 def _problem(setup: Setup, head_chunk: int) -> TierProblem:
-    """What the trainer would know before placing: the chain's costs (analytic here), the
-    optimizer's rates on the compute tier and in host RAM below a GPU, each stage's largest
+    """What the trainer would know before placing: the chain's costs (analytic, or measured
+    by ``tierflow plan --measure``), the optimizer's rates on the compute tier and in host RAM below a GPU, each stage's largest
     trainable parameter, the tiers below with their rates and budgets."""
     hw, shape, prec = setup.hardware, setup.shape, setup.run_precision
     per = prec.bytes_per_parameter()
-    costs = chain_costs(shape, StepShape(setup.seq, setup.batch), prec, hw,
-                        head_chunk=head_chunk, selection=setup.selection)
+    if setup.measured is not None:
+        costs = setup.measured.costs[head_chunk]
+    else:
+        costs = chain_costs(shape, StepShape(setup.seq, setup.batch), prec, hw,
+                            head_chunk=head_chunk, selection=setup.selection)
     width = per.weights
     # a tied embedding is shared with the head and stays resident: the embedding stage has
     # nothing else to stream unless it has learned positions
@@ -109,17 +112,24 @@ def _problem(setup: Setup, head_chunk: int) -> TierProblem:
         seconds_per_byte = host
     trains = setup.trains
     updated = tuple(i for i, n in enumerate(trains.trainable) if n)
+    rates = setup.measured.rates if setup.measured is not None else \
+        UpdateRates(per.optimizer_state / width, seconds_per_byte, transient_per_byte=0.0,
+                    transient_bytes=adamw_transient_bytes(prec.optim_dtype, width),
+                    host_seconds_per_byte=host if hw.has_gpu else None)
     return TierProblem(
-        costs=costs,
-        rates=UpdateRates(per.optimizer_state / width, seconds_per_byte,
-                          transient_per_byte=0.0,
-                          transient_bytes=adamw_transient_bytes(prec.optim_dtype, width),
-                          host_seconds_per_byte=host if hw.has_gpu else None),
+        costs=costs, rates=rates,
         largest=tuple(int(n * width) for n in trains.largest),
         trainable=int(trains.total * width), streamable=streamable, lower=lower_tiers(setup),
         deferred=setup.grad_accum > 1 or setup.clips, accumulates=setup.grad_accum > 1,
         micro_batches=setup.grad_accum,
         host_updatable=updated if hw.has_gpu else (), updated=updated)
+
+
+def _chunks(setup: Setup) -> tuple[int, ...]:
+    """The LM-head chunk sizes (tokens) the trainer would try: those measured, or both."""
+    if setup.measured is not None:
+        return tuple(setup.measured.costs)
+    return LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK
 
 
 def lower_tiers(setup: Setup) -> tuple[LowerTier, ...]:
@@ -142,7 +152,7 @@ def lower_tiers(setup: Setup) -> tuple[LowerTier, ...]:
 def _nothing_fits(setup: Setup, config: FitConfig) -> PlacementError:
     """The error naming the smallest budget of each tier, over both LM-head chunks."""
     tier, budget = compute_tier(setup)
-    problems = [_problem(setup, chunk) for chunk in (LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK)]
+    problems = [_problem(setup, chunk) for chunk in _chunks(setup)]
 
     def least(compute_budget: int | None, lifted: bool) -> dict[str, int | None]:
         found: dict[str, int | None] = {}
@@ -192,7 +202,8 @@ def _as_placement(setup: Setup, problem: TierProblem, placed: TierPlan,
     step = placed.predicted_time
     name, seconds = max(times.items(), key=lambda kv: kv[1])
     lower = lower_tiers(setup)
-    notes = [f"placed by the trainer's own search (plan/tier_search.py) on analytic costs, "
+    source = "costs measured here" if setup.measured is not None else "analytic costs"
+    notes = [f"placed by the trainer's own search (plan/tier_search.py) on {source}, "
              f"LM head in chunks of {plan.costs.extra.get('head chunk', '?')} tokens"]
     if placed.host_stages:
         notes.append(f"the optimizer steps {len(placed.host_stages)} stages in host RAM")
