@@ -67,9 +67,10 @@ def plain_peak(steps: int) -> float:
     return row["peak_rss_gib"] - row["baseline_rss_gib"]
 
 
-def train(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
-          work: Path) -> dict:
-    """One `tierflow train` run of ``tree``'s source in a fresh process."""
+def train_records(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
+                  work: Path) -> dict[str, list[dict]] | dict[str, str]:
+    """One `tierflow train` run of ``tree``'s source in a fresh process: its log's records
+    by kind, or {"error": its last line}."""
     disk = work / "disk"
     disk.mkdir(parents=True, exist_ok=True)
     log = work / "log.jsonl"
@@ -89,6 +90,16 @@ def train(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
     for line in log.read_text().splitlines():
         record = json.loads(line)
         records.setdefault(record["kind"], []).append(record)
+    return records
+
+
+def train(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
+          work: Path) -> dict:
+    """One `tierflow train` run of ``tree``'s source in a fresh process: its median step
+    after the first, its peak, its plan's predictions and decisions."""
+    records = train_records(tree, model, batch, ram, steps, data, work)
+    if "error" in records:
+        return records
     steps_s = [r["ms"] / 1e3 for r in records["train"]]
     plan = records["plan"][0]
     row = {"step_s": round(statistics.median(steps_s[1:]), 3),
