@@ -1,5 +1,5 @@
 """``tierflow plan`` and ``sweep``: the trainer's own placement search (``plan/tier_search.py``)
-run on analytic costs, for any hardware profile.
+run on analytic costs, for any hardware profile, or on costs measured here (``measured.py``).
 
 ``fit`` and ``tierflow train`` plan with that search on the costs they profile. Predicting
 with it too means that a prediction chooses among exactly the placements a run chooses
@@ -91,8 +91,9 @@ def _searched(problem: TierProblem, budget: int | None, config: FitConfig,
 
 def _problem(setup: Setup, head_chunk: int) -> TierProblem:
     """What the trainer would know before placing: the chain's costs (analytic, or measured
-    by ``tierflow plan --measure``), the optimizer's rates on the compute tier and in host RAM below a GPU, each stage's largest
-    trainable parameter, the tiers below with their rates and budgets."""
+    by ``tierflow plan --measure``), the optimizer's rates on the compute tier and in host
+    RAM below a GPU, each stage's largest trainable parameter, the tiers below with their
+    rates and budgets."""
     hw, shape, prec = setup.hardware, setup.shape, setup.run_precision
     per = prec.bytes_per_parameter()
     if setup.measured is not None:
