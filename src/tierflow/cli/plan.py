@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     gpu = memory_bytes(args.gpu, "--gpu") if args.gpu is not None else None
     ram = memory_bytes(args.ram, "--ram") if args.ram is not None else None
     shape = load_shape(args.model)
+    if args.measure:
+        check_measurable(args)  # before the cpu profile is measured
     hw = hardware_from_args(args, lists=False)
     seq = one_positive(args.seq_len, "--seq-len")
     setup = base_setup(args, hw, shape)
@@ -61,16 +63,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measured_setup(args: argparse.Namespace, setup: Any) -> Any:
-    """``setup`` with its chain's costs and update rates measured here (``sim/measured.py``)
-    and, with ``--disk DIR``, that directory's bandwidth as the trainer measures it."""
+def check_measurable(args: argparse.Namespace) -> None:
+    """Refuse ``--measure`` where it cannot measure: another machine's profile, or a partial
+    fine-tune (its one-layer copy would not freeze what the globs name)."""
     if args.hardware != "cpu":
         raise TierflowError(f"--measure measures this machine: --hardware {args.hardware} "
                             "is a profile of another; give --hardware cpu or leave --measure "
                             "out")
-    if setup.selection is not None:
+    if args.freeze is not None or args.train_only is not None:
         raise TierflowError("--measure measures a model that trains whole: leave --freeze "
                             "and --train-only out, or --measure")
+
+
+def measured_setup(args: argparse.Namespace, setup: Any) -> Any:
+    """``setup`` with its chain's costs and update rates measured here (``sim/measured.py``)
+    and, with ``--disk DIR``, that directory's bandwidth as the trainer measures it."""
     from ..profile.machine import disk_tier_bandwidth
     from ..sim.measured import measure
     if args.disk is not None:
