@@ -147,6 +147,8 @@ def predicted_decisions(tree: Path, model: str, batch: int, ram: str, disk: Path
         return {"error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
     prediction = json.loads(proc.stdout)
     return {"decisions": prediction["placement"]["decisions"],
+            "busy_s": {resource: round(seconds, 3) for resource, seconds
+                       in prediction["placement"]["times"].items()},
             "predicted_step_s": round(prediction["step_time"], 3),
             "predicted_peak_gib": round(prediction["placement"]["peaks"]["ram"] / GIB, 3)}
 
