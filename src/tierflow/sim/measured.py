@@ -32,12 +32,12 @@ from ..exec.memory import (
     configure_host_allocator,
     return_free_memory,
 )
+from ..fitting.profile_step import large_head_chunk_fits
 from ..models.load import build_random
 from ..plan.costs import ChainCosts
 from ..plan.tier_candidates import UpdateRates
 from ..plan.tier_search import LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK
 from ..precision import make_optimizer
-from ..profile.head_chunk import head_profile_bytes
 from ..profile.optimizer_probe import probe_numel, probe_optimizer
 from ..profile.profiler import Measuring, held_inputs, profile_chain
 from .setup import Measured, Setup
@@ -64,8 +64,7 @@ def measure(spec: str, setup: Setup) -> Measured:
     meter = HostMeter()
     return_free_memory()
     before = meter.current()
-    large_fits = setup.ram is None or \
-        (head_profile_bytes(model, sample, LARGE_HEAD_CHUNK) or 0) <= setup.ram
+    large_fits = large_head_chunk_fits(model, sample, setup.ram, 0, lambda note: None)
     chunks = (LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK) if large_fits else (SMALL_HEAD_CHUNK,)
     costs = {chunk: _chain_costs(model, sample, autocast, chunk, setup, meter, before)
              for chunk in chunks}
