@@ -33,6 +33,7 @@ from .memory import rss_bytes
 _ROWS = ("compute", "optimizer", "host optimizer", "disk read", "disk write", "copy up",
          "copy down", NETWORK)
 RSS_COUNTER = "host RSS"  # the counter track's name; its value is in MiB
+PLAN_BYTES_COUNTER = "plan bytes"  # the predicted process's counter: the plan's held bytes
 RSS_INTERVAL = 0.002  # seconds between RSS samples
 RSS_STEP = 1 << 20  # bytes the RSS must move by to add a point
 MICRO_BATCH = "micro-batch"  # the instant event that marks a micro-batch's start
@@ -89,9 +90,13 @@ class Recorder:
         """When each micro-batch began, in the trace's microseconds."""
         return [e["ts"] for e in self.events if e["name"] == MICRO_BATCH]
 
-    def write(self, path: str | Path, predicted: Timeline | None = None) -> None:
+    def write(self, path: str | Path, predicted: Timeline | None = None,
+              held: Sequence[tuple[int, int]] = ()) -> None:
         """The trace as Chrome-trace JSON; with ``predicted``, its spans (one micro-batch's)
-        from the start of each micro-batch, as the process ``predicted``."""
+        from the start of each micro-batch, as the process ``predicted``, and with ``held``
+        (per op of the plan, the compute tier's bytes the plan predicts while it runs and
+        after it, ``plan/simulate.py``) the counter track ``plan bytes`` there: at the start
+        and the end of each compute op's predicted span."""
         measured = os.getpid()
         names = [{"name": "thread_name", "ph": "M", "pid": measured, "tid": i,
                   "args": {"name": row}} for i, row in enumerate(_ROWS)]
@@ -108,8 +113,24 @@ class Recorder:
                 events += [{"name": s.name, "ph": "X", "pid": pid, "tid": _row(s.resource),
                             "ts": start + s.start * 1e6, "dur": (s.end - s.start) * 1e6}
                            for s in predicted.spans]
+                if held:
+                    events += _held_points(predicted, held, pid, start)
         Path(path).write_text(json.dumps({"traceEvents": names + events,
                                           "displayTimeUnit": "ms"}))
+
+
+def _held_points(predicted: Timeline, held: Sequence[tuple[int, int]], pid: int,
+                 start: float) -> list[dict]:
+    """The ``plan bytes`` counter of one micro-batch from ``start`` (microseconds): each
+    compute op's bytes while it runs from its span's start, and after it from its end."""
+    points = []
+    for s in predicted.spans:
+        if s.resource != "compute" or s.position >= len(held):
+            continue
+        during, after = held[s.position]
+        points += [(start + s.start * 1e6, during), (start + s.end * 1e6, after)]
+    return [{"name": PLAN_BYTES_COUNTER, "ph": "C", "pid": pid, "ts": ts,
+             "args": {"MiB": round(value / (1 << 20), 1)}} for ts, value in points]
 
 
 def _covered(intervals: list[tuple[float, float]]) -> float:

@@ -40,7 +40,8 @@ def traced(path: str | None, logger, plan_of: Callable[[], Plan], rank: int = 0
     (however it ends: an interrupted or failed run's trace is the one to look at), beside
     the plan's predicted timeline (``plan_of()``: the plan running then) as a second
     process; the log gets each resource's busy seconds per micro-batch, predicted against
-    measured. Under torchrun rank 0 writes FILE and rank r the same name with ``.rank<r>``
+    measured, and the plan's predicted bytes of the compute tier beside the measured RSS
+    (which counts what the process holds outside the plan too). Under torchrun rank 0 writes FILE and rank r the same name with ``.rank<r>``
     before its suffix (``trace.rank1.json``)."""
     if path is None:
         yield
@@ -53,8 +54,9 @@ def traced(path: str | None, logger, plan_of: Callable[[], Plan], rank: int = 0
         try:
             yield
         finally:
-            predicted = plan_of().timeline
-            recorder.write(path, predicted)
+            plan = plan_of()
+            predicted = plan.timeline
+            recorder.write(path, predicted, plan_bytes(plan))
             logger.print(f"trace: {path} ({len(recorder.events)} events, the plan's predicted "
                          "timeline beside them; open it in https://ui.perfetto.dev or "
                          "chrome://tracing)")
@@ -73,3 +75,10 @@ def traced(path: str | None, logger, plan_of: Callable[[], Plan], rank: int = 0
                           predicted_step_s=predicted.time,
                           busy_s={row: {"predicted": p, "measured": m}
                                   for row, (p, m) in busy.items()})
+
+
+def plan_bytes(plan: Plan) -> list[tuple[int, int]]:
+    """Per op of ``plan``, the compute tier's bytes it predicts while the op runs and after
+    it: the static bytes with the simulated activations, gradients and transients."""
+    static = plan.costs.static_bytes
+    return [(static + e.peak, static + e.resident) for e in plan.simulation.timeline]
