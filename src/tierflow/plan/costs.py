@@ -103,6 +103,11 @@ class ChainCosts:
     # the stages whose tape, backward and transients are their selective variant's: every
     # taped forward of theirs runs selectively (plan/selective.py)
     selective: tuple[int, ...] = ()
+    # bytes of static_bytes that buffer one stage's optimizer states in flight to or from a
+    # lower tier (the largest stage's): held by the write back after an update and by the read
+    # ahead of the next one, but not between the step's last write ending and its first read
+    # (``simulate``'s ``states_written``)
+    state_buffer_bytes: int = 0
     extra: dict = field(default_factory=dict)  # free-form facts for explain(): dtype, shapes
 
     @property
@@ -120,7 +125,7 @@ class ChainCosts:
                 "shared_grad_bytes": self.shared_grad_bytes,
                 "grads_resident": self.grads_resident, "stashable": list(self.stashable),
                 "bandwidths": dict(self.bandwidths), "selective": list(self.selective),
-                "extra": dict(self.extra)}
+                "state_buffer_bytes": self.state_buffer_bytes, "extra": dict(self.extra)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ChainCosts":
@@ -135,4 +140,5 @@ class ChainCosts:
                    stashable=tuple(data.get("stashable", ())),
                    bandwidths=dict(data.get("bandwidths", {})),
                    selective=tuple(data.get("selective", ())),
+                   state_buffer_bytes=data.get("state_buffer_bytes", 0),
                    extra=dict(data.get("extra", {})))

@@ -19,6 +19,7 @@ from .gradient_schedule import (
     with_host_gradient_stores,
 )
 from .ops import (
+    COMPUTE,
     HOST_OPTIMIZER,
     TRANSFERS,
     WEIGHTS,
@@ -38,7 +39,7 @@ from .ops import (
 from .reductions import NETWORK, exchanges, gathers, with_reductions
 from .selective import check_selective
 from .simulate import Simulation, check_complete, simulate
-from .state_schedule import first_read, with_state_transfers
+from .state_schedule import STATES, first_read, with_state_transfers
 from .tape_schedule import with_tape_transfers
 from .timeline import Timeline, timeline
 from .transfers import Transfers
@@ -100,7 +101,25 @@ class Plan:
 
     @property
     def simulation(self) -> Simulation:
-        return simulate(self.costs, self.ops)
+        """``ops`` replayed on the costs, the buffer of one stage's states counted free where
+        the timeline has the step before's last write of states done (``states_written``)."""
+        return simulate(self.costs, self.ops, self.states_written())
+
+    def states_written(self) -> int | None:
+        """The position in ``ops`` of the first compute op that the timeline starts after the
+        last write of optimizer states of the micro-batch before has ended (None: the plan
+        writes no states)."""
+        if not self.costs.state_buffer_bytes:
+            return None
+        line = self.timeline
+        ops = (*self.ops, *self.routines.between)
+        ends = [s.end for s in line.spans
+                if isinstance(ops[s.position], Store) and ops[s.position].what == STATES]
+        if not ends:
+            return None
+        done = max(ends) - line.time  # in the next repetition's seconds
+        return next((s.position for s in line.spans if s.resource == COMPUTE
+                     and s.position < len(self.ops) and s.start >= done), len(self.ops))
 
     @property
     def timeline(self) -> Timeline:

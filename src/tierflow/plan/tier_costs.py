@@ -163,6 +163,7 @@ def states_below(resident: ChainCosts, base: ChainCosts, stages: Sequence[StageC
     static = base.static_bytes + states_in_flight(below, read_ahead) + \
         sum(state_of[i] for i in kept)
     return replace(resident, stages=tuple(moved), static_bytes=static,
+                   state_buffer_bytes=max(below, default=0),
                    bandwidths={**resident.bandwidths, read: home.bandwidth,
                                write: home.bandwidth},
                    extra={**base.extra, f"optimizer states on {home.name}": sum(below)})
@@ -217,6 +218,7 @@ def updated_on_host(candidate: Candidate, base: ChainCosts, state_of: list[int],
         states_in_flight(up_there, read_ahead)
     down_resource = TRANSFER_RESOURCES[link.name][1]  # the plan's Stores of the gradients
     return replace(costs, stages=tuple(stages), static_bytes=static,
+                   state_buffer_bytes=max(up_there, default=0),
                    bandwidths={**costs.bandwidths, down_resource: link.bandwidth},
                    extra={**costs.extra, "updated on the host": sorted(host)})
 
