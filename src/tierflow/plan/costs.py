@@ -103,11 +103,10 @@ class ChainCosts:
     # the stages whose tape, backward and transients are their selective variant's: every
     # taped forward of theirs runs selectively (plan/selective.py)
     selective: tuple[int, ...] = ()
-    # bytes of static_bytes that buffer one stage's optimizer states in flight to or from a
-    # lower tier (the largest stage's): held by the write back after an update and by the read
-    # ahead of the next one, but not between the step's last write ending and its first read
-    # (``simulate``'s ``states_written``)
+    # bytes of static_bytes that buffer one stage's optimizer states, and one stage's tape, in
+    # flight to or from a lower tier, which some ops run without (plan/buffer_windows.py)
     state_buffer_bytes: int = 0
+    tape_buffer_bytes: int = 0
     extra: dict = field(default_factory=dict)  # free-form facts for explain(): dtype, shapes
 
     @property
@@ -125,7 +124,8 @@ class ChainCosts:
                 "shared_grad_bytes": self.shared_grad_bytes,
                 "grads_resident": self.grads_resident, "stashable": list(self.stashable),
                 "bandwidths": dict(self.bandwidths), "selective": list(self.selective),
-                "state_buffer_bytes": self.state_buffer_bytes, "extra": dict(self.extra)}
+                "state_buffer_bytes": self.state_buffer_bytes,
+                "tape_buffer_bytes": self.tape_buffer_bytes, "extra": dict(self.extra)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "ChainCosts":
@@ -141,4 +141,5 @@ class ChainCosts:
                    bandwidths=dict(data.get("bandwidths", {})),
                    selective=tuple(data.get("selective", ())),
                    state_buffer_bytes=data.get("state_buffer_bytes", 0),
+                   tape_buffer_bytes=data.get("tape_buffer_bytes", 0),
                    extra=dict(data.get("extra", {})))

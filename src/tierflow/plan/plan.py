@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from ..core.units import format_bytes
 from .boundary_schedule import with_boundary_transfers
+from .buffer_windows import unheld_bytes
 from .costs import ChainCosts
 from .forward_only import forward_only_length
 from .gradient_schedule import (
@@ -19,7 +20,6 @@ from .gradient_schedule import (
     with_host_gradient_stores,
 )
 from .ops import (
-    COMPUTE,
     HOST_OPTIMIZER,
     TRANSFERS,
     WEIGHTS,
@@ -39,7 +39,7 @@ from .ops import (
 from .reductions import NETWORK, exchanges, gathers, with_reductions
 from .selective import check_selective
 from .simulate import Simulation, check_complete, simulate
-from .state_schedule import STATES, first_read, with_state_transfers
+from .state_schedule import first_read, with_state_transfers
 from .tape_schedule import with_tape_transfers
 from .timeline import Timeline, timeline
 from .transfers import Transfers
@@ -101,25 +101,12 @@ class Plan:
 
     @property
     def simulation(self) -> Simulation:
-        """``ops`` replayed on the costs, the buffer of one stage's states counted free where
-        the timeline has the step before's last write of states done (``states_written``)."""
-        return simulate(self.costs, self.ops, self.states_written())
-
-    def states_written(self) -> int | None:
-        """The position in ``ops`` of the first compute op that the timeline starts after the
-        last write of optimizer states of the micro-batch before has ended (None: the plan
-        writes no states)."""
-        if not self.costs.state_buffer_bytes:
-            return None
-        line = self.timeline
-        ops = (*self.ops, *self.routines.between)
-        ends = [s.end for s in line.spans
-                if isinstance(ops[s.position], Store) and ops[s.position].what == STATES]
-        if not ends:
-            return None
-        done = max(ends) - line.time  # in the next repetition's seconds
-        return next((s.position for s in line.spans if s.resource == COMPUTE
-                     and s.position < len(self.ops) and s.start >= done), len(self.ops))
+        """``ops`` replayed on the costs, each op without the static buffers of transfers
+        that the timeline has free while it runs (``plan/buffer_windows.py``)."""
+        unheld = None
+        if self.costs.state_buffer_bytes or self.costs.tape_buffer_bytes:
+            unheld = unheld_bytes(self.costs, self.ops, self.routines.between, self.timeline)
+        return simulate(self.costs, self.ops, unheld)
 
     @property
     def timeline(self) -> Timeline:
@@ -132,6 +119,13 @@ class Plan:
     def predicted_peak(self) -> int:
         """Predicted peak bytes of the compute tier: static bytes plus the step's peak."""
         return self.simulation.total_peak(self.costs)
+
+    @property
+    def planned_peak(self) -> int:
+        """The compute tier's peak with every static buffer held by every op: what a planner
+        fits under a budget, before the transfers are placed (``predicted_peak`` counts the
+        buffers some ops run without as free)."""
+        return simulate(self.costs, self.ops).total_peak(self.costs)
 
     @property
     def predicted_time(self) -> float:

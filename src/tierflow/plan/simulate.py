@@ -10,21 +10,19 @@ only when its write and read hide behind compute, and count the bytes in flight 
 Weight transfers (Load, Store, Drop) change no activation bytes here: the buffers that
 streamed weights come into are static bytes of the costs (``plan/streaming.py``). A Load of
 a stage's accumulated gradients (``plan/gradient_schedule.py``) holds them from then on:
-its Backward adds to them rather than making new ones. The static bytes hold two stages'
-optimizer states in flight (one written back, one read ahead); given ``states_written``, the
-position from which the step before's last write of states is done (``Plan.simulation``
-reads it off the timeline), the ops from there until the first Load of states hold one
-stage's fewer (``ChainCosts.state_buffer_bytes``).
+its Backward adds to them rather than making new ones. Given ``unheld`` (per op, the bytes of
+the static buffers of transfers it runs without: ``plan/buffer_windows.py``), each op holds
+that much less.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .costs import ChainCosts
 from .forward_only import forward_only_length
 from .gradient_schedule import GRADS
 from .ops import TRANSFERS, Backward, Fetch, Forward, Free, Load, Op, Stash, Update
-from .state_schedule import STATES
 
 
 class InvalidPlan(ValueError):
@@ -68,7 +66,7 @@ class _State:
         self.updated: set[int] = set()
         self.shared_grads = False
         self.first_backward = forward_only_length(costs)  # stages before it have none
-        self.state_buffer_free = False  # no states in flight but the one read ahead
+        self.unheld = 0  # bytes of the static buffers the current op runs without
 
     def x_resident(self, i: int) -> bool:
         # tape[i] holds its input; tape[i-1] holds its output tensor (the executor keeps it
@@ -82,7 +80,7 @@ class _State:
 
     def resident(self) -> int:
         c = self.costs
-        total = c.context_bytes - (c.state_buffer_bytes if self.state_buffer_free else 0)
+        total = c.context_bytes - self.unheld
         total += sum(size for i, size in enumerate(self.x_sizes) if self.x_resident(i))
         total += sum(c.stages[i].tape for i in self.tapes)
         total += sum(self.x_sizes[i] for i in self.grads)
@@ -93,23 +91,18 @@ class _State:
 
 
 def simulate(costs: ChainCosts, ops: list[Op] | tuple[Op, ...],
-             states_written: int | None = None) -> Simulation:
-    """Replay ``ops``; raise InvalidPlan if one needs a value that is not held.
-    ``states_written``: the position in ``ops`` from which the states written back at the end
-    of the step before are on their tier (None: not known, their buffer held throughout)."""
+             unheld: Sequence[int] | None = None) -> Simulation:
+    """Replay ``ops``; raise InvalidPlan if one needs a value that is not held. ``unheld``:
+    per op, the bytes of the static buffers it runs without (None: it holds them all)."""
     state = _State(costs)
     length = costs.length
     events: list[Event] = []
     clock = 0.0
     peak = after = state.resident()
-    first_read = next((p for p, op in enumerate(ops)
-                       if isinstance(op, Load) and op.what == STATES), None)
     for position, op in enumerate(ops):
-        if states_written is not None and first_read is not None:
-            free = states_written <= position < first_read
-            if free != state.state_buffer_free:
-                state.state_buffer_free = free
-                after = state.resident()
+        if unheld is not None and unheld[position] != state.unheld:
+            state.unheld = unheld[position]
+            after = state.resident()
         before = after  # what the last op left resident
         if isinstance(op, Forward):
             i = op.stage

@@ -6,8 +6,10 @@ read back while the next-later stage's backward runs, so between the two it cost
 compute-tier memory: its bytes move from the stage's ``tape`` into its forward and backward
 transients. Two tapes are in flight at any time (one being written, one read ahead), the
 static bytes that offloading adds; without read-ahead (``read_ahead=False``, a prefetch
-depth of 0) only the tape being written. The writes and reads are the plan's ops
-(``plan/tape_schedule.py``), priced at the ``bandwidths`` set here.
+depth of 0) only the tape being written. Reading ahead, one of the two is free outside the
+window from the first read to the end of the last write (``plan/buffer_windows.py``). The
+writes and reads are the plan's ops (``plan/tape_schedule.py``), priced at the
+``bandwidths`` set here.
 """
 from __future__ import annotations
 
@@ -47,5 +49,6 @@ def offloaded_tape_costs(costs: ChainCosts, stages: set[int], *, home: str,
              "offloaded tape bytes": sum(activations.values())}
     read, write = TRANSFER_RESOURCES[home]
     return replace(costs, stages=tuple(moved), static_bytes=costs.static_bytes + in_flight,
+                   tape_buffer_bytes=max(activations.values()) if read_ahead else 0,
                    bandwidths={**costs.bandwidths, read: read_bytes_per_s,
                                write: write_bytes_per_s}, extra=extra)

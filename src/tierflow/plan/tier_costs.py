@@ -154,8 +154,9 @@ def states_below(resident: ChainCosts, base: ChainCosts, stages: Sequence[StageC
     """``resident`` with the optimizer states on a lower tier: each stage's states are in
     memory while it updates, and two stages' are in flight (the next one's read ahead and the
     last one's written back; without ``read_ahead`` the last one's only). Their reads and
-    writes are the plan's ops (``plan/state_schedule.py``), priced at ``home``'s bandwidth.
-    The ``kept`` stages' states stay on the compute tier throughout (static bytes)."""
+    writes are the plan's ops (``plan/state_schedule.py``), priced at ``home``'s bandwidth;
+    one of the two is free between steps (``plan/buffer_windows.py``). The ``kept`` stages'
+    states stay on the compute tier throughout (static bytes)."""
     below = [0 if i in kept else n for i, n in enumerate(state_of)]
     moved = [replace(stage, update_transient=stage.update_transient + below[i])
              for i, stage in enumerate(stages)]

@@ -196,12 +196,14 @@ class StepPlanner:
 
     def replan_after_oom(self, module: Any, tier: ComputeTier, optimizer: Any,
                          step: int) -> tuple[Any, ComputeTier]:
-        """Plan the step again under 80% of the predicted peak that did not fit (or, when no
+        """Plan the step again under 80% of the planned peak that did not fit (or, when no
         plan fits that, under the least budget that works, if that is below the peak); the
         module and the tier to retry the step with. The plan is made from the costs already
-        measured: measuring the stages again would need GPU memory that just ran out."""
+        measured: measuring the stages again would need GPU memory that just ran out. The
+        peak is the planner's (``Plan.planned_peak``: every buffer of transfers held), which
+        the least budget that works is measured against."""
         from ..plan.choose import make_plan
-        was, peak, costs = tier.gpu, module.plan.predicted_peak, module.plan.costs
+        was, peak, costs = tier.gpu, module.plan.planned_peak, module.plan.costs
         # an update pass after the backward keeps its own peak: the plan may not go below it
         floor = module.update_pass.peak if module.update_pass is not None else 0
         if floor >= peak:
@@ -225,7 +227,7 @@ class StepPlanner:
             gc.collect()
             torch.cuda.empty_cache()
         self.logger.print(f"the GPU ran out of memory at step {step}: re-planned under "
-                          f"{format_bytes(tier.gpu)} (was {format_bytes(was)}, predicted peak "
+                          f"{format_bytes(tier.gpu)} (was {format_bytes(was)}, planned peak "
                           f"{format_bytes(peak)}): {module.plan.strategy}, predicted peak "
                           f"{format_bytes(module.plan.predicted_peak)}; retrying the step once")
         self.logger.record("replan", step=step, gpu_budget=tier.gpu, previous_budget=was,
