@@ -5,6 +5,7 @@ loaded on another machine and explained in words.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field, replace
 
@@ -99,7 +100,7 @@ class Plan:
             check_schedule(WeightSchedule(self.ops, r.between, r.update_pass, r.after_pass,
                                           r.cold, r.evaluation, boundary), weights)
 
-    @property
+    @functools.cached_property
     def simulation(self) -> Simulation:
         """``ops`` replayed on the costs, each op without the static buffers of transfers
         that the timeline has free while it runs (``plan/buffer_windows.py``)."""
@@ -108,7 +109,7 @@ class Plan:
             unheld = unheld_bytes(self.costs, self.ops, self.routines.between, self.timeline)
         return simulate(self.costs, self.ops, unheld)
 
-    @property
+    @functools.cached_property
     def timeline(self) -> Timeline:
         """When each op runs in the steady state: a micro-batch's ops, then (once the host
         optimizer's steps are done) the reads the next one starts with, as a task graph on

@@ -41,8 +41,9 @@ def traced(path: str | None, logger, plan_of: Callable[[], Plan], rank: int = 0
     the plan's predicted timeline (``plan_of()``: the plan running then) as a second
     process; the log gets each resource's busy seconds per micro-batch, predicted against
     measured, and the plan's predicted bytes of the compute tier beside the measured RSS
-    (which counts what the process holds outside the plan too). Under torchrun rank 0 writes FILE and rank r the same name with ``.rank<r>``
-    before its suffix (``trace.rank1.json``)."""
+    (which counts what the process holds outside the plan too). Under torchrun rank 0
+    writes FILE and rank r the same name with ``.rank<r>`` before its suffix
+    (``trace.rank1.json``)."""
     if path is None:
         yield
         return
