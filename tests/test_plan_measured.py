@@ -14,8 +14,10 @@ from fresh_process import run_in_fresh_process
 
 MIB = 2 ** 20
 MODEL, SEQ, BATCH, RAM = "llama-tiny", 128, 2, 1 << 30
-# bytes a stage's measured transient moves from one process to the next (RSS readings)
-TRANSIENT_SLACK = 4 * MIB
+# bytes a stage's measured transient moves from one process to the next (RSS readings: the
+# LM head's backward read 0 in one process and 6,438,400 B in the other, once in a few runs
+# on a loaded 2-core machine)
+TRANSIENT_SLACK = 8 * MIB
 
 
 def measured_costs(out: str) -> None:

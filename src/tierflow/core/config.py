@@ -25,6 +25,9 @@ class FitConfig:
     planner: str = "auto"  # auto: keep-all when it fits the budget, else rotor
     rotor_slots: int = 500  # memory is discretised into this many units for rotor
     profile_repeats: int = 2  # timed rounds per distinct stage, after one warm-up round
+    # ... and more (at most 8) until the timed rounds took this many seconds: their median
+    # is the stage's time (one round's moves by a quarter on a shared 2-core machine)
+    profile_seconds: float = 4.0
     head_chunk_tokens: int | None = None  # tokens per chunk of the fused LM head + loss; None: auto
     headroom: float = 0.0  # fraction of the budget kept free for what tierflow cannot see
     compile: bool = False  # torch.compile stages that share a kernel (decoder layers), once
@@ -64,6 +67,8 @@ class FitConfig:
             raise ValueError(f"rotor_slots={self.rotor_slots} is too coarse: use at least 10")
         if self.profile_repeats < 1:
             raise ValueError(f"profile_repeats={self.profile_repeats} must be at least 1")
+        if self.profile_seconds < 0:
+            raise ValueError(f"profile_seconds={self.profile_seconds} must be at least 0")
         if self.head_chunk_tokens is not None and self.head_chunk_tokens < 1:
             raise ValueError(f"head_chunk_tokens={self.head_chunk_tokens} must be at least 1")
         if self.optimizer_states == "compute" and self.stream == "all":

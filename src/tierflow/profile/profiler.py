@@ -46,13 +46,17 @@ class _Measured:
 @dataclass(frozen=True)
 class Measuring:
     """How ``profile_chain`` measures every stage, the same for each of its rounds: ``meter``
-    reads the tier's bytes; ``repeats`` rounds follow a warm-up round; ``timing``, when
-    given, is a context to time the rounds in (the allocator the steps will use, when memory
-    is measured under another); ``selective``: also measure each stage's taped forward run
-    selectively (exec/selective.py)."""
+    reads the tier's bytes; ``repeats`` rounds follow a warm-up round; more rounds are
+    timed, up to MAX_TIMED_ROUNDS, until the timed ones' forwards and backwards took
+    ``seconds`` (one round's time moves by a quarter on a shared 2-core machine: a median
+    of two rounds put llama-134m's layer 25% under the steps' times in one process and 30%
+    over in another); ``timing``, when given, is a context to time the rounds in (the
+    allocator the steps will use, when memory is measured under another); ``selective``:
+    also measure each stage's taped forward run selectively (exec/selective.py)."""
 
     meter: HostMeter | DeviceMeter
     repeats: int = 2
+    seconds: float = 0.0
     timing: Callable[[], Any] | None = None
     selective: bool = True
 
@@ -74,6 +78,8 @@ class StageRun:
 
 
 _CACHE: dict[tuple, _Measured] = {}
+
+MAX_TIMED_ROUNDS = 8  # the most rounds a stage is timed in, whatever ``Measuring.seconds``
 
 
 # a forward that grew the RSS by this much is trimmed after before its taped round is measured
@@ -184,20 +190,24 @@ def _measure(run: StageRun, measuring: Measuring) -> _Measured:
 
 def _rounds(run: StageRun, measuring: Measuring, selective: bool) -> _Measured:
     """Memory from ``measuring.repeats`` rounds after a warm-up round (run selectively when
-    ``selective``); times from the same rounds, or, when ``measuring.timing`` is given (a
-    context that sets the allocator the steps will run with), from as many rounds inside it
-    after one more warm-up round. Memory measured apart from times on the host (a RAM budget
-    is at stake) counts tensor bytes too."""
+    ``selective``); times (medians) from the same rounds, or, when ``measuring.timing`` is
+    given (a context that sets the allocator the steps will run with), from as many rounds
+    inside it after one more warm-up round; then from more rounds until they took
+    ``measuring.seconds``. Memory measured apart from times on the host (a RAM budget is at
+    stake) counts tensor bytes too."""
     meter, repeats, timing = measuring.meter, measuring.repeats, measuring.timing
     counted = timing is not None and isinstance(meter, HostMeter) and not is_compiled(run.stage)
     ledger = TensorLedger() if counted else None
     one = lambda counter: measure_round(run, meter, counter, selective)  # noqa: E731
     with ledger if ledger is not None else contextlib.nullcontext():
         memory = [one(ledger) for _ in range(repeats + 1)][1:]
-    timed = memory
-    if timing is not None:
-        with timing():
+    timed = list(memory)
+    with timing() if timing is not None else contextlib.nullcontext():
+        if timing is not None:
             timed = [one(None) for _ in range(repeats + 1)][1:]
+        while (len(timed) < MAX_TIMED_ROUNDS
+               and sum(r.fwd_time + r.bwd_time for r in timed) < measuring.seconds):
+            timed.append(one(None))
     last = memory[-1]
     return _Measured(fwd_time=statistics.median(r.fwd_time for r in timed),
                      bwd_time=statistics.median(r.bwd_time for r in timed),

@@ -99,7 +99,8 @@ def _chain_costs(model: torch.nn.Module, sample: dict, autocast: AutocastMode, c
     config = FitConfig()
     timing = functools.partial(caching_allocator, setup.ram) if setup.ram is not None else None
     with untouched(model, torch.device("cpu")):
-        measuring = Measuring(meter, repeats=config.profile_repeats, timing=timing,
+        measuring = Measuring(meter, repeats=config.profile_repeats,
+                              seconds=config.profile_seconds, timing=timing,
                               selective=config.selective != "never")
         (embed, layer, head), shared = profile_chain(chain, x0, ctx, autocast, measuring)
     return_free_memory()

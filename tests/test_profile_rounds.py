@@ -1,0 +1,92 @@
+"""How many rounds the profiler times a stage in, and which of them make its time: at least
+``repeats`` after a warm-up, then more until they took ``Measuring.seconds``, at most
+MAX_TIMED_ROUNDS; the stage's times are the medians of the timed rounds."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from tierflow.chain import to_chain
+from tierflow.exec.context import AutocastMode
+from tierflow.exec.memory import HostMeter
+from tierflow.profile import profiler
+
+
+def _profile(monkeypatch, measuring: profiler.Measuring,
+             times: list[tuple[float, float]]) -> tuple[profiler.StageCost, int]:
+    """The first stage's cost when its rounds take ``times`` (forward, backward seconds), one
+    after another, and how many rounds ran."""
+    calls = itertools.count()
+    rounds = iter(times)
+
+    def fake_round(run, meter, ledger, selective=False):
+        next(calls)
+        fwd, bwd = next(rounds)
+        return profiler._Measured(fwd_time=fwd, bwd_time=bwd, output_bytes=0, tape=0,
+                                  output_in_tape=False, fwd_transient=0,
+                                  fwd_transient_nograd=0, bwd_transient=0, largest_block=0)
+
+    monkeypatch.setattr(profiler, "measure_round", fake_round)
+    monkeypatch.setattr(profiler, "_CACHE", {})
+    model = nn.Sequential(nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    costs, _ = profiler.profile_chain(to_chain(model, x), x, {}, AutocastMode.capture("cpu"),
+                                      measuring)
+    return costs[0], next(calls)
+
+
+def test_without_seconds_the_repeats_after_a_warm_up_are_timed(monkeypatch) -> None:
+    measuring = profiler.Measuring(HostMeter(), repeats=2, selective=False)
+    cost, rounds = _profile(monkeypatch, measuring, [(9.0, 9.0), (0.1, 0.2), (0.3, 0.4)])
+    assert rounds == 3
+    assert cost.fwd_time == pytest.approx(0.2)  # the warm-up's 9 s left out
+    assert cost.bwd_time == pytest.approx(0.3)
+
+
+def test_more_rounds_are_timed_until_they_took_the_seconds(monkeypatch) -> None:
+    measuring = profiler.Measuring(HostMeter(), repeats=2, seconds=1.0, selective=False)
+    # warm-up, then rounds of 0.3 s: the fourth brings the timed ones to 1.2 s
+    times = [(9.0, 9.0), (0.1, 0.2), (0.1, 0.2), (0.2, 0.1), (0.2, 0.1), (7.0, 7.0)]
+    cost, rounds = _profile(monkeypatch, measuring, times)
+    assert rounds == 5
+    assert cost.fwd_time == pytest.approx(0.15)  # median of 0.1, 0.1, 0.2, 0.2
+    assert cost.bwd_time == pytest.approx(0.15)
+
+
+def test_a_fast_stage_is_timed_in_at_most_max_timed_rounds(monkeypatch) -> None:
+    measuring = profiler.Measuring(HostMeter(), repeats=2, seconds=100.0, selective=False)
+    cost, rounds = _profile(monkeypatch, measuring, [(0.001, 0.002)] * 100)
+    assert rounds == 1 + profiler.MAX_TIMED_ROUNDS
+
+
+def test_under_a_timing_context_the_extra_rounds_run_inside_it(monkeypatch) -> None:
+    """Memory rounds first (warm-up and repeats), then the timing context's own warm-up and
+    rounds, then more until the seconds: all of the timed ones inside the context."""
+    inside = []
+
+    @contextlib.contextmanager
+    def timing():
+        inside.append(True)
+        yield
+        inside.append(False)
+
+    measuring = profiler.Measuring(HostMeter(), repeats=2, seconds=0.9, timing=timing,
+                                   selective=False)
+    memory = [(5.0, 5.0)] * 3
+    timed = [(9.0, 9.0), (0.1, 0.2), (0.1, 0.2), (0.1, 0.2), (8.0, 8.0)]
+    cost, rounds = _profile(monkeypatch, measuring, memory + timed)
+    assert rounds == 3 + 4
+    assert inside == [True, False]
+    assert cost.fwd_time == pytest.approx(0.1)
+
+
+def test_a_negative_profile_time_is_refused() -> None:
+    from tierflow.core.config import FitConfig
+
+    with pytest.raises(ValueError, match="profile_seconds=-1"):
+        FitConfig(profile_seconds=-1)
+    assert FitConfig().profile_seconds > 0  # the trainer times beyond the two rounds
