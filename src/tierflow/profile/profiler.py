@@ -49,8 +49,8 @@ class Measuring:
     reads the tier's bytes; ``repeats`` rounds follow a warm-up round; more rounds are
     timed, up to MAX_TIMED_ROUNDS, until the timed ones' forwards and backwards took
     ``seconds`` (one round's time moves by a quarter on a shared 2-core machine: a median
-    of two rounds put llama-134m's layer 25% under the steps' times in one process and 30%
-    over in another); ``timing``, when given, is a context to time the rounds in (the
+    of two rounds put llama-134m's layer 19-22% under the steps' times in one process and
+    17-28% over in another); ``timing``, when given, is a context to time the rounds in (the
     allocator the steps will use, when memory is measured under another); ``selective``:
     also measure each stage's taped forward run selectively (exec/selective.py)."""
 
