@@ -75,9 +75,7 @@ def _profile_and_plan(model: nn.Module, sample: Any, request: FitRequest, start:
     if config.compile:
         say(f"compiling {compile_chain(chain)} stages (the first profile round pays for it)")
     with untouched(model, device):
-        measuring = Measuring(meter, repeats=config.profile_repeats,
-                              seconds=config.profile_seconds, timing=_timing(start),
-                              selective=config.selective != "never")
+        measuring = Measuring.of(config, meter, _timing(start))
         stage_costs, shared = profile_chain(chain, x0, ctx, start.autocast, measuring,
                                             resident=offloaded.resident if offloaded else None,
                                             log=say)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..chain.base import Chain
+from ..core.config import FitConfig
 from ..exec.compile import is_compiled
 from ..exec.context import AutocastMode
 from ..exec.memory import DeviceMeter, HostMeter, return_free_memory
@@ -59,6 +60,13 @@ class Measuring:
     seconds: float = 0.0
     timing: Callable[[], Any] | None = None
     selective: bool = True
+
+    @classmethod
+    def of(cls, config: FitConfig, meter: HostMeter | DeviceMeter,
+           timing: Callable[[], Any] | None) -> "Measuring":
+        """As ``config`` asks (its repeats, seconds and selective choice), on ``meter``."""
+        return cls(meter, repeats=config.profile_repeats, seconds=config.profile_seconds,
+                   timing=timing, selective=config.selective != "never")
 
 
 @dataclass(frozen=True)

@@ -99,9 +99,7 @@ def _chain_costs(model: torch.nn.Module, sample: dict, autocast: AutocastMode, c
     config = FitConfig()
     timing = functools.partial(caching_allocator, setup.ram) if setup.ram is not None else None
     with untouched(model, torch.device("cpu")):
-        measuring = Measuring(meter, repeats=config.profile_repeats,
-                              seconds=config.profile_seconds, timing=timing,
-                              selective=config.selective != "never")
+        measuring = Measuring.of(config, meter, timing)
         (embed, layer, head), shared = profile_chain(chain, x0, ctx, autocast, measuring)
     return_free_memory()
     runtime = max(0, meter.current() - before)
