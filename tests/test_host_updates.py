@@ -142,7 +142,7 @@ def _problem(link: float, host_seconds_per_byte: float) -> TierProblem:
                       output_bytes=1 << 20, tape=4 << 20)
     costs = ChainCosts(stages=(stage,) * 4, input_bytes=1 << 20,
                        static_bytes=4 * (64 << 20))
-    ram = LowerTier("ram", link, None, "host RAM")
+    ram = LowerTier("ram", link, link, None, "host RAM")
     return TierProblem(costs=costs,
                        rates=UpdateRates(2.0, 1e-10, 0.0, 0, host_seconds_per_byte),
                        largest=(64 << 20,) * 4, trainable=4 * (64 << 20),
@@ -198,7 +198,7 @@ def test_the_host_rate_below_a_simulated_gpu_is_the_compute_tiers():
 
     cpu = torch.device("cpu")
     params = [torch.nn.Parameter(torch.zeros(1 << 16))]
-    ram = LowerTier("ram", 1e9, None, "host RAM")
+    ram = LowerTier("ram", 1e9, 1e9, None, "host RAM")
     rates = update_rates(params, _adamw, cpu, meter_for(cpu), None, [ram])
     assert rates.host_shares_compute and rates.host_seconds_per_byte == rates.seconds_per_byte
     alone = update_rates(params, _adamw, cpu, meter_for(cpu), None, [])

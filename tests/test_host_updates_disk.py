@@ -149,8 +149,8 @@ def _problem(link: float, disk: float, ram_budget: int | None,
                       output_bytes=1 << 20, tape=4 << 20)
     costs = ChainCosts(stages=(stage,) * 4, input_bytes=1 << 20,
                        static_bytes=4 * (64 << 20))
-    lower = (LowerTier("ram", link, ram_budget, "host RAM"),
-             LowerTier("disk", disk, None, "the disk tier"))
+    lower = (LowerTier("ram", link, link, ram_budget, "host RAM"),
+             LowerTier("disk", disk, disk, None, "the disk tier"))
     return TierProblem(costs=costs, rates=UpdateRates(2.0, 1e-10, 0.0, 0, 2e-10),
                        largest=(64 << 20,) * 4, trainable=4 * (64 << 20),
                        streamable=(0, 1, 2, 3), lower=lower,

@@ -122,7 +122,7 @@ def test_a_fine_tune_of_the_last_layers_is_predicted_smaller_and_faster():
     assert tuned.step_time < full.step_time
     assert tuned.flops_per_token < full.flops_per_token
     assert tuned.placement.peaks["ram"] < full.placement.peaks["ram"]
-    on_disk = [predict(setup(s, ram=int(1.25 * GIB), disk=True, disk_bw=2e9)).placement
+    on_disk = [predict(setup(s, ram=int(1.25 * GIB), disk=True, disk_bw=(2e9, 2e9))).placement
                for s in (None, sel)]
     assert on_disk[1].peaks["disk"] < on_disk[0].peaks["disk"]
 
@@ -133,7 +133,7 @@ def test_with_the_head_trainable_its_update_sets_the_smallest_ram():
     trains (its update's states and gradient in RAM at once), and falls once it is frozen."""
     def smallest(train_only: str | None) -> int:
         sel = selection_for("llama-134m", None, train_only) if train_only else None
-        return predict(setup(sel, ram=2 * GIB, disk=True, disk_bw=2e9)).placement.smallest["ram"]
+        return predict(setup(sel, ram=2 * GIB, disk=True, disk_bw=(2e9, 2e9))).placement.smallest["ram"]
 
     full = smallest(None)
     assert smallest("model.layers.1[01].*,model.norm.*,lm_head.*") == pytest.approx(full,

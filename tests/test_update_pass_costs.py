@@ -17,7 +17,7 @@ def _all_streamed(params_mib: list[int], depth: int = 0):
                              output_bytes=MIB, tape=MIB, bwd_transient=MIB)
                    for i, p in enumerate(params_mib))
     base = ChainCosts(stages=stages, input_bytes=MIB, static_bytes=sum(params_mib) * MIB)
-    disk = LowerTier("disk", 1e9, None, "the disk")
+    disk = LowerTier("disk", 1e9, 1e9, None, "the disk")
     streamed = frozenset(range(len(stages)))
     costs = streamed_costs(base, set(streamed), home="disk", read_bytes_per_s=1e9,
                            write_bytes_per_s=1e9, depth=depth)

@@ -77,7 +77,8 @@ def check_measurable(args: argparse.Namespace) -> None:
 
 def measured_setup(args: argparse.Namespace, setup: Any) -> Any:
     """``setup`` with its chain's costs and update rates measured here (``sim/measured.py``)
-    and, with ``--disk DIR``, that directory's bandwidth as the trainer measures it."""
+    and, with ``--disk DIR``, that directory's read and write rates as the trainer measures
+    them."""
     from ..profile.machine import disk_tier_bandwidth
     from ..sim.measured import measure
     if args.disk is not None:

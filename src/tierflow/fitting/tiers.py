@@ -110,7 +110,8 @@ def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
         below = "the GPU" if device.type != "cpu" else "the simulated GPU"
         own = offloaded is not None and offloaded.store.kind == "ram"  # the model starts there
         store = offloaded.store if own else HostStore(device)
-        tiers.append(LowerTier("ram", copy_bandwidth(device), ram,
+        link = copy_bandwidth(device)  # up; the copy down runs at about the same rate
+        tiers.append(LowerTier("ram", link, link, ram,
                                f"host RAM (the tier below {below})",
                                reserve=store.unused_bytes_bound))
         stores["ram"] = store
@@ -118,7 +119,7 @@ def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
         same = offloaded is not None and offloaded.store.kind == "disk" and \
             Path(offloaded.store.directory) == Path(disk)
         store = offloaded.store if same else DiskStore(disk, device=device)
-        tiers.append(LowerTier("disk", disk_tier_bandwidth(store.directory), None,
+        tiers.append(LowerTier("disk", *disk_tier_bandwidth(store.directory), None,
                                f"the disk tier ({store.directory})"))
         stores["disk"] = store
     return tiers, stores

@@ -22,13 +22,15 @@ from .tape_offload import activation_tape, offloaded_tape_costs
 @dataclass(frozen=True)
 class LowerTier:
     """A tier below the compute tier: its bandwidth each way (measured, or a hardware
-    profile's), its budget (None: as large as its free space), where it is in words, and the
+    profile's: a disk reads and writes at different rates, a GPU's link copies down and up at
+    about one), its budget (None: as large as its free space), where it is in words, and the
     bytes of it that no plan can use (``reserve``: host RAM below a GPU holds the GPU
     runtime's own host memory and the unused end of the page-locked heap, ``exec/pinned.py``);
     a placement's bytes there are counted with the reserve."""
 
     name: str  # "ram" or "disk"
-    bandwidth: float  # bytes per second
+    read_bytes_per_s: float  # up into the compute tier
+    write_bytes_per_s: float  # down from it
     budget: int | None = None
     about: str = ""  # e.g. "the disk tier (/scratch)"
     reserve: int = 0
@@ -89,8 +91,8 @@ def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier, config: F
         if not stages:
             continue
         costs = offloaded_tape_costs(c.costs, set(stages), home=tier.name,
-                                     read_bytes_per_s=tier.bandwidth,
-                                     write_bytes_per_s=tier.bandwidth, read_ahead=c.depth > 0,
+                                     read_bytes_per_s=tier.read_bytes_per_s,
+                                     write_bytes_per_s=tier.write_bytes_per_s, read_ahead=c.depth > 0,
                                      streamed=c.streamed)
         costs = replace(costs, extra={**costs.extra, "tapes tier": tier.name})
         total = format_bytes(costs.extra["offloaded tape bytes"])
@@ -130,15 +132,16 @@ def with_stashed_boundaries(candidates: list[Candidate], tier: LowerTier, config
     single boundary (a few MiB), counted in flight."""
     out = [] if config.stash_boundaries == "all" else list(candidates)
     for c in candidates:
-        boundaries = stashable_boundaries(c.costs, read_bytes_per_s=tier.bandwidth,
-                                          write_bytes_per_s=tier.bandwidth, min_bytes=min_bytes)
+        boundaries = stashable_boundaries(c.costs, read_bytes_per_s=tier.read_bytes_per_s,
+                                          write_bytes_per_s=tier.write_bytes_per_s,
+                                          min_bytes=min_bytes)
         if not boundaries:
             if config.stash_boundaries == "all":
                 out.append(c)
             continue
         costs = stashed_boundary_costs(c.costs, boundaries, home=tier.name,
-                                       read_bytes_per_s=tier.bandwidth,
-                                       write_bytes_per_s=tier.bandwidth)
+                                       read_bytes_per_s=tier.read_bytes_per_s,
+                                       write_bytes_per_s=tier.write_bytes_per_s)
         costs = replace(costs, extra={**costs.extra, "boundaries tier": tier.name})
         why = (f"the checkpoints a plan recomputes from may wait in {tier.about} until "
                f"their recomputation ({len(boundaries)} boundaries, "
@@ -154,7 +157,7 @@ def states_below(resident: ChainCosts, base: ChainCosts, stages: Sequence[StageC
     """``resident`` with the optimizer states on a lower tier: each stage's states are in
     memory while it updates, and two stages' are in flight (the next one's read ahead and the
     last one's written back; without ``read_ahead`` the last one's only). Their reads and
-    writes are the plan's ops (``plan/state_schedule.py``), priced at ``home``'s bandwidth;
+    writes are the plan's ops (``plan/state_schedule.py``), priced at ``home``'s bandwidths;
     one of the two is free between steps (``plan/buffer_windows.py``). The ``kept`` stages'
     states stay on the compute tier throughout (static bytes)."""
     below = [0 if i in kept else n for i, n in enumerate(state_of)]
@@ -165,8 +168,8 @@ def states_below(resident: ChainCosts, base: ChainCosts, stages: Sequence[StageC
         sum(state_of[i] for i in kept)
     return replace(resident, stages=tuple(moved), static_bytes=static,
                    state_buffer_bytes=max(below, default=0),
-                   bandwidths={**resident.bandwidths, read: home.bandwidth,
-                               write: home.bandwidth},
+                   bandwidths={**resident.bandwidths, read: home.read_bytes_per_s,
+                               write: home.write_bytes_per_s},
                    extra={**base.extra, f"optimizer states on {home.name}": sum(below)})
 
 
@@ -205,7 +208,7 @@ def updated_on_host(candidate: Candidate, base: ChainCosts, state_of: list[int],
     stages = list(costs.stages)
     for i in host:
         params = base.stages[i].param_bytes
-        down = params / link.bandwidth  # the gradients, as large as the weights
+        down = params / link.write_bytes_per_s  # the gradients, as large as the weights
         work = host_seconds_per_byte * params + (0.0 if i in streamed else down)  # + up
         weights = params if weights_disk is not None and i in streamed else 0
         work = _with_disk_io(work, state_of[i] if home.name == "disk" else 0, weights,
@@ -220,7 +223,7 @@ def updated_on_host(candidate: Candidate, base: ChainCosts, state_of: list[int],
     down_resource = TRANSFER_RESOURCES[link.name][1]  # the plan's Stores of the gradients
     return replace(costs, stages=tuple(stages), static_bytes=static,
                    state_buffer_bytes=max(up_there, default=0),
-                   bandwidths={**costs.bandwidths, down_resource: link.bandwidth},
+                   bandwidths={**costs.bandwidths, down_resource: link.write_bytes_per_s},
                    extra={**costs.extra, "updated on the host": sorted(host)})
 
 
@@ -243,10 +246,12 @@ def _with_disk_io(work: float, states: int, weights: int, disk: LowerTier | None
     thread and the disk paces the steps. Without, the host thread waits for the reads."""
     if disk is None or not (states or weights):
         return work
-    states_io, weights_io = states / disk.bandwidth, weights / disk.bandwidth
+    reads = (states + weights) / disk.read_bytes_per_s
+    writes = (states + weights) / disk.write_bytes_per_s
+    weights_written = weights / disk.write_bytes_per_s
     if read_ahead:
-        return max(work + weights_io, 2 * (states_io + weights_io))
-    return work + states_io + 2 * weights_io
+        return max(work + weights_written, reads + writes)
+    return work + reads + weights_written
 
 
 def lower_bytes(candidate: Candidate, base: ChainCosts, state_of: list[int],

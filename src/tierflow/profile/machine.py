@@ -3,7 +3,8 @@ matmul rate, the memcpy, disk and AdamW rates, the process's peak RSS, and the b
 bandwidth between the ranks of a distributed run. Every probe lives here.
 
 ``fit`` measures its lower tiers with ``copy_bandwidth`` (host RAM under a GPU) and
-``disk_tier_bandwidth`` (the disk directory) as it starts; the trainer prints its speed-of-light % over ``peak_matmul_flops``, ``tierflow calibrate``
+``disk_tier_bandwidth`` (the disk directory, its read and write rates apart) as it starts;
+the trainer prints its speed-of-light % over ``peak_matmul_flops``, ``tierflow calibrate``
 builds the ``cpu`` hardware profile from these figures (``sim/calibrate.py``), and
 ``tierflow compare`` and the benchmarks measure a run's peak RSS with ``maxrss_bytes``. No
 torch is imported until a probe that needs it runs. Measured figures are cached in the
@@ -306,11 +307,10 @@ def copy_bandwidth(device: Any = "cpu", nbytes: int = _LINK_BYTES) -> float:
     return nbytes / max(time.perf_counter() - start, 1e-9)
 
 
-def disk_tier_bandwidth(directory: Path, nbytes: int = _LINK_BYTES) -> float:
-    """The disk tier's one bandwidth for the planner: ``disk_bandwidth``'s synced write and
-    uncached read of ``nbytes``, as the bytes of both over the time of both."""
-    read, write = disk_bandwidth(directory, nbytes)
-    return 2 / (1 / read + 1 / write)
+def disk_tier_bandwidth(directory: Path, nbytes: int = _LINK_BYTES) -> tuple[float, float]:
+    """The disk tier's (read, write) bytes/s for the planner: ``disk_bandwidth``'s uncached
+    read and synced write of ``nbytes``, as many as one stage's transfer moves."""
+    return disk_bandwidth(directory, nbytes)
 
 
 # ---------------------------------------------------------------- between ranks

@@ -164,5 +164,5 @@ def base_setup(args: argparse.Namespace, hw: Hardware, shape: ModelShape) -> Set
     return Setup(shape=shape, hardware=hw, seq=1, batch=batch, grad_accum=accum,
                  disk=args.disk is not None or args.disk_bw is not None,
                  disk_budget=disk_budget,
-                 disk_bw=args.disk_bw * 1e9 if args.disk_bw is not None else None,
+                 disk_bw=(args.disk_bw * 1e9,) * 2 if args.disk_bw is not None else None,
                  precision=precision_from_args(args, hw), clips=args.clip > 0)

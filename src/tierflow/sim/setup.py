@@ -50,7 +50,7 @@ class Setup:
     ram: int | None = None
     disk: bool = False
     disk_budget: int | None = None
-    disk_bw: float | None = None
+    disk_bw: tuple[float, float] | None = None  # (read, write)
     precision: PrecisionConfig | None = None  # None: default_precision(hardware)
     selection: Selection | None = None  # what trains (--freeze/--train-only); None: all
     # whether the run clips the gradients by their global norm (``tierflow train``'s default):

@@ -135,18 +135,18 @@ def _chunks(setup: Setup) -> tuple[int, ...]:
 
 def lower_tiers(setup: Setup) -> tuple[LowerTier, ...]:
     """The tiers below the compute tier, nearest first: host RAM below a GPU (over its
-    link), the disk when ``setup`` has one (at the rate of a write then a read of the same
-    bytes, as the trainer measures its disk, unless ``disk_bw`` says)."""
+    link), the disk when ``setup`` has one (at the profile's read and write rates, unless
+    ``disk_bw`` says)."""
     hw = setup.hardware
     tiers = []
     if hw.has_gpu:  # less what the trainer cannot plan with there (LowerTier.reserve)
-        tiers.append(LowerTier("ram", hw.host_link_bw, setup.ram,
+        tiers.append(LowerTier("ram", hw.host_link_bw, hw.host_link_bw, setup.ram,
                                "host RAM (the tier below the GPU)",
                                reserve=PINNED_SEGMENT_BYTES + hw.host_runtime_bytes))
     if setup.disk:
-        bandwidth = setup.disk_bw if setup.disk_bw is not None else \
-            2 / (1 / hw.disk_read_bw + 1 / hw.disk_write_bw)
-        tiers.append(LowerTier("disk", bandwidth, setup.disk_budget, "the disk tier"))
+        read, write = setup.disk_bw if setup.disk_bw is not None else \
+            (hw.disk_read_bw, hw.disk_write_bw)
+        tiers.append(LowerTier("disk", read, write, setup.disk_budget, "the disk tier"))
     return tuple(tiers)
 
 
