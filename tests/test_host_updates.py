@@ -292,6 +292,24 @@ def test_the_ram_tiers_reserve_counts_with_what_a_placement_keeps_there():
     assert refused.value.smallest == own + reserve
 
 
+def test_the_page_locked_heaps_slack_is_at_most_the_copies_own_bytes():
+    """The unused end of the page-locked heap is at most one segment and at most the bytes
+    carved from it (a segment is no larger than the ones before it or its first tensor): a
+    placement keeping ``own`` bytes in host RAM is counted at ``2 * own`` under a larger
+    slack, at ``own + slack`` under a smaller one, and refused one byte short."""
+    config = FitConfig(stream="all", planner="checkpoint-all", host_updates="all")
+    problem = _problem(link=2e9, host_seconds_per_byte=2e-10)
+    own = dict(place_on_tiers(problem, 1 << 30, config, "gpu").held)["ram"]
+    for slack, counted in ((4 * own, 2 * own), (own // 3, own + own // 3)):
+        ram = replace(problem.lower[0], budget=counted, heap_slack=slack)
+        placed = place_on_tiers(replace(problem, lower=(ram,)), 1 << 30, config, "gpu")
+        assert dict(placed.held)["ram"] == counted
+        with pytest.raises(BudgetError, match="page-locked heap") as refused:
+            place_on_tiers(replace(problem, lower=(replace(ram, budget=counted - 1),)),
+                           1 << 30, config, "gpu")
+        assert refused.value.smallest == counted
+
+
 
 @pytest.mark.parametrize("states,note", [
     ((), "stages in host RAM"),

@@ -69,6 +69,9 @@ def test_a_gpu_plan_that_does_not_fit_names_the_gpu_budget_to_give():
                        "planning varies by a few MiB between runs)"), message
     ram = BudgetError("ram budget 1 GiB is below ...", tier="ram", budget=MIB, smallest=2 * MIB)
     assert "give --ram 7MiB" in str(tier.over_budget(ram, 0))  # the host tier below it
+    # what the process holds in host RAM takes nothing of the GPU's (an 8B run on an H200
+    # asked --gpu 56907MiB for a 24.07 GiB step, with the 30 GiB it held in RAM added)
+    assert str(tier.over_budget(error, 164 * MIB)) == message
 
 
 def test_a_model_whose_states_pass_the_ram_is_refused_before_it_is_built(train_env, tmp_path,

@@ -113,7 +113,7 @@ def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
         link = copy_bandwidth(device)  # up; the copy down runs at about the same rate
         tiers.append(LowerTier("ram", link, link, ram,
                                f"host RAM (the tier below {below})",
-                               reserve=store.unused_bytes_bound))
+                               heap_slack=store.unused_bytes_bound))
         stores["ram"] = store
     if disk is not None:
         same = offloaded is not None and offloaded.store.kind == "disk" and \

@@ -40,9 +40,10 @@ def initialize(model: nn.Module, seed: int, dtype: torch.dtype,
     shared: set[int] = set()  # allocated parameters used by several modules: never placed
     placed: set[int] = set()
 
-    def visit(module: nn.Module) -> None:
-        for child in module.children():
-            visit(child)
+    # a loop, not a recursive closure: a closure that calls itself is a reference cycle,
+    # which kept ``built`` (every parameter as first allocated) alive until a garbage
+    # collection, so a model cast to bf16 after its build held its float32 copy too
+    for module in _children_first(model):
         for name, p in list(module.named_parameters(recurse=False)):
             if id(p) not in built:
                 fresh = nn.Parameter(torch.empty(p.shape, dtype=dtype),
@@ -61,7 +62,12 @@ def initialize(model: nn.Module, seed: int, dtype: torch.dtype,
                     placed.add(id(p))
                     place(param_names[id(p)], p)
 
-    visit(model)
+
+def _children_first(module: nn.Module) -> list[nn.Module]:
+    """``module`` and every module under it, each after its children, children in order
+    (the order of Hugging Face's own initialization)."""
+    order = [m for child in module.children() for m in _children_first(child)]
+    return [*order, module]
 
 
 def _offload_units(model: nn.Module) -> set[int]:

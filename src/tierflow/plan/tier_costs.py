@@ -24,9 +24,12 @@ class LowerTier:
     """A tier below the compute tier: its bandwidth each way (measured, or a hardware
     profile's: a disk reads and writes at different rates, a GPU's link copies down and up at
     about one), its budget (None: as large as its free space), where it is in words, and the
-    bytes of it that no plan can use (``reserve``: host RAM below a GPU holds the GPU
-    runtime's own host memory and the unused end of the page-locked heap, ``exec/pinned.py``);
-    a placement's bytes there are counted with the reserve."""
+    bytes of it that no plan can use: ``reserve``, held whatever the placement (host RAM
+    below a GPU holds the GPU runtime's own host memory), and the unused end of the
+    page-locked heap the copies are carved from (``exec/pinned.py``), at most ``heap_slack``
+    and at most the copies' own bytes (each segment is at most as large as the ones before
+    it, or as the tensor that asked for it). A placement's bytes there are counted with both
+    (``held_bytes``)."""
 
     name: str  # "ram" or "disk"
     read_bytes_per_s: float  # up into the compute tier
@@ -34,6 +37,11 @@ class LowerTier:
     budget: int | None = None
     about: str = ""  # e.g. "the disk tier (/scratch)"
     reserve: int = 0
+    heap_slack: int = 0
+
+    def held_bytes(self, placed: int) -> int:
+        """What the tier holds when a placement keeps ``placed`` bytes of copies there."""
+        return self.reserve + placed + min(self.heap_slack, placed)
 
 
 @dataclass(frozen=True)

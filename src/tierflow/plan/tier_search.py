@@ -169,9 +169,10 @@ def _costs(candidate: Candidate, problem: TierProblem,
 
 
 def _held(candidate: Candidate, problem: TierProblem, state_of: list[int]) -> dict[str, int]:
-    """Bytes the candidate keeps on each lower tier it uses, the tier's reserve included."""
-    return {lower.name: lower.reserve + lower_bytes(candidate, problem.costs, state_of, lower,
-                                                    problem.deferred)
+    """Bytes the candidate keeps on each lower tier it uses, what the tier holds beyond the
+    copies included (``LowerTier.held_bytes``)."""
+    return {lower.name: lower.held_bytes(lower_bytes(candidate, problem.costs, state_of, lower,
+                                                     problem.deferred))
             for lower in {id(t): t for t in candidate.tiers}.values()}
 
 
@@ -324,8 +325,10 @@ def _check_lower(candidate: Candidate, placed: TierPlan) -> None:
         lower = tiers[name]
         if not _fits(lower, held):
             need = format_bytes(held, round_up=True)
-            outside = f" ({format_bytes(lower.reserve)} of it outside any plan)" \
-                if lower.reserve else ""
+            parts = [f"{format_bytes(lower.reserve)} outside any plan"] if lower.reserve else []
+            if lower.heap_slack:
+                parts.append("the page-locked heap's unused end")
+            outside = f" ({' and '.join(parts)} included)" if parts else ""
             raise BudgetError(f"{lower.name} budget {format_bytes(lower.budget)} is below the "
                               f"{need} this placement keeps there{outside}: raise {lower.name} "
                               f"to at least {need}", tier=lower.name, budget=lower.budget,

@@ -142,7 +142,8 @@ def lower_tiers(setup: Setup) -> tuple[LowerTier, ...]:
     if hw.has_gpu:  # less what the trainer cannot plan with there (LowerTier.reserve)
         tiers.append(LowerTier("ram", hw.host_link_bw, hw.host_link_bw, setup.ram,
                                "host RAM (the tier below the GPU)",
-                               reserve=PINNED_SEGMENT_BYTES + hw.host_runtime_bytes))
+                               reserve=hw.host_runtime_bytes,
+                               heap_slack=PINNED_SEGMENT_BYTES))
     if setup.disk:
         read, write = setup.disk_bw if setup.disk_bw is not None else \
             (hw.disk_read_bw, hw.disk_write_bw)

@@ -106,6 +106,8 @@ class ComputeTier:
             flag, budget = "--gpu", self.gpu
         else:
             return error
+        if error.tier != "ram":
+            held = 0  # host RAM the process holds takes nothing of the GPU's
         need = error.smallest + held
         taken = ""
         if held:
