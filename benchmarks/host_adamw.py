@@ -18,8 +18,10 @@ Configurations:
 - ``fp32``: fp32 weights, gradients and moments (28 bytes per element): tierflow, torch
   fused, torch foreach;
 - ``bf16-sr``: bf16 weights without a master copy (stochastic rounding), bf16 gradients and
-  moments (14 bytes): tierflow, and torch fused over bf16 weights and states (no stochastic
-  rounding: not the same arithmetic, shown for its speed);
+  moments (14 bytes): tierflow (its compiled one-pass kernel, ``precision/fused_adamw.py``;
+  the kernel's compilation is in the warm-up step), tierflow-unfused (the same arithmetic
+  operation by operation, as where no kernel can be compiled), and torch fused over bf16
+  weights and states (no stochastic rounding: not the same arithmetic, shown for its speed);
 - ``bf16-master``: bf16 weights and gradients, fp32 master and moments (28 bytes): tierflow.
 Writes results/host-adamw-DATE[-TAG].{md,json}.
 """
@@ -44,6 +46,7 @@ CONFIGS = [
     ("fp32", "torch-fused", "fp32", "fp32", 28),
     ("fp32", "torch-foreach", "fp32", "fp32", 28),
     ("bf16-sr", "tierflow", "bf16", "bf16", 14),
+    ("bf16-sr", "tierflow-unfused", "bf16", "bf16", 14),
     ("bf16-sr", "torch-fused", "bf16", "bf16", 14),
     ("bf16-master", "tierflow", "bf16", "fp32-master", 28),
 ]
@@ -82,7 +85,10 @@ def run_one(args: argparse.Namespace) -> dict:
     dtype = torch.float32 if weights == "fp32" else torch.bfloat16
     params = params_for(args.elements, dtype)
     kw = dict(lr=1e-4, weight_decay=0.01)
-    if impl == "tierflow":
+    if impl == "tierflow-unfused":
+        from tierflow.precision import adamw
+        adamw.FUSED_MIN_ELEMENTS = 1 << 62  # no step is large enough for the kernel
+    if impl.startswith("tierflow"):
         optimizer = AdamW(params, moment_dtype="fp32" if states != "bf16" else "bf16",
                           master="fp32" if states == "fp32-master" else "none", seed=0, **kw)
     else:

@@ -350,6 +350,37 @@ def test_train_on_a_simulated_gpu_steps_in_host_ram_and_resumes(train_env, tmp_p
     assert_error_line(err, ["--host-updates all", "give --gpu too"])
 
 
+def test_the_fused_kernel_steps_in_host_ram_and_resumes(train_env, tmp_path, capsys,
+                                                      monkeypatch):
+    """bf16 weights without a master and bf16 moments, every stage stepped in host RAM below
+    a (simulated) GPU by the fused AdamW kernel (forced here below its size threshold), on
+    the host optimizer's thread: a run resumed from its step-2 checkpoint continues with the
+    uninterrupted run's losses, bit for bit."""
+    from tierflow.precision import adamw as adamw_module
+    from tierflow.precision import fused_adamw
+
+    monkeypatch.setattr(adamw_module, "FUSED_MIN_ELEMENTS", 0)
+    fused = []  # the parameters the kernel stepped
+    monkeypatch.setattr(adamw_module, "fused_step",
+                        lambda *a: fused.append(a[0].numel()) or fused_adamw.fused_step(*a))
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    flags = ("--model-dtype", "bf16", "--master", "none", "--optim-dtype", "bf16",
+             "--gpu", "64MiB", "--simulate-gpu", "--ram", "1GiB",
+             "--disk", str(disk), "--stream", "all", "--host-updates", "all")
+    args = fp32_train_args(train_env, tmp_path / "run", 4, "--save-every", "2", *flags)
+    args[args.index("--dtype") + 1] = "bf16"  # bf16 weights compute in bf16
+    code, out, err = run_main(*args, capsys=capsys)
+    assert code == 0, err
+    assert "stages in host RAM" in out, out
+    assert fused and fused_adamw._compiled[0] is not None
+    code, _, err = run_main("train", "--resume", str(tmp_path / "run" / "step_2"), "--out",
+                            str(tmp_path / "resumed"), *flags, capsys=capsys)
+    assert code == 0, err
+    torch.testing.assert_close(train_losses(tmp_path / "resumed"),
+                               train_losses(tmp_path / "run")[2:], rtol=0.0, atol=0.0)
+
+
 def test_stochastic_rounding_in_host_ram_has_a_cpu_stream_of_its_own(train_env, tmp_path, capsys):
     """With bf16 moments (stochastic rounding) below a (simulated) GPU, the stages stepped in
     host RAM draw from a CPU generator of their own, not the compute device's: the checkpoint

@@ -173,19 +173,52 @@ def test_a_step_gathered_as_a_tensor_loads_as_an_int():
 
 
 @pytest.mark.parametrize("model_dtype, master, optim_dtype", [
-    ("fp32", "fp32", "fp32"), ("fp32", "fp32", "int8"), ("bf16", "fp32", "int8")])
+    ("fp32", "fp32", "fp32"), ("fp32", "fp32", "int8"), ("bf16", "fp32", "int8"),
+    ("fp32", "fp32", "bf16"), ("bf16", "none", "bf16")])
 def test_slices_update_like_one_pass(monkeypatch, model_dtype, master, optim_dtype):
     """A parameter updated CHUNK elements at a time (here 256: the 48 x 40 matrix takes 8
-    slices, the last one partial) ends bit-equal to one pass over it."""
+    slices, the last one partial) ends bit-equal to one pass over it, its stochastic
+    roundings included (each slice hashes its own elements' indices)."""
     from tierflow.precision import adamw as adamw_module
     dtype = torch.float32 if model_dtype == "fp32" else torch.bfloat16
     config = PrecisionConfig(model_dtype=model_dtype, master=master, optim_dtype=optim_dtype,
                              matmul_dtype="bf16")
     whole, sliced = _params(dtype), _params(dtype)
-    _run(make_optimizer(_groups(whole), config, **HYPER), whole, 4)
+    _run(make_optimizer(_groups(whole), config, seed=5, **HYPER), whole, 4)
     monkeypatch.setattr(adamw_module, "CHUNK", 256)
-    _run(make_optimizer(_groups(sliced), config, **HYPER), sliced, 4)
+    _run(make_optimizer(_groups(sliced), config, seed=5, **HYPER), sliced, 4)
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
+
+
+def test_the_fused_kernel_steps_as_the_element_wise_operations(monkeypatch):
+    """bf16 weights without a master and bf16 moments, stepped by the compiled one-pass
+    kernel (``fused_adamw.py``, forced here below its size threshold) and by the unfused
+    slices, from the same seed: 3 steps leave the weights and both moments equal but for
+    float32 rounding order (a few elements one bf16 ulp apart: the kernel may fuse a
+    multiply and an add, which can move a stochastic rounding across a boundary)."""
+    from tierflow.precision import adamw as adamw_module
+    from tierflow.precision import fused_adamw
+
+    config = PrecisionConfig(model_dtype="bf16", master="none", optim_dtype="bf16",
+                             matmul_dtype="bf16")
+    unfused, fused = _params(torch.bfloat16), _params(torch.bfloat16)
+    first = make_optimizer(_groups(unfused), config, seed=11, **HYPER)
+    _run(first, unfused, 3)
+    monkeypatch.setattr(adamw_module, "FUSED_MIN_ELEMENTS", 0)
+    stepped = []  # the parameters the kernel stepped
+    monkeypatch.setattr(adamw_module, "fused_step",
+                        lambda *a: stepped.append(a[0].numel()) or fused_adamw.fused_step(*a))
+    second = make_optimizer(_groups(fused), config, seed=11, **HYPER)
+    _run(second, fused, 3)
+    assert sorted(stepped) == sorted(p.numel() for p in fused for _ in range(3))
+    assert fused_adamw._compiled[0] is not None
+    pairs = [(a, b) for a, b in zip(unfused, fused)]
+    pairs += [(first.state[a][key], second.state[b][key]) for a, b in zip(unfused, fused)
+              for key in ("exp_avg", "exp_avg_sq")]
+    for a, b in pairs:
+        assert a.dtype == b.dtype == torch.bfloat16
+        apart = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+        assert int(apart.max()) <= 1 and float((apart > 0).float().mean()) < 0.01
 
 
 def test_a_generator_on_another_device_is_one_clear_error():

@@ -214,25 +214,28 @@ def test_adamw_steps_within_its_workspace(model_dtype, optim_dtype, master, vect
     assert int(out.split()[-1]) <= workspace + 2 * MIB, (out, workspace)
 
 
-def test_noise_drawn_slice_by_slice_is_the_same_on_any_number_of_cores():
-    """On the CPU the noise of a long vector is drawn in slices, each from a generator seeded
-    by the caller's, on all cores: the bits depend on the caller's generator state alone, the
-    slices are not copies of each other, and every value is in [0, 2^16)."""
-    from tierflow.precision.rounding import NOISE_SLICE, _draw_noise, _slice_pool
+def test_noise_is_a_function_of_seed_and_index_on_any_number_of_cores():
+    """The noise of an element depends on the seed and its index alone: a vector rounded in
+    slices, each with its offset, equals the vector rounded whole, on one core or two;
+    neighbouring slices are not copies of each other, and every value is in [0, 2^16)."""
+    from tierflow.precision.rounding import HASH_SLICE, noise16
 
-    _slice_pool()  # made with every core, before the count is changed below
-    n = 3 * NOISE_SLICE + 5
-    drawn = []
+    n = 3 * HASH_SLICE + 5
+    x = torch.randn(n, generator=torch.Generator().manual_seed(5))
     threads = torch.get_num_threads()
+    rounded = []
     try:
         for cores in (1, 2):
             torch.set_num_threads(cores)
-            noise = torch.empty(n, dtype=torch.int32)
-            _draw_noise(noise, torch.Generator().manual_seed(7))
-            drawn.append(noise)
+            rounded.append(stochastic_round_bf16(x, 7))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(drawn[0], drawn[1])
-    first, second = drawn[0][:1000], drawn[0][NOISE_SLICE:NOISE_SLICE + 1000]
-    assert not torch.equal(first, second)
-    assert int(drawn[0].min()) >= 0 and int(drawn[0].max()) < 1 << 16
+    assert torch.equal(rounded[0], rounded[1])
+    cut = HASH_SLICE + 123
+    pieces = torch.cat([stochastic_round_bf16(x[:cut], 7),
+                        stochastic_round_bf16(x[cut:], 7, offset=cut)])
+    assert torch.equal(pieces, rounded[0])
+    noise = noise16(torch.arange(n), 7)
+    assert not torch.equal(noise[:1000], noise[HASH_SLICE:HASH_SLICE + 1000])
+    assert int(noise.min()) >= 0 and int(noise.max()) < 1 << 16
+    assert abs(noise.double().mean().item() / (1 << 16) - 0.5) < 0.01

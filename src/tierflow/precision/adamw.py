@@ -23,9 +23,13 @@ fp32 weights and moments, 48 MiB for int8 or bf16 moments, 16 MiB more for bf16 
 float32 temporary of it otherwise; tests/test_precision_numerics.py reads the kernel's
 high-water mark around a step). The trainer
 measures them and plans room for them (``train/optimizer.step_transient_bytes``). Every
-operation is element-wise and int8 slices start on block boundaries, so without stochastic
-rounding the result equals one pass over the whole tensor; stochastic rounding draws its
-noise slice by slice (as reproducible, another stream).
+operation is element-wise, int8 slices start on block boundaries, and a stochastic rounding's
+noise is a hash of each element's index in the parameter and a seed drawn once per parameter
+and step, so the result equals one pass over the whole tensor.
+
+bf16 weights without a master and bf16 moments in host RAM, when a step has at least
+``FUSED_MIN_ELEMENTS`` of them, are stepped by one compiled kernel instead
+(``fused_adamw.py``: the same arithmetic and noise in one pass over memory, no workspace).
 
 ``state_dict()`` holds only tensors and plain numbers: per parameter ``step`` (a 0-dim float32
 tensor, as ``torch.optim.AdamW`` saves it, so that a checkpoint names the same tensors whether
@@ -45,6 +49,7 @@ import torch
 
 from .config import BLOCK, MASTERS, OPTIM_DTYPES, PrecisionError
 from .quant import SIGNED, UNSIGNED, blocks, dequantize_into, empty_codes, quantize_
+from .fused_adamw import FUSED_MIN_ELEMENTS, fused_step, hyper_parameters
 from .rounding import generator_for, stochastic_round_bf16
 
 _MAPPINGS = {"exp_avg": SIGNED, "exp_avg_sq": UNSIGNED}
@@ -117,10 +122,22 @@ class AdamW(torch.optim.Optimizer):
                    if p.grad is not None]
         if not updated:
             return loss
-        scratch = self._workspace([p for p, _ in updated])
+        fused = self._fusable([p for p, _ in updated])
+        unfused = [p for p, _ in updated if p not in fused]
+        scratch = self._workspace(unfused) if unfused else {}
         for p, group in updated:
-            self._update(p, group, scratch)
+            self._update(p, group, scratch, p in fused)
         return loss
+
+    def _fusable(self, params: list[torch.Tensor]) -> set[torch.Tensor]:
+        """The parameters this step may update with the fused kernel (``fused_adamw.py``):
+        bf16 weights in host RAM without a master copy, with bf16 moments, when there are at
+        least FUSED_MIN_ELEMENTS of them (fewer would not repay the compiler's seconds)."""
+        if self.moment_dtype != "bf16" or self.master != "none":
+            return set()
+        fusable = {p for p in params if p.dtype == torch.bfloat16 and p.device.type == "cpu"
+                   and not p.grad.is_sparse}
+        return fusable if sum(p.numel() for p in fusable) >= FUSED_MIN_ELEMENTS else set()
 
     def _workspace(self, params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The step's float32 scratch vectors, one block for the whole step: every slice of
@@ -140,20 +157,36 @@ class AdamW(torch.optim.Optimizer):
         block = torch.empty(len(names), length, dtype=torch.float32, device=params[0].device)
         return dict(zip(names, block))
 
-    def _update(self, p: torch.Tensor, group: dict, scratch: dict[str, torch.Tensor]) -> None:
+    def _update(self, p: torch.Tensor, group: dict, scratch: dict[str, torch.Tensor],
+                fused: bool) -> None:
         if p.grad.is_sparse:
             raise PrecisionError("AdamW does not support sparse gradients: use dense embeddings")
         state = self.state[p]
         if not state:
             self._init_state(p, state)
         state["step"] += 1
+        # the seeds of this step's three roundings (exp_avg, exp_avg_sq, the weights), each
+        # for the whole parameter: its slices pass their offsets
+        seeds = torch.randint(0, 1 << 32, (3,), dtype=torch.int64, generator=self._generator,
+                              device=self._generator.device) \
+            if self._generator is not None else None
+        if fused and fused_step(p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1),
+                                state["exp_avg_sq"].view(-1), seeds,
+                                hyper_parameters(group["lr"], group["betas"], group["eps"],
+                                                 group["weight_decay"], state["step"])):
+            return
+        if not scratch:  # the fused kernel was unavailable after all
+            scratch = self._workspace([p])
+        seeds_list = seeds.tolist() if seeds is not None else [0, 0, 0]
         numel = p.numel()
         for start in range(0, numel, CHUNK):
-            self._update_slice(p, state, group, start, min(start + CHUNK, numel), scratch)
+            self._update_slice(p, state, group, start, min(start + CHUNK, numel), scratch,
+                               seeds_list)
 
     def _update_slice(self, p: torch.Tensor, state: dict, group: dict, start: int,
-                      stop: int, scratch: dict[str, torch.Tensor]) -> None:
-        """Update elements [start, stop) of the flattened ``p`` in the ``scratch`` vectors."""
+                      stop: int, scratch: dict[str, torch.Tensor], seeds: list[int]) -> None:
+        """Update elements [start, stop) of the flattened ``p`` in the ``scratch`` vectors;
+        ``seeds``: of the roundings of exp_avg, exp_avg_sq and the weights."""
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         n = stop - start
@@ -181,14 +214,14 @@ class AdamW(torch.optim.Optimizer):
         denom = torch.sqrt(exp_avg_sq, out=scratch["denom"][:n])
         denom.div_(bias_correction2 ** 0.5).add_(eps)
         weights.addcdiv_(exp_avg, denom, value=-step_size)
-        self._store(state, "exp_avg", exp_avg, start, stop, scratch["denom"])
-        self._store(state, "exp_avg_sq", exp_avg_sq, start, stop, scratch["denom"])
+        self._store(state, "exp_avg", exp_avg, start, stop, scratch["denom"], seeds[0])
+        self._store(state, "exp_avg_sq", exp_avg_sq, start, stop, scratch["denom"], seeds[1])
         if p.dtype == torch.float32:
             return  # the weights were updated in place
         if master is not None:
             flat.copy_(weights)  # round to nearest: the master keeps what bf16 cannot
         else:
-            stochastic_round_bf16(weights, self._generator, scratch["denom"], out=flat)
+            stochastic_round_bf16(weights, seeds[2], scratch["denom"], out=flat, offset=start)
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         state["step"] = 0
@@ -217,15 +250,16 @@ class AdamW(torch.optim.Optimizer):
         return scratch[key][:stop - start].copy_(stored.view(-1)[start:stop])
 
     def _store(self, state: dict, key: str, value: torch.Tensor, start: int, stop: int,
-               work: torch.Tensor) -> None:
+               work: torch.Tensor, seed: int) -> None:
         """Write moment ``key``'s elements [start, stop) back from ``value``, computing in
-        the float32 vector ``work`` (the denominator's, free once the weights are updated)."""
+        the float32 vector ``work`` (the denominator's, free once the weights are updated);
+        ``seed``: of its stochastic rounding."""
         if self.moment_dtype == "int8":
             codes, scales = self._codes(state, key, start, stop)
             quantize_(value, codes, scales, _MAPPINGS[key], work)
         elif self.moment_dtype == "bf16":
-            stochastic_round_bf16(value, self._generator, work,
-                                  out=state[key].view(-1)[start:stop])
+            stochastic_round_bf16(value, seed, work, out=state[key].view(-1)[start:stop],
+                                  offset=start)
         # fp32: ``value`` is a view of the state tensor, updated in place
 
     @staticmethod

@@ -1,0 +1,80 @@
+"""AdamW's step over bf16 weights (no master copy) and bf16 moments in one pass over memory:
+the arithmetic of ``adamw.AdamW`` (float32 working values, the three stochastic roundings of
+``rounding.py`` with the same seeds and indices) compiled by ``torch.compile`` into one
+loop that reads the weights, the gradient and both moments once and writes them back once
+(Inductor's C++ kernel on the CPU, on all cores). Unfused, each of the step's element-wise
+operations is a pass over memory of its own (about 30 for this configuration), which left
+the host AdamW a few percent of the DRAM bandwidth (``benchmarks/host_adamw.py``).
+
+The kernel is compiled once per process, for any length (the first step takes the
+compiler's seconds; Inductor caches the kernel on disk for the next process). Where it cannot
+be compiled (no C++ compiler), ``fused_step`` says so once and returns False, and the caller
+runs its unfused slices, which compute the same bits up to float32 rounding order.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .rounding import noise16, round_bits_bf16
+
+FUSED_MIN_ELEMENTS = 1 << 20  # per step: below, compiling costs more than it saves
+
+
+def hyper_parameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                     step: int) -> torch.Tensor:
+    """The step's scalars as the kernel reads them, float32 (7,): the weight decay's factor,
+    1 - beta1, beta2, 1 - beta2, sqrt of the second bias correction, eps, and minus the step
+    size. A tensor, not Python floats, so that a learning-rate schedule does not recompile."""
+    beta1, beta2 = betas
+    return torch.tensor([1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2,
+                         (1 - beta2 ** step) ** 0.5, eps, -lr / (1 - beta1 ** step)],
+                        dtype=torch.float32)
+
+
+def _step(weights: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+          exp_avg_sq: torch.Tensor, seeds: torch.Tensor, hyper: torch.Tensor) -> None:
+    """One AdamW step of flat bf16 ``weights`` (n,) and moments (n,) from ``grad`` (n,, bf16
+    or float32), in place; ``seeds`` int64 (3,): the roundings of exp_avg, exp_avg_sq and the
+    weights; ``hyper`` from ``hyper_parameters``."""
+    index = torch.arange(weights.numel(), dtype=torch.int64, device=weights.device)  # (n,)
+    g = grad.float()
+    w = weights.float() * hyper[0]
+    m = torch.lerp(exp_avg.float(), g, hyper[1])
+    v = exp_avg_sq.float() * hyper[2] + g * g * hyper[3]
+    denom = v.sqrt() / hyper[4] + hyper[5]
+    w = w + hyper[6] * (m / denom)
+    exp_avg.copy_(_rounded(m, index, seeds[0]))
+    exp_avg_sq.copy_(_rounded(v, index, seeds[1]))
+    weights.copy_(_rounded(w, index, seeds[2]))
+
+
+def _rounded(x: torch.Tensor, index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` (n,) stochastically rounded to a bf16 value (still float32), NaN kept."""
+    return torch.where(x.isnan(), x, round_bits_bf16(x, noise16(index, seed)))
+
+
+_compiled: list = []  # the compiled kernel once made; [None] where it cannot be
+
+
+def fused_step(weights: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+               exp_avg_sq: torch.Tensor, seeds: torch.Tensor, hyper: torch.Tensor) -> bool:
+    """Run the compiled ``_step`` on flat contiguous views; False (nothing changed) where
+    no kernel could be compiled."""
+    if not _compiled:
+        _compiled.append(torch.compile(_step, dynamic=True))
+    kernel = _compiled[0]
+    if kernel is None:
+        return False
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        kernel(weights, grad, exp_avg, exp_avg_sq, seeds, hyper)
+    except BackendCompilerFailed as e:
+        warnings.warn(f"the fused AdamW kernel could not be compiled ({e}): stepping "
+                      "element-wise operation by operation, several times slower",
+                      stacklevel=2)
+        _compiled[0] = None
+        return False
+    return True
