@@ -239,3 +239,7 @@ def test_noise_is_a_function_of_seed_and_index_on_any_number_of_cores():
     assert not torch.equal(noise[:1000], noise[HASH_SLICE:HASH_SLICE + 1000])
     assert int(noise.min()) >= 0 and int(noise.max()) < 1 << 16
     assert abs(noise.double().mean().item() / (1 << 16) - 0.5) < 0.01
+    high = noise16(torch.arange(n), 7, half=1)  # the hash's other 16 bits: another rounding's
+    assert int(high.min()) >= 0 and int(high.max()) < 1 << 16 and not torch.equal(high, noise)
+    assert abs(high.double().mean().item() / (1 << 16) - 0.5) < 0.01
+    assert abs(float(torch.corrcoef(torch.stack([noise.double(), high.double()]))[0, 1])) < 0.02

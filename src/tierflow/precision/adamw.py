@@ -165,9 +165,10 @@ class AdamW(torch.optim.Optimizer):
         if not state:
             self._init_state(p, state)
         state["step"] += 1
-        # the seeds of this step's three roundings (exp_avg, exp_avg_sq, the weights), each
-        # for the whole parameter: its slices pass their offsets
-        seeds = torch.randint(0, 1 << 32, (3,), dtype=torch.int64, generator=self._generator,
+        # the seeds of this step's two hashes, each for the whole parameter (its slices pass
+        # their offsets): the low and high halves of the first round exp_avg and exp_avg_sq,
+        # the low half of the second the weights
+        seeds = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, generator=self._generator,
                               device=self._generator.device) \
             if self._generator is not None else None
         if fused and fused_step(p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1),
@@ -177,7 +178,7 @@ class AdamW(torch.optim.Optimizer):
             return
         if not scratch:  # the fused kernel was unavailable after all
             scratch = self._workspace([p])
-        seeds_list = seeds.tolist() if seeds is not None else [0, 0, 0]
+        seeds_list = seeds.tolist() if seeds is not None else [0, 0]
         numel = p.numel()
         for start in range(0, numel, CHUNK):
             self._update_slice(p, state, group, start, min(start + CHUNK, numel), scratch,
@@ -186,7 +187,7 @@ class AdamW(torch.optim.Optimizer):
     def _update_slice(self, p: torch.Tensor, state: dict, group: dict, start: int,
                       stop: int, scratch: dict[str, torch.Tensor], seeds: list[int]) -> None:
         """Update elements [start, stop) of the flattened ``p`` in the ``scratch`` vectors;
-        ``seeds``: of the roundings of exp_avg, exp_avg_sq and the weights."""
+        ``seeds``: of the two hashes that round the moments and the weights."""
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         n = stop - start
@@ -214,14 +215,14 @@ class AdamW(torch.optim.Optimizer):
         denom = torch.sqrt(exp_avg_sq, out=scratch["denom"][:n])
         denom.div_(bias_correction2 ** 0.5).add_(eps)
         weights.addcdiv_(exp_avg, denom, value=-step_size)
-        self._store(state, "exp_avg", exp_avg, start, stop, scratch["denom"], seeds[0])
-        self._store(state, "exp_avg_sq", exp_avg_sq, start, stop, scratch["denom"], seeds[1])
+        self._store(state, "exp_avg", exp_avg, start, stop, scratch["denom"], seeds[0], 0)
+        self._store(state, "exp_avg_sq", exp_avg_sq, start, stop, scratch["denom"], seeds[0], 1)
         if p.dtype == torch.float32:
             return  # the weights were updated in place
         if master is not None:
             flat.copy_(weights)  # round to nearest: the master keeps what bf16 cannot
         else:
-            stochastic_round_bf16(weights, seeds[2], scratch["denom"], out=flat, offset=start)
+            stochastic_round_bf16(weights, seeds[1], scratch["denom"], out=flat, offset=start)
 
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         state["step"] = 0
@@ -250,16 +251,16 @@ class AdamW(torch.optim.Optimizer):
         return scratch[key][:stop - start].copy_(stored.view(-1)[start:stop])
 
     def _store(self, state: dict, key: str, value: torch.Tensor, start: int, stop: int,
-               work: torch.Tensor, seed: int) -> None:
+               work: torch.Tensor, seed: int, half: int) -> None:
         """Write moment ``key``'s elements [start, stop) back from ``value``, computing in
         the float32 vector ``work`` (the denominator's, free once the weights are updated);
-        ``seed``: of its stochastic rounding."""
+        ``seed`` and ``half``: of its stochastic rounding's noise (``rounding.noise16``)."""
         if self.moment_dtype == "int8":
             codes, scales = self._codes(state, key, start, stop)
             quantize_(value, codes, scales, _MAPPINGS[key], work)
         elif self.moment_dtype == "bf16":
             stochastic_round_bf16(value, seed, work, out=state[key].view(-1)[start:stop],
-                                  offset=start)
+                                  offset=start, half=half)
         # fp32: ``value`` is a view of the state tensor, updated in place
 
     @staticmethod

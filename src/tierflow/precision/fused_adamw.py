@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from .rounding import noise16, round_bits_bf16
+from .rounding import hash32, round_bits_bf16
 
 FUSED_MIN_ELEMENTS = 1 << 20  # per step: below, compiling costs more than it saves
 
@@ -36,8 +36,9 @@ def hyper_parameters(lr: float, betas: tuple[float, float], eps: float, weight_d
 def _step(weights: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
           exp_avg_sq: torch.Tensor, seeds: torch.Tensor, hyper: torch.Tensor) -> None:
     """One AdamW step of flat bf16 ``weights`` (n,) and moments (n,) from ``grad`` (n,, bf16
-    or float32), in place; ``seeds`` int64 (3,): the roundings of exp_avg, exp_avg_sq and the
-    weights; ``hyper`` from ``hyper_parameters``."""
+    or float32), in place; ``seeds`` int64 (2,): of the hash whose low and high halves round
+    exp_avg and exp_avg_sq, and of the one whose low half rounds the weights (``adamw.py``
+    draws them so); ``hyper`` from ``hyper_parameters``."""
     index = torch.arange(weights.numel(), dtype=torch.int64, device=weights.device)  # (n,)
     g = grad.float()
     w = weights.float() * hyper[0]
@@ -45,14 +46,16 @@ def _step(weights: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     v = exp_avg_sq.float() * hyper[2] + g * g * hyper[3]
     denom = v.sqrt() / hyper[4] + hyper[5]
     w = w + hyper[6] * (m / denom)
-    exp_avg.copy_(_rounded(m, index, seeds[0]))
-    exp_avg_sq.copy_(_rounded(v, index, seeds[1]))
-    weights.copy_(_rounded(w, index, seeds[2]))
+    moments = hash32(index, seeds[0])  # (n,) its low half rounds exp_avg, its high exp_avg_sq
+    exp_avg.copy_(_rounded(m, moments & 0xFFFF))
+    exp_avg_sq.copy_(_rounded(v, (moments >> 16) & 0xFFFF))
+    weights.copy_(_rounded(w, hash32(index, seeds[1]) & 0xFFFF))
 
 
-def _rounded(x: torch.Tensor, index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
-    """float32 ``x`` (n,) stochastically rounded to a bf16 value (still float32), NaN kept."""
-    return torch.where(x.isnan(), x, round_bits_bf16(x, noise16(index, seed)))
+def _rounded(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """float32 ``x`` (n,) stochastically rounded with int64 ``noise`` (n,) in [0, 2^16) to a
+    bf16 value (still float32), a NaN kept (``x != x``: compiled, it is one vector compare)."""
+    return torch.where(x != x, x, round_bits_bf16(x, noise.to(torch.int32)))
 
 
 _compiled: list = []  # the compiled kernel once made; [None] where it cannot be

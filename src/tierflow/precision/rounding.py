@@ -7,13 +7,13 @@ result is the float32 value itself. Round-to-nearest is biased for small updates
 below half a bf16 ulp of the weight (2^-9 relative) is lost every time, so bf16 weights without
 a master copy, and bf16 moments decaying by 0.999, would stop moving.
 
-The random integers are a counter-based hash (``noise16``) of each element's index and a
-64-bit seed: a function of the two, not a stream, so any slice of a tensor can be rounded on
+The random integers are 16 bits of a counter-based hash (``hash32``) of each element's index
+and a 32-bit seed: a function of the two, not a stream, so any slice of a tensor can be rounded on
 its own (its offset names its indices), on any number of cores, and a compiled kernel
 (``fused_adamw.py``) computes the same bits inside one pass over memory. PyTorch's CPU
 generator draws on one core, about 2.6 ns a number, which had made the roundings of a bf16
 AdamW step 90% of its time (``benchmarks/host_adamw.py``). Seeds come from the caller's
-``torch.Generator`` only (never the global RNG), one per rounding, so a training run that
+``torch.Generator`` only (never the global RNG), one per hash, so a training run that
 checkpoints ``generator.get_state()`` resumes bit for bit.
 """
 from __future__ import annotations
@@ -31,18 +31,23 @@ def draw_seed(generator: torch.Generator) -> int:
                              generator=generator))
 
 
-def noise16(index: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
-    """Uniform integers in [0, 2^16) as int32, one per element of the int64 ``index``: the
-    low bits of a 32-bit integer hash (xor-shift and multiply rounds, each product kept under
-    2^63 so that no step overflows) of ``index`` xor ``seed``. Pure tensor arithmetic, so
-    eager code and a compiled kernel give the same bits."""
+def hash32(index: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of each element of the int64 ``index`` xor ``seed``, as int64 in
+    [0, 2^32): xor-shift and multiply rounds, each product kept under 2^63 so that no step
+    overflows. Pure tensor arithmetic, so eager code and a compiled kernel give the same bits."""
     x = torch.bitwise_xor(index, seed) & _MASK32
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32
     x = x ^ (x >> 15)
     x = (x * 0x5BD1E995) & _MASK32
-    x = x ^ (x >> 16)
-    return (x & (_LOW_BITS - 1)).to(torch.int32)
+    return x ^ (x >> 16)
+
+
+def noise16(index: torch.Tensor, seed: int | torch.Tensor, half: int = 0) -> torch.Tensor:
+    """Uniform integers in [0, 2^16) as int32, one per element of the int64 ``index``: the
+    low (``half`` 0) or high (1) 16 bits of ``hash32``, so that one hash serves two
+    roundings."""
+    return ((hash32(index, seed) >> (16 * half)) & (_LOW_BITS - 1)).to(torch.int32)
 
 
 def round_bits_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -54,8 +59,8 @@ def round_bits_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def stochastic_round_bf16(x: torch.Tensor, seed: int | torch.Generator,
-                          work: torch.Tensor | None = None,
-                          out: torch.Tensor | None = None, *, offset: int = 0) -> torch.Tensor:
+                          work: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                          *, offset: int = 0, half: int = 0) -> torch.Tensor:
     """``x`` (float32, any shape) rounded to bfloat16 up or down at random, unbiased:
     E[result] == x for every finite x whose bf16 neighbours are finite. +-inf stays +-inf and
     NaN stays NaN (its payload is not kept); a value within one bf16 ulp of bf16's largest
@@ -63,7 +68,7 @@ def stochastic_round_bf16(x: torch.Tensor, seed: int | torch.Generator,
 
     ``seed``: of the noise (a Generator on ``x``'s device draws one); ``offset``: the index of
     ``x``'s first element in the tensor the seed is for, so that slices rounded one by one
-    get the bits the whole would. ``work``: a float32 vector of at least ``x.numel()``
+    get the bits the whole would; ``half``: which 16 bits of the hash (``noise16``). ``work``: a float32 vector of at least ``x.numel()``
     elements, not overlapping ``x``, that the rounding is computed in; ``out``: the bfloat16
     tensor of ``x``'s shape it is written to (each allocated when not given), so that AdamW
     rounds into its state with nothing of ``x``'s size allocated. Returns ``out``."""
@@ -82,7 +87,7 @@ def stochastic_round_bf16(x: torch.Tensor, seed: int | torch.Generator,
     for start in range(0, n, step):
         stop = min(start + step, n)
         index = torch.arange(offset + start, offset + stop, dtype=torch.int64, device=x.device)
-        rounded[start:stop] = round_bits_bf16(flat[start:stop], noise16(index, seed))
+        rounded[start:stop] = round_bits_bf16(flat[start:stop], noise16(index, seed, half))
     out.copy_(rounded.view(x.shape))  # exact: the low 16 bits are zero
     if n and bool(x.amax().isnan()):  # a NaN propagates through the maximum
         is_nan = torch.ne(x, x, out=work[:n].view(torch.bool)[:n].view(x.shape))  # reuses work
