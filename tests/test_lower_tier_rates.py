@@ -31,8 +31,9 @@ def _problem(disk: LowerTier) -> TierProblem:
 
 @pytest.mark.parametrize("what", ["weights", "states"])
 def test_loads_take_the_read_rate_and_stores_the_write_rate(what):
-    """Optimizer states on the disk, the weights streamed from it too or not: every Load of the plan lasts its
-    bytes over the disk's read rate, every Store its bytes over the write rate."""
+    """Optimizer states on the disk, the weights streamed from it too or not: every Load of
+    the plan lasts its bytes over the disk's read rate, every Store its bytes over the write
+    rate."""
     disk = LowerTier("disk", READ, WRITE, None, "the disk tier")
     config = FitConfig(planner="checkpoint-all", prefetch_depth=1,
                        stream="all" if what == "weights" else "never",

@@ -133,7 +133,8 @@ def test_with_the_head_trainable_its_update_sets_the_smallest_ram():
     trains (its update's states and gradient in RAM at once), and falls once it is frozen."""
     def smallest(train_only: str | None) -> int:
         sel = selection_for("llama-134m", None, train_only) if train_only else None
-        return predict(setup(sel, ram=2 * GIB, disk=True, disk_bw=(2e9, 2e9))).placement.smallest["ram"]
+        disk = setup(sel, ram=2 * GIB, disk=True, disk_bw=(2e9, 2e9))
+        return predict(disk).placement.smallest["ram"]
 
     full = smallest(None)
     assert smallest("model.layers.1[01].*,model.norm.*,lm_head.*") == pytest.approx(full,

@@ -144,8 +144,8 @@ def _candidates(problem: TierProblem, owned: _Owned, budget: int | None, config:
                                        owned.state_of, home, depth > 0)
             notes = (f"the optimizer states ({format_bytes(owned.state_bytes)}) live in "
                      f"{home.about}, {'read ahead of' if depth else 'read at'} each stage's "
-                     f"update and written back after ({format_bytes(home.read_bytes_per_s)}/s up, "
-                     f"{format_bytes(home.write_bytes_per_s)}/s down)",)
+                     f"update and written back after ({format_bytes(home.read_bytes_per_s)}/s "
+                     f"up, {format_bytes(home.write_bytes_per_s)}/s down)",)
         if config.stream != "all":
             kept = Candidate(with_states, home, None, frozenset(), notes, depth)
             hosted = _updated_on_host(kept, (), problem, owned, config)
@@ -217,12 +217,14 @@ def _updated_on_host(candidate: Candidate, weights_notes: tuple[str, ...],
         sum(sorted(size[i] for i in on_disk)[-(3 if read_ahead else 2):]) + \
         2 * max((size[i] for i in come_down), default=0)
     moved = "" if home is ram else (
-        f" and come up to it for each step, going back after ({format_bytes(home.read_bytes_per_s)}/s up, "
-        f"{format_bytes(home.write_bytes_per_s)}/s down)")
+        f" and come up to it for each step, going back after "
+        f"({format_bytes(home.read_bytes_per_s)}/s up, {format_bytes(home.write_bytes_per_s)}/s "
+        "down)")
     why = (f"the optimizer steps {len(host)} stages in {ram.about}: their states "
            f"({format_bytes(sum(state_of[i] for i in host))}) live in {home.about}{moved}; "
-           f"their gradients go down ({format_bytes(ram.write_bytes_per_s)}/s), and the new weights "
-           "come up with the next fetch of a streamed stage, after the step for a resident one")
+           f"their gradients go down ({format_bytes(ram.write_bytes_per_s)}/s), and the new "
+           "weights come up with the next fetch of a streamed stage, after the step for a "
+           "resident one")
     if on_disk:
         why += (f"; the weights of {len(on_disk)} of them come from {candidate.weights.about} "
                 "for their step and go back after it, on the host thread")

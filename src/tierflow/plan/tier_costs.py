@@ -100,8 +100,8 @@ def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier, config: F
             continue
         costs = offloaded_tape_costs(c.costs, set(stages), home=tier.name,
                                      read_bytes_per_s=tier.read_bytes_per_s,
-                                     write_bytes_per_s=tier.write_bytes_per_s, read_ahead=c.depth > 0,
-                                     streamed=c.streamed)
+                                     write_bytes_per_s=tier.write_bytes_per_s,
+                                     read_ahead=c.depth > 0, streamed=c.streamed)
         costs = replace(costs, extra={**costs.extra, "tapes tier": tier.name})
         total = format_bytes(costs.extra["offloaded tape bytes"])
         back = "one backward ahead" if c.depth else "when their backward needs them"

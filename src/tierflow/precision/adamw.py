@@ -49,7 +49,7 @@ import torch
 
 from .config import BLOCK, MASTERS, OPTIM_DTYPES, PrecisionError
 from .quant import SIGNED, UNSIGNED, blocks, dequantize_into, empty_codes, quantize_
-from .fused_adamw import FUSED_MIN_ELEMENTS, fused_step, hyper_parameters
+from .fused_adamw import FUSED_MIN_ELEMENTS, fused_step, hyper_parameters, kernel_unavailable
 from .rounding import generator_for, stochastic_round_bf16
 
 _MAPPINGS = {"exp_avg": SIGNED, "exp_avg_sq": UNSIGNED}
@@ -133,7 +133,7 @@ class AdamW(torch.optim.Optimizer):
         """The parameters this step may update with the fused kernel (``fused_adamw.py``):
         bf16 weights in host RAM without a master copy, with bf16 moments, when there are at
         least FUSED_MIN_ELEMENTS of them (fewer would not repay the compiler's seconds)."""
-        if self.moment_dtype != "bf16" or self.master != "none":
+        if self.moment_dtype != "bf16" or self.master != "none" or kernel_unavailable():
             return set()
         fusable = {p for p in params if p.dtype == torch.bfloat16 and p.device.type == "cpu"
                    and not p.grad.is_sparse}
@@ -168,26 +168,28 @@ class AdamW(torch.optim.Optimizer):
         # the seeds of this step's two hashes, each for the whole parameter (its slices pass
         # their offsets): the low and high halves of the first round exp_avg and exp_avg_sq,
         # the low half of the second the weights
+        # (int64 (2,), on the generator's device: read there, never brought to the host)
         seeds = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, generator=self._generator,
                               device=self._generator.device) \
             if self._generator is not None else None
-        if fused and fused_step(p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1),
-                                state["exp_avg_sq"].view(-1), seeds,
-                                hyper_parameters(group["lr"], group["betas"], group["eps"],
-                                                 group["weight_decay"], state["step"])):
-            return
-        if not scratch:  # the fused kernel was unavailable after all
-            scratch = self._workspace([p])
-        seeds_list = seeds.tolist() if seeds is not None else [0, 0]
+        if fused:
+            if fused_step(p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1),
+                          state["exp_avg_sq"].view(-1), seeds,
+                          hyper_parameters(group["lr"], group["betas"], group["eps"],
+                                           group["weight_decay"], state["step"])):
+                return
+            scratch = self._workspace([p])  # the kernel failed to compile: once, this step
         numel = p.numel()
         for start in range(0, numel, CHUNK):
             self._update_slice(p, state, group, start, min(start + CHUNK, numel), scratch,
-                               seeds_list)
+                               seeds)
 
     def _update_slice(self, p: torch.Tensor, state: dict, group: dict, start: int,
-                      stop: int, scratch: dict[str, torch.Tensor], seeds: list[int]) -> None:
+                      stop: int, scratch: dict[str, torch.Tensor],
+                      seeds: torch.Tensor | None) -> None:
         """Update elements [start, stop) of the flattened ``p`` in the ``scratch`` vectors;
-        ``seeds``: of the two hashes that round the moments and the weights."""
+        ``seeds``: of the two hashes that round the moments and the weights (None: nothing
+        is rounded stochastically)."""
         lr, eps, weight_decay = group["lr"], group["eps"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         n = stop - start
@@ -215,8 +217,10 @@ class AdamW(torch.optim.Optimizer):
         denom = torch.sqrt(exp_avg_sq, out=scratch["denom"][:n])
         denom.div_(bias_correction2 ** 0.5).add_(eps)
         weights.addcdiv_(exp_avg, denom, value=-step_size)
-        self._store(state, "exp_avg", exp_avg, start, stop, scratch["denom"], seeds[0], 0)
-        self._store(state, "exp_avg_sq", exp_avg_sq, start, stop, scratch["denom"], seeds[0], 1)
+        moments_seed = seeds[0] if seeds is not None else None
+        self._store(state, "exp_avg", exp_avg, start, stop, scratch["denom"], moments_seed, 0)
+        self._store(state, "exp_avg_sq", exp_avg_sq, start, stop, scratch["denom"],
+                    moments_seed, 1)
         if p.dtype == torch.float32:
             return  # the weights were updated in place
         if master is not None:
@@ -251,7 +255,7 @@ class AdamW(torch.optim.Optimizer):
         return scratch[key][:stop - start].copy_(stored.view(-1)[start:stop])
 
     def _store(self, state: dict, key: str, value: torch.Tensor, start: int, stop: int,
-               work: torch.Tensor, seed: int, half: int) -> None:
+               work: torch.Tensor, seed: torch.Tensor | None, half: int) -> None:
         """Write moment ``key``'s elements [start, stop) back from ``value``, computing in
         the float32 vector ``work`` (the denominator's, free once the weights are updated);
         ``seed`` and ``half``: of its stochastic rounding's noise (``rounding.noise16``)."""

@@ -61,6 +61,11 @@ def _rounded(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 _compiled: list = []  # the compiled kernel once made; [None] where it cannot be
 
 
+def kernel_unavailable() -> bool:
+    """Whether compiling the kernel failed in this process (the unfused path runs then)."""
+    return _compiled == [None]
+
+
 def fused_step(weights: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                exp_avg_sq: torch.Tensor, seeds: torch.Tensor, hyper: torch.Tensor) -> bool:
     """Run the compiled ``_step`` on flat contiguous views; False (nothing changed) where

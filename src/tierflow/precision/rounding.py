@@ -25,10 +25,12 @@ _MASK32 = 0xFFFFFFFF
 HASH_SLICE = 1 << 15  # elements hashed at a time in eager mode: int64 temporaries of 256 KiB
 
 
-def draw_seed(generator: torch.Generator) -> int:
-    """One seed for ``noise16`` from ``generator`` (on any device): 32 random bits."""
-    return int(torch.randint(0, 1 << 32, (1,), dtype=torch.int64, device=generator.device,
-                             generator=generator))
+def draw_seed(generator: torch.Generator) -> torch.Tensor:
+    """One seed for ``noise16`` from ``generator``: 32 random bits as an int64 0-dim tensor
+    on the generator's device (read by the hash there: an accelerator's stream is not
+    synchronized to bring it to the host)."""
+    return torch.randint(0, 1 << 32, (), dtype=torch.int64, device=generator.device,
+                         generator=generator)
 
 
 def hash32(index: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
@@ -58,7 +60,7 @@ def round_bits_bf16(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     return ((x.view(torch.int32) + noise) & -_LOW_BITS).view(torch.float32)
 
 
-def stochastic_round_bf16(x: torch.Tensor, seed: int | torch.Generator,
+def stochastic_round_bf16(x: torch.Tensor, seed: int | torch.Tensor | torch.Generator,
                           work: torch.Tensor | None = None, out: torch.Tensor | None = None,
                           *, offset: int = 0, half: int = 0) -> torch.Tensor:
     """``x`` (float32, any shape) rounded to bfloat16 up or down at random, unbiased:
@@ -66,9 +68,10 @@ def stochastic_round_bf16(x: torch.Tensor, seed: int | torch.Generator,
     NaN stays NaN (its payload is not kept); a value within one bf16 ulp of bf16's largest
     finite may round to inf, as it would in any stochastic-rounding hardware.
 
-    ``seed``: of the noise (a Generator on ``x``'s device draws one); ``offset``: the index of
-    ``x``'s first element in the tensor the seed is for, so that slices rounded one by one
-    get the bits the whole would; ``half``: which 16 bits of the hash (``noise16``). ``work``: a float32 vector of at least ``x.numel()``
+    ``seed``: of the noise (an int, a 0-dim tensor on ``x``'s device, or a Generator there
+    that draws one); ``offset``: the index of ``x``'s first element in the tensor the seed is
+    for, so that slices rounded one by one get the bits the whole would; ``half``: which 16
+    bits of the hash (``noise16``). ``work``: a float32 vector of at least ``x.numel()``
     elements, not overlapping ``x``, that the rounding is computed in; ``out``: the bfloat16
     tensor of ``x``'s shape it is written to (each allocated when not given), so that AdamW
     rounds into its state with nothing of ``x``'s size allocated. Returns ``out``."""
