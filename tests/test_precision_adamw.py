@@ -221,6 +221,23 @@ def test_the_fused_kernel_steps_as_the_element_wise_operations(monkeypatch):
         assert int(apart.max()) <= 1 and float((apart > 0).float().mean()) < 0.01
 
 
+def test_a_kernel_that_cannot_be_compiled_leaves_the_unfused_step(monkeypatch):
+    """Where the fused kernel cannot be compiled (``fused_step`` returns False), the step
+    runs the unfused slices for those parameters: the same weights as an optimizer that
+    never tried the kernel."""
+    from tierflow.precision import adamw as adamw_module
+
+    config = PrecisionConfig(model_dtype="bf16", master="none", optim_dtype="bf16",
+                             matmul_dtype="bf16")
+    unfused, fallen_back = _params(torch.bfloat16), _params(torch.bfloat16)
+    _run(make_optimizer(_groups(unfused), config, seed=3, **HYPER), unfused, 2)
+    monkeypatch.setattr(adamw_module, "FUSED_MIN_ELEMENTS", 0)
+    tried = []
+    monkeypatch.setattr(adamw_module, "fused_step", lambda *a: tried.append(1) and False)
+    _run(make_optimizer(_groups(fallen_back), config, seed=3, **HYPER), fallen_back, 2)
+    assert tried and all(torch.equal(a, b) for a, b in zip(unfused, fallen_back))
+
+
 def test_a_generator_on_another_device_is_one_clear_error():
     """A shared stochastic-rounding generator must be on the parameters' device (a stage
     stepped in host RAM below a GPU cannot draw from the GPU's): one line naming both. (A
