@@ -441,3 +441,37 @@ def test_host_ram_below_the_gpu_reserves_the_pinned_heaps_unused_end():
     tiers, stores = lower_tiers(torch.device("cuda"), None, 8 << 30, True, None)
     assert tiers[0].name == "ram" and tiers[0].heap_slack == PINNED_SEGMENT_BYTES
     assert stores["ram"].unused_bytes_bound == PINNED_SEGMENT_BYTES
+
+
+def _busy_compute_stream() -> torch.cuda.Event:
+    """Queue about a second of matmuls on the compute stream; the event after them."""
+    a = torch.randn(8192, 8192, device=CUDA)
+    for _ in range(40):
+        a = torch.tanh(a @ a)  # fp32 without TF32: some 25 ms each on an H100
+    done = torch.cuda.Event()
+    done.record()
+    return done
+
+
+def test_a_store_waits_for_the_kernels_before_its_dispatch_only():
+    """A copy down marked at its dispatch waits for the kernels that made its source, not
+    for the ones queued after (the next stage's backward); one into memory refilled from the
+    side stream waits for none. Both copy the right bytes."""
+    from tierflow.exec.copy_stream import FRESH, SideStreamCopier
+
+    copier = SideStreamCopier(CUDA)
+    source = torch.arange(1 << 20, device=CUDA, dtype=torch.float32).mul_(3)
+    after = copier.mark()
+    busy = _busy_compute_stream()
+    host = torch.empty(source.shape, pin_memory=True)
+    copier.copy([host], [source], after)
+    assert not busy.query(), "the copy down waited for kernels queued after its mark"
+    assert torch.equal(host, torch.arange(1 << 20, dtype=torch.float32) * 3)
+
+    target = torch.empty(source.shape, device=CUDA)
+    target.untyped_storage().resize_(0)
+    copier.refill(target, source.nbytes)
+    copier.copy([target], [host], FRESH)
+    assert not busy.query(), "the copy into fresh memory waited for the compute stream"
+    busy.synchronize()
+    assert torch.equal(target.cpu(), host)

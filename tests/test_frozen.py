@@ -83,7 +83,8 @@ def test_streamed_from_disk_with_owned_optimizer(tmp_path, family, grad_accum, m
     offloaded = module.streamer.offloaded
     written = set()  # names only: an emptied parameter must not be printed
     write = offloaded.write
-    monkeypatch.setattr(offloaded, "write", lambda p: (written.add(names[id(p)]), write(p))[1])
+    monkeypatch.setattr(offloaded, "write", lambda p, *after: (written.add(names[id(p)]),
+                                                            write(p, *after))[1])
     train_and_match(module, reference, samples, _adamw)
     assert written and not written & frozen_streamed
 

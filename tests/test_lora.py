@@ -95,7 +95,8 @@ def test_a_base_streamed_from_disk_is_never_written_back(tmp_path, family, monke
     offloaded = module.streamer.offloaded
     written = set()
     write = offloaded.write
-    monkeypatch.setattr(offloaded, "write", lambda p: (written.add(names[id(p)]), write(p))[1])
+    monkeypatch.setattr(offloaded, "write", lambda p, *after: (written.add(names[id(p)]),
+                                                            write(p, *after))[1])
     seen = {}
 
     def keep(p):  # the gradient as it is complete, before the update inside backward

@@ -68,7 +68,8 @@ def test_lora_matches_plain_peft_streams_a_frozen_base_and_saves_what_peft_loads
     written: list[bool] = []  # requires_grad of each weight written back to the disk tier
     write = OffloadedParameters.write
     monkeypatch.setattr(OffloadedParameters, "write",
-                        lambda self, p: (written.append(p.requires_grad), write(self, p))[1])
+                        lambda self, p, *after: (written.append(p.requires_grad),
+                                                   write(self, p, *after))[1])
     out = train(capsys, *fp32_train_args(train_env, tmp_path / "disk-run", STEPS, *LORA,
                                          "--merge", "--save-every", "2", "--disk", str(disk),
                                          "--stream", "all"))

@@ -544,7 +544,7 @@ def test_a_full_disk_mid_step_is_one_clear_error(tmp_path, monkeypatch):
     module(**sample).loss.backward()
     module.streamer.wait_writes()
 
-    def full(self, key, tensors):
+    def full(self, key, tensors, after=None):
         raise disk_module._disk_error(OSError(errno.ENOSPC, "No space left on device"),
                                       self.directory)
 

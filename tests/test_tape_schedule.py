@@ -208,8 +208,8 @@ def test_an_offloaded_stages_small_saved_tensors_go_down_as_one_file(tmp_path):
         store = DiskStore(tmp_path)
         writes, reads = [], []
         write, read = store.write, store.read
-        store.write = lambda key, ts: (writes.append(key), write(key, ts))[1]
-        store.read = lambda key, ts: (reads.append(key), read(key, ts))[1]
+        store.write = lambda key, ts, *after: (writes.append(key), write(key, ts, *after))[1]
+        store.read = lambda key, ts, *after: (reads.append(key), read(key, ts, *after))[1]
         offload = tapes_module.TapeOffload(store, params)
         down = Store(TAPE, 0, "ram", "disk", "disk write", 1)
         taped = forward_taped(stage, x, {}, autocast, input_grad=True,

@@ -46,7 +46,7 @@ def test_the_stages_updated_last_are_read_once_in_three_steps(tmp_path, depth):
     reads, writes = [], []
     read, write = offloaded.read, offloaded.write
     offloaded.read = lambda p: (reads.append(stage_of[id(p)]), read(p))[1]
-    offloaded.write = lambda p: (writes.append(stage_of[id(p)]), write(p))[1]
+    offloaded.write = lambda p, *after: (writes.append(stage_of[id(p)]), write(p, *after))[1]
     train_side_by_side(module, reference, hf_sample(), _adamw)
     streamer.wait_writes()
     params = {i: len(ps) for i, ps in streamer.stage_params.items()}
@@ -75,12 +75,12 @@ def test_a_kept_stage_is_dropped_only_after_its_write(tmp_path):
     write = offloaded.write
     slow = []
 
-    def slow_write(p):
+    def slow_write(p, *after):
         if stage_of[id(p)] == first and threading.current_thread().name.startswith(
                 "tierflow-write"):
             slow.append(p)
             time.sleep(0.3)  # the next step's forward of the stage ends meanwhile
-        write(p)
+        write(p, *after)
     offloaded.write = slow_write
     train_side_by_side(module, reference, hf_sample(), _adamw)
     assert slow
@@ -112,10 +112,10 @@ def test_a_lone_kept_stage_updates_only_after_its_last_write(tmp_path):
     written: list[float] = []
     write = offloaded.write
 
-    def slow_write(p):
+    def slow_write(p, *after):
         time.sleep(0.3)  # the next step, the stage's update included, runs meanwhile
         written.append(float(p.detach()[0]))
-        write(p)
+        write(p, *after)
     offloaded.write = slow_write
     for op in schedule.cold:
         streamer.dispatch(op)

@@ -17,7 +17,7 @@ runs.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -28,9 +28,13 @@ class BufferPool:
     """Flat byte buffers, taken for a group of tensors and given back when none of them is
     used any more."""
 
-    def __init__(self, keep: int = 1, device: torch.device | str = "cpu"):
+    def __init__(self, keep: int = 1, device: torch.device | str = "cpu",
+                 allocate: Callable[[int], torch.Tensor] | None = None):
         self.keep = keep
         self.device = torch.device(device)  # where the tensors are used: states read back
+        # fresh bytes (below a GPU, a side stream's: ``SideStreamCopier.empty``)
+        self._allocate = allocate or (lambda nbytes: torch.empty(
+            nbytes, dtype=torch.uint8, device=self.device))
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self._released = False  # from ``release`` to ``reuse``: give keeps none
@@ -83,4 +87,4 @@ class BufferPool:
                 best = min(fits, key=torch.Tensor.numel)
                 self._free.remove(best)
                 return best
-        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        return self._allocate(max(nbytes, 1))

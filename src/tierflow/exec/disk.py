@@ -26,7 +26,7 @@ import torch
 from ..core.errors import TierflowError
 from ..core.paths import require_disk_directory
 from ..core.units import format_bytes
-from .copy_stream import SideStreamCopier
+from .copy_stream import CopyAfter, SideStreamCopier
 from .file_io import direct_io_supported, file_bytes, read_tensors, write_tensors
 
 
@@ -43,24 +43,24 @@ class DiskStore:
         require_disk_directory(self.directory)
         self.direct = direct_io_supported(self.directory) if direct is None else direct
         self.sizes: dict[str, int] = {}
-        self._copier = SideStreamCopier(device)
+        self.copier = SideStreamCopier(device)
 
     @property
     def bytes(self) -> int:
         """What the tier holds now: the bytes of its files."""
         return sum(self.sizes.values())
 
-    def write(self, key: str, tensors: list[torch.Tensor]) -> None:
+    def write(self, key: str, tensors: list[torch.Tensor], after: CopyAfter = None) -> None:
         """Store ``tensors`` (contiguous) back to back under ``key``, on the device."""
         host = self._staging(tensors)
-        self._copier.copy(host, tensors)
+        self.copier.copy(host, tensors, after)
         try:
             write_tensors(self.directory / f"{key}.bin", host, self.direct)
         except OSError as e:
             raise _disk_error(e, self.directory) from None
         self.sizes[key] = file_bytes(tensors, self.direct)
 
-    def read(self, key: str, tensors: list[torch.Tensor]) -> None:
+    def read(self, key: str, tensors: list[torch.Tensor], after: CopyAfter = None) -> None:
         """Fill ``tensors`` (shaped as they were written) from the file under ``key``."""
         path = self.directory / f"{key}.bin"
         host = self._staging(tensors)
@@ -71,7 +71,7 @@ class DiskStore:
         if not complete:
             raise TierflowError(f"{path} is shorter than the tensors written to it: "
                                 f"the offload directory was changed during the run")
-        self._copier.copy(tensors, host)
+        self.copier.copy(tensors, host, after)
 
     def _staging(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """``tensors`` with each one on an accelerator replaced by a page-locked host buffer

@@ -21,6 +21,7 @@ from torch import nn
 
 from ..core.errors import TierflowError
 from ..plan.ops import Load, Store, Transfer
+from .copy_stream import FRESH, CopyAfter
 from .disk import DiskStore, WriteBehind
 from .grad_norm import square_norm
 from .trace import span
@@ -52,17 +53,17 @@ class GradientStash:
     def _stash(self, op: Store) -> None:
         i = op.stage
         params = [p for p in self.stage_params[i] if p.grad is not None]
-        grads = [p.grad for p in params]
+        grads = [p.grad.contiguous() for p in params]  # here: the copy waits for this point
         for p in params:
             p.grad = None
         if self.measuring:
             self.square_norms[i] = square_norm(grads)
-        self._writer.submit(i, self._write, op, grads)
+        self._writer.submit(i, self._write, op, grads, self.store.copier.mark())
         self._stashed[i] = params
 
-    def _write(self, op: Store, grads: list[torch.Tensor]) -> None:
+    def _write(self, op: Store, grads: list[torch.Tensor], after: CopyAfter) -> None:
         with span(str(op), op.resource):
-            self.store.write(f"grad-{op.stage}", [g.contiguous() for g in grads])
+            self.store.write(f"grad-{op.stage}", grads, after)
 
     def _load(self, op: Load) -> None:
         i = op.stage
@@ -75,10 +76,13 @@ class GradientStash:
               written: Future) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
         written.result()
         with span(str(op), op.resource):  # into host RAM for a host step, else to compute
-            buffers = [torch.empty(p.shape, dtype=p.dtype,
-                                   device="cpu" if op.dst == "ram" else p.device)
-                       for p in params]
-            self.store.read(f"grad-{op.stage}", buffers)
+            if op.dst == "ram":
+                buffers, after = [torch.empty(p.shape, dtype=p.dtype) for p in params], None
+            else:  # the side stream's memory: the copy up waits for no kernel
+                buffers = [self.store.copier.empty(p.numel() * p.element_size())
+                           .view(p.dtype).view(p.shape) for p in params]
+                after = FRESH
+            self.store.read(f"grad-{op.stage}", buffers, after)
         return params, buffers
 
     def restore(self, i: int) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .copy_stream import SideStreamCopier
+from .copy_stream import CopyAfter, SideStreamCopier
 from .pinned import PinnedHeap
 
 
@@ -26,8 +26,8 @@ class HostStore:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self._entries: dict[str, list[torch.Tensor]] = {}
-        self._copier = SideStreamCopier(device)
-        self._heap = PinnedHeap() if self._copier.pinned() else None
+        self.copier = SideStreamCopier(device)
+        self._heap = PinnedHeap() if self.copier.pinned() else None
         self.peak_bytes = 0
 
     @property
@@ -41,7 +41,7 @@ class HostStore:
         """What the tier holds now."""
         return sum(t.nbytes for tensors in self._entries.values() for t in tensors)
 
-    def write(self, key: str, tensors: list[torch.Tensor]) -> None:
+    def write(self, key: str, tensors: list[torch.Tensor], after: CopyAfter = None) -> None:
         """Keep a copy of ``tensors`` under ``key`` (into the previous copy when it fits)."""
         kept = self._entries.get(key)
         if kept is None or [t.shape for t in kept] != [t.shape for t in tensors] or \
@@ -49,12 +49,12 @@ class HostStore:
             self.discard(key)
             kept = [self._empty(t) for t in tensors]
             self._entries[key] = kept
-        self._copier.copy(kept, tensors)
+        self.copier.copy(kept, tensors, after)
         self.peak_bytes = max(self.peak_bytes, self.bytes)
 
-    def read(self, key: str, tensors: list[torch.Tensor]) -> None:
+    def read(self, key: str, tensors: list[torch.Tensor], after: CopyAfter = None) -> None:
         """Fill ``tensors`` from the copy under ``key``."""
-        self._copier.copy(tensors, self._entries[key])
+        self.copier.copy(tensors, self._entries[key], after)
 
     def entries(self, key: str) -> list[torch.Tensor]:
         """The copies under ``key`` themselves, for work on them in place: the host optimizer

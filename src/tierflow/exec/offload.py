@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
+from .copy_stream import FRESH, CopyAfter
 from .disk import DiskStore
 from .stage_call import storage_key
 
@@ -97,12 +98,15 @@ class OffloadedParameters:
     # ------------------------------------------------------------------ raw transfers
 
     def read(self, p: torch.Tensor) -> None:
-        """Refill ``p``'s storage from its file."""
+        """Refill ``p``'s storage from its file (an emptied one from the copier's side
+        stream: the copy up waits for no kernel of the compute stream)."""
         key = storage_key(p)
+        after = None
         if p.untyped_storage().nbytes() == 0:
-            p.untyped_storage().resize_(self._sizes[key])
+            self.store.copier.refill(p.detach(), self._sizes[key])
             self._count(self._sizes[key])
-        self.store.read(self._files[key], [p.detach()])
+            after = FRESH
+        self.store.read(self._files[key], [p.detach()], after)
 
     def current_copy(self, p: torch.Tensor) -> torch.Tensor:
         """A fresh CPU tensor with ``p``'s current values: a copy of its storage when
@@ -114,9 +118,14 @@ class OffloadedParameters:
         self.store.read(self._files[storage_key(p)], [copy])
         return copy
 
-    def write(self, p: torch.Tensor) -> None:
-        """Store ``p``'s current values in its file (after an update)."""
-        self.store.write(self._files[storage_key(p)], [p.detach()])
+    def write(self, p: torch.Tensor, after: CopyAfter = None) -> None:
+        """Store ``p``'s current values in its file (after an update; ``after``: the mark of
+        the store's dispatch, ``exec/copy_stream.py``)."""
+        self.store.write(self._files[storage_key(p)], [p.detach()], after)
+
+    def mark(self) -> CopyAfter:
+        """Where the compute stream is now: what a store dispatched now waits for."""
+        return self.store.copier.mark()
 
     def empty(self, p: torch.Tensor) -> None:
         nbytes = p.untyped_storage().nbytes()

@@ -16,6 +16,7 @@ from ..core.errors import TierflowError
 from ..plan.gradient_schedule import GRADS
 from ..plan.ops import Load, Store, Transfer, Update
 from .buffers import BufferPool
+from .copy_stream import FRESH, CopyAfter
 from .disk import DiskStore, WriteBehind
 from .grad_norm import square_norm
 from .host_update import HostUpdates
@@ -57,7 +58,10 @@ class OwnedOptimizer:
         self._writer = WriteBehind("tierflow-state-write")  # one stage's states queued
         self._reads: dict[int, Future] = {}
         device = next((p.device for ps in self.stage_params for p in ps), torch.device("cpu"))
-        self._pool = BufferPool(device=device)  # states come back to where they update
+        # states come back to where they update; below a GPU into the side stream's memory
+        # (a buffer given back was last used before its states' write was dispatched)
+        self._pool = BufferPool(device=device,
+                                allocate=disk.copier.empty if disk is not None else None)
         self._host_pool = BufferPool()  # ... in host RAM, for the stages stepped there
         self._flat: dict[int, torch.Tensor] = {}  # stage -> the pool buffer its states view
         owned = [j for j, opt in enumerate(self.optimizers) if opt is not None]
@@ -243,7 +247,7 @@ class OwnedOptimizer:
             pending.result()
         with span(name or f"read optimizer states {i}", resource):
             flat, buffers = self._pool_of(i).views(shapes)
-            self.disk.read(f"optimizer-{i}", buffers)
+            self.disk.read(f"optimizer-{i}", buffers, FRESH)
         return flat, buffers
 
     def _fetch(self, i: int) -> None:
@@ -276,14 +280,16 @@ class OwnedOptimizer:
         for state, key, _, _ in entries:
             state[key] = _EVICTED
         self._writer.submit(i, self._write, i, tensors, self._flat.pop(i, None),
-                            name or f"write optimizer states {i}", resource)
+                            name or f"write optimizer states {i}", resource,
+                            self.disk.copier.mark())
 
     def _write(self, i: int, tensors: list[torch.Tensor], flat: torch.Tensor | None,
-               name: str, resource: str) -> None:
-        """Write stage i's states; then the pool buffer they were read into (if any) is free:
-        nothing views it any more (the states were just evicted, or replaced by a load)."""
+               name: str, resource: str, after: CopyAfter) -> None:
+        """Write stage i's states (once the kernels before ``after`` ran); then the pool
+        buffer they were read into (if any) is free: nothing views it any more (the states
+        were just evicted, or replaced by a load)."""
         with span(name, resource):
-            self.disk.write(f"optimizer-{i}", tensors)
+            self.disk.write(f"optimizer-{i}", tensors, after)
         if flat is not None:
             self._pool_of(i).give(flat)
 

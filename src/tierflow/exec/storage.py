@@ -8,6 +8,8 @@ from typing import Protocol
 
 import torch
 
+from .copy_stream import CopyAfter
+
 
 class TensorStore(Protocol):
     """Tensors kept under string keys on one tier (``kind``: "ram" or "disk")."""
@@ -18,10 +20,11 @@ class TensorStore(Protocol):
     def bytes(self) -> int:
         """What the tier holds now."""
 
-    def write(self, key: str, tensors: list[torch.Tensor]) -> None:
-        """Keep ``tensors`` (contiguous) under ``key``."""
+    def write(self, key: str, tensors: list[torch.Tensor], after: CopyAfter = None) -> None:
+        """Keep ``tensors`` (contiguous) under ``key`` (``after``: what the copy off an
+        accelerator waits for there, ``exec/copy_stream.py``)."""
 
-    def read(self, key: str, tensors: list[torch.Tensor]) -> None:
+    def read(self, key: str, tensors: list[torch.Tensor], after: CopyAfter = None) -> None:
         """Fill ``tensors`` (shaped as written) from what ``key`` holds."""
 
 

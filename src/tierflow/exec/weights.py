@@ -17,6 +17,7 @@ from typing import Sequence
 from torch import nn
 
 from ..plan.ops import Drop, Load, Store, Transfer
+from .copy_stream import CopyAfter
 from .disk import WriteBehind
 from .offload import OffloadedParameters
 from .trace import span
@@ -115,15 +116,17 @@ class WeightStreamer:
         them unless ``keep``: they stay resident for their next use (read, not changed,
         while the write runs; dropping them later waits for it)."""
         params = self.stage_params[i]
-        self._writer.submit(i, self._write, params, not keep, name, resource)
+        self._writer.submit(i, self._write, params, not keep, name, resource,
+                            self.offloaded.mark())
         if not keep:
             self._resident.discard(i)
 
-    def _write(self, params: list[nn.Parameter], empty: bool, name: str, resource: str) -> None:
+    def _write(self, params: list[nn.Parameter], empty: bool, name: str, resource: str,
+               after: CopyAfter) -> None:
         with span(name, resource):
             for p in params:
                 if p.requires_grad:  # a frozen weight's copy on its tier is current
-                    self.offloaded.write(p)
+                    self.offloaded.write(p, after)
                 if empty:
                     self.offloaded.empty(p)
 
