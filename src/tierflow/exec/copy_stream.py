@@ -57,20 +57,22 @@ class SideStreamCopier:
         """Give ``t``'s empty storage ``nbytes`` again, from this thread's side stream on an
         accelerator (a copy into it then waits for nothing: pass ``after=FRESH``), its use by
         the compute stream recorded."""
-        if self._module is None or t.device.type == "cpu":
+        if self._module is None or t.device.type != self.device.type:
             t.untyped_storage().resize_(nbytes)
             return
         with self._module.stream(self._stream()):
             t.untyped_storage().resize_(nbytes)
         t.record_stream(self._compute)
 
-    def empty(self, nbytes: int) -> torch.Tensor:
-        """``nbytes`` of fresh memory on the device, from this thread's side stream as
-        ``refill`` gives it (a copy into it waits for nothing: ``after=FRESH``)."""
-        if self._module is None:
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """``nbytes`` of fresh memory on ``device``: on this copier's accelerator from this
+        thread's side stream as ``refill`` gives it (a copy into it waits for nothing:
+        ``after=FRESH``); elsewhere plain memory (a copier of a store that started on the
+        CPU copies in line, on the current stream)."""
+        if self._module is None or torch.device(device).type != self.device.type:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
         with self._module.stream(self._stream()):
-            out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            out = torch.empty(nbytes, dtype=torch.uint8, device=device)
         out.record_stream(self._compute)
         return out
 

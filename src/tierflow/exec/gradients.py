@@ -79,7 +79,7 @@ class GradientStash:
             if op.dst == "ram":
                 buffers, after = [torch.empty(p.shape, dtype=p.dtype) for p in params], None
             else:  # the side stream's memory: the copy up waits for no kernel
-                buffers = [self.store.copier.empty(p.numel() * p.element_size())
+                buffers = [self.store.copier.empty(p.numel() * p.element_size(), p.device)
                            .view(p.dtype).view(p.shape) for p in params]
                 after = FRESH
             self.store.read(f"grad-{op.stage}", buffers, after)

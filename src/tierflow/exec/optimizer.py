@@ -60,8 +60,8 @@ class OwnedOptimizer:
         device = next((p.device for ps in self.stage_params for p in ps), torch.device("cpu"))
         # states come back to where they update; below a GPU into the side stream's memory
         # (a buffer given back was last used before its states' write was dispatched)
-        self._pool = BufferPool(device=device,
-                                allocate=disk.copier.empty if disk is not None else None)
+        self._pool = BufferPool(device=device, allocate=None if disk is None else
+                                functools.partial(disk.copier.empty, device=device))
         self._host_pool = BufferPool()  # ... in host RAM, for the stages stepped there
         self._flat: dict[int, torch.Tensor] = {}  # stage -> the pool buffer its states view
         owned = [j for j, opt in enumerate(self.optimizers) if opt is not None]
