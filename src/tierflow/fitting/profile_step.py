@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +17,7 @@ from ..core.units import budget_to_give, format_bytes
 from ..exec.compile import compile_chain
 from ..exec.context import untouched
 from ..exec.memory import caching_allocator, meter_for, return_free_memory
+from ..exec.optimizer import OptimizerFactory
 from ..plan.choose import fastest_plan
 from ..plan.costs import ChainCosts
 from ..plan.tier_candidates import UpdateRates
@@ -33,8 +35,7 @@ def profile_and_place(model: nn.Module, sample: Any, request: FitRequest,
     config, or the better of a large and a small one (``auto_head_chunk``); a BudgetError
     of the compute tier names the budget a new process should give."""
     rates = None if request.optimizer is None else functools.cache(functools.partial(
-        update_rates, list(model.parameters()), request.optimizer, start.device,
-        meter_for(start.device), start.budget, start.lower))  # once, for every plan
+        _timed_update_rates, start, list(model.parameters()), request.optimizer))
 
     def attempt(head_chunk_tokens: int) -> tuple[Chain, TierPlan]:
         return _profile_and_plan(model, sample, request, start, rates, head_chunk_tokens)
@@ -53,6 +54,17 @@ def profile_and_place(model: nn.Module, sample: Any, request: FitRequest,
                       f"differently: there give {keyword}=\"{budget_to_give(e.smallest)}\" "
                       "or more",)
         raise
+
+
+def _timed_update_rates(start: FitStart, params: list[nn.Parameter],
+                        optimizer: OptimizerFactory) -> UpdateRates:
+    """``update_rates`` (once, for every plan), saying how long its probes took (seconds on
+    a large model: a compiled kernel's first step among them)."""
+    began = time.perf_counter()
+    rates = update_rates(params, optimizer, start.device, meter_for(start.device),
+                         start.budget, start.lower)
+    start.say(f"measured the optimizer's updates in {time.perf_counter() - began:.1f} s")
+    return rates
 
 
 def _profile_and_plan(model: nn.Module, sample: Any, request: FitRequest, start: FitStart,

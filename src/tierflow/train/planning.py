@@ -124,13 +124,15 @@ class StepPlanner:
                                      disk=None if self.built.on_disk else self.site.disk,
                                      optimizer=self._owned_optimizer,
                                      grad_accum=opts.grad_accum,
-                                     max_grad_norm=opts.clip if opts.clip > 0 else None)
+                                     max_grad_norm=opts.clip if opts.clip > 0 else None,
+                                     verbose=self.site.is_main)
                     self.rounding.reseed(opts.seed)  # the optimizer probe drew from it
                     self._say_enforcement(fitted)
                     return fitted
                 fitted = fit.fit(model, self.sample, **tier.fit_budgets(held),
                                  reserve=self.reserve + self.step_temporaries,
-                                 grad_accum=opts.grad_accum, config=self.config)
+                                 grad_accum=opts.grad_accum, config=self.config,
+                                 verbose=self.site.is_main)
                 self._say_enforcement(fitted)
                 return fitted
         except BudgetError as e:
