@@ -15,14 +15,15 @@ step must move per element are counted from the dtypes (the nominal traffic: wei
 gradient and both moments read, weights and moments written; a fp32 master where kept), so
 ``GB/s`` is nominal bytes over time and ``of the limit`` that over the DRAM limit's.
 Configurations:
-- ``fp32``: fp32 weights, gradients and moments (28 bytes per element): tierflow, torch
-  fused, torch foreach;
+- ``fp32``: fp32 weights, gradients and moments (28 bytes per element): tierflow (its
+  compiled one-pass kernel), tierflow-unfused, torch fused, torch foreach;
 - ``bf16-sr``: bf16 weights without a master copy (stochastic rounding), bf16 gradients and
   moments (14 bytes): tierflow (its compiled one-pass kernel, ``precision/fused_adamw.py``;
   the kernel's compilation is in the warm-up step), tierflow-unfused (the same arithmetic
   operation by operation, as where no kernel can be compiled), and torch fused over bf16
   weights and states (no stochastic rounding: not the same arithmetic, shown for its speed);
-- ``bf16-master``: bf16 weights and gradients, fp32 master and moments (28 bytes): tierflow.
+- ``bf16-master``: bf16 weights and gradients, fp32 master and moments (28 bytes): tierflow
+  (its kernel) and tierflow-unfused.
 Writes results/host-adamw-DATE[-TAG].{md,json}.
 """
 from __future__ import annotations
@@ -43,12 +44,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # (name, implementation, weight dtype, state precision, nominal bytes per element)
 CONFIGS = [
     ("fp32", "tierflow", "fp32", "fp32", 28),
+    ("fp32", "tierflow-unfused", "fp32", "fp32", 28),
     ("fp32", "torch-fused", "fp32", "fp32", 28),
     ("fp32", "torch-foreach", "fp32", "fp32", 28),
     ("bf16-sr", "tierflow", "bf16", "bf16", 14),
     ("bf16-sr", "tierflow-unfused", "bf16", "bf16", 14),
     ("bf16-sr", "torch-fused", "bf16", "bf16", 14),
     ("bf16-master", "tierflow", "bf16", "fp32-master", 28),
+    ("bf16-master", "tierflow-unfused", "bf16", "fp32-master", 28),
 ]
 SHAPES = [(4, 4), (1, 4), (1, 4), (4, 4), (14, 4), (14, 4), (14, 4), (4, 1)]  # q k v o g u d n
 
@@ -87,7 +90,7 @@ def run_one(args: argparse.Namespace) -> dict:
     kw = dict(lr=1e-4, weight_decay=0.01)
     if impl == "tierflow-unfused":
         from tierflow.precision import adamw
-        adamw.FUSED_MIN_ELEMENTS = 1 << 62  # no step is large enough for the kernel
+        adamw.FUSED_MIN_ELEMENTS = adamw.FUSED_MIN_ELEMENTS_EXACT = 1 << 62  # never fused
     if impl.startswith("tierflow"):
         optimizer = AdamW(params, moment_dtype="fp32" if states != "bf16" else "bf16",
                           master="fp32" if states == "fp32-master" else "none", seed=0, **kw)

@@ -190,21 +190,27 @@ def test_slices_update_like_one_pass(monkeypatch, model_dtype, master, optim_dty
     assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
 
 
-def test_the_fused_kernel_steps_as_the_element_wise_operations(monkeypatch):
-    """bf16 weights without a master and bf16 moments, stepped by the compiled one-pass
-    kernel (``fused_adamw.py``, forced here below its size threshold) and by the unfused
-    slices, from the same seed: 3 steps leave the weights and both moments equal but for
-    float32 rounding order (a few elements one bf16 ulp apart: the kernel may fuse a
-    multiply and an add, which can move a stochastic rounding across a boundary)."""
+@pytest.mark.parametrize("model_dtype,master,optim_dtype", [
+    ("bf16", "none", "bf16"), ("fp32", "fp32", "fp32"), ("bf16", "fp32", "fp32"),
+    ("bf16", "fp32", "bf16"), ("fp32", "fp32", "bf16"), ("bf16", "none", "fp32")])
+def test_the_fused_kernel_steps_as_the_element_wise_operations(monkeypatch, model_dtype, master,
+                                                               optim_dtype):
+    """Each storage the compiled one-pass kernel takes (``fused_adamw.py``, forced here
+    below its size thresholds), stepped by it and by the unfused slices from the same seed:
+    3 steps leave the weights, the master and both moments equal but for float32 rounding
+    order: float32 ones within a few ulps, bf16 ones a few elements one bf16 ulp apart (the
+    kernel may fuse a multiply and an add, which can move a rounding across a boundary)."""
     from tierflow.precision import adamw as adamw_module
     from tierflow.precision import fused_adamw
 
-    config = PrecisionConfig(model_dtype="bf16", master="none", optim_dtype="bf16",
+    dtype = torch.float32 if model_dtype == "fp32" else torch.bfloat16
+    config = PrecisionConfig(model_dtype=model_dtype, master=master, optim_dtype=optim_dtype,
                              matmul_dtype="bf16")
-    unfused, fused = _params(torch.bfloat16), _params(torch.bfloat16)
+    unfused, fused = _params(dtype), _params(dtype)
     first = make_optimizer(_groups(unfused), config, seed=11, **HYPER)
     _run(first, unfused, 3)
     monkeypatch.setattr(adamw_module, "FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(adamw_module, "FUSED_MIN_ELEMENTS_EXACT", 0)
     stepped = []  # the parameters the kernel stepped
     monkeypatch.setattr(adamw_module, "fused_step",
                         lambda *a: stepped.append(a[0].numel()) or fused_adamw.fused_step(*a))
@@ -212,11 +218,15 @@ def test_the_fused_kernel_steps_as_the_element_wise_operations(monkeypatch):
     _run(second, fused, 3)
     assert sorted(stepped) == sorted(p.numel() for p in fused for _ in range(3))
     assert fused_adamw._compiled[0] is not None
+    keys = ["exp_avg", "exp_avg_sq"] + (["master"] if "master" in first.state[unfused[0]] else [])
     pairs = [(a, b) for a, b in zip(unfused, fused)]
     pairs += [(first.state[a][key], second.state[b][key]) for a, b in zip(unfused, fused)
-              for key in ("exp_avg", "exp_avg_sq")]
+              for key in keys]
     for a, b in pairs:
-        assert a.dtype == b.dtype == torch.bfloat16
+        assert a.dtype == b.dtype
+        if a.dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+            continue
         apart = (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
         assert int(apart.max()) <= 1 and float((apart > 0).float().mean()) < 0.01
 
@@ -232,6 +242,7 @@ def test_a_kernel_that_cannot_be_compiled_leaves_the_unfused_step(monkeypatch):
     unfused, fallen_back = _params(torch.bfloat16), _params(torch.bfloat16)
     _run(make_optimizer(_groups(unfused), config, seed=3, **HYPER), unfused, 2)
     monkeypatch.setattr(adamw_module, "FUSED_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(adamw_module, "FUSED_MIN_ELEMENTS_EXACT", 0)
     tried = []
     monkeypatch.setattr(adamw_module, "fused_step", lambda *a: tried.append(1) and False)
     _run(make_optimizer(_groups(fallen_back), config, seed=3, **HYPER), fallen_back, 2)

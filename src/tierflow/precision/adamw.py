@@ -27,8 +27,8 @@ operation is element-wise, int8 slices start on block boundaries, and a stochast
 noise is a hash of each element's index in the parameter and a seed drawn once per parameter
 and step, so the result equals one pass over the whole tensor.
 
-bf16 weights without a master and bf16 moments in host RAM, when a step has at least
-``FUSED_MIN_ELEMENTS`` of them, are stepped by one compiled kernel instead
+Weights in host RAM with fp32 or bf16 moments, when a step has enough of them
+(``fused_adamw.FUSED_MIN_ELEMENTS``), are stepped by one compiled kernel instead
 (``fused_adamw.py``: the same arithmetic and noise in one pass over memory, no workspace).
 
 ``state_dict()`` holds only tensors and plain numbers: per parameter ``step`` (a 0-dim float32
@@ -49,7 +49,8 @@ import torch
 
 from .config import BLOCK, MASTERS, OPTIM_DTYPES, PrecisionError
 from .quant import SIGNED, UNSIGNED, blocks, dequantize_into, empty_codes, quantize_
-from .fused_adamw import FUSED_MIN_ELEMENTS, fused_step, hyper_parameters, kernel_unavailable
+from .fused_adamw import (FUSED_MIN_ELEMENTS, FUSED_MIN_ELEMENTS_EXACT, fused_step,
+                          hyper_parameters, kernel_unavailable)
 from .rounding import generator_for, stochastic_round_bf16
 
 _MAPPINGS = {"exp_avg": SIGNED, "exp_avg_sq": UNSIGNED}
@@ -131,13 +132,17 @@ class AdamW(torch.optim.Optimizer):
 
     def _fusable(self, params: list[torch.Tensor]) -> set[torch.Tensor]:
         """The parameters this step may update with the fused kernel (``fused_adamw.py``):
-        bf16 weights in host RAM without a master copy, with bf16 moments, when there are at
-        least FUSED_MIN_ELEMENTS of them (fewer would not repay the compiler's seconds)."""
-        if self.moment_dtype != "bf16" or self.master != "none" or kernel_unavailable():
+        dense fp32 or bf16 weights in host RAM with fp32 or bf16 moments, when there are at
+        least FUSED_MIN_ELEMENTS of them, or FUSED_MIN_ELEMENTS_EXACT where nothing rounds
+        stochastically (fewer would not repay the compiler's seconds)."""
+        if self.moment_dtype not in ("fp32", "bf16") or kernel_unavailable():
             return set()
-        fusable = {p for p in params if p.dtype == torch.bfloat16 and p.device.type == "cpu"
-                   and not p.grad.is_sparse}
-        return fusable if sum(p.numel() for p in fusable) >= FUSED_MIN_ELEMENTS else set()
+        fusable = {p for p in params if p.dtype in (torch.float32, torch.bfloat16)
+                   and p.device.type == "cpu" and not p.grad.is_sparse}
+        rounds = self.moment_dtype == "bf16" or (
+            self.master == "none" and any(p.dtype == torch.bfloat16 for p in fusable))
+        least = FUSED_MIN_ELEMENTS if rounds else FUSED_MIN_ELEMENTS_EXACT
+        return fusable if sum(p.numel() for p in fusable) >= least else set()
 
     def _workspace(self, params: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The step's float32 scratch vectors, one block for the whole step: every slice of
@@ -173,8 +178,10 @@ class AdamW(torch.optim.Optimizer):
                               device=self._generator.device) \
             if self._generator is not None else None
         if fused:
+            master = state.get("master")
             if fused_step(p.view(-1), p.grad.reshape(-1), state["exp_avg"].view(-1),
-                          state["exp_avg_sq"].view(-1), seeds,
+                          state["exp_avg_sq"].view(-1),
+                          None if master is None else master.view(-1), seeds,
                           hyper_parameters(group["lr"], group["betas"], group["eps"],
                                            group["weight_decay"], state["step"])):
                 return
