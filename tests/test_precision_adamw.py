@@ -291,3 +291,13 @@ def test_a_generator_on_another_device_is_one_clear_error():
     assert PrecisionConfig(optim_dtype="bf16").rounds_stochastically
     assert PrecisionConfig(model_dtype="bf16", master="none").rounds_stochastically
     assert not PrecisionConfig(model_dtype="bf16").rounds_stochastically
+
+
+def test_the_optimizer_probe_prices_exact_storages_unfused():
+    """The probe's larger step (``4 * PROBE_NUMEL[1]`` elements) runs below the exact
+    kernel's threshold, so one rate prices every stage at or above what it takes: a stage
+    too small for the kernel is never priced at the kernel's speed."""
+    from tierflow.precision.fused_adamw import FUSED_MIN_ELEMENTS_EXACT
+    from tierflow.profile.optimizer_probe import PROBE_NUMEL
+
+    assert 4 * PROBE_NUMEL[1] < FUSED_MIN_ELEMENTS_EXACT

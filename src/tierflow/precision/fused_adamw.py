@@ -26,9 +26,12 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 from .rounding import hash32, round_bits_bf16
 
 # per step: below, compiling costs more than it saves. With stochastic rounding, the unfused
-# step took 26 ns per element on 2 cores against 2.5 fused; without, 1.7 against 0.6
+# step took 26 ns per element on 2 cores against 2.5 fused; without, 1.7 against 0.6. The
+# exact threshold is above the optimizer probe's larger step (16M elements,
+# profile/optimizer_probe.py), which prices every stage's update at one rate: at or below
+# the unfused one, never under what a stage below the threshold takes
 FUSED_MIN_ELEMENTS = 1 << 20
-FUSED_MIN_ELEMENTS_EXACT = 1 << 24
+FUSED_MIN_ELEMENTS_EXACT = 1 << 25
 
 
 def hyper_parameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
