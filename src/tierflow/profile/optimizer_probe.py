@@ -77,8 +77,11 @@ def probe_optimizer(factory: OptimizerFactory, device: torch.device, meter: Host
     more = large.nbytes - small.nbytes
     if not (_grows(small.transient, large.transient, more)
             or _grows(small.tensors, large.tensors, more)):
+        # the counted step's tensors too: it runs unfused (``fused_adamw.fused_step``), as a
+        # stage too small for the compiled kernel does, with a workspace the timed steps lack
         return OptimizerProbe(state_per_byte, seconds_per_byte, 0.0,
-                              max(small.transient, large.transient))
+                              max(small.transient, large.transient, small.tensors,
+                                  large.tensors))
     if 2 * large.tensors < large.transient:  # mostly outside torch's tensors: the RSS's rate
         return OptimizerProbe(state_per_byte, seconds_per_byte, large.transient / large.nbytes)
     return OptimizerProbe(state_per_byte, seconds_per_byte, large.tensors / large.nbytes,
