@@ -94,9 +94,9 @@ def test_a_base_streamed_from_disk_is_never_written_back(tmp_path, family, monke
     assert any(".base_layer." in n for n in frozen)  # the projections' base weights stream
     offloaded = module.streamer.offloaded
     written = set()
-    write = offloaded.write
-    monkeypatch.setattr(offloaded, "write", lambda p, *after: (written.add(names[id(p)]),
-                                                            write(p, *after))[1])
+    write_all = offloaded.write_all
+    monkeypatch.setattr(offloaded, "write_all", lambda ps, *after: (
+        written.update(names[id(p)] for p in ps), write_all(ps, *after))[1])
     seen = {}
 
     def keep(p):  # the gradient as it is complete, before the update inside backward

@@ -66,10 +66,10 @@ def test_lora_matches_plain_peft_streams_a_frozen_base_and_saves_what_peft_loads
     disk = tmp_path / "disk"
     disk.mkdir()
     written: list[bool] = []  # requires_grad of each weight written back to the disk tier
-    write = OffloadedParameters.write
-    monkeypatch.setattr(OffloadedParameters, "write",
-                        lambda self, p, *after: (written.append(p.requires_grad),
-                                                   write(self, p, *after))[1])
+    write_all = OffloadedParameters.write_all
+    monkeypatch.setattr(OffloadedParameters, "write_all",
+                        lambda self, ps, *after: (written.extend(p.requires_grad for p in ps),
+                                                  write_all(self, ps, *after))[1])
     out = train(capsys, *fp32_train_args(train_env, tmp_path / "disk-run", STEPS, *LORA,
                                          "--merge", "--save-every", "2", "--disk", str(disk),
                                          "--stream", "all"))

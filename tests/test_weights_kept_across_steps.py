@@ -44,9 +44,10 @@ def test_the_stages_updated_last_are_read_once_in_three_steps(tmp_path, depth):
     stage_of = _stage_of_parameters(streamer)
     offloaded = streamer.offloaded
     reads, writes = [], []
-    read, write = offloaded.read, offloaded.write
-    offloaded.read = lambda p: (reads.append(stage_of[id(p)]), read(p))[1]
-    offloaded.write = lambda p, *after: (writes.append(stage_of[id(p)]), write(p, *after))[1]
+    read_all, write_all = offloaded.read_all, offloaded.write_all
+    offloaded.read_all = lambda ps: (reads.extend(stage_of[id(p)] for p in ps), read_all(ps))[1]
+    offloaded.write_all = lambda ps, *after: (writes.extend(stage_of[id(p)] for p in ps),
+                                              write_all(ps, *after))[1]
     train_side_by_side(module, reference, hf_sample(), _adamw)
     streamer.wait_writes()
     params = {i: len(ps) for i, ps in streamer.stage_params.items()}
@@ -72,16 +73,16 @@ def test_a_kept_stage_is_dropped_only_after_its_write(tmp_path):
     first = min(streamer.streamed)
     stage_of = _stage_of_parameters(streamer)
     offloaded = streamer.offloaded
-    write = offloaded.write
+    write_all = offloaded.write_all
     slow = []
 
-    def slow_write(p, *after):
-        if stage_of[id(p)] == first and threading.current_thread().name.startswith(
-                "tierflow-write"):
-            slow.append(p)
+    def slow_write(ps, *after):
+        if any(stage_of[id(p)] == first for p in ps) and \
+                threading.current_thread().name.startswith("tierflow-write"):
+            slow.extend(ps)
             time.sleep(0.3)  # the next step's forward of the stage ends meanwhile
-        write(p, *after)
-    offloaded.write = slow_write
+        write_all(ps, *after)
+    offloaded.write_all = slow_write
     train_side_by_side(module, reference, hf_sample(), _adamw)
     assert slow
     gathered = gathered_parameters(module)
@@ -110,13 +111,13 @@ def test_a_lone_kept_stage_updates_only_after_its_last_write(tmp_path):
     assert Store("weights", 0, "ram", "disk", "disk write", weight.nbytes, keep=True) in \
         schedule.step
     written: list[float] = []
-    write = offloaded.write
+    write_all = offloaded.write_all
 
-    def slow_write(p, *after):
+    def slow_write(ps, *after):
         time.sleep(0.3)  # the next step, the stage's update included, runs meanwhile
-        written.append(float(p.detach()[0]))
-        write(p, *after)
-    offloaded.write = slow_write
+        written.extend(float(p.detach()[0]) for p in ps)
+        write_all(ps, *after)
+    offloaded.write_all = slow_write
     for op in schedule.cold:
         streamer.dispatch(op)
     for _ in range(3):  # as the step's runner dispatches the plan

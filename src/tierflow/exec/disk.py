@@ -73,6 +73,18 @@ class DiskStore:
                                 f"the offload directory was changed during the run")
         self.copier.copy(tensors, host, after)
 
+    def write_all(self, items: list[tuple[str, list[torch.Tensor]]],
+                  after: CopyAfter = None) -> None:
+        """``write`` each (key, tensors) of ``items`` (a file each, one after another)."""
+        for key, tensors in items:
+            self.write(key, tensors, after)
+
+    def read_all(self, items: list[tuple[str, list[torch.Tensor]]],
+                 after: CopyAfter = None) -> None:
+        """``read`` each (key, tensors) of ``items``."""
+        for key, tensors in items:
+            self.read(key, tensors, after)
+
     def _staging(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """``tensors`` with each one on an accelerator replaced by a page-locked host buffer
         of its shape (the file's side of a transfer)."""

@@ -43,18 +43,34 @@ class HostStore:
 
     def write(self, key: str, tensors: list[torch.Tensor], after: CopyAfter = None) -> None:
         """Keep a copy of ``tensors`` under ``key`` (into the previous copy when it fits)."""
-        kept = self._entries.get(key)
-        if kept is None or [t.shape for t in kept] != [t.shape for t in tensors] or \
-                [t.dtype for t in kept] != [t.dtype for t in tensors]:
-            self.discard(key)
-            kept = [self._empty(t) for t in tensors]
-            self._entries[key] = kept
-        self.copier.copy(kept, tensors, after)
+        self.write_all([(key, tensors)], after)
+
+    def write_all(self, items: list[tuple[str, list[torch.Tensor]]],
+                  after: CopyAfter = None) -> None:
+        """``write`` each (key, tensors) of ``items``, in one transfer (below a GPU: one
+        wait for the compute stream and one for the copies, not one per tensor)."""
+        targets, sources = [], []
+        for key, tensors in items:
+            kept = self._entries.get(key)
+            if kept is None or [t.shape for t in kept] != [t.shape for t in tensors] or \
+                    [t.dtype for t in kept] != [t.dtype for t in tensors]:
+                self.discard(key)
+                kept = [self._empty(t) for t in tensors]
+                self._entries[key] = kept
+            targets += kept
+            sources += tensors
+        self.copier.copy(targets, sources, after)
         self.peak_bytes = max(self.peak_bytes, self.bytes)
 
     def read(self, key: str, tensors: list[torch.Tensor], after: CopyAfter = None) -> None:
         """Fill ``tensors`` from the copy under ``key``."""
-        self.copier.copy(tensors, self._entries[key], after)
+        self.read_all([(key, tensors)], after)
+
+    def read_all(self, items: list[tuple[str, list[torch.Tensor]]],
+                 after: CopyAfter = None) -> None:
+        """``read`` each (key, tensors) of ``items``, in one transfer."""
+        self.copier.copy([t for _, tensors in items for t in tensors],
+                         [t for key, _ in items for t in self._entries[key]], after)
 
     def entries(self, key: str) -> list[torch.Tensor]:
         """The copies under ``key`` themselves, for work on them in place: the host optimizer

@@ -98,15 +98,26 @@ class OffloadedParameters:
     # ------------------------------------------------------------------ raw transfers
 
     def read(self, p: torch.Tensor) -> None:
-        """Refill ``p``'s storage from its file (an emptied one from the copier's side
-        stream: the copy up waits for no kernel of the compute stream)."""
-        key = storage_key(p)
-        after = None
-        if p.untyped_storage().nbytes() == 0:
-            self.store.copier.refill(p.detach(), self._sizes[key])
-            self._count(self._sizes[key])
-            after = FRESH
-        self.store.read(self._files[key], [p.detach()], after)
+        """Refill ``p``'s storage from its file."""
+        self.read_all([p])
+
+    def read_all(self, params: Iterable[torch.Tensor]) -> None:
+        """Refill each of ``params``' storages from its file, in one transfer where the store
+        batches them; an emptied storage is refilled from the copier's side stream (the copy
+        up then waits for no kernel of the compute stream)."""
+        refilled, filled = [], []
+        for p in params:
+            key = storage_key(p)
+            if p.untyped_storage().nbytes() == 0:
+                self.store.copier.refill(p.detach(), self._sizes[key])
+                self._count(self._sizes[key])
+                refilled.append((self._files[key], [p.detach()]))
+            else:
+                filled.append((self._files[key], [p.detach()]))
+        if refilled:
+            self.store.read_all(refilled, FRESH)
+        if filled:
+            self.store.read_all(filled)
 
     def current_copy(self, p: torch.Tensor) -> torch.Tensor:
         """A fresh CPU tensor with ``p``'s current values: a copy of its storage when
@@ -119,9 +130,15 @@ class OffloadedParameters:
         return copy
 
     def write(self, p: torch.Tensor, after: CopyAfter = None) -> None:
-        """Store ``p``'s current values in its file (after an update; ``after``: the mark of
-        the store's dispatch, ``exec/copy_stream.py``)."""
-        self.store.write(self._files[storage_key(p)], [p.detach()], after)
+        """Store ``p``'s current values in its file (after an update)."""
+        self.write_all([p], after)
+
+    def write_all(self, params: Iterable[torch.Tensor], after: CopyAfter = None) -> None:
+        """Store each of ``params``' current values in its file, in one transfer where the
+        store batches them (``after``: the mark of the store's dispatch,
+        ``exec/copy_stream.py``)."""
+        self.store.write_all([(self._files[storage_key(p)], [p.detach()]) for p in params],
+                             after)
 
     def mark(self) -> CopyAfter:
         """Where the compute stream is now: what a store dispatched now waits for."""

@@ -27,6 +27,14 @@ class TensorStore(Protocol):
     def read(self, key: str, tensors: list[torch.Tensor], after: CopyAfter = None) -> None:
         """Fill ``tensors`` (shaped as written) from what ``key`` holds."""
 
+    def write_all(self, items: list[tuple[str, list[torch.Tensor]]],
+                  after: CopyAfter = None) -> None:
+        """``write`` each (key, tensors), in one transfer where the tier can batch them."""
+
+    def read_all(self, items: list[tuple[str, list[torch.Tensor]]],
+                 after: CopyAfter = None) -> None:
+        """``read`` each (key, tensors), in one transfer where the tier can batch them."""
+
 
 def storage_key(t: torch.Tensor) -> int:
     """Identity of a tensor's storage (views and detached aliases share it). The storage

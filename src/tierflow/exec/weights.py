@@ -108,8 +108,7 @@ class WeightStreamer:
         if pending is not None:
             pending.result()
         with span(name, resource):
-            for p in self.stage_params[i]:
-                self.offloaded.read(p)
+            self.offloaded.read_all(self.stage_params[i])
 
     def _store(self, i: int, keep: bool, name: str, resource: str) -> None:
         """Write stage i's (updated) weights to their tier on the writer thread, then drop
@@ -124,10 +123,10 @@ class WeightStreamer:
     def _write(self, params: list[nn.Parameter], empty: bool, name: str, resource: str,
                after: CopyAfter) -> None:
         with span(name, resource):
-            for p in params:
-                if p.requires_grad:  # a frozen weight's copy on its tier is current
-                    self.offloaded.write(p, after)
-                if empty:
+            # a frozen weight's copy on its tier is current
+            self.offloaded.write_all([p for p in params if p.requires_grad], after)
+            if empty:
+                for p in params:
                     self.offloaded.empty(p)
 
     def _release(self, i: int) -> None:
