@@ -3,7 +3,6 @@ model's weights wait (host RAM below a GPU, the disk tier below a RAM budget), a
 process holds before anything is profiled."""
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,8 +95,7 @@ def start_fit(model: nn.Module, sample: Any, request: FitRequest) -> FitStart:
     if exact_host:
         configure_host_allocator(EXACT_THRESHOLD)  # freed memory leaves the RSS at once
     log: list[str] = []
-    # progress goes to stderr: stdout is what a command prints as its result (eval's JSON)
-    say = (lambda m: (log.append(m), print(f"[tierflow] {m}", file=sys.stderr, flush=True))) \
+    say = (lambda m: (log.append(m), print(f"[tierflow] {m}", flush=True))) \
         if request.verbose else log.append
     autocast = AutocastMode.capture(device.type)
     if device.type == "cpu":

@@ -12,6 +12,7 @@ counted token, and that count.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import sys
@@ -137,7 +138,9 @@ def evaluate_files(opts: TrainOptions, datas: list[DataDir], *, max_batches: int
             from ..exec.host_model import start_in_host_ram
             start_in_host_ram(model, tier.device)
         logger = Logger(None, out=log, active=tier.ram is not None or tier.gpu is not None)
-        planner = StepPlanner.for_run(run, site, BuiltModel(model, on_disk, {}, ""), logger)
+        planner = dataclasses.replace(
+            StepPlanner.for_run(run, site, BuiltModel(model, on_disk, {}, ""), logger),
+            progress=False)
         module = planner.plan(tier)
         planner.report(module)
         model.eval()

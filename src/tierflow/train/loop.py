@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -170,8 +169,7 @@ def _build_and_train(run: Run, site: Site, on_disk: bool, header_shown: bool = F
     model, adapters = build_model(run, site.precision, site.disk if on_disk else None)
     # a large model's build, profile and plan take minutes: each says its time as it ends
     if site.is_main:
-        print(f"[tierflow] built the model in {time.perf_counter() - started:.1f} s",
-              file=sys.stderr, flush=True)
+        print(f"[tierflow] built the model in {time.perf_counter() - started:.1f} s", flush=True)
     if not fit_owns_optimizer(run.opts):  # the trainer steps it: whole on the compute device
         model = site.tier.place_model(model)
     elif site.tier.simulated and not on_disk:

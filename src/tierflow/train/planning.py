@@ -73,6 +73,8 @@ class StepPlanner:
     reserve: int
     step_temporaries: int
     logger: Logger
+    # fit's progress lines on stdout (the train log; not under eval, whose stdout is JSON)
+    progress: bool = True
 
     @classmethod
     def for_run(cls, run: Run, site: Site, built: BuiltModel, logger: Logger) -> StepPlanner:
@@ -125,14 +127,14 @@ class StepPlanner:
                                      optimizer=self._owned_optimizer,
                                      grad_accum=opts.grad_accum,
                                      max_grad_norm=opts.clip if opts.clip > 0 else None,
-                                     verbose=self.site.is_main)
+                                     verbose=self.progress and self.site.is_main)
                     self.rounding.reseed(opts.seed)  # the optimizer probe drew from it
                     self._say_enforcement(fitted)
                     return fitted
                 fitted = fit.fit(model, self.sample, **tier.fit_budgets(held),
                                  reserve=self.reserve + self.step_temporaries,
                                  grad_accum=opts.grad_accum, config=self.config,
-                                 verbose=self.site.is_main)
+                                 verbose=self.progress and self.site.is_main)
                 self._say_enforcement(fitted)
                 return fitted
         except BudgetError as e:
