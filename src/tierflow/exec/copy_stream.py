@@ -69,12 +69,9 @@ class SideStreamCopier:
         thread's side stream as ``refill`` gives it (a copy into it waits for nothing:
         ``after=FRESH``); elsewhere plain memory (a copier of a store that started on the
         CPU copies in line, on the current stream)."""
-        if self._module is None or torch.device(device).type != self.device.type:
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
-        with self._module.stream(self._stream()):
-            out = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        out.record_stream(self._compute)
-        return out
+        out = torch.empty(0, dtype=torch.uint8, device=device)
+        self.refill(out, nbytes)
+        return out.resize_(nbytes)  # the shape only: the storage holds the bytes already
 
     def copy(self, targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor],
              after: CopyAfter = None) -> None:

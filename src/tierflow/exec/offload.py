@@ -140,10 +140,6 @@ class OffloadedParameters:
         self.store.write_all([(self._files[storage_key(p)], [p.detach()]) for p in params],
                              after)
 
-    def mark(self) -> CopyAfter:
-        """Where the compute stream is now: what a store dispatched now waits for."""
-        return self.store.copier.mark()
-
     def empty(self, p: torch.Tensor) -> None:
         nbytes = p.untyped_storage().nbytes()
         if nbytes:

@@ -116,7 +116,7 @@ class WeightStreamer:
         while the write runs; dropping them later waits for it)."""
         params = self.stage_params[i]
         self._writer.submit(i, self._write, params, not keep, name, resource,
-                            self.offloaded.mark())
+                            self.offloaded.store.copier.mark())
         if not keep:
             self._resident.discard(i)
 
