@@ -6,9 +6,11 @@
 W2: tinyllama-1.1b, seq 1024, batch 2, bf16 autocast, AdamW without clipping, its model
 built onto a disk tier, under each `--ram` budget. Per budget, in fresh processes one after
 another: `tierflow train --steps 1` ``--rounds`` times (the trainer's own plan from one
-process to the next: its stage times are measured each time), then `tierflow plan
---hardware cpu --measure` (the stages measured here as the trainer measures them) and
-`tierflow plan --hardware cpu` (analytic costs). Recorded per run: the plan's decisions
+process to the next), then `tierflow plan --hardware cpu --measure` (the stages measured
+here as the trainer measures them) and `tierflow plan --hardware cpu` (analytic costs). The
+processes share a tierflow cache of their own, empty at the start: the first one measures
+the stages', the optimizer's and the disk's timings and keeps them (profile/machine.py), and
+every later one plans from them. Recorded per run: the plan's decisions
 (`Plan.decisions`), its predicted step and peak; per budget: which runs made the same
 decisions as which. Writes benchmarks/results/same-plan-<date>[-TAG].json after each budget.
 Run it on a quiet machine: the plans follow the measured times.
@@ -66,6 +68,8 @@ def main() -> None:
     out = RESULTS / f"same-plan-{stamp}.json"
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
+        # a cache of its own: the first process measures the timings the others then keep
+        os.environ["TIERFLOW_CACHE"] = str(tmp / "cache")
         data = random_token_files(tmp / "data", VOCAB)
         for ram in args.budgets.split(","):
             runs = {f"train {k + 1}": trainer_plan(ram, data, tmp / f"{ram}-{k}")

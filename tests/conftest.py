@@ -1,6 +1,7 @@
 """Test setup: the tiny models in tests/models.py, one intra-op thread (the test models are
 far too small to gain from more, and a busy 2-core machine makes OpenMP thrash), a
-tierflow cache of the test session's own (the user's ~/.cache is never written), and the
+tierflow cache of the test session's own (the user's ~/.cache is never written; the timings
+a run keeps there are forgotten before each test), and the
 ``exclusive`` mark: with pytest-xdist's workers (pyproject's ``-n``), a test marked so runs
 alone, while no other worker runs a test (it times itself, or measures the machine)."""
 import contextlib
@@ -20,7 +21,12 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True)
 def own_cache(monkeypatch, tmp_path_factory):
+    """The session's cache, its matmul peaks and calibration kept from test to test, the
+    timings a run keeps (a stage's, the optimizer's) forgotten before each: a test's fake or
+    tiny stages share keys with another's."""
+    from tierflow.profile.machine import forget_timings
     monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    forget_timings()
 
 
 @pytest.fixture(scope="module")

@@ -216,7 +216,8 @@ def test_the_optimizer_probe_sees_temporaries_that_grow(monkeypatch, mib, small,
                                      int((rss if tensors is None else tensors) * MIB))
 
     monkeypatch.setattr(optimizer_probe, "_probe_step", step)
-    probe = optimizer_probe.probe_optimizer(None, torch.device("cpu"), None, mib * MIB // 4)
+    probe = optimizer_probe.probe_optimizer(torch.optim.AdamW, torch.device("cpu"), None,
+                                            mib * MIB // 4)
     assert probe.transient_per_byte == pytest.approx(per_byte, rel=1e-3)
     assert probe.transient_bytes == pytest.approx(fixed * MIB, rel=1e-3)
 

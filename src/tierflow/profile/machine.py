@@ -143,42 +143,111 @@ def timed(fn: Callable[[], Any]) -> float:
 
 def peak_matmul_flops(dtype_name: str) -> float:
     """This machine's peak matmul FLOP/s for ``dtype_name`` (fp32 or bf16) at the current
-    thread count: the best of timed square matmuls, cached in calibration.json, unless other
+    thread count: the best of timed square matmuls, kept (``kept_figure``) unless other
     processes kept the CPUs busy while it was timed (a figure measured then would be too low
     for good)."""
+    def measure() -> float:
+        import torch
+        dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
+        a, b, one = _timed_operands(dtype)
+        n = a.shape[0]
+        best, spent = one, one
+        for _ in range(20):
+            if spent > 1.0:
+                break
+            t = time.perf_counter()
+            a @ b
+            dt = time.perf_counter() - t
+            best, spent = min(best, dt), spent + dt
+        return 2 * n ** 3 / best
+
+    return kept_figure("matmul", dtype_name, measure)
+
+
+# ---------------------------------------------------------------- figures kept between processes
+#
+# A timed figure moves between processes (a stage's time by a quarter on a shared 2-core
+# machine), and a plan follows its figures: measured anew in every process, `tierflow plan
+# --measure` and `tierflow train`, or one training run and the next, stashed different stage
+# boundaries of W2's identical layers. So each timing is measured once per machine, thread
+# count and torch version, while other processes leave the CPUs quiet, and kept in
+# ``calibration.json``; every later process plans from the kept figure. `tierflow calibrate`
+# forgets them (``forget_timings``). Bytes are measured in every process: they are exact.
+
+_KEPT_FILE = "calibration.json"
+TIMINGS = ("stage", "optimizer", "disk", "link")  # the sections calibrate forgets
+
+
+def machine_key() -> str:
+    """What a kept figure was measured on: the CPU, the thread count and torch's version."""
     import torch
-    key = (f"{cpu_identity()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
-           f"|{dtype_name}")
-    cache = cache_dir() / "calibration.json"
-    data: dict[str, Any] = {}
+    return f"{cpu_identity()}|threads={torch.get_num_threads()}|torch={torch.__version__}"
+
+
+class Quiet:
+    """A block during which other processes left the CPUs quiet (``quiet`` after it), by
+    ``_others_were_busy``: only a figure measured so is kept."""
+
+    def __enter__(self) -> "Quiet":
+        self._before = _cpu_seconds()
+        self.quiet = False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.quiet = not _others_were_busy(self._before, _cpu_seconds())
+
+
+def _kept() -> dict[str, Any]:
     with contextlib.suppress(OSError, ValueError):
-        data = json.loads(cache.read_text())
-    entry = data.get("matmul", {}).get(key) if isinstance(data, dict) else None
-    if isinstance(entry, (int, float)) and entry > 0:
-        return float(entry)
-    dtype = torch.bfloat16 if dtype_name == "bf16" else torch.float32
-    before = _cpu_seconds()
-    a, b, one = _timed_operands(dtype)
-    n = a.shape[0]
-    best, spent = one, one
-    for _ in range(20):
-        if spent > 1.0:
-            break
-        t = time.perf_counter()
-        a @ b
-        dt = time.perf_counter() - t
-        best, spent = min(best, dt), spent + dt
-    flops = 2 * n ** 3 / best
-    if _others_were_busy(before, _cpu_seconds()):
-        return flops
+        data = json.loads((cache_dir() / _KEPT_FILE).read_text())
+        if isinstance(data, dict):
+            return data
+    return {}
+
+
+def _write_kept(data: dict[str, Any]) -> None:
+    """Replace the kept figures at once (a reader never sees half a file)."""
     with contextlib.suppress(OSError):
+        cache = cache_dir() / _KEPT_FILE
         cache.parent.mkdir(parents=True, exist_ok=True)
-        data = data if isinstance(data, dict) else {}
-        data.setdefault("matmul", {})[key] = flops
-        tmp = cache.with_name(f".calibration.json.tmp-{os.getpid()}")
+        tmp = cache.with_name(f".{_KEPT_FILE}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, cache)
-    return flops
+
+
+def recalled(section: str, key: str) -> Any:
+    """The figure kept for ``key`` (``machine_key`` is added) in ``section``, or None."""
+    entries = _kept().get(section)
+    return entries.get(f"{machine_key()}|{key}") if isinstance(entries, dict) else None
+
+
+def keep(section: str, key: str, figure: Any) -> None:
+    """Keep ``figure`` (JSON) for ``key`` (``machine_key`` is added) in ``section``."""
+    data = _kept()
+    entries = data.get(section)
+    data[section] = entries if isinstance(entries, dict) else {}
+    data[section][f"{machine_key()}|{key}"] = figure
+    _write_kept(data)
+
+
+def kept_figure(section: str, key: str, measure: Callable[[], float]) -> float:
+    """The positive figure kept for ``key`` in ``section``, or ``measure()``'s, kept when
+    other processes left the CPUs quiet while it ran."""
+    figure = recalled(section, key)
+    if isinstance(figure, (int, float)) and figure > 0:
+        return float(figure)
+    with Quiet() as quiet:
+        figure = measure()
+    if quiet.quiet:
+        keep(section, key, figure)
+    return figure
+
+
+def forget_timings() -> None:
+    """Forget every kept timing but the matmul peaks: the next processes measure again."""
+    data = _kept()
+    if any(section in data for section in TIMINGS):
+        _write_kept({k: v for k, v in data.items() if k not in TIMINGS})
 
 
 _BUSY_SHARE = 0.25  # of the machine's CPU time, taken by other processes: too busy to cache
@@ -292,25 +361,47 @@ def disk_bandwidth(directory: Path, nbytes: int = _DISK_BYTES) -> tuple[float, f
 def copy_bandwidth(device: Any = "cpu", nbytes: int = _LINK_BYTES) -> float:
     """Bytes per second of a copy from host memory to ``device`` on the executor's side
     stream (on the CPU, host to host: the link of the simulated GPU; on an accelerator, from
-    page-locked memory): the RAM tier's bandwidth under a GPU."""
+    page-locked memory): the RAM tier's bandwidth under a GPU. Kept per device model."""
     import torch
 
     from ..exec.copy_stream import SideStreamCopier
     device = torch.device(device)
-    accelerator = device.type != "cpu"
-    source = torch.ones(nbytes // 4, pin_memory=accelerator)  # (nbytes / 4,)
-    target = torch.empty_like(source, device=device)
-    copier = SideStreamCopier(device)
-    copier.copy([target], [source])  # touch the pages (and start the stream) first
-    start = time.perf_counter()
-    copier.copy([target], [source])
-    return nbytes / max(time.perf_counter() - start, 1e-9)
+
+    def measure() -> float:
+        accelerator = device.type != "cpu"
+        source = torch.ones(nbytes // 4, pin_memory=accelerator)  # (nbytes / 4,)
+        target = torch.empty_like(source, device=device)
+        copier = SideStreamCopier(device)
+        copier.copy([target], [source])  # touch the pages (and start the stream) first
+        start = time.perf_counter()
+        copier.copy([target], [source])
+        return nbytes / max(time.perf_counter() - start, 1e-9)
+
+    return kept_figure("link", f"{device_model(device)}|{nbytes}", measure)
+
+
+def device_model(device: Any) -> str:
+    """What computes on ``device``: "cpu", or the accelerator's type and model name."""
+    import torch
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda {torch.cuda.get_device_name(device)}"
+    return device.type
 
 
 def disk_tier_bandwidth(directory: Path, nbytes: int = _LINK_BYTES) -> tuple[float, float]:
     """The disk tier's (read, write) bytes/s for the planner: ``disk_bandwidth``'s uncached
-    read and synced write of ``nbytes``, as many as one stage's transfer moves."""
-    return disk_bandwidth(directory, nbytes)
+    read and synced write of ``nbytes``, as many as one stage's transfer moves; kept per
+    file system (the directory's device number)."""
+    key = f"dev={os.stat(directory).st_dev}|{nbytes}"
+    figure = recalled("disk", key)
+    if isinstance(figure, list) and len(figure) == 2 and min(figure) > 0:
+        return float(figure[0]), float(figure[1])
+    with Quiet() as quiet:
+        read, write = disk_bandwidth(directory, nbytes)
+    if quiet.quiet:
+        keep("disk", key, [read, write])
+    return read, write
 
 
 # ---------------------------------------------------------------- between ranks

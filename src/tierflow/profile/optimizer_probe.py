@@ -11,6 +11,7 @@ from torch import nn
 
 from ..exec.memory import DeviceMeter, HostMeter, return_free_memory
 from ..exec.optimizer import OptimizerFactory
+from .machine import Quiet, device_model, keep, recalled
 from .tensor_ledger import TensorLedger
 
 PROBE_SECONDS = 0.05  # the least time the probe's measured steps take
@@ -70,10 +71,14 @@ def probe_optimizer(factory: OptimizerFactory, device: torch.device, meter: Host
     and what the RSS added beyond them is priced as fixed bytes: that excess is the rest of
     the process (a few MiB whatever the parameter's size), and priced per byte it grew with
     the largest parameter: a 31 MiB head's update moved by 14 MiB between fresh processes
-    (``benchmarks/smallest_budget_spread.py``)."""
-    small, large = (min((_probe_step(factory, device, meter, n, dtype) for _ in range(2)),
-                        key=lambda step: step.transient) for n in (numel, 4 * numel))
-    state_per_byte, seconds_per_byte = large.state / large.nbytes, large.seconds / large.nbytes
+    (``benchmarks/smallest_budget_spread.py``). The seconds per byte are the ones kept on
+    this machine when there are (``_kept_rate``), as a stage's times are."""
+    with Quiet() as quiet:
+        small, large = (min((_probe_step(factory, device, meter, n, dtype) for _ in range(2)),
+                            key=lambda step: step.transient) for n in (numel, 4 * numel))
+    state_per_byte = large.state / large.nbytes
+    seconds_per_byte = _kept_rate(large.seconds / large.nbytes,
+                                  _rate_key(factory, device, numel, dtype), quiet.quiet)
     more = large.nbytes - small.nbytes
     if not (_grows(small.transient, large.transient, more)
             or _grows(small.tensors, large.tensors, more)):
@@ -86,6 +91,32 @@ def probe_optimizer(factory: OptimizerFactory, device: torch.device, meter: Host
         return OptimizerProbe(state_per_byte, seconds_per_byte, large.transient / large.nbytes)
     return OptimizerProbe(state_per_byte, seconds_per_byte, large.tensors / large.nbytes,
                           max(0, large.transient - large.tensors))
+
+
+def _rate_key(factory: OptimizerFactory, device: torch.device, numel: int,
+              dtype: torch.dtype) -> str:
+    """The key of an optimizer's kept seconds per byte: its class and the settings that
+    change the work of a step (the flags of its defaults and its own plain settings, such as
+    tierflow's AdamW's moment dtype; not the values of its hyperparameters: a learning rate
+    changes no work), the device, the probe's size and dtype."""
+    optimizer = factory([nn.Parameter(torch.zeros(1, device=device, dtype=dtype))])
+    settings = {**optimizer.defaults, **{k: v for k, v in vars(optimizer).items()
+                                         if not k.startswith("_")}}
+    flags = sorted((k, str(v)) for k, v in settings.items()
+                   if isinstance(v, (bool, int, str)) or v is None)
+    return (f"{type(optimizer).__module__}.{type(optimizer).__qualname__}|{flags}|"
+            f"{device_model(device)}|{numel}|{dtype}")
+
+
+def _kept_rate(measured: float, key: str, quiet: bool) -> float:
+    """The seconds per byte kept for ``key`` on this machine (``profile/machine.py``'s kept
+    figures), else ``measured``, kept when other processes left the CPUs quiet."""
+    rate = recalled("optimizer", key)
+    if isinstance(rate, (int, float)) and rate > 0:
+        return float(rate)
+    if quiet:
+        keep("optimizer", key, measured)
+    return measured
 
 
 def _grows(small: int, large: int, more_bytes: int) -> bool:

@@ -2,11 +2,15 @@
 
 The sample flows through the chain one stage at a time (only the current boundary is held),
 and a stage whose signature, input shape, dtype, device and autocast mode were already
-measured, in this run or earlier in this process, is not measured again.
+measured, in this run or earlier in this process, is not measured again. Its times are the
+ones kept on this machine when there are (``_kept_times``): a time moves by a quarter from
+one process to the next, and plans made in two processes (`tierflow plan --measure`, then
+`tierflow train`) should be the same plan.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +29,7 @@ from ..exec.selective import SelectiveUnsupported
 from ..exec.stage_call import context_tensors, forward_plain, forward_taped, storage_key, tape_bytes
 from ..exec.weights import stage_parameters_to_stream
 from ..plan.costs import SelectiveCost, StageCost
+from .machine import Quiet, device_model, keep, recalled
 from .tensor_ledger import TensorLedger
 
 
@@ -142,9 +147,11 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
         fresh = key not in _CACHE
         if fresh:
             started = time.perf_counter()
-            with resident(list(stage.parameters())):
-                _CACHE[key] = _measure(StageRun(stage, x, ctx, autocast, held, input_grad),
-                                       measuring)
+            with resident(list(stage.parameters())), Quiet() as quiet:
+                measured = _measure(StageRun(stage, x, ctx, autocast, held, input_grad),
+                                    measuring)
+            _CACHE[key] = _kept_times(measured, _timing_key(key, x.device, measuring),
+                                      quiet.quiet)
             if log is not None:
                 log(f"profiled {chain.names[i]} in {time.perf_counter() - started:.1f} s")
         m = _CACHE[key]
@@ -174,6 +181,33 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
                 # model's profile passed --ram 1GiB by 350 MiB of them)
                 return_free_memory()
     return costs, shared_bytes
+
+
+def _timing_key(key: tuple, device: torch.device, measuring: Measuring) -> str:
+    """The key of a stage's kept times: its profile key, what computes it and how its rounds
+    are timed (hashed: a signature holds the stage's whole repr)."""
+    how = (key, device_model(device), measuring.repeats, measuring.seconds,
+           measuring.timing is not None)
+    return hashlib.sha256(repr(how).encode()).hexdigest()[:24]
+
+
+def _kept_times(measured: _Measured, key: str, quiet: bool) -> _Measured:
+    """``measured`` with the times kept for ``key`` on this machine in place of its own
+    (``profile/machine.py``'s kept figures: every process plans from the same ones), or its
+    own, kept when other processes left the CPUs quiet; its bytes are its own either way."""
+    own = [measured.fwd_time, measured.bwd_time]
+    if measured.selective is not None:
+        own.append(measured.selective.recompute_time)
+    times = recalled("stage", key)
+    if not (isinstance(times, list) and len(times) == len(own)
+            and all(isinstance(t, (int, float)) and t >= 0 for t in times)):
+        if quiet:
+            keep("stage", key, own)
+        return measured
+    selective = measured.selective
+    if selective is not None:
+        selective = replace(selective, recompute_time=times[2])
+    return replace(measured, fwd_time=times[0], bwd_time=times[1], selective=selective)
 
 
 def _measure(run: StageRun, measuring: Measuring) -> _Measured:
