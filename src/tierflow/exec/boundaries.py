@@ -10,7 +10,7 @@ stashed again before it is freed is in the store already: the plan stores it onc
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +19,7 @@ from ..plan.boundary_stash import MIN_BOUNDARY_BYTES
 from ..plan.ops import Load, Store, Transfer
 from .disk import DiskStore
 from .host_store import HostStore
+from .io_threads import transfer_thread
 from .trace import span
 
 MIN_BYTES = MIN_BOUNDARY_BYTES  # the planner's threshold, read when a fit plans
@@ -41,8 +42,8 @@ class BoundaryStash:
 
     def __init__(self, store: DiskStore | HostStore) -> None:
         self.store = store
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-stash-write")
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-stash-read")
+        self._writer = transfer_thread("tierflow-stash-write")
+        self._reader = transfer_thread("tierflow-stash-read")
         self._stashed: dict[int, _Stashed] = {}
         self._held: dict[int, torch.Tensor] = {}  # stashed, its Store not dispatched yet
         self._last_write: Future | None = None

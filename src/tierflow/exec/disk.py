@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ from ..core.paths import require_disk_directory
 from ..core.units import format_bytes
 from .copy_stream import CopyAfter, SideStreamCopier
 from .file_io import direct_io_supported, file_bytes, read_tensors, write_tensors
+from .io_threads import transfer_thread
 
 
 class DiskStore:
@@ -102,7 +103,7 @@ class WriteBehind:
     def __init__(self, name: str, limit: int = 1):
         self.limit = limit
         self.writes: dict[int, Future] = {}  # stage -> its last write
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._executor = transfer_thread(name)
         self._pending: deque[Future] = deque()
 
     def submit(self, stage: int, write: Callable[..., None], *args: Any) -> Future:

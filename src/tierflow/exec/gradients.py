@@ -14,7 +14,7 @@ Load of them into host RAM (``dst="ram"``) read from disk.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from ..plan.ops import Load, Store, Transfer
 from .copy_stream import FRESH, CopyAfter
 from .disk import DiskStore, WriteBehind
 from .grad_norm import square_norm
+from .io_threads import transfer_thread
 from .trace import span
 
 
@@ -34,7 +35,7 @@ class GradientStash:
         self.store = store
         self.stage_params = stage_params
         self._writer = WriteBehind("tierflow-grad-write")  # one stage's gradients queued
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-grad-read")
+        self._reader = transfer_thread("tierflow-grad-read")
         self._stashed: dict[int, list[nn.Parameter]] = {}  # stage -> params with grads below
         self._reads: dict[int, Future] = {}  # stage -> the read a Load started
         self.square_norms: dict[int, float] = {}

@@ -34,7 +34,7 @@ steps them there; from disk, the plan's Load reads them into host RAM first.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 from torch import nn
@@ -44,6 +44,7 @@ from ..plan.ops import HOST_OPTIMIZER, Store
 from .buffers import BufferPool
 from .copy_stream import SideStreamCopier
 from .disk import WriteBehind
+from .io_threads import transfer_thread
 from .offload import OffloadedParameters
 from .trace import span
 
@@ -70,7 +71,7 @@ class HostUpdates:
         self._down: dict[int, dict[int, torch.Tensor]] = {}  # stage -> param id -> gradient
         self._weights_pool = BufferPool()  # host RAM for the weights of the stage stepping
         self._weight_reads: dict[int, Future] = {}  # stage -> its weights' read, ahead
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-host-weights-read") \
+        self._reader = transfer_thread("tierflow-host-weights-read") \
             if read_ahead else None
 
     def twins(self, i: int, params: list[nn.Parameter]) -> list[nn.Parameter]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Callable, Iterable
 
 import torch
@@ -20,6 +20,7 @@ from .copy_stream import FRESH, CopyAfter
 from .disk import DiskStore, WriteBehind
 from .grad_norm import square_norm
 from .host_update import HostUpdates
+from .io_threads import transfer_thread
 from .stage_call import storage_key
 from .trace import span
 
@@ -54,7 +55,7 @@ class OwnedOptimizer:
         self.read_ahead = read_ahead
         self._offloaded: list[list[tuple[dict, str, torch.Size, torch.dtype]]] = [
             [] for _ in chain.stages]
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-state-read")
+        self._reader = transfer_thread("tierflow-state-read")
         self._writer = WriteBehind("tierflow-state-write")  # one stage's states queued
         self._reads: dict[int, Future] = {}
         device = next((p.device for ps in self.stage_params for p in ps), torch.device("cpu"))

@@ -17,7 +17,7 @@ compute: on a CPU with a fast disk the second is the cheaper one.
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +28,7 @@ from ..plan.tape_offload import MIN_TAPE_BYTES
 from .disk import DiskStore
 from .file_io import ALIGN, round_up
 from .host_store import HostStore
+from .io_threads import transfer_thread
 from .stage_call import storage_key
 from .trace import span
 
@@ -92,8 +93,8 @@ class TapeOffload:
         # whole (see MIN_BYTES): the default keeps only empty ones
         self.min_bytes = min_bytes
         self._armed: dict[int, Store] = {}  # stage -> the Store its next taped forward runs
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="tierflow-tape-write")
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-tape-read")
+        self._writer = transfer_thread("tierflow-tape-write")
+        self._reader = transfer_thread("tierflow-tape-read")
         self._tapes: dict[int, _StageTape] = {}
         self._unwritten: list[Future] = []  # writes of the stage whose forward ran last
         self._open: dict[int, tuple[Store, _Pack]] = {}  # stage -> the pack being filled

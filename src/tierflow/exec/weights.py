@@ -11,7 +11,7 @@ An op of a streamed stage waits for the stage's last read (``wait_loaded``).
 """
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Sequence
 
 from torch import nn
@@ -19,6 +19,7 @@ from torch import nn
 from ..plan.ops import Drop, Load, Store, Transfer
 from .copy_stream import CopyAfter
 from .disk import WriteBehind
+from .io_threads import transfer_thread
 from .offload import OffloadedParameters
 from .trace import span
 
@@ -30,7 +31,7 @@ class WeightStreamer:
                  offloaded: OffloadedParameters, names: dict[int, str]):
         self.stage_params = stage_params
         self.offloaded = offloaded
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tierflow-read")
+        self._reader = transfer_thread("tierflow-read")
         self._writer = WriteBehind("tierflow-write")  # one stage's weights queued
         self._reads: dict[int, Future] = {}  # stage -> its last read
         self._resident: set[int] = set()  # stages in memory or on their way

@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..core.units import format_bytes
+from ..exec.io_threads import responsive_switching
 from ..models.safetensors_io import StoredTensor, pread_exact
 
 ALIGN = 64  # every tensor starts on a cache line in its slot, as torch's allocator places them
@@ -189,6 +190,7 @@ class LayerStreamer:
             self.ready.put((slot, slot, None))
         for slot in range(preread, len(self.raw)):
             self.free.put(slot)
+        responsive_switching()  # its reads wait for the interpreter lock between layers
         self.thread = threading.Thread(target=self._io, args=(preread - 1,),
                                        name="tierflow-layer-stream", daemon=True)
         self.thread.start()
