@@ -14,14 +14,11 @@ benchmarks/results/io-interference-<date>.{md,json}.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import tempfile
 import threading
 import time
 from pathlib import Path
 
-from layer_passes import in_fresh_processes, pass_table, save, time_layer_passes
+from layer_passes import pass_table, rows_in_a_directory, save, time_layer_passes
 
 MODES = ("alone", "page cache", "direct")
 
@@ -52,20 +49,12 @@ def measure(mode: str, directory: Path, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dir", default=None, help="where the I/O thread's file goes "
-                        "(default: a temporary directory)")
-    parser.add_argument("--repeats", type=int, default=6)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        print(json.dumps(measure(args.child, Path(args.dir), args.repeats)))
+    measured = rows_in_a_directory(__file__, MODES, measure, 6, "the I/O thread's file goes")
+    if measured is None:
         return
-    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
-        rows = in_fresh_processes(__file__, MODES, ["--dir", directory,
-                                                    "--repeats", str(args.repeats)])
+    rows, repeats = measured
     lines = pass_table("Disk I/O beside compute", __file__, "I/O thread beside it", rows,
-                       args.repeats, ("disk GB/s", lambda r: f"{r['io_gb_s']:.2f}"))
+                       repeats, ("disk GB/s", lambda r: f"{r['io_gb_s']:.2f}"))
     save("io-interference", lines, rows)
 
 

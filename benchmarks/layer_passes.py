@@ -1,14 +1,17 @@
 """One tinyllama-1.1b decoder layer (hidden 2048, MLP 5632, 32 heads, 4 KV heads; batch 2,
 seq 1024, bf16 autocast) timed through the three passes a checkpointed training step runs
 per layer: the forward without grad, the forward with grad and the backward. Shared by the
-benchmarks that ask what slows that compute down. Not a benchmark itself."""
+benchmarks that ask what slows that compute down, with the command line of those that
+measure one row per mode, each in a fresh process. Not a benchmark itself."""
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -62,6 +65,30 @@ def in_fresh_processes(script: str, modes: Sequence[str], args: Sequence[str]) -
         rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
     return rows
+
+
+def rows_in_a_directory(script: str, modes: Sequence[str],
+                        measure: Callable[[str, Path, int], dict], repeats: int,
+                        about_dir: str) -> tuple[list[dict], int] | None:
+    """The command line of a benchmark that measures one row per mode in a file directory:
+    ``--dir`` (``about_dir``: what goes there; default a temporary directory), ``--repeats``
+    (default ``repeats``) and the hidden ``--child MODE``, the fresh process that prints
+    ``measure(MODE, directory, repeats)``. Returns (the rows, the repeats) in the parent,
+    None in a child."""
+    parser = argparse.ArgumentParser(description=sys.modules["__main__"].__doc__.split(
+        "\n\n")[0])
+    parser.add_argument("--dir", default=None, help=f"where {about_dir} (default: a "
+                        "temporary directory)")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child, Path(args.dir), args.repeats)))
+        return None
+    with tempfile.TemporaryDirectory(dir=args.dir) as directory:
+        rows = in_fresh_processes(script, modes, ["--dir", directory,
+                                                  "--repeats", str(args.repeats)])
+    return rows, args.repeats
 
 
 def pass_table(title: str, script: str, condition: str, rows: list[dict], repeats: int,

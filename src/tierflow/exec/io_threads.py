@@ -5,9 +5,9 @@ a copy into a bounce buffer) it needs the interpreter lock, which the compute th
 whenever it runs Python (module code, saved-tensor hooks, the plan's dispatch). The
 interpreter hands the lock over only every ``sys.getswitchinterval()`` seconds, 5 ms by
 default, so each system call of a transfer could wait up to 5 ms to go on. Measured on a
-2-core AMD EPYC: a 28 MB stage read by direct I/O (9 tensors) took 12 ms alone and 69 ms
-beside a thread running Python; with a 0.5 ms interval 19 ms, and the thread running Python
-lost nothing measurable. In W1 at 25% (every weight, state and tape on the disk) the compute
+2-core AMD EPYC (``benchmarks/lock_wait.py``): a 28 MB stage read by direct I/O (9 tensors)
+took 13.6 ms alone and 70.8 ms beside a thread running Python; with a 0.5 ms interval
+20.7 ms, and the thread running Python lost nothing measurable. In W1 at 25% (every weight, state and tape on the disk) the compute
 waited on those reads: 16.1 s of compute per step against 13.7 s at 0.5 ms, the 13.75 s the
 plan predicts.
 
