@@ -4,7 +4,7 @@ train` from each source tree, each configuration in a fresh process, the two tre
 alternating, so that both see the same machine.
 
     ./run python benchmarks/against_base.py --base REF [--only w1,w2] [--steps 3] [--rounds 1]
-        [--tag TAG] [--w2-budgets 2GiB,4GiB,8GiB]
+        [--tag TAG] [--w1-shares 25,50,100] [--w2-budgets 2GiB,4GiB,8GiB]
 
 REF's source is checked out into a temporary git worktree. Configurations:
 - W1: llama-134m, seq 1024, batch 4, bf16 autocast, under `--ram` of 25, 50 and 100% of the
@@ -157,6 +157,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base", required=True, help="the git ref to compare with")
     parser.add_argument("--only", default="w1,w2")
+    parser.add_argument("--w1-shares", default="25,50,100",
+                        help="W1's --ram values in % of plain PyTorch's peak, comma-separated")
     parser.add_argument("--w2-budgets", default="2GiB,4GiB,8GiB",
                         help="W2's --ram values, comma-separated")
     parser.add_argument("--steps", type=int, default=3)
@@ -183,7 +185,7 @@ def main() -> None:
             if "w1" in args.only:
                 peak = plain_peak(args.steps)
                 configs += [("W1", "llama-134m", 4, f"{share}%", f"{peak * share / 100:.3f}GiB")
-                            for share in (25, 50, 100)]
+                            for share in map(int, args.w1_shares.split(","))]
             if "w2" in args.only:
                 configs += [("W2", "tinyllama-1.1b", 2, ram, ram)
                             for ram in args.w2_budgets.split(",")]

@@ -28,7 +28,7 @@ from ..plan.costs import ChainCosts
 from ..plan.tier_candidates import TierProblem, UpdateRates
 from ..plan.tier_costs import LowerTier
 from ..plan.tier_search import TierPlan, place_on_tiers
-from ..profile.machine import copy_bandwidth, disk_tier_bandwidth
+from ..profile.machine import copy_bandwidth, disk_free_bytes, disk_tier_bandwidth
 from ..profile.optimizer_probe import probe_numel, probe_optimizer
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -119,7 +119,9 @@ def lower_tiers(device: torch.device, disk: str | Path | None, ram: int | None,
         same = offloaded is not None and offloaded.store.kind == "disk" and \
             Path(offloaded.store.directory) == Path(disk)
         store = offloaded.store if same else DiskStore(disk, device=device)
-        tiers.append(LowerTier("disk", *disk_tier_bandwidth(store.directory), None,
+        # its budget: the file system's free space and what the model already keeps there
+        budget = disk_free_bytes(store.directory) + (store.bytes if same else 0)
+        tiers.append(LowerTier("disk", *disk_tier_bandwidth(store.directory), budget,
                                f"the disk tier ({store.directory})"))
         stores["disk"] = store
     return tiers, stores

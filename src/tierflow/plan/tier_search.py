@@ -354,10 +354,12 @@ def _check_lower(candidate: Candidate, placed: TierPlan) -> None:
             if lower.heap_slack:
                 parts.append("the page-locked heap's unused end")
             outside = f" ({' and '.join(parts)} included)" if parts else ""
+            # the disk's budget is its free space: no flag raises it
+            fix = (f"free space in {lower.about} or give a directory with at least {need} free"
+                   if lower.name == "disk" else f"raise {lower.name} to at least {need}")
             raise BudgetError(f"{lower.name} budget {format_bytes(lower.budget)} is below the "
-                              f"{need} this placement keeps there{outside}: raise {lower.name} "
-                              f"to at least {need}", tier=lower.name, budget=lower.budget,
-                              smallest=held)
+                              f"{need} this placement keeps there{outside}: {fix}",
+                              tier=lower.name, budget=lower.budget, smallest=held)
 
 
 def auto_head_chunk(attempt: Callable[[int], Planned],

@@ -404,6 +404,13 @@ def disk_tier_bandwidth(directory: Path, nbytes: int = _LINK_BYTES) -> tuple[flo
     return read, write
 
 
+def disk_free_bytes(directory: Path) -> int:
+    """The bytes an unprivileged writer may still put in ``directory``'s file system: the
+    disk tier's budget, as `tierflow plan --disk` and the trainer both read it."""
+    stat = os.statvfs(directory)
+    return stat.f_bavail * stat.f_frsize
+
+
 # ---------------------------------------------------------------- between ranks
 
 def bus_bandwidth(world: World, device: torch.device, nbytes: int = _BUS_BYTES,

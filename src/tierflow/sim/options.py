@@ -6,7 +6,6 @@ GPU memory is usually quoted. ``sweep`` takes comma-separated lists of them.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from ..core.config import DEFAULT_CLIP
@@ -20,6 +19,7 @@ from ..precision.config import (
     OPTIM_DTYPES,
     PrecisionConfig,
 )
+from ..profile.machine import disk_free_bytes
 from .calibrate import hardware
 from .hardware import NAMES, Hardware
 from .setup import Setup, default_precision
@@ -148,8 +148,7 @@ def _setup_flags(args: argparse.Namespace) -> tuple[int, int, int | None]:
         if not args.disk.is_dir():
             raise TierflowError(f"--disk {args.disk} is not a directory: create it or give "
                                 f"another one")
-        stat = os.statvfs(args.disk)
-        disk_budget = stat.f_bavail * stat.f_frsize
+        disk_budget = disk_free_bytes(args.disk)
     if not args.clip >= 0:
         raise TierflowError(f"--clip {args.clip} must be 0 (no clipping) or a positive norm, "
                             "e.g. 1.0")
