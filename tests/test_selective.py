@@ -4,6 +4,7 @@ gradients bit for bit, dropout included; its tape is smaller, as the analytic co
 executor holds what the simulator predicts; the planner takes it where it is faster; and
 training with it, also streamed under the simulated GPU, is plain PyTorch's."""
 import copy
+import time
 
 import pytest
 import torch
@@ -134,6 +135,37 @@ def test_the_kept_outputs_are_read_from_either_layout_of_the_forward_cache(layou
         assert sorted(policy.saved.values()) == [8, 64, 128]
         assert policy._cache is None
 
+
+
+def test_the_recomputation_is_timed_inside_the_backward_and_priced_by_it():
+    """A selective layer's backward times its recomputation (more than nothing, less than
+    the backward, which runs it); the profiler prices the selective variant's extra backward
+    by that time, not by the difference of two backwards' medians (noise around zero on 2
+    cores), so the planner never takes selective recomputation for free."""
+    from tierflow.exec.memory import HostMeter
+    from tierflow.profile import profiler
+
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=704,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    model = transformers.LlamaForCausalLM(config)
+    sample = hf_sample(batch=2, seq=256, labels=False)
+    chain, x, ctx = _layers(model, sample)
+    taped = forward_taped(chain.stages[1], x, ctx, FP32, input_grad=True, selective=True)
+    assert taped.policy.recompute_seconds == 0.0  # nothing recomputed before the backward
+    start = time.perf_counter()
+    backward_taped(taped, torch.ones_like(taped.y))
+    backward = time.perf_counter() - start
+    assert 0.0 < taped.policy.recompute_seconds < backward
+
+    x, ctx = chain.split_inputs(**sample)
+    measuring = profiler.Measuring(HostMeter(), repeats=2, selective=True)
+    costs, _ = profiler.profile_chain(chain, x, ctx, FP32, measuring)
+    layers = [c for c in costs if c.selective is not None]
+    assert len(layers) == 2
+    for cost in layers:
+        assert 0.0 < cost.selective.recompute_time < cost.fwd_time + cost.bwd_time
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -14,7 +14,7 @@ from torch import nn
 from .compile import is_compiled
 from .context import AutocastMode
 from .recast import FrozenCasts, WeightCast, weight_cast
-from .selective import run_selective
+from .selective import KeepMatmuls, run_selective
 from .storage import storage_bytes, storage_key
 
 
@@ -25,6 +25,7 @@ class Taped:
     xin: torch.Tensor  # the stage's input as an autograd leaf (or the raw input if not float)
     y: torch.Tensor  # the output, carrying the graph
     saved: dict[int, int] = field(default_factory=dict)  # storage key -> bytes, saved for backward
+    policy: KeepMatmuls | None = None  # a selective forward's: what it kept and recomputed
 
 
 class _SavedRecorder:
@@ -100,6 +101,7 @@ def forward_taped(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autoca
         return saved.tensor() if isinstance(saved, WeightCast) else fetch(saved)
 
     xin = as_leaf(x, input_grad)
+    policy = None
     with torch.enable_grad(), autocast(), torch.autograd.graph.saved_tensors_hooks(pack, unpack), \
             frozen if frozen is not None else contextlib.nullcontext():
         if selective:
@@ -108,7 +110,7 @@ def forward_taped(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any], autoca
         else:
             y = stage(xin, ctx)
     _check_output(stage, y)
-    return Taped(xin, y, recorder.saved)
+    return Taped(xin, y, recorder.saved, policy)
 
 
 def forward_plain(stage: nn.Module, x: torch.Tensor, ctx: dict[str, Any],

@@ -46,6 +46,7 @@ class _Measured:
     fwd_transient_nograd: int
     bwd_transient: int
     largest_block: int  # the largest tensor the round allocated (0: no ledger counted it)
+    recompute_time: float = 0.0  # a selective round's: its backward's recomputation
     selective: SelectiveCost | None = None  # its taped forward run selectively
 
 
@@ -93,6 +94,9 @@ class StageRun:
 _CACHE: dict[tuple, _Measured] = {}
 
 MAX_TIMED_ROUNDS = 8  # the most rounds a stage is timed in, whatever ``Measuring.seconds``
+# part of the key of the times a machine keeps (``_timing_key``): times kept before a
+# selective backward's recomputation was timed inside it are measured again
+RECOMPUTE_TIMED = "recompute timed inside the backward"
 
 
 # a forward that grew the RSS by this much is trimmed after before its taped round is measured
@@ -187,7 +191,7 @@ def _timing_key(key: tuple, device: torch.device, measuring: Measuring) -> str:
     """The key of a stage's kept times: its profile key, what computes it and how its rounds
     are timed (hashed: a signature holds the stage's whole repr)."""
     how = (key, device_model(device), measuring.repeats, measuring.seconds,
-           measuring.timing is not None)
+           measuring.timing is not None, RECOMPUTE_TIMED)
     return hashlib.sha256(repr(how).encode()).hexdigest()[:24]
 
 
@@ -214,8 +218,11 @@ def _measure(run: StageRun, measuring: Measuring) -> _Measured:
     """The stage's rounds (``_rounds``) and, when ``measuring.selective`` and the stage is not
     compiled, those of its selective variant: kept when the stage can run so
     (``SelectiveUnsupported``), keeps something (a stage without matmuls that autograd
-    records would recompute all of itself) and less than the whole tape. Its
-    recomputation is what its backward takes beyond the whole tape's backward."""
+    records would recompute all of itself) and less than the whole tape. Its recomputation
+    is timed inside its backward; on an accelerator, where that times the launches only,
+    it is at least what its backward takes beyond the whole tape's backward (that
+    difference alone was noise around zero on 2 cores, and priced the W2 layer's selective
+    backward free)."""
     whole = _rounds(run, measuring, False)
     if not measuring.selective or is_compiled(run.stage):
         return whole
@@ -225,8 +232,11 @@ def _measure(run: StageRun, measuring: Measuring) -> _Measured:
         return whole
     if not 0 < part.tape < whole.tape:
         return whole
+    recompute = part.recompute_time
+    if not isinstance(measuring.meter, HostMeter):
+        recompute = max(recompute, part.bwd_time - whole.bwd_time)
     return replace(whole, selective=SelectiveCost(
-        tape=part.tape, recompute_time=max(0.0, part.bwd_time - whole.bwd_time),
+        tape=part.tape, recompute_time=recompute,
         fwd_transient=part.fwd_transient, bwd_transient=part.bwd_transient))
 
 
@@ -253,6 +263,7 @@ def _rounds(run: StageRun, measuring: Measuring, selective: bool) -> _Measured:
     last = memory[-1]
     return _Measured(fwd_time=statistics.median(r.fwd_time for r in timed),
                      bwd_time=statistics.median(r.bwd_time for r in timed),
+                     recompute_time=statistics.median(r.recompute_time for r in timed),
                      output_bytes=last.output_bytes, tape=last.tape,
                      output_in_tape=last.output_in_tape,
                      fwd_transient=max(r.fwd_transient for r in memory),
@@ -323,7 +334,9 @@ def measure_round(run: StageRun, meter: HostMeter | DeviceMeter, ledger: TensorL
     made = sum(g.nbytes for g in grads if g is not None)
     bwd_transient = window.growth() - made
     largest = max(largest, window.largest())
-    return _Measured(fwd_time=fwd_time, bwd_time=bwd_time, output_bytes=out_bytes, tape=tape,
+    recompute_time = taped.policy.recompute_seconds if taped.policy is not None else 0.0
+    return _Measured(fwd_time=fwd_time, bwd_time=bwd_time, recompute_time=recompute_time,
+                     output_bytes=out_bytes, tape=tape,
                      output_in_tape=output_in_tape, fwd_transient=max(0, tape_transient),
                      fwd_transient_nograd=max(0, nograd_transient),
                      bwd_transient=max(0, bwd_transient), largest_block=largest)
