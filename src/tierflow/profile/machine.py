@@ -434,7 +434,7 @@ def bus_bandwidth(world: World, device: torch.device, nbytes: int = _BUS_BYTES,
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # (nbytes / 4,)
     best = float("inf")
     with world.collective("bandwidth probe"):
-        for i in range(_DISK_ROUNDS + 1):
+        for i in range(rounds + 1):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             t0 = time.perf_counter()
