@@ -187,7 +187,7 @@ def test_the_predicted_bandwidth_skips_the_files_first_read(model_dir, tok, monk
         layers = streaming.layers
         assert len(layers.modules) >= PREFETCH_SLOTS
         layer_bytes = sum(e.stored.nbytes for e in layers.entries[1])
-        printed = float(re.search(r"read per token at ([\d.]+) GB/s", log.getvalue()).group(1))
+        printed = float(re.search(r"read per token at ([\d.e+-]+) GB/s", log.getvalue()).group(1))
         assert printed * 1e9 > 4 * layer_bytes / 0.5  # not slowed by the first read
         assert layers.bandwidth < layers.bytes_read / 0.5  # which the overall rate counts
     finally:

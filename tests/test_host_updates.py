@@ -1,6 +1,7 @@
 """The optimizer stepped in host RAM, where a streamed stage's weights and AdamW states live
 below a GPU (exec/host_update.py), here below a simulated GPU: the same training as plain
 PyTorch, what moves and what does not, and how the planner prices and chooses it."""
+import contextlib
 import copy
 from dataclasses import replace
 
@@ -267,12 +268,20 @@ def test_a_stage_kept_whole_on_the_gpu_trains_as_plain_pytorch(monkeypatch, grad
                             grad_accum=grad_accum,
                             max_grad_norm=0.5 if grad_accum > 1 else None, config=config)
 
-    with pytest.raises(BudgetError) as short:
-        fit(copy.deepcopy(model), 1)
-    # what a new fit measures moves by a few KiB; every stage below needs over 100 KiB more
-    module = fit(model, short.value.smallest + (32 << 10))
-    kept = set(range(len(module.optimizer.stage_params))) - module.optimizer.host.stages
-    assert kept and "stay whole on the compute tier" in " ".join(module.plan.notes)
+    # what a new fit measures moves by a few KiB (on a loaded machine, at times by more than
+    # the 100 KiB that every stage below needs besides): the least budget is asked again
+    # before each of up to three tries, and the first that keeps a stage whole is trained
+    module, kept = None, set()
+    for _ in range(3):
+        with pytest.raises(BudgetError) as short:
+            fit(copy.deepcopy(model), 1)
+        with contextlib.suppress(BudgetError):
+            module = fit(copy.deepcopy(model), short.value.smallest + (32 << 10))
+            kept = set(range(len(module.optimizer.stage_params))) - module.optimizer.host.stages
+            if kept:
+                break
+    assert kept, "no try kept a stage whole"
+    assert "stay whole on the compute tier" in " ".join(module.plan.notes)
     train_and_match(module, reference, samples, _adamw)
 
 

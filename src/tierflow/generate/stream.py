@@ -87,7 +87,7 @@ class StreamPlan:
             f"{format_bytes(self.kv_cache)} + activations {format_bytes(self.activations)} + "
             f"runtime {format_bytes(self.runtime)} + page cache {format_bytes(self.page_cache)} "
             f"= {format_bytes(self.ram)} of {format_bytes(self.budget)}",
-            f"{format_bytes(self.bytes_per_token)} read per token at {bandwidth / 1e9:.2f} GB/s "
+            f"{format_bytes(self.bytes_per_token)} read per token at {bandwidth / 1e9:.3g} GB/s "
             f"(measured reading layers before the first token) -> predicted {tok_s:.2f} tok/s "
             "(disk-bound)",
         ]
