@@ -59,14 +59,14 @@ def test_a_disk_read_beside_python_compute_is_not_held_back_by_the_lock(tmp_path
 
     pairs = []
     for _ in range(3):
-        pairs.append(_slow_and_fast(read_time))
+        pairs.append(_fast_and_slow(read_time))
         fast, slow = pairs[-1]
         if fast < slow / 3:  # 24 calls at up to 5 ms each against up to 0.5 ms each
             return
     raise AssertionError(f"(fast, slow) read times: {pairs}")
 
 
-def _slow_and_fast(read_time) -> tuple[float, float]:
+def _fast_and_slow(read_time) -> tuple[float, float]:
     """``read_time()`` beside a thread running Python, at the default switch interval and
     after a transfer thread is made: (fast, slow)."""
     stop = threading.Event()
