@@ -130,6 +130,21 @@ def _guard_trims_once() -> None:
     del fresh
 
 
+def test_a_room_guarding_its_prediction_trims_past_it_and_never_above_the_budget():
+    """``guard_prediction``: the guard's level is the limit (the predicted peak) plus the
+    margin, so that it trims once the RSS passes the prediction, but never above the
+    ceiling (the budget); a room moved to another plan guards that plan's prediction."""
+    room = HostRoom(limit=1 << 40, ceiling=(1 << 40) + GUARD_MARGIN // 2)
+    room.guard_prediction()
+    assert room.guard_level == (1 << 40) + GUARD_MARGIN // 2  # the ceiling
+    moved = room.moved(-(1 << 30))
+    assert moved.guards_prediction and moved.ceiling == room.ceiling
+    assert moved.guard_level == (1 << 40) - (1 << 30) + GUARD_MARGIN
+    budget_guard = HostRoom(limit=1 << 40)
+    budget_guard.start_guard(1 << 41)
+    assert budget_guard.moved(-(1 << 30)).guard_level == 1 << 41  # the same level
+
+
 def test_the_guard_trims_again_when_the_rss_keeps_growing_near_its_level():
     """After a trim the RSS may stay within the margin of the level and grow on (what is freed
     meanwhile goes to malloc's caches again): the guard trims again once it has grown by half
@@ -236,8 +251,8 @@ def test_a_fitted_module_makes_room_for_work_outside_its_plan():
 
 def test_a_module_given_another_plan_keeps_its_ram_guard():
     """``module.with_plan(plan)`` under a RAM budget: the new module's room has the limit of
-    the new plan's predicted peak (the old limit moved by the difference), the same guarded
-    level, and its steps make room as the old module's do."""
+    the new plan's predicted peak (the old limit moved by the difference), guards that
+    prediction under the same budget, and its steps make room as the old module's do."""
     import tierflow
     from tierflow.plan.plan import Plan
     from tierflow.plan.strategies import checkpoint_all
@@ -252,7 +267,8 @@ def test_a_module_given_another_plan_keeps_its_ram_guard():
     old, new = module._host_room, other._host_room
     assert new is not None and new is not old
     assert new.limit - old.limit == other.plan.predicted_peak - module.plan.predicted_peak != 0
-    assert new.guard_level == old.guard_level is not None
+    assert new.guards_prediction and new.ceiling == old.ceiling is not None
+    assert new.guard_level == min(new.limit + GUARD_MARGIN, new.ceiling)
     asked = []
     original = new.make_room
     new.make_room = lambda *args, **kw: (asked.append(args), original(*args, **kw))

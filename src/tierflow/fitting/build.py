@@ -54,8 +54,9 @@ def build_module(model: nn.Module, chain: Chain, placed: TierPlan, request: FitR
         configure_host_allocator(CACHING_THRESHOLD)
         # malloc's caches stay while the RSS is under the predicted peak: the peak a user
         # measures is then the plan's, and the room the budget leaves stays free
-        host_room = HostRoom(placed.predicted_peak + start.outside_budget)
-        host_room.start_guard(start.budget + start.outside_budget)  # at any moment
+        host_room = HostRoom(placed.predicted_peak + start.outside_budget,
+                             ceiling=start.budget + start.outside_budget)
+        host_room.guard_prediction()  # at any moment
     deferred = None
     if request.deferred:
         stash = GradientStash(stores[placed.weights.name], streamer.stage_params) \
