@@ -204,10 +204,13 @@ def _timing_guarded() -> None:
 
 def test_fit_times_its_profile_under_the_ram_budget(monkeypatch):
     """``fit`` under a RAM budget times its profile rounds guarded at the budget's level (the
-    RSS the budget does not cover, plus the budget)."""
+    RSS the budget does not cover, plus the budget). The process's profiles are forgotten
+    first: a stage another test profiled in this process is not timed again."""
     import tierflow
     from tierflow.fitting import profile_step
+    from tierflow.profile import profiler
 
+    monkeypatch.setattr(profiler, "_CACHE", {})
     levels = []
     monkeypatch.setattr(profile_step, "caching_allocator",
                         lambda level=None: (levels.append(level), caching_allocator())[1])
