@@ -259,17 +259,15 @@ def _smallest_budget_holds_the_update_pass(tmp_path: str) -> None:
     tierflow.fit(model, sample, **clipped)  # warm: the runtime's first-use bytes are paid
     with pytest.raises(tierflow.BudgetError) as error:
         tierflow.fit(model, sample, ram=1, **clipped)
-    # what the message says to give a new process: the smallest and a margin for the noise
-    # of measured runtime bytes (clean-clone CI runs measured 2.2 and 5.4 MiB more the second
-    # time), less than what the pass needs beyond the plan (about 26 MiB), asserted below, so
-    # a stated smallest without the pass would still fail here
+    # the smallest stated is the update pass's (the pass binds at the smallest budget), and
+    # what the message says to give a new process adds a margin for the noise of measured
+    # runtime bytes (clean-clone CI runs measured 2.2 and 5.4 MiB more the second time)
+    assert "below what the update pass after the backward needs" in str(error.value)
     given = error.value.to_give
     assert f'give ram="{given >> 20}MiB" or more' in str(error.value)
     module = tierflow.fit(model, sample, ram=given, **clipped)
     assert module.update_pass is not None
     assert max(module.plan.predicted_peak, module.update_pass.peak) <= given
-    margin = given - error.value.smallest
-    assert module.update_pass.peak > module.plan.predicted_peak + margin  # the pass binds
 
 
 def test_the_update_pass_makes_room_before_each_stage():
@@ -456,9 +454,10 @@ def test_serial_reads_run_a_read_ahead_plan_on_demand(tmp_path):
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_simulated_three_tier_plan(tmp_path, family, grad_accum):
     """A simulated GPU over host RAM over disk, with RAM too small for both the weights (and
-    their gradients, when updates are deferred) and the AdamW states: one of them streams from
-    host copies, the other from disk; training is the same as plain PyTorch's, updated inside
-    the backward (grad_accum 1) or after 4 micro-batches with clipping."""
+    their gradients, when updates are deferred) and the AdamW states: the states wait in host
+    RAM (asked for: on a disk that reads as fast as RAM the planner may put both there), the
+    weights stream from disk; training is the same as plain PyTorch's, updated inside the
+    backward (grad_accum 1) or after 4 micro-batches with clipping."""
     from tierflow.exec.disk import DiskStore
     from tierflow.exec.host_store import HostStore
 
@@ -470,10 +469,10 @@ def test_simulated_three_tier_plan(tmp_path, family, grad_accum):
                           disk=tmp_path, grad_accum=grad_accum,
                           max_grad_norm=0.5 if grad_accum > 1 else None,
                           config=FitConfig(simulated_gpu=True, stream="all",
-                                           planner="checkpoint-all"))
+                                           planner="checkpoint-all", optimizer_states="ram"))
     assert module.plan.budget == 1 << 30
     weights_store = module.streamer.offloaded.store
-    assert {type(weights_store), type(module.optimizer.disk)} == {HostStore, DiskStore}
+    assert (type(weights_store), type(module.optimizer.disk)) == (DiskStore, HostStore)
     train_and_match(module, reference, samples, _adamw)
     if isinstance(weights_store, HostStore):
         assert weights_store.peak_bytes <= ram

@@ -103,6 +103,7 @@ class WriteBehind:
     def __init__(self, name: str, limit: int = 1):
         self.limit = limit
         self.writes: dict[int, Future] = {}  # stage -> its last write
+        self.last: Future | None = None  # the write submitted last (it runs after the others)
         self._executor = transfer_thread(name)
         self._pending: deque[Future] = deque()
 
@@ -110,6 +111,7 @@ class WriteBehind:
         """Run ``write(*args)`` on the writer thread as stage ``stage``'s write."""
         future = self._executor.submit(write, *args)
         self.writes[stage] = future
+        self.last = future
         self._pending.append(future)
         while len(self._pending) > self.limit:
             self._pending.popleft().result()

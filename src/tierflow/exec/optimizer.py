@@ -156,7 +156,10 @@ class OwnedOptimizer:
             self.host.send_down(op, self.stage_params[op.stage])
             return
         if isinstance(op, Load):
-            self._prefetch(op.stage, str(op), op.resource)
+            if op.after_store and not self._offloaded[op.stage] and \
+                    self._writer.last is not None:
+                self._writer.last.result()  # nothing to read yet: its states are made anew
+            self._prefetch(op.stage, str(op), op.resource, op.after_store)
         elif isinstance(op, Store):
             self._evict(op.stage, str(op), op.resource)
 
@@ -230,14 +233,16 @@ class OwnedOptimizer:
                       for _, _, shape, dtype in entries)
         return resident + on_disk
 
-    def _prefetch(self, i: int, name: str | None = None, resource: str = "disk read") -> None:
-        """Start reading stage i's offloaded states (after their pending write, if any); a
+    def _prefetch(self, i: int, name: str | None = None, resource: str = "disk read",
+                  after_store: bool = False) -> None:
+        """Start reading stage i's offloaded states after their pending write (if any;
+        ``after_store``: after the last write of any stage's, whose buffer it may take); a
         no-op before their first write (the optimizer makes them at its first step)."""
         entries = self._offloaded[i]
         if entries and i not in self._reads:
             shapes = [(shape, dtype) for _, _, shape, dtype in entries]
-            self._reads[i] = self._reader.submit(self._read, i, shapes,
-                                               self._writer.writes.get(i),
+            pending = self._writer.last if after_store else self._writer.writes.get(i)
+            self._reads[i] = self._reader.submit(self._read, i, shapes, pending,
                                                name or f"read optimizer states {i}", resource)
 
     def _read(self, i: int, shapes: list[tuple[torch.Size, torch.dtype]],
@@ -280,6 +285,7 @@ class OwnedOptimizer:
                     tensors.append(value.contiguous())
         for state, key, _, _ in entries:
             state[key] = _EVICTED
+        self._pool_of(i).expect([(shape, dtype) for _, _, shape, dtype in entries])
         self._writer.submit(i, self._write, i, tensors, self._flat.pop(i, None),
                             name or f"write optimizer states {i}", resource,
                             self.disk.copier.mark())

@@ -28,8 +28,9 @@ class KeptBelow:
     def stages(self) -> dict[int, int]:
         return dict(self.sizes)
 
-    def load(self, i: int) -> Load:
-        return Load(self.what, i, self.home, self.compute, self.read, self.stages[i])
+    def load(self, i: int, after_store: bool = False) -> Load:
+        return Load(self.what, i, self.home, self.compute, self.read, self.stages[i],
+                    after_store)
 
     def store(self, i: int) -> Store:
         return Store(self.what, i, self.compute, self.home, self.write, self.stages[i])

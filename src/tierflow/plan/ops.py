@@ -20,8 +20,11 @@ tape[i] what stage i's forward kept for its backward, grad[i] the gradient of x[
 Transfers of a stage's tensors between tiers, each started on its own resource (an I/O
 thread, a copy stream) where the plan puts it and overlapping the ops after it:
 
-- ``Load(what, i, src, dst, resource, nbytes)``: start bringing stage i's ``what`` (its
-  weights) from tier ``src`` into the compute tier ``dst``; an op of stage i waits for it.
+- ``Load(what, i, src, dst, resource, nbytes, after_store)``: start bringing stage i's
+  ``what`` (its weights) from tier ``src`` into the compute tier ``dst``; an op of stage i
+  waits for it. The read starts once the last Store of stage i's ``what`` is written; with
+  ``after_store``, once the last Store of any stage's ``what`` is (read on demand, one
+  stage's copy in memory at a time: the buffer that write frees takes the read).
 - ``Store(what, i, src, dst, resource, nbytes, keep)``: start writing stage i's updated
   ``what`` from the compute tier back to ``dst``; the copy in memory is dropped once
   written, unless ``keep`` (its next use comes before it could be read back).
@@ -146,13 +149,16 @@ class Load:
     dst: str  # the compute tier
     resource: str  # what carries it: "disk read", "copy up", ...
     nbytes: int
+    after_store: bool = False  # waits for the last Store of any stage's ``what``
 
     def to_dict(self) -> dict:
-        return {"op": "load", "what": self.what, "stage": self.stage, "src": self.src,
-                "dst": self.dst, "resource": self.resource, "nbytes": self.nbytes}
+        out = {"op": "load", "what": self.what, "stage": self.stage, "src": self.src,
+               "dst": self.dst, "resource": self.resource, "nbytes": self.nbytes}
+        return {**out, "after_store": True} if self.after_store else out
 
     def __str__(self) -> str:
-        return f"load({self.what[0]}{self.stage} {self.src}>{self.dst})"
+        after = " after store" if self.after_store else ""
+        return f"load({self.what[0]}{self.stage} {self.src}>{self.dst}{after})"
 
 
 @dataclass(frozen=True)
@@ -264,7 +270,8 @@ def op_from_dict(data: dict) -> Op:
         return Fetch(int(data["index"]))
     if kind == "load":
         return Load(str(data["what"]), int(data["stage"]), str(data["src"]), str(data["dst"]),
-                    str(data["resource"]), int(data["nbytes"]))
+                    str(data["resource"]), int(data["nbytes"]),
+                    bool(data.get("after_store", False)))
     if kind == "store":
         return Store(str(data["what"]), int(data["stage"]), str(data["src"]), str(data["dst"]),
                      str(data["resource"]), int(data["nbytes"]), bool(data["keep"]))

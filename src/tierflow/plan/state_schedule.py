@@ -5,7 +5,9 @@ Pure data. Each update of a stage whose states live below (``KeptBelow``) is pre
 the Load of its states and followed by their Store. Reading ahead, the Load starts right
 after the update before it, so that the read overlaps that update and what runs until the
 stage's own (the first update of a list is read after its last, the same list running
-again); read on demand, it comes right before the update. The stages the optimizer steps in
+again); read on demand, it comes right before the update and waits for the write of the
+states updated before (``Load.after_store``), so that one stage's states are in memory at
+a time, in the one buffer that write frees. The stages the optimizer steps in
 host RAM move their own states there (``exec/host_update.py``) and have none of these ops,
 but an update of theirs still starts the read of the next stage's states.
 """
@@ -27,7 +29,7 @@ def with_state_transfers(ops: Sequence[Op], states: KeptBelow) -> tuple[Op, ...]
     out: list[Op] = []
     for op in ops:
         if isinstance(op, Update) and op.stage in stages and not states.read_ahead:
-            out.append(states.load(op.stage))
+            out.append(states.load(op.stage, after_store=True))
         out.append(op)
         if isinstance(op, Update):
             if op.stage in stages:

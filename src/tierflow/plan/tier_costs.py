@@ -163,13 +163,16 @@ def states_below(resident: ChainCosts, base: ChainCosts, stages: Sequence[StageC
                  state_of: list[int], home: LowerTier, read_ahead: bool = True,
                  kept: frozenset[int] = frozenset()) -> ChainCosts:
     """``resident`` with the optimizer states on a lower tier: each stage's states are in
-    memory while it updates, and two stages' are in flight (the next one's read ahead and the
-    last one's written back; without ``read_ahead`` the last one's only). Their reads and
-    writes are the plan's ops (``plan/state_schedule.py``), priced at ``home``'s bandwidths;
-    one of the two is free between steps (``plan/buffer_windows.py``). The ``kept`` stages'
-    states stay on the compute tier throughout (static bytes)."""
+    memory while it updates, and two stages' besides are in flight (the next one's read ahead
+    and the last one's written back). Without ``read_ahead`` one stage's states are in
+    memory at a time: a read waits for the write before it and fills the buffer that write
+    frees (``Load.after_store``), so the one buffer is all they take. Their reads and writes
+    are the plan's ops (``plan/state_schedule.py``), priced at ``home``'s bandwidths; one
+    buffer is free between steps (``plan/buffer_windows.py``). The ``kept`` stages' states
+    stay on the compute tier throughout (static bytes)."""
     below = [0 if i in kept else n for i, n in enumerate(state_of)]
-    moved = [replace(stage, update_transient=stage.update_transient + below[i])
+    updating = below if read_ahead else [0] * len(below)  # beside the buffers in flight
+    moved = [replace(stage, update_transient=stage.update_transient + updating[i])
              for i, stage in enumerate(stages)]
     read, write = TRANSFER_RESOURCES[home.name]
     static = base.static_bytes + states_in_flight(below, read_ahead) + \
@@ -183,7 +186,8 @@ def states_below(resident: ChainCosts, base: ChainCosts, stages: Sequence[StageC
 
 def states_in_flight(state_of: list[int], read_ahead: bool) -> int:
     """Compute-tier bytes of the states read ahead of, or written back after, an update
-    there: the next stage's and the last one's (without read-ahead, only the last one's)."""
+    there: the next stage's and the last one's (without read-ahead, the one buffer that
+    each stage's states take in turn)."""
     return (2 if read_ahead else 1) * max(state_of, default=0)
 
 

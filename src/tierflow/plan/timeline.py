@@ -20,16 +20,18 @@ Pure data. One dispatcher walks the ops in order, as the executor does:
   its end (what it returns decides what runs next);
 - a Drop waits (on the dispatcher) for the stage's Store in flight, and the Store of a
   tape, a checkpoint or a stage's gradients for the Store of the one before it (the
-  executor writes one of each at a time); a Fetch waits (on the dispatcher) for its checkpoint's Load; Free and Stash
-  take no time.
+  executor writes one of each at a time); a Fetch waits (on the dispatcher) for its
+  checkpoint's Load; Free and Stash take no time.
 What an op waits for: a compute op of a streamed stage, the last Load of its weights; an
 Update also the last Store of its weights (a kept stage's write reads them) and the last
 Load of its optimizer states; a Backward the Load of its tape (when it went down); a
 Backward and an Update the last Load of their stage's gradients (deferred updates), an
 Update in host RAM also the last Store of them (copied down for it); an Update and a
-Store of a stage's gradients, the stage's Reduce; a Load,
-the last Store of the same tensors (read only once written). The same ops run step after step, so a
-step's time is the steady state's: the dispatcher's time over one repetition after two.
+Store of a stage's gradients, the stage's Reduce; a Load, the last Store of the same
+tensors (read only once written), and one ``after_store`` the last Store of any stage's
+(the executor reads into the buffer that write frees). The same ops run step after step,
+so a step's time is the steady state's: the dispatcher's time over one repetition after
+two.
 """
 from __future__ import annotations
 
@@ -98,6 +100,7 @@ def timeline(costs: ChainCosts, ops: Sequence[Op], join: int | None = None) -> T
     reduced: dict[int, float] = {}  # stage -> when its last Reduce ends
     spans: list[Span] = []
     written: dict[str, float] = {}  # what -> when its last Store ends (ONE_WRITE_AT_A_TIME)
+    last_store: dict[str, float] = {}  # what -> when its latest Store of any stage ends
     start = 0.0
     for repetition in range(WARM_UP + 1):
         measured = repetition == WARM_UP
@@ -137,10 +140,14 @@ def timeline(costs: ChainCosts, ops: Sequence[Op], join: int | None = None) -> T
                 key = (op.what, op.stage)
                 after = stored.get(key, 0.0) if isinstance(op, Load) else \
                     reduced.get(op.stage, clock) if op.what == GRADS else clock
+                if isinstance(op, Load) and op.after_store:
+                    after = max(after, last_store.get(op.what, 0.0))
                 lane = SHARED_DEVICE.get(op.resource, op.resource)
                 ready = max(clock, free.get(lane, 0.0), after)
                 end = free[lane] = ready + op.nbytes / costs.bandwidths[op.resource]
                 (loaded if isinstance(op, Load) else stored)[key] = end
+                if isinstance(op, Store):
+                    last_store[op.what] = max(last_store.get(op.what, 0.0), end)
                 if serial:
                     written[op.what] = end
                 span = Span(position, str(op), op.resource, ready, end)
