@@ -99,8 +99,7 @@ def timeline(costs: ChainCosts, ops: Sequence[Op], join: int | None = None) -> T
     stored: dict[tuple[str, int], float] = {}  # (what, stage) -> when its last Store ends
     reduced: dict[int, float] = {}  # stage -> when its last Reduce ends
     spans: list[Span] = []
-    written: dict[str, float] = {}  # what -> when its last Store ends (ONE_WRITE_AT_A_TIME)
-    last_store: dict[str, float] = {}  # what -> when its latest Store of any stage ends
+    written: dict[str, float] = {}  # what -> when its last Store (of any stage) ends
     start = 0.0
     for repetition in range(WARM_UP + 1):
         measured = repetition == WARM_UP
@@ -141,15 +140,13 @@ def timeline(costs: ChainCosts, ops: Sequence[Op], join: int | None = None) -> T
                 after = stored.get(key, 0.0) if isinstance(op, Load) else \
                     reduced.get(op.stage, clock) if op.what == GRADS else clock
                 if isinstance(op, Load) and op.after_store:
-                    after = max(after, last_store.get(op.what, 0.0))
+                    after = max(after, written.get(op.what, 0.0))
                 lane = SHARED_DEVICE.get(op.resource, op.resource)
                 ready = max(clock, free.get(lane, 0.0), after)
                 end = free[lane] = ready + op.nbytes / costs.bandwidths[op.resource]
                 (loaded if isinstance(op, Load) else stored)[key] = end
                 if isinstance(op, Store):
-                    last_store[op.what] = max(last_store.get(op.what, 0.0), end)
-                if serial:
-                    written[op.what] = end
+                    written[op.what] = max(written.get(op.what, 0.0), end)
                 span = Span(position, str(op), op.resource, ready, end)
             elif isinstance(op, (Reduce, Gather, Exchange)):
                 ready = max(clock, free.get(op.resource, 0.0))
