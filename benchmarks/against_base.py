@@ -154,11 +154,11 @@ def predicted_decisions(tree: Path, model: str, batch: int, ram: str, disk: Path
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", required=True, help="the git ref to compare with")
     parser.add_argument("--only", default="w1,w2")
     parser.add_argument("--w1-shares", default="25,50,100",
-                        help="W1's --ram values in % of plain PyTorch's peak, comma-separated")
+                        help="W1's --ram values in %% of plain PyTorch's peak, comma-separated")
     parser.add_argument("--w2-budgets", default="2GiB,4GiB,8GiB",
                         help="W2's --ram values, comma-separated")
     parser.add_argument("--steps", type=int, default=3)
