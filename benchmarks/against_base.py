@@ -12,6 +12,8 @@ REF's source is checked out into a temporary git worktree. Configurations:
   measured first in the same run), with a disk tier for what does not fit;
 - W2: tinyllama-1.1b, seq 1024, batch 2, bf16 autocast, `--ram` 2, 4 and 8 GiB over a disk
   tier (its model built onto it).
+`--dtype fp32` runs both, and the peer, with fp32 matmuls instead: on a CPU without native
+bf16 (AVX2 only) bf16 matmuls run a scalar fallback a hundred times slower.
 Both on random tokens, AdamW lr 1e-4 without clipping or warm-up. `--rounds N` runs each
 configuration N times per tree (base, head, base, head, ...): on a 2-core VM one process's
 median step varies by up to 10% from the next one's, so a ratio from one process each cannot
@@ -58,17 +60,17 @@ def commit_of(tree: Path) -> str:
                           text=True, check=True).stdout.strip()
 
 
-def plain_peak(steps: int) -> float:
+def plain_peak(steps: int, dtype: str) -> float:
     """GiB the plain PyTorch peer holds above its baseline at W1."""
     cmd = [sys.executable, str(PEERS), "train", "--mode", "plain", "--arch", "llama-134m",
-           "--seq", "1024", "--batch", "4", "--steps", str(steps)]
+           "--seq", "1024", "--batch", "4", "--steps", str(steps), "--dtype", dtype]
     row = json.loads(subprocess.run(cmd, capture_output=True, text=True,
                                     check=True).stdout.strip().splitlines()[-1])
     return row["peak_rss_gib"] - row["baseline_rss_gib"]
 
 
 def train_records(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
-                  work: Path) -> dict[str, list[dict]] | dict[str, str]:
+                  work: Path, dtype: str) -> dict[str, list[dict]] | dict[str, str]:
     """One `tierflow train` run of ``tree``'s source in a fresh process: its log's records
     by kind, or {"error": its last line}."""
     disk = work / "disk"
@@ -76,7 +78,7 @@ def train_records(tree: Path, model: str, batch: int, ram: str, steps: int, data
     log = work / "log.jsonl"
     cmd = [sys.executable, "-m", "tierflow", "train", "--model", model, "--data", str(data),
            "--seq-len", "1024", "--batch-size", str(batch), "--steps", str(steps),
-           "--dtype", "bf16", "--lr", "1e-4", "--warmup", "0", "--clip", "0",
+           "--dtype", dtype, "--lr", "1e-4", "--warmup", "0", "--clip", "0",
            "--weight-decay", "0.01", "--eval-every", "0", "--save-every", "0",
            "--ram", ram, "--disk", str(disk), "--out", str(work / "out"), "--log", str(log)]
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
@@ -94,10 +96,10 @@ def train_records(tree: Path, model: str, batch: int, ram: str, steps: int, data
 
 
 def train(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
-          work: Path) -> dict:
+          work: Path, dtype: str) -> dict:
     """One `tierflow train` run of ``tree``'s source in a fresh process: its median step
     after the first, its peak, its plan's predictions and decisions."""
-    records = train_records(tree, model, batch, ram, steps, data, work)
+    records = train_records(tree, model, batch, ram, steps, data, work, dtype)
     if "error" in records:
         return records
     steps_s = [r["ms"] / 1e3 for r in records["train"]]
@@ -134,13 +136,13 @@ PLAN_COMMANDS = {"plan_command": ([], "same_plan"),
 
 
 def predicted_decisions(tree: Path, model: str, batch: int, ram: str, disk: Path,
-                        flags: list[str]) -> dict:
+                        flags: list[str], dtype: str) -> dict:
     """What `tierflow plan --hardware cpu --json` of ``tree``, with ``flags``, decides for
     the same run."""
     disk.mkdir(parents=True, exist_ok=True)  # the run's own was removed after it
     cmd = [sys.executable, "-m", "tierflow", "plan", "--model", model, "--hardware", "cpu",
            "--ram", ram, "--disk", str(disk), "--seq-len", "1024", "--batch-size", str(batch),
-           "--matmul-dtype", "bf16", "--clip", "0", "--json", *flags]  # as `train`: no clip
+           "--matmul-dtype", dtype, "--clip", "0", "--json", *flags]  # as `train`: no clip
     env = dict(os.environ, PYTHONPATH=str(tree / "src"))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -162,6 +164,9 @@ def main() -> None:
     parser.add_argument("--w2-budgets", default="2GiB,4GiB,8GiB",
                         help="W2's --ram values, comma-separated")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
+                        help="the matmuls' dtype of both workloads, in the peer too (fp32 on a "
+                             "CPU without native bf16, where bf16 runs a scalar fallback)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="fresh processes per configuration and tree, the trees alternating")
     parser.add_argument("--tag", default="")
@@ -183,7 +188,7 @@ def main() -> None:
             trees = {"base": base, "head": ROOT}
             configs = []
             if "w1" in args.only:
-                peak = plain_peak(args.steps)
+                peak = plain_peak(args.steps, args.dtype)
                 configs += [("W1", "llama-134m", 4, f"{share}%", f"{peak * share / 100:.3f}GiB")
                             for share in map(int, args.w1_shares.split(","))]
             if "w2" in args.only:
@@ -192,14 +197,14 @@ def main() -> None:
             rows: list[dict] = []
             result = {"date": stamp, "cpu": cpu_model(), "cores": os.cpu_count(),
                       "base": commit_of(base), "head": commit_of(ROOT), "steps": args.steps,
-                      "rounds": args.rounds, "rows": rows}
+                      "rounds": args.rounds, "dtype": args.dtype, "rows": rows}
             for workload, model, batch, label, ram in configs:
                 row = {"workload": workload, "budget": label, "ram": ram}
                 runs: dict[str, list[dict]] = {"base": [], "head": []}
                 for _ in range(args.rounds):
                     for name in runs:  # alternating, each in a fresh process
                         runs[name].append(train(trees[name], model, batch, ram, args.steps, data,
-                                                tmp / f"{workload}-{label}-{name}"))
+                                                tmp / f"{workload}-{label}-{name}", args.dtype))
                         print(f"{workload} {label} {name}: {runs[name][-1]}", flush=True)
                 for name, rounds in runs.items():
                     row[name] = over_rounds(rounds)
@@ -212,7 +217,7 @@ def main() -> None:
                     row["peak_error"] = round(head["predicted_peak_gib"] / head["peak_gib"] - 1,
                                               3)
                 if workload == "W2" and "decisions" in head:
-                    replan_row(row, ROOT, tmp / f"{workload}-{label}-head" / "disk")
+                    replan_row(row, ROOT, tmp / f"{workload}-{label}-head" / "disk", args.dtype)
                 rows.append(row)
                 write(result, RESULTS / f"against-base-{stamp}.json")  # a cut run keeps these
         finally:
@@ -227,16 +232,16 @@ def replan(path: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for row in result["rows"]:
             if row["workload"] == "W2" and "decisions" in row["head"]:
-                replan_row(row, ROOT, Path(tmp) / "disk")
+                replan_row(row, ROOT, Path(tmp) / "disk", result.get("dtype", "bf16"))
     result["replanned_by"] = commit_of(ROOT)
     write(result, path)
 
 
-def replan_row(row: dict, tree: Path, disk: Path) -> None:
+def replan_row(row: dict, tree: Path, disk: Path, dtype: str) -> None:
     """A W2 row's `tierflow plan` results (analytic, then --measure) and whether each made
     the decisions of the plan the trainer ran."""
     for key, (flags, same) in PLAN_COMMANDS.items():
-        row[key] = predicted_decisions(tree, "tinyllama-1.1b", 2, row["ram"], disk, flags)
+        row[key] = predicted_decisions(tree, "tinyllama-1.1b", 2, row["ram"], disk, flags, dtype)
         row[same] = row[key].get("decisions") == row["head"]["decisions"]
 
 
@@ -247,6 +252,7 @@ def write(result: dict, path: Path) -> None:
     path.write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# This tree against {result['base'][:12]} ({stamp})", "",
              f"head {result['head'][:12]}; {result['cpu']}, {result['cores']} cores; "
+             f"{result.get('dtype', 'bf16')} matmuls; "
              f"{result['steps']} steps, the median after the first; the median of "
              f"{result.get('rounds', 1)} fresh process(es) per tree. "
              "`benchmarks/against_base.py`.", "",
