@@ -75,6 +75,9 @@ class Candidate:
     # stages whose states stay on the compute tier beside their resident weights although
     # ``states`` names a lower tier: the fewest that make that tier hold the rest
     states_kept: frozenset[int] = frozenset()
+    # the candidate whose tapes of ``tape_stages`` this one offloads (None: it offloads none),
+    # for the tier search's plans that offload fewer (tier_search._fewer_tapes_below)
+    before_offload: Candidate | None = None
 
     def states_below(self, state_of: list[int]) -> list[int]:
         """Per stage, the bytes of its optimizer states on the states' lower tier (0 for a
@@ -96,20 +99,25 @@ def with_offloaded_tapes(candidates: list[Candidate], tier: LowerTier, config: F
     for c in candidates:
         stages = frozenset(i for i in range(c.costs.length) if i not in c.costs.selective
                            and activation_tape(c.costs, i, c.streamed) >= min_bytes)
-        if not stages:
-            continue
-        costs = offloaded_tape_costs(c.costs, set(stages), home=tier.name,
-                                     read_bytes_per_s=tier.read_bytes_per_s,
-                                     write_bytes_per_s=tier.write_bytes_per_s,
-                                     read_ahead=c.depth > 0, streamed=c.streamed)
-        costs = replace(costs, extra={**costs.extra, "tapes tier": tier.name})
-        total = format_bytes(costs.extra["offloaded tape bytes"])
-        back = "one backward ahead" if c.depth else "when their backward needs them"
-        why = (f"the tapes of {len(stages)} stages ({total} in all) go to {tier.about} as "
-               f"the forward saves them and come back {back}, instead of being recomputed")
-        out.append(replace(c, costs=costs, notes=c.notes + (why,), tapes=tier,
-                           tape_stages=stages))
+        if stages:
+            out.append(offload_tapes(c, stages, tier))
     return out
+
+
+def offload_tapes(c: Candidate, stages: frozenset[int], tier: LowerTier) -> Candidate:
+    """``c`` with the tapes of ``stages`` on ``tier``: written as the forward saves them and
+    read back for their backward (one backward ahead when ``c`` reads ahead)."""
+    costs = offloaded_tape_costs(c.costs, set(stages), home=tier.name,
+                                 read_bytes_per_s=tier.read_bytes_per_s,
+                                 write_bytes_per_s=tier.write_bytes_per_s,
+                                 read_ahead=c.depth > 0, streamed=c.streamed)
+    costs = replace(costs, extra={**costs.extra, "tapes tier": tier.name})
+    total = format_bytes(costs.extra["offloaded tape bytes"])
+    back = "one backward ahead" if c.depth else "when their backward needs them"
+    why = (f"the tapes of {len(stages)} stages ({total} in all) go to {tier.about} as "
+           f"the forward saves them and come back {back}, instead of being recomputed")
+    return replace(c, costs=costs, notes=c.notes + (why,), tapes=tier, tape_stages=stages,
+                   before_offload=c)
 
 
 def with_selective(candidates: list[Candidate], config: FitConfig) -> list[Candidate]:
@@ -135,28 +143,35 @@ def with_selective(candidates: list[Candidate], config: FitConfig) -> list[Candi
 def with_stashed_boundaries(candidates: list[Candidate], tier: LowerTier, config: FitConfig,
                             min_bytes: int) -> list[Candidate]:
     """Each candidate also with its checkpoints stashable on ``tier`` (``stash_boundaries=
-    'all'``: instead of it, wherever the candidate has a boundary worth stashing). A stashed
-    checkpoint is read one backward ahead whatever the candidate's prefetch depth: it is a
-    single boundary (a few MiB), counted in flight."""
+    'all'``: instead of it, wherever the candidate has a boundary worth stashing)."""
     out = [] if config.stash_boundaries == "all" else list(candidates)
     for c in candidates:
-        boundaries = stashable_boundaries(c.costs, read_bytes_per_s=tier.read_bytes_per_s,
-                                          write_bytes_per_s=tier.write_bytes_per_s,
-                                          min_bytes=min_bytes)
-        if not boundaries:
-            if config.stash_boundaries == "all":
-                out.append(c)
-            continue
-        costs = stashed_boundary_costs(c.costs, boundaries, home=tier.name,
-                                       read_bytes_per_s=tier.read_bytes_per_s,
-                                       write_bytes_per_s=tier.write_bytes_per_s)
-        costs = replace(costs, extra={**costs.extra, "boundaries tier": tier.name})
-        why = (f"the checkpoints a plan recomputes from may wait in {tier.about} until "
-               f"their recomputation ({len(boundaries)} boundaries, "
-               f"{format_bytes(costs.extra['stashable boundary bytes'])} at most), read back "
-               "one backward ahead")
-        out.append(replace(c, costs=costs, notes=c.notes + (why,), boundaries=tier))
+        stashing = stash_boundaries(c, tier, min_bytes)
+        if stashing is not None:
+            out.append(stashing)
+        elif config.stash_boundaries == "all":
+            out.append(c)
     return out
+
+
+def stash_boundaries(c: Candidate, tier: LowerTier, min_bytes: int) -> Candidate | None:
+    """``c`` with its checkpoints of ``min_bytes`` and more stashable on ``tier`` (None: it
+    has none worth stashing). A stashed checkpoint is read one backward ahead whatever the
+    candidate's prefetch depth: it is a single boundary (a few MiB), counted in flight."""
+    boundaries = stashable_boundaries(c.costs, read_bytes_per_s=tier.read_bytes_per_s,
+                                      write_bytes_per_s=tier.write_bytes_per_s,
+                                      min_bytes=min_bytes)
+    if not boundaries:
+        return None
+    costs = stashed_boundary_costs(c.costs, boundaries, home=tier.name,
+                                   read_bytes_per_s=tier.read_bytes_per_s,
+                                   write_bytes_per_s=tier.write_bytes_per_s)
+    costs = replace(costs, extra={**costs.extra, "boundaries tier": tier.name})
+    why = (f"the checkpoints a plan recomputes from may wait in {tier.about} until "
+           f"their recomputation ({len(boundaries)} boundaries, "
+           f"{format_bytes(costs.extra['stashable boundary bytes'])} at most), read back "
+           "one backward ahead")
+    return replace(c, costs=costs, notes=c.notes + (why,), boundaries=tier)
 
 
 def states_below(resident: ChainCosts, base: ChainCosts, stages: Sequence[StageCost],
