@@ -143,7 +143,7 @@ class TierSearch:
         competes with the others: on a tie it moves fewer bytes. A placement planned with
         more room (``_roomier``) wins only where it is faster than that choice by more than
         a tie: the memory it takes buys time, not noise."""
-        plans = [placed for placed, error in self._outcomes if error is None]
+        plans = [placed for _, placed in self._fitting()]
         if plans:
             chosen = _least_moved_of_the_fastest(plans + self._fewer_tapes_plans())
             faster = [roomy for roomy in self._roomier_plans()
@@ -163,8 +163,7 @@ class TierSearch:
             return []
         found = (_fewer_tapes_below(placed, candidate, self.problem, self._state_of,
                                     self.budget, self.config, self.tier)
-                 for candidate, (placed, error) in zip(self._candidates, self._outcomes)
-                 if placed is not None and error is None and candidate.before_offload)
+                 for candidate, placed in self._fitting() if candidate.before_offload)
         return [fewer for fewer in found if fewer is not None]
 
     def _roomier_plans(self) -> list[TierPlan]:
@@ -172,9 +171,14 @@ class TierSearch:
         that makes it faster (``_roomier``)."""
         found = (_roomier(placed, candidate, self.problem, self._state_of, self.budget,
                           self.config, self.tier)
-                 for candidate, (placed, error) in zip(self._candidates, self._outcomes)
-                 if placed is not None and error is None)
+                 for candidate, placed in self._fitting())
         return [roomy for roomy in found if roomy is not None]
+
+    def _fitting(self) -> list[tuple[Candidate, TierPlan]]:
+        """Each placement whose plan fits every tier, with that plan."""
+        return [(candidate, placed)
+                for candidate, (placed, error) in zip(self._candidates, self._outcomes)
+                if error is None]
 
     def smallest_budgets(self) -> dict[str, int | None]:
         """Per tier, the smallest budget that works with the others as given: the compute
