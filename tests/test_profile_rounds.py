@@ -1,6 +1,7 @@
 """How many rounds the profiler times a stage in, and which of them make its time: at least
 ``repeats`` after a warm-up, then more until they took ``Measuring.seconds``, at most
-MAX_TIMED_ROUNDS; the stage's times are the medians of the timed rounds."""
+MAX_TIMED_ROUNDS; the stage's times are the medians of the timed rounds, which never run
+beside the host meter's RSS sampler."""
 from __future__ import annotations
 
 import contextlib
@@ -16,15 +17,18 @@ from tierflow.exec.memory import HostMeter
 from tierflow.profile import profiler
 
 
-def _profile(monkeypatch, measuring: profiler.Measuring,
-             times: list[tuple[float, float]]) -> tuple[profiler.StageCost, int]:
+def _profile(monkeypatch, measuring: profiler.Measuring, times: list[tuple[float, float]],
+             samplers: list[bool] | None = None) -> tuple[profiler.StageCost, int]:
     """The first stage's cost when its rounds take ``times`` (forward, backward seconds), one
-    after another, and how many rounds ran."""
+    after another, and how many rounds ran; ``samplers`` gets, round by round, whether the
+    round's meter sampled the RSS."""
     calls = itertools.count()
     rounds = iter(times)
 
     def fake_round(run, meter, ledger, selective=False):
         next(calls)
+        if samplers is not None:
+            samplers.append(isinstance(meter, HostMeter) and meter.interval is not None)
         fwd, bwd = next(rounds)
         return profiler._Measured(fwd_time=fwd, bwd_time=bwd, output_bytes=0, tape=0,
                                   output_in_tape=False, fwd_transient=0,
@@ -40,7 +44,7 @@ def _profile(monkeypatch, measuring: profiler.Measuring,
 
 
 def test_without_seconds_the_repeats_after_a_warm_up_are_timed(monkeypatch) -> None:
-    measuring = profiler.Measuring(HostMeter(), repeats=2, selective=False)
+    measuring = profiler.Measuring(HostMeter(interval=None), repeats=2, selective=False)
     cost, rounds = _profile(monkeypatch, measuring, [(9.0, 9.0), (0.1, 0.2), (0.3, 0.4)])
     assert rounds == 3
     assert cost.fwd_time == pytest.approx(0.2)  # the warm-up's 9 s left out
@@ -48,7 +52,7 @@ def test_without_seconds_the_repeats_after_a_warm_up_are_timed(monkeypatch) -> N
 
 
 def test_more_rounds_are_timed_until_they_took_the_seconds(monkeypatch) -> None:
-    measuring = profiler.Measuring(HostMeter(), repeats=2, seconds=1.0, selective=False)
+    measuring = profiler.Measuring(HostMeter(interval=None), repeats=2, seconds=1.0, selective=False)
     # warm-up, then rounds of 0.3 s: the fourth brings the timed ones to 1.2 s
     times = [(9.0, 9.0), (0.1, 0.2), (0.1, 0.2), (0.2, 0.1), (0.2, 0.1), (7.0, 7.0)]
     cost, rounds = _profile(monkeypatch, measuring, times)
@@ -58,7 +62,7 @@ def test_more_rounds_are_timed_until_they_took_the_seconds(monkeypatch) -> None:
 
 
 def test_a_fast_stage_is_timed_in_at_most_max_timed_rounds(monkeypatch) -> None:
-    measuring = profiler.Measuring(HostMeter(), repeats=2, seconds=100.0, selective=False)
+    measuring = profiler.Measuring(HostMeter(interval=None), repeats=2, seconds=100.0, selective=False)
     cost, rounds = _profile(monkeypatch, measuring, [(0.001, 0.002)] * 100)
     assert rounds == 1 + profiler.MAX_TIMED_ROUNDS
 
@@ -78,15 +82,33 @@ def test_under_a_timing_context_the_extra_rounds_run_inside_it(monkeypatch) -> N
                                    selective=False)
     memory = [(5.0, 5.0)] * 3
     timed = [(9.0, 9.0), (0.1, 0.2), (0.1, 0.2), (0.1, 0.2), (8.0, 8.0)]
-    cost, rounds = _profile(monkeypatch, measuring, memory + timed)
+    samplers = []
+    cost, rounds = _profile(monkeypatch, measuring, memory + timed, samplers)
     assert rounds == 3 + 4
     assert inside == [True, False]
     assert cost.fwd_time == pytest.approx(0.1)
+    assert samplers == [True] * 3 + [False] * 4
 
 
-def test_a_negative_profile_time_is_refused() -> None:
-    from tierflow.core.config import FitConfig
+def test_rounds_measured_beside_the_rss_sampler_are_not_timed(monkeypatch) -> None:
+    """Without a timing context, a sampling host meter's memory rounds (warm-up and repeats)
+    are followed by as many timed rounds of their own, without the sampler."""
+    measuring = profiler.Measuring(HostMeter(), repeats=2, selective=False)
+    memory = [(5.0, 5.0)] * 3
+    timed = [(0.1, 0.2), (0.3, 0.4)]
+    samplers = []
+    cost, rounds = _profile(monkeypatch, measuring, memory + timed, samplers)
+    assert rounds == 5
+    assert samplers == [True] * 3 + [False] * 2
+    assert (cost.fwd_time, cost.bwd_time) == (pytest.approx(0.2), pytest.approx(0.3))
 
-    with pytest.raises(ValueError, match="profile_seconds=-1"):
-        FitConfig(profile_seconds=-1)
-    assert FitConfig().profile_seconds > 0  # the trainer times beyond the two rounds
+
+def test_a_meter_without_a_sampler_starts_no_thread_and_keeps_the_rss_at_its_reset() -> None:
+    meter = HostMeter(interval=None)
+    grown = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched, a mapping of its own
+    meter.reset_peak()
+    at_reset = meter.current()
+    del grown  # its mapping goes back at once: the RSS falls
+    assert meter.current() < at_reset - (32 << 20)
+    assert meter.peak() >= at_reset
+    assert meter._thread is None

@@ -259,10 +259,13 @@ class HostMeter:
     The process's own high-water mark (VmHWM, ``ru_maxrss``) is left alone: resetting it
     would hide earlier peaks from whoever measures this process. The sampler reads
     /proc/self/statm every ``interval`` seconds while torch works (kernels release the GIL);
-    a transient shorter than that may be missed.
+    a transient shorter than that may be missed. ``interval`` None: no sampler, the peak is
+    the larger of the RSS at ``reset_peak`` and at ``peak`` (a meter for work that is timed:
+    the sampler's wake-ups preempt one of the kernels' threads on a 2-core machine: a W1
+    layer's backward took 11% longer beside it, `benchmarks/sampler_cost.py`).
     """
 
-    def __init__(self, interval: float = 0.0005) -> None:
+    def __init__(self, interval: float | None = 0.0005) -> None:
         self.interval = interval
         self._peak = 0
         self._sampling = threading.Event()
@@ -276,7 +279,7 @@ class HostMeter:
 
     def reset_peak(self) -> None:
         self._peak = rss_bytes()
-        if self._thread is None:
+        if self._thread is None and self.interval is not None:
             self._thread = threading.Thread(target=self._sample, name="tierflow-rss", daemon=True)
             self._thread.start()
         self._sampling.set()

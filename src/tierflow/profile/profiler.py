@@ -95,8 +95,9 @@ _CACHE: dict[tuple, _Measured] = {}
 
 MAX_TIMED_ROUNDS = 8  # the most rounds a stage is timed in, whatever ``Measuring.seconds``
 # part of the key of the times a machine keeps (``_timing_key``): times kept before a
-# selective backward's recomputation was timed inside it are measured again
-RECOMPUTE_TIMED = "recompute timed inside the backward"
+# selective backward's recomputation was timed inside it, or beside the host meter's RSS
+# sampler, are measured again
+TIMED_HOW = "recompute timed inside the backward; rounds timed without the RSS sampler"
 
 
 # a forward that grew the RSS by this much is trimmed after before its taped round is measured
@@ -191,7 +192,7 @@ def _timing_key(key: tuple, device: torch.device, measuring: Measuring) -> str:
     """The key of a stage's kept times: its profile key, what computes it and how its rounds
     are timed (hashed: a signature holds the stage's whole repr)."""
     how = (key, device_model(device), measuring.repeats, measuring.seconds,
-           measuring.timing is not None, RECOMPUTE_TIMED)
+           measuring.timing is not None, TIMED_HOW)
     return hashlib.sha256(repr(how).encode()).hexdigest()[:24]
 
 
@@ -242,24 +243,30 @@ def _measure(run: StageRun, measuring: Measuring) -> _Measured:
 
 def _rounds(run: StageRun, measuring: Measuring, selective: bool) -> _Measured:
     """Memory from ``measuring.repeats`` rounds after a warm-up round (run selectively when
-    ``selective``); times (medians) from the same rounds, or, when ``measuring.timing`` is
-    given (a context that sets the allocator the steps will run with), from as many rounds
-    inside it after one more warm-up round; then from more rounds until they took
-    ``measuring.seconds``. Memory measured apart from times on the host (a RAM budget is at
-    stake) counts tensor bytes too."""
+    ``selective``); times (medians) from as many rounds of their own, then from more rounds
+    until they took ``measuring.seconds``. The timed rounds run without the host meter's
+    RSS sampler, as steps do (``timing_meter``), and inside ``measuring.timing`` when given
+    (a context that sets the allocator the steps will run with) after one more warm-up
+    round. A meter without a sampler (an accelerator's) times its memory rounds. Memory
+    measured apart from times on the host (a RAM budget is at stake) counts tensor bytes
+    too."""
     meter, repeats, timing = measuring.meter, measuring.repeats, measuring.timing
     counted = timing is not None and isinstance(meter, HostMeter) and not is_compiled(run.stage)
     ledger = TensorLedger() if counted else None
-    one = lambda counter: measure_round(run, meter, counter, selective)  # noqa: E731
     with ledger if ledger is not None else contextlib.nullcontext():
-        memory = [one(ledger) for _ in range(repeats + 1)][1:]
+        memory = [measure_round(run, meter, ledger, selective)
+                  for _ in range(repeats + 1)][1:]
+    clock = timing_meter(meter)
+    one = lambda: measure_round(run, clock, None, selective)  # noqa: E731
     timed = list(memory)
     with timing() if timing is not None else contextlib.nullcontext():
         if timing is not None:
-            timed = [one(None) for _ in range(repeats + 1)][1:]
+            timed = [one() for _ in range(repeats + 1)][1:]
+        elif clock is not meter:
+            timed = [one() for _ in range(repeats)]
         while (len(timed) < MAX_TIMED_ROUNDS
                and sum(r.fwd_time + r.bwd_time for r in timed) < measuring.seconds):
-            timed.append(one(None))
+            timed.append(one())
     last = memory[-1]
     return _Measured(fwd_time=statistics.median(r.fwd_time for r in timed),
                      bwd_time=statistics.median(r.bwd_time for r in timed),
@@ -270,6 +277,14 @@ def _rounds(run: StageRun, measuring: Measuring, selective: bool) -> _Measured:
                      fwd_transient_nograd=max(r.fwd_transient_nograd for r in memory),
                      bwd_transient=max(r.bwd_transient for r in memory),
                      largest_block=max(r.largest_block for r in memory))
+
+
+def timing_meter(meter: HostMeter | DeviceMeter) -> HostMeter | DeviceMeter:
+    """The meter rounds are timed with: a host meter without its RSS sampler (steps run
+    without one, and its wake-ups slow the kernels on a small machine), else ``meter``."""
+    if isinstance(meter, HostMeter) and meter.interval is not None:
+        return HostMeter(interval=None)
+    return meter
 
 
 class _Window:
