@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from tierflow import load_model  # noqa: E402
 from tierflow.chain import to_chain  # noqa: E402
 from tierflow.exec.context import AutocastMode  # noqa: E402
-from tierflow.exec.memory import HostMeter, caching_allocator, configure_host_allocator  # noqa: E402
+from tierflow.exec.memory import (HostMeter, caching_allocator,  # noqa: E402
+                                  configure_host_allocator)
 from tierflow.exec.stage_call import context_tensors, forward_plain, storage_key  # noqa: E402
 from tierflow.profile.machine import cpu_model  # noqa: E402
 from tierflow.profile.profiler import StageRun, measure_round  # noqa: E402
