@@ -22,20 +22,16 @@ import argparse
 import json
 import platform
 import resource
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from tierflow import load_model  # noqa: E402
-from tierflow.chain import to_chain  # noqa: E402
-from tierflow.exec.context import AutocastMode  # noqa: E402
-from tierflow.exec.memory import (caching_allocator,  # noqa: E402
+from chain_sample import random_chain
+from tierflow.exec.memory import (caching_allocator,
                                   configure_host_allocator, rss_bytes)
-from tierflow.exec.stage_call import backward_taped, forward_plain, forward_taped  # noqa: E402
-from tierflow.profile.machine import cpu_model  # noqa: E402
+from tierflow.exec.stage_call import backward_taped, forward_plain, forward_taped
+from tierflow.profile.machine import cpu_model
 
 FILL_BYTES = 256 << 20
 PAUSES_S = (0, 0, 0.5, 1, 2, 4, 8, 0, 0)
@@ -64,12 +60,9 @@ def idle_fills() -> list[dict]:
 def chain_passes(model_name: str, seq_len: int, batch: int, passes: int) -> list[list[dict]]:
     """Per pass, per decoder layer: its taped forward and its backward, every tape kept
     until the backwards."""
-    torch.manual_seed(0)
-    model = load_model(model_name, vocab_size=32000)
-    ids = torch.randint(0, 32000, (batch, seq_len))
-    chain = to_chain(model, {"input_ids": ids, "labels": ids})
-    x, ctx = chain.split_inputs(input_ids=ids, labels=ids)
-    autocast = AutocastMode.capture("cpu")
+    sample = random_chain(model_name, seq_len, batch)
+    model, chain, ctx, autocast = sample.model, sample.chain, sample.ctx, sample.autocast
+    x = sample.x
     x = forward_plain(chain.stages[0], x, ctx, autocast)  # the embedding: x[1]
     layers = range(1, len(chain.stages) - 1)  # between the embedding and the head
     out = []

@@ -15,19 +15,13 @@ sampler caught in some rounds only; the profiler takes the larger of the two per
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from tierflow import load_model  # noqa: E402
-from tierflow.chain import to_chain  # noqa: E402
-from tierflow.exec.context import AutocastMode  # noqa: E402
-from tierflow.exec.memory import HostMeter, configure_host_allocator  # noqa: E402
-from tierflow.exec.stage_call import forward_plain, storage_key  # noqa: E402
-from tierflow.profile.profiler import StageRun, measure_round  # noqa: E402
-from tierflow.profile.tensor_ledger import TensorLedger  # noqa: E402
+from chain_sample import random_chain
+from tierflow.exec.memory import HostMeter, configure_host_allocator
+from tierflow.exec.stage_call import forward_plain, storage_key
+from tierflow.profile.profiler import StageRun, measure_round
+from tierflow.profile.tensor_ledger import TensorLedger
 
 MIB = 1 << 20
 FIELDS = ("fwd_transient_nograd", "fwd_transient", "bwd_transient")
@@ -54,12 +48,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     args = parser.parse_args()
     configure_host_allocator()
-    torch.manual_seed(0)
-    model = load_model(args.model, vocab_size=32000)
-    ids = torch.randint(0, 32000, (args.batch_size, args.seq_len))
-    chain = to_chain(model, {"input_ids": ids, "labels": ids})
-    x, ctx = chain.split_inputs(input_ids=ids, labels=ids)
-    autocast = AutocastMode.capture("cpu")
+    sample = random_chain(args.model, args.seq_len, args.batch_size)
+    chain, x, ctx, autocast = sample.chain, sample.x, sample.ctx, sample.autocast
     held = {storage_key(p) for stage in chain.stages for p in stage.parameters()}
     rss, blind = HostMeter(), _NoMeter()
     print(f"{args.model} seq {args.seq_len} batch {args.batch_size}, {args.rounds} rounds "

@@ -18,20 +18,16 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-from tierflow import load_model  # noqa: E402
-from tierflow.chain import to_chain  # noqa: E402
-from tierflow.exec.context import AutocastMode  # noqa: E402
-from tierflow.exec.memory import (HostMeter, caching_allocator,  # noqa: E402
+from chain_sample import random_chain
+from tierflow.exec.memory import (HostMeter, caching_allocator,
                                   configure_host_allocator)
-from tierflow.exec.stage_call import context_tensors, forward_plain, storage_key  # noqa: E402
-from tierflow.profile.machine import cpu_model  # noqa: E402
-from tierflow.profile.profiler import StageRun, measure_round  # noqa: E402
+from tierflow.exec.stage_call import context_tensors, forward_plain, storage_key
+from tierflow.profile.machine import cpu_model
+from tierflow.profile.profiler import StageRun, measure_round
 
 GUARD_LEVEL = 64 << 30  # far above any RSS here: the guard looks every millisecond, never trims
 
@@ -46,12 +42,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     configure_host_allocator()
-    torch.manual_seed(0)
-    model = load_model(args.model, vocab_size=32000)
-    ids = torch.randint(0, 32000, (args.batch_size, args.seq_len))
-    chain = to_chain(model, {"input_ids": ids, "labels": ids})
-    x, ctx = chain.split_inputs(input_ids=ids, labels=ids)
-    autocast = AutocastMode.capture("cpu")
+    sample = random_chain(args.model, args.seq_len, args.batch_size)
+    chain, x, ctx, autocast = sample.chain, sample.x, sample.ctx, sample.autocast
     for stage in chain.stages[:args.stage]:
         x = forward_plain(stage, x, ctx, autocast)
     held = {storage_key(p) for stage in chain.stages for p in stage.parameters()}
