@@ -2,6 +2,7 @@
 by one (``profile_transients.py``, ``sampler_cost.py``, ``fresh_memory.py``)."""
 from __future__ import annotations
 
+import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,3 +39,12 @@ def random_chain(model_name: str, seq_len: int, batch: int) -> ChainSample:
     chain = to_chain(model, {"input_ids": ids, "labels": ids})
     x, ctx = chain.split_inputs(input_ids=ids, labels=ids)
     return ChainSample(model, chain, x, ctx, AutocastMode.capture("cpu"))
+
+
+def add_chain_arguments(parser: argparse.ArgumentParser, *, model: str = "llama-134m",
+                        seq_len: int = 1024, batch: int = 4) -> None:
+    """``--model``, ``--seq-len`` and ``--batch-size`` of the chain ``random_chain`` cuts
+    (W1's by default)."""
+    parser.add_argument("--model", default=model, help=f"a preset (default {model})")
+    parser.add_argument("--seq-len", type=int, default=seq_len)
+    parser.add_argument("--batch-size", type=int, default=batch)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from chain_sample import random_chain
+from chain_sample import add_chain_arguments, random_chain
 from tierflow.exec.memory import (caching_allocator,
                                   configure_host_allocator, rss_bytes)
 from tierflow.exec.stage_call import backward_taped, forward_plain, forward_taped
@@ -90,9 +90,7 @@ def chain_passes(model_name: str, seq_len: int, batch: int, passes: int) -> list
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="llama-134m")
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--batch-size", type=int, default=4)
+    add_chain_arguments(parser)
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 
-from chain_sample import random_chain
+from chain_sample import add_chain_arguments, random_chain
 from tierflow.exec.memory import HostMeter, configure_host_allocator
 from tierflow.exec.stage_call import forward_plain, storage_key
 from tierflow.profile.profiler import StageRun, measure_round
@@ -43,9 +43,7 @@ class _NoMeter(HostMeter):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--model", default="llama-20m")
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--batch-size", type=int, default=4)
+    add_chain_arguments(parser, model="llama-20m", seq_len=512)
     args = parser.parse_args()
     configure_host_allocator()
     sample = random_chain(args.model, args.seq_len, args.batch_size)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from chain_sample import random_chain
+from chain_sample import add_chain_arguments, random_chain
 from tierflow.exec.memory import (HostMeter, caching_allocator,
                                   configure_host_allocator)
 from tierflow.exec.stage_call import context_tensors, forward_plain, storage_key
@@ -34,9 +34,7 @@ GUARD_LEVEL = 64 << 30  # far above any RSS here: the guard looks every millisec
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="llama-134m")
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--batch-size", type=int, default=4)
+    add_chain_arguments(parser)
     parser.add_argument("--pairs", type=int, default=8)
     parser.add_argument("--stage", type=int, default=1)
     parser.add_argument("--out", type=Path)
