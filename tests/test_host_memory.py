@@ -202,6 +202,49 @@ def _timing_guarded() -> None:
     assert "tierflow-rss-guard-timing" not in names  # each block's guard ended with it
 
 
+def test_a_guard_far_below_its_level_looks_less_often():
+    """A guard looks at the RSS every millisecond only within reach of its margin: 1 GiB
+    below it, it looks again once the RSS could have grown that far (at
+    GUARD_FASTEST_GROWTH), at most GUARD_LONGEST apart. In a fresh process (it replaces
+    the module's RSS reader)."""
+    run_in_fresh_process("test_host_memory", "_guard_looks")
+
+
+def _guard_looks() -> None:
+    from tierflow.exec import memory
+
+    looks = []
+    memory.rss_bytes = lambda: looks.append(1) or 1 << 30  # a steady 1 GiB
+    for above, fewest, most in ((GUARD_MARGIN + (1 << 30), 2, 8), (GUARD_MARGIN + MIB, 30, 400)):
+        looks.clear()
+        with caching_allocator((1 << 30) + above):
+            time.sleep(0.2)
+        assert fewest <= len(looks) <= most, (above, len(looks))
+
+
+def test_rss_reads_what_the_kernel_says_and_a_child_reads_its_own():
+    """rss_bytes keeps /proc/self/statm open; it reads the same as a fresh open of it, and
+    a forked child reads its own RSS, not its parent's."""
+    import os
+
+    def fresh() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    assert abs(rss_bytes() - fresh()) < 8 * MIB  # the parent's reader is open from here
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child touches 128 MiB the parent has not; its reading goes up the pipe
+        grown = bytearray(b"\1") * (128 * MIB)
+        os.write(write, str(rss_bytes() - fresh()).encode())
+        del grown
+        os._exit(0)
+    os.close(write)
+    difference = int(os.read(read, 64))
+    os.waitpid(pid, 0)
+    assert abs(difference) < 8 * MIB  # the parent's RSS would read 128 MiB less
+
+
 def test_fit_times_its_profile_under_the_ram_budget(monkeypatch):
     """``fit`` under a RAM budget times its profile rounds guarded at the budget's level (the
     RSS the budget does not cover, plus the budget). The process's profiles are forgotten

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 
 import torch
 
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 EXACT_THRESHOLD = 1 << 20  # blocks of 1 MiB and more get their own mapping, freed at once
@@ -34,6 +35,12 @@ GUARD_INTERVAL = 0.001  # seconds between the RSS guard's looks at the RSS
 # 5 ms switch interval) at the ~1.5 GB/s this machine faults fresh pages in: it trims this
 # far below the level it holds
 GUARD_MARGIN = 32 << 20
+# the fastest the RSS grows (fresh pages faulted in at the speed of memset): a guard whose
+# RSS is far below its level looks again only once it could have come within the margin,
+# and at least every GUARD_LONGEST seconds. Looking every millisecond, the guard thread
+# took 8% of a core on a 2-core machine (10 s of CPU in 125 s of W1 at 25% of its peak)
+GUARD_FASTEST_GROWTH = 20e9  # bytes per second
+GUARD_LONGEST = 0.05  # seconds
 
 
 class _MallInfo2(ctypes.Structure):
@@ -207,31 +214,41 @@ def _guard(room_ref: weakref.ref, interval: float) -> None:
     level, and again each time it has grown by half the margin since the last trim."""
     trimmed_at: int | None = None  # the RSS right after the last trim of this excursion
     while (room := room_ref()) is not None and _guarded() is room:
-        trimmed, trimmed_at = _trim_near(room.guard_level, trimmed_at)
+        level = room.guard_level
+        trimmed, trimmed_at, rss = _trim_near(level, trimmed_at)
         room.guard_trims += trimmed
         del room
-        time.sleep(interval)
+        time.sleep(_next_look(level, rss, interval))
 
 
 def _guard_until(level: int, done: threading.Event, interval: float) -> None:
     """A guard for ``level`` (as ``_guard``) until ``done`` is set."""
     trimmed_at: int | None = None
     while not done.is_set():
-        _, trimmed_at = _trim_near(level, trimmed_at)
-        done.wait(interval)
+        _, trimmed_at, rss = _trim_near(level, trimmed_at)
+        done.wait(_next_look(level, rss, interval))
 
 
-def _trim_near(level: int, trimmed_at: int | None) -> tuple[bool, int | None]:
+def _trim_near(level: int, trimmed_at: int | None) -> tuple[bool, int | None, int]:
     """One look of a guard: trim when the RSS is within GUARD_MARGIN of ``level`` and, in
     the same excursion, has grown by half the margin since the last trim (the RSS right
-    after it: ``trimmed_at``). Whether it trimmed, and the new ``trimmed_at``."""
+    after it: ``trimmed_at``). Whether it trimmed, the new ``trimmed_at`` and the RSS."""
     rss = rss_bytes()
     if rss <= level - GUARD_MARGIN:
-        return False, None
+        return False, None, rss
     if trimmed_at is None or rss > trimmed_at + GUARD_MARGIN // 2:
         return_free_memory()
-        return True, rss_bytes()
-    return False, trimmed_at
+        after = rss_bytes()
+        return True, after, after
+    return False, trimmed_at, rss
+
+
+def _next_look(level: int, rss: int, interval: float) -> float:
+    """Seconds until a guard's next look: ``interval`` within reach of its margin, longer
+    while the RSS could not come within GUARD_MARGIN of ``level`` sooner at
+    GUARD_FASTEST_GROWTH, at most GUARD_LONGEST."""
+    far = level - GUARD_MARGIN - rss
+    return min(GUARD_LONGEST, max(interval, far / GUARD_FASTEST_GROWTH))
 
 
 def malloc_in_use() -> int | None:
@@ -244,11 +261,20 @@ def malloc_in_use() -> int | None:
     return info.uordblks + info.hblkhd
 
 
+_statm: tuple[int, int] | None = None  # (pid, fd): this process's /proc/self/statm, open
+
+
 def rss_bytes() -> int:
-    """The process's resident set now."""
+    """The process's resident set now: a read of its statm, kept open (opening it took 20
+    of the 22 us a read took, and a guard reads it up to every millisecond); opened again in
+    a forked child, whose /proc/self is another."""
+    global _statm
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        if _statm is None or _statm[0] != os.getpid():
+            if _statm is not None:
+                os.close(_statm[1])
+            _statm = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC))
+        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE_BYTES
     except OSError:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
