@@ -158,8 +158,11 @@ def test_compare_quick_runs_end_to_end():
 
 @pytest.mark.slow
 def test_compare_infeasible_ram_is_one_line():
+    """A --ram that cannot work is refused before plain PyTorch runs (which only the
+    default budget needs beforehand)."""
     proc = run_cli("compare", "--quick", "--ram", "1KiB", timeout=240)
     assert_one_line_error(proc, "smallest")
+    assert "measuring tierflow" in proc.stdout and "plain PyTorch" not in proc.stdout
 
 
 def test_benchmark_report_renders(tmp_path):

@@ -43,7 +43,8 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """``tierflow compare``: plain PyTorch, then tierflow under the budget, in fresh processes."""
+    """``tierflow compare``: plain PyTorch, then tierflow under half its peak, each in a
+    fresh process; with ``--ram``, tierflow under it first."""
     quick = args.quick
     dtype = args.dtype if args.dtype != "auto" else default_matmul_dtype()
     workload = measure.Workload(
@@ -54,11 +55,11 @@ def run(args: argparse.Namespace) -> int:
     print("each configuration runs in a fresh process; peak RSS is measured above the RSS "
           "right after imports", flush=True)
 
-    _progress("plain PyTorch")
-    plain = measure.measure(workload, "plain")
-    _done(plain)
+    # with --ram given, tierflow runs first: a budget that cannot work is refused before
+    # plain PyTorch's run, which only the default budget needs beforehand
+    plain = None if args.ram is not None else _plain(workload)
     budget, chosen = args.ram, "--ram"
-    if budget is None:
+    if plain is not None:
         budget, chosen = plain["peak_above_baseline_bytes"] // 2, "half of plain PyTorch's peak"
     _progress(f"tierflow under ram={format_bytes(budget)} ({chosen})")
     fitted = measure.measure(workload, "tierflow", ram=budget, planner=args.planner)
@@ -74,11 +75,20 @@ def run(args: argparse.Namespace) -> int:
         if fitted["status"] == "infeasible":
             raise measure.ChildUserError(fitted["error"])
     _done(fitted)
+    plain = plain if plain is not None else _plain(workload)
     print()
     print(fitted["explain"])
     print()
     print(comparison_table(plain, fitted, budget))
     return 0
+
+
+def _plain(workload: measure.Workload) -> dict[str, Any]:
+    """Plain PyTorch's run of ``workload``, in a fresh process."""
+    _progress("plain PyTorch")
+    plain = measure.measure(workload, "plain")
+    _done(plain)
+    return plain
 
 
 def _progress(what: str) -> None:
