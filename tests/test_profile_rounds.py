@@ -113,3 +113,33 @@ def test_a_meter_without_a_sampler_starts_no_thread_and_keeps_the_rss_at_its_res
     assert meter.current() == 500
     assert meter.peak() == 900
     assert meter._thread is None
+
+
+@pytest.mark.parametrize("selective_tape, selective_rounds", [
+    (0, 1),  # keeps nothing: the whole stage would be recomputed
+    (100, 1),  # keeps all the whole tape keeps
+    (40, 3),  # keeps less: measured as any variant, and kept
+])
+def test_a_selective_variant_that_keeps_nothing_less_stops_after_its_warm_up(
+        monkeypatch, selective_tape: int, selective_rounds: int) -> None:
+    """The variant's warm-up round tells whether it qualifies (something kept, less than
+    the whole tape); one that does not runs no more rounds and is not part of the cost."""
+    ran = []
+
+    def fake_round(run, meter, ledger, selective=False):
+        ran.append(selective)
+        return profiler._Measured(fwd_time=0.1, bwd_time=0.2, output_bytes=0,
+                                  tape=selective_tape if selective else 100,
+                                  output_in_tape=False, fwd_transient=0,
+                                  fwd_transient_nograd=0, bwd_transient=0, largest_block=0)
+
+    monkeypatch.setattr(profiler, "measure_round", fake_round)
+    monkeypatch.setattr(profiler, "_CACHE", {})
+    model = nn.Sequential(nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    measuring = profiler.Measuring(HostMeter(interval=None), repeats=2, selective=True)
+    costs, _ = profiler.profile_chain(to_chain(model, x), x, {}, AutocastMode.capture("cpu"),
+                                      measuring)
+    assert ran.count(False) == 3 and ran.count(True) == selective_rounds
+    kept = costs[0].selective
+    assert (kept is not None and kept.tape == 40) if selective_rounds > 1 else kept is None

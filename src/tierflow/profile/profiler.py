@@ -219,19 +219,22 @@ def _measure(run: StageRun, measuring: Measuring) -> _Measured:
     """The stage's rounds (``_rounds``) and, when ``measuring.selective`` and the stage is not
     compiled, those of its selective variant: kept when the stage can run so
     (``SelectiveUnsupported``), keeps something (a stage without matmuls that autograd
-    records would recompute all of itself) and less than the whole tape. Its recomputation
-    is timed inside its backward; on an accelerator, where that times the launches only,
-    it is at least what its backward takes beyond the whole tape's backward (that
+    records would recompute all of itself) and less than the whole tape. The variant's
+    warm-up round tells which, and a variant that does not qualify runs no more rounds
+    (W1's fused LM head, whose forward records no matmul, spent 6 rounds and 70% of its
+    profile on a variant it then dropped). Its recomputation is timed inside its backward;
+    on an accelerator, where that times the launches only, it is at least what its backward takes beyond the whole tape's backward (that
     difference alone was noise around zero on 2 cores, and priced the W2 layer's selective
     backward free)."""
     whole = _rounds(run, measuring, False)
     if not measuring.selective or is_compiled(run.stage):
         return whole
     try:
-        part = _rounds(run, measuring, True)
+        part = _rounds(run, measuring, True,
+                       qualifies=lambda first: 0 < first.tape < whole.tape)
     except SelectiveUnsupported:
         return whole
-    if not 0 < part.tape < whole.tape:
+    if part is None or not 0 < part.tape < whole.tape:
         return whole
     recompute = part.recompute_time
     if not isinstance(measuring.meter, HostMeter):
@@ -241,7 +244,8 @@ def _measure(run: StageRun, measuring: Measuring) -> _Measured:
         fwd_transient=part.fwd_transient, bwd_transient=part.bwd_transient))
 
 
-def _rounds(run: StageRun, measuring: Measuring, selective: bool) -> _Measured:
+def _rounds(run: StageRun, measuring: Measuring, selective: bool,
+            qualifies: Callable[[_Measured], bool] | None = None) -> _Measured | None:
     """Memory from ``measuring.repeats`` rounds after a warm-up round (run selectively when
     ``selective``); times (medians) from as many rounds of their own, then from more rounds
     until they took ``measuring.seconds``. The timed rounds run without the host meter's
@@ -249,13 +253,16 @@ def _rounds(run: StageRun, measuring: Measuring, selective: bool) -> _Measured:
     (a context that sets the allocator the steps will run with) after one more warm-up
     round. A meter without a sampler (an accelerator's) times its memory rounds. Memory
     measured apart from times on the host (a RAM budget is at stake) counts tensor bytes
-    too."""
+    too. None, after the warm-up round alone, when ``qualifies`` says that round's
+    measure does not."""
     meter, repeats, timing = measuring.meter, measuring.repeats, measuring.timing
     counted = timing is not None and isinstance(meter, HostMeter) and not is_compiled(run.stage)
     ledger = TensorLedger() if counted else None
     with ledger if ledger is not None else contextlib.nullcontext():
-        memory = [measure_round(run, meter, ledger, selective)
-                  for _ in range(repeats + 1)][1:]
+        warm_up = measure_round(run, meter, ledger, selective)
+        if qualifies is not None and not qualifies(warm_up):
+            return None
+        memory = [measure_round(run, meter, ledger, selective) for _ in range(repeats)]
     clock = timing_meter(meter)
     one = lambda: measure_round(run, clock, None, selective)  # noqa: E731
     timed = list(memory)
