@@ -21,7 +21,7 @@ tell 5% apart. Reported per tree: the median over its rounds of each process's m
 after the first, the median of their peak RAM above the post-import baseline (the trainer's
 `ram` figure), each round's figures, the plan's predicted step and peak (of the first round;
 the peak with what the process held outside the plan, which the measured figure counts too),
-and the ratios of this tree to the base;
+and the ratios of this tree to the base, and the seconds each took to profile and plan;
 for this tree, how far the prediction is off, and for W2 whether the plan `tierflow plan
 --hardware cpu ... --json` prints (fresh process, right after the run) made the same
 decisions (`Plan.decisions`: strategy, recomputed and stashed stages, what streams where,
@@ -98,7 +98,8 @@ def train_records(tree: Path, model: str, batch: int, ram: str, steps: int, data
 def train(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
           work: Path, dtype: str) -> dict:
     """One `tierflow train` run of ``tree``'s source in a fresh process: its median step
-    after the first, its peak, its plan's predictions and decisions."""
+    after the first, its peak, its plan's predictions and decisions, and the seconds from
+    its dataset's log record to its plan's (the profile and the planning)."""
     records = train_records(tree, model, batch, ram, steps, data, work, dtype)
     if "error" in records:
         return records
@@ -109,7 +110,8 @@ def train(tree: Path, model: str, batch: int, ram: str, steps: int, data: Path,
            "peak_gib": round(max(r["ram_bytes"] for r in records["train"]) / GIB, 3),
            "predicted_step_s": round(plan["predicted_step_s"], 3),
            "predicted_peak_gib": round(predicted_ram_peak(plan) / GIB, 3),
-           "held_outside_the_plan_gib": round(plan.get("held_outside_the_plan", 0) / GIB, 3)}
+           "held_outside_the_plan_gib": round(plan.get("held_outside_the_plan", 0) / GIB, 3),
+           "planning_s": round(plan["time"] - records["dataset"][0]["time"], 1)}
     if "decisions" in plan:  # trees that log them
         row["decisions"] = plan["decisions"]
     return row
@@ -258,19 +260,21 @@ def write(result: dict, path: Path) -> None:
              "`benchmarks/against_base.py`.", "",
              "| workload | budget | base step s | head step s | head/base | base peak GiB | "
              "head peak GiB | head/base | head PREDICTED step s (off) | PREDICTED peak GiB "
-             "(off) | `tierflow plan` the same plan (analytic; --measure) | rounds' spread, base / head |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(off) | `tierflow plan` the same plan (analytic; --measure) | rounds' spread, base / head "
+             "| profile and plan s, base / head |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b, h = r["base"], r["head"]
         if "step_s" not in b or "step_s" not in h:
             lines.append(f"| {r['workload']} | {r['budget']} | {b.get('error', '')} | "
-                         f"{h.get('error', '')} | | | | | | | | |")
+                         f"{h.get('error', '')} | | | | | | | | | |")
             continue
         lines.append(f"| {r['workload']} | {r['budget']} ({r['ram']}) | {b['step_s']} | "
                      f"{h['step_s']} | {r['step_ratio']} | {b['peak_gib']} | {h['peak_gib']} "
                      f"| {r['peak_ratio']} | {h['predicted_step_s']} ({r['step_error']:+.0%}) | "
                      f"{h['predicted_peak_gib']} ({r['peak_error']:+.0%}) | "
-                     f"{_same(r, 'plan_command')}; {_same(r, 'plan_measured')} | {_spread(b)} / {_spread(h)} |")
+                     f"{_same(r, 'plan_command')}; {_same(r, 'plan_measured')} | {_spread(b)} / {_spread(h)} "
+                     f"| {b.get('planning_s', '-')} / {h.get('planning_s', '-')} |")
     path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -181,6 +181,22 @@ def test_the_optimizer_probe_is_no_larger_than_the_model():
     assert probe_numel(64 * MIB, 10**9) == probe_numel(64 * MIB) < high  # the budget's share
 
 
+def test_the_optimizer_probe_fits_the_room_the_budget_leaves():
+    """Its larger step's peak (PROBE_BYTES_PER_ELEMENT a element) stays within a quarter of
+    the budget and half of what the budget leaves free when it runs, below PROBE_NUMEL's
+    lower bound too: a 64 MiB budget of which a tiny model's run held 40 MiB by then was
+    passed by 1.2-4.3 MiB when the lower bound won (`tierflow compare --quick`)."""
+    from tierflow.profile.optimizer_probe import (PROBE_BYTES_PER_ELEMENT, PROBE_LEAST,
+                                                  PROBE_NUMEL, probe_numel)
+    low, _ = PROBE_NUMEL
+    peak = lambda numel: 4 * numel * PROBE_BYTES_PER_ELEMENT  # noqa: E731
+    assert probe_numel(16 * MIB) < low and peak(probe_numel(16 * MIB)) <= 4 * MIB
+    assert probe_numel(64 * MIB, 10**6, room=24 * MIB) < probe_numel(64 * MIB, 10**6)
+    assert peak(probe_numel(64 * MIB, 10**6, room=24 * MIB)) <= 12 * MIB
+    assert probe_numel(1 << 30, room=1 << 30) == probe_numel(1 << 30)  # the budget binds
+    assert probe_numel(1 << 30, room=0) == PROBE_LEAST
+
+
 @pytest.mark.parametrize("mib, small, large, per_byte, fixed", [
     # (RSS peak, peak of the step's tensors) per step, in MiB; a tensor peak of None: as a
     # device's allocator counts, the RSS's

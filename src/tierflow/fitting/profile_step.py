@@ -58,11 +58,15 @@ def profile_and_place(model: nn.Module, sample: Any, request: FitRequest,
 
 def _timed_update_rates(start: FitStart, params: list[nn.Parameter],
                         optimizer: OptimizerFactory) -> UpdateRates:
-    """``update_rates`` (once, for every plan), saying how long its probes took (seconds on
-    a large model: a compiled kernel's first step among them)."""
+    """``update_rates`` (once, for every plan) within the room the budget leaves now,
+    saying how long its probes took (seconds on a large model: a compiled kernel's first
+    step among them)."""
     began = time.perf_counter()
-    rates = update_rates(params, optimizer, start.device, meter_for(start.device),
-                         start.budget, start.lower)
+    meter = meter_for(start.device)
+    room = None if start.budget is None else \
+        start.budget - (meter.current() - start.outside_budget)
+    rates = update_rates(params, optimizer, start.device, meter, start.budget, start.lower,
+                         room)
     start.say(f"measured the optimizer's updates in {time.perf_counter() - began:.1f} s")
     return rates
 

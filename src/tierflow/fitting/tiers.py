@@ -36,17 +36,19 @@ OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 def update_rates(params: Iterable[nn.Parameter], optimizer: OptimizerFactory,
                  device: torch.device, meter: Any, budget: int | None,
-                 lower: list[LowerTier]) -> UpdateRates:
+                 lower: list[LowerTier], room: int | None = None) -> UpdateRates:
     """What the optimizer's updates cost, from probes of it on scratch parameters of the
     trainable ``params``' dtype: on the compute tier and, where host RAM is a tier below a
     GPU, in that RAM (simulated: the same CPU, so the same rate, and on the cores that
     compute, so hidden behind nothing). ``fit`` measures them once,
     whatever number of plans it makes (a probe of a large model takes seconds: 4M and 16M
-    elements stepped)."""
+    elements stepped). The probe's scratch parameters are sized within the compute tier's
+    ``budget`` and the ``room`` it leaves free now (``probe_numel``)."""
     trainable = [p for p in params if p.requires_grad]
     dtype = trainable[0].dtype if trainable else torch.float32
     model_numel = sum(p.numel() for p in trainable)
-    probe = probe_optimizer(optimizer, device, meter, probe_numel(budget, model_numel), dtype)
+    probe = probe_optimizer(optimizer, device, meter, probe_numel(budget, model_numel, room),
+                            dtype)
     host_rate = None  # the optimizer in the host RAM below a GPU (simulated: the same CPU)
     if any(t.name == "ram" for t in lower):
         host_rate = probe.seconds_per_byte if device.type == "cpu" else probe_optimizer(

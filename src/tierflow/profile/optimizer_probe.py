@@ -28,13 +28,15 @@ GROWING = 1.4
 # slice (48.5 to 64.5 MiB from 16 to 64 MiB)
 GROWTH_PER_BYTE = 0.5
 
-PROBE_SHARE = 4  # the optimizer probe's scratch parameters take 1/PROBE_SHARE of the budget
+PROBE_SHARE = 4  # the probe's larger step takes at most 1/PROBE_SHARE of the budget...
+ROOM_SHARE = 2  # ... and 1/ROOM_SHARE of what the budget leaves free when it runs
 # the probe's peak per element of its larger step: parameter, gradient, moments, a master
 # copy and temporaries, fp32 but for the parameter and its gradient (measured for tierflow's
 # AdamW with fp32 or bf16 weights: about 24 bytes, beyond some 75 MiB that a process's first
 # optimizer step allocates whatever its size)
 PROBE_BYTES_PER_ELEMENT = 24
-PROBE_NUMEL = (1 << 18, 1 << 22)  # its elements, at least (1 MiB fp32) and at most
+PROBE_NUMEL = (1 << 18, 1 << 22)  # its elements, at least (1 MiB fp32) and at most...
+PROBE_LEAST = 1 << 12  # ... but for a budget's room too small for the least: then this
 
 
 
@@ -165,15 +167,21 @@ def _probe_step(factory: OptimizerFactory, device: torch.device,
     return _Step(state, seconds, transient, probe.nbytes, tensors)
 
 
-def probe_numel(budget: int | None, model_numel: int | None = None) -> int:
-    """Elements of the optimizer probe's smaller step (its larger one has 4x): as many as
-    keep its peak within a share of ``budget`` (it runs before the plan, and the process's
-    high-water mark is what a RAM budget is checked against), and no more than make the
-    larger step the size of a model of ``model_numel`` trainable elements (a small model's
-    updates are priced at its own size, not at 16M elements'), between PROBE_NUMEL's bounds."""
+def probe_numel(budget: int | None, model_numel: int | None = None,
+                room: int | None = None) -> int:
+    """Elements of the optimizer probe's smaller step (its larger one has 4x): no more than
+    make the larger step the size of a model of ``model_numel`` trainable elements (a small
+    model's updates are priced at its own size, not at 16M elements'), between PROBE_NUMEL's
+    bounds, and as many as keep its peak within 1/PROBE_SHARE of ``budget`` and 1/ROOM_SHARE
+    of ``room``, the bytes the budget leaves free when it runs, below the lower bound too:
+    it runs before the plan, and the process's high-water mark is what a RAM budget is
+    checked against (sized to the budget alone, whatever was in use, and with the lower
+    bound above it, the probe took `tierflow compare --quick` 2-7% past its 64 MiB budget
+    before its steps ran)."""
     low, high = PROBE_NUMEL
-    if budget is not None:
-        high = min(high, budget // PROBE_SHARE // (4 * PROBE_BYTES_PER_ELEMENT))
     if model_numel is not None:
-        high = min(high, -(-model_numel // 4))
-    return max(low, high)
+        high = max(low, min(high, -(-model_numel // 4)))
+    for bytes_, share in ((budget, PROBE_SHARE), (room, ROOM_SHARE)):
+        if bytes_ is not None:
+            high = min(high, max(PROBE_LEAST, bytes_ // share // (4 * PROBE_BYTES_PER_ELEMENT)))
+    return high
