@@ -22,34 +22,44 @@ TRANSIENT_SLACK = 8 * MIB
 
 def measured_costs(out: str) -> None:
     """The costs ``tierflow plan --measure`` plans on, written to ``out`` (a fresh process)."""
-    from tierflow.precision.config import PrecisionConfig
     from tierflow.sim.measured import measure
     from tierflow.sim.setup import Setup
     from tierflow.sim.shapes import load_shape
     from test_tiered_prediction import CPU  # measuring reads no hardware profile
 
     setup = Setup(shape=load_shape(MODEL), hardware=CPU, seq=SEQ, batch=BATCH, ram=RAM,
-                  disk=True, precision=PrecisionConfig("fp32", "fp32", "fp32", "bf16"))
+                  disk=True, precision=_precision())
     measured = measure(MODEL, setup)
     Path(out).write_text(json.dumps({chunk: c.to_dict() for chunk, c in
                                      measured.costs.items()}))
 
 
+def _precision():
+    """`tierflow train`'s default precision on this machine: fp32 weights, the matmuls in
+    bf16 (autocast) where the CPU multiplies bf16 natively, else in fp32 (on AVX2 alone
+    bf16 runs a scalar fallback, and this test took a minute of the suite)."""
+    from tierflow.precision.config import PrecisionConfig
+    from tierflow.profile.machine import default_matmul_dtype
+
+    return PrecisionConfig("fp32", "fp32", "fp32", default_matmul_dtype())
+
+
 def fitted_costs(out: str, disk: str) -> None:
-    """The costs ``fit`` plans the whole model on, as `tierflow train` calls it (weights
-    fp32, bf16 autocast, tierflow's AdamW, a RAM budget over a disk tier), to ``out``."""
+    """The costs ``fit`` plans the whole model on, as `tierflow train` calls it (fp32
+    weights, its default matmul dtype, tierflow's AdamW, a RAM budget over a disk tier), to
+    ``out``."""
     import torch
 
     from tierflow import fit
     from tierflow.models.load import random_init
     from tierflow.precision import make_optimizer
-    from tierflow.precision.config import PrecisionConfig
 
     model = random_init(MODEL, vocab_size=None, dtype=torch.float32, seed=0)
     window = torch.zeros(BATCH, SEQ + 1, dtype=torch.long)
     sample = {"input_ids": window[:, :-1], "shift_labels": window[:, 1:]}
-    precision = PrecisionConfig("fp32", "fp32", "fp32", "bf16")
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    precision = _precision()
+    with torch.autocast("cpu", dtype=torch.bfloat16,
+                        enabled=precision.matmul_dtype == "bf16"):
         module = fit(model, sample, ram=RAM, disk=disk,
                      optimizer=lambda ps: make_optimizer([{"params": list(ps)}], precision,
                                                          lr=1e-4))
