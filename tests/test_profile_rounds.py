@@ -18,6 +18,24 @@ from tierflow.exec.memory import HostMeter
 from tierflow.profile import profiler
 
 
+def _round(fwd: float, bwd: float, tape: int = 0) -> profiler._Measured:
+    """A round's measure: its times and tape, nothing else held."""
+    return profiler._Measured(fwd_time=fwd, bwd_time=bwd, output_bytes=0, tape=tape,
+                              output_in_tape=False, fwd_transient=0, fwd_transient_nograd=0,
+                              bwd_transient=0, largest_block=0)
+
+
+def _profile_linear(monkeypatch, measuring: profiler.Measuring, fake_round) -> profiler.StageCost:
+    """The cost of one linear stage profiled with ``measuring``, its rounds ``fake_round``."""
+    monkeypatch.setattr(profiler, "measure_round", fake_round)
+    monkeypatch.setattr(profiler, "_CACHE", {})
+    model = nn.Sequential(nn.Linear(8, 8))
+    x = torch.randn(4, 8)
+    costs, _ = profiler.profile_chain(to_chain(model, x), x, {}, AutocastMode.capture("cpu"),
+                                      measuring)
+    return costs[0]
+
+
 def _profile(monkeypatch, measuring: profiler.Measuring, times: list[tuple[float, float]],
              samplers: list[bool] | None = None) -> tuple[profiler.StageCost, int]:
     """The first stage's cost when its rounds take ``times`` (forward, backward seconds), one
@@ -30,18 +48,10 @@ def _profile(monkeypatch, measuring: profiler.Measuring, times: list[tuple[float
         next(calls)
         if samplers is not None:
             samplers.append(isinstance(meter, HostMeter) and meter.interval is not None)
-        fwd, bwd = next(rounds)
-        return profiler._Measured(fwd_time=fwd, bwd_time=bwd, output_bytes=0, tape=0,
-                                  output_in_tape=False, fwd_transient=0,
-                                  fwd_transient_nograd=0, bwd_transient=0, largest_block=0)
+        return _round(*next(rounds))
 
-    monkeypatch.setattr(profiler, "measure_round", fake_round)
-    monkeypatch.setattr(profiler, "_CACHE", {})
-    model = nn.Sequential(nn.Linear(8, 8))
-    x = torch.randn(4, 8)
-    costs, _ = profiler.profile_chain(to_chain(model, x), x, {}, AutocastMode.capture("cpu"),
-                                      measuring)
-    return costs[0], next(calls)
+    cost = _profile_linear(monkeypatch, measuring, fake_round)
+    return cost, next(calls)
 
 
 def test_without_seconds_the_repeats_after_a_warm_up_are_timed(monkeypatch) -> None:
@@ -128,18 +138,9 @@ def test_a_selective_variant_that_keeps_nothing_less_stops_after_its_warm_up(
 
     def fake_round(run, meter, ledger, selective=False):
         ran.append(selective)
-        return profiler._Measured(fwd_time=0.1, bwd_time=0.2, output_bytes=0,
-                                  tape=selective_tape if selective else 100,
-                                  output_in_tape=False, fwd_transient=0,
-                                  fwd_transient_nograd=0, bwd_transient=0, largest_block=0)
+        return _round(0.1, 0.2, selective_tape if selective else 100)
 
-    monkeypatch.setattr(profiler, "measure_round", fake_round)
-    monkeypatch.setattr(profiler, "_CACHE", {})
-    model = nn.Sequential(nn.Linear(8, 8))
-    x = torch.randn(4, 8)
     measuring = profiler.Measuring(HostMeter(interval=None), repeats=2, selective=True)
-    costs, _ = profiler.profile_chain(to_chain(model, x), x, {}, AutocastMode.capture("cpu"),
-                                      measuring)
+    kept = _profile_linear(monkeypatch, measuring, fake_round).selective
     assert ran.count(False) == 3 and ran.count(True) == selective_rounds
-    kept = costs[0].selective
     assert (kept is not None and kept.tape == 40) if selective_rounds > 1 else kept is None
