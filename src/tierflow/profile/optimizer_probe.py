@@ -36,7 +36,11 @@ ROOM_SHARE = 2  # ... and 1/ROOM_SHARE of what the budget leaves free when it ru
 # optimizer step allocates whatever its size)
 PROBE_BYTES_PER_ELEMENT = 24
 PROBE_NUMEL = (1 << 18, 1 << 22)  # its elements, at least (1 MiB fp32) and at most...
-PROBE_LEAST = 1 << 12  # ... but for a budget's room too small for the least: then this
+# ... but for a budget's room too small for the least: then this, whose larger step (4x, 1 MiB
+# of bf16) has tensors of EXACT_THRESHOLD and more, each in a mapping of its own that the RSS
+# sees exactly; below it they share malloc's heap, and a probe of 22K elements priced torch's
+# AdamW at 2 to 8.5 bytes per byte from one fit to the next (a smallest budget 1-2 MiB apart)
+PROBE_LEAST = 1 << 17
 
 
 
