@@ -147,15 +147,16 @@ def test_the_gpu_planner_prices_states_of_the_trainable_parameters_only():
     optimizer state off the GPU, RAM holds the trainable ones' states alone. (Llama-3.2-1B
     on 8 GiB places them as Llama-3-8B on 24 GiB does, in half the time: 11 s against 24.)"""
     h100 = PUBLISHED["h100-sxm"]
+    shape = load_shape("llama3.2-1b")
     sel = selection_for("llama3.2-1b", None, "model.layers.1[45].*,lm_head.*")
-    base = dict(shape=load_shape("llama3.2-1b"), hardware=h100, seq=4096, batch=1,
+    base = dict(shape=shape, hardware=h100, seq=4096, batch=1,
                 gpu=8 * 2 ** 30, ram=200 * 2 ** 30)
     full = predict(Setup(**base)).placement
     tuned = predict(Setup(**base, selection=sel)).placement
     assert tuned.peaks["ram"] < full.peaks["ram"]
     per = default_precision(h100).bytes_per_parameter()
     assert full.peaks["ram"] - tuned.peaks["ram"] >= 0.9 * per.optimizer_state * (
-        load_shape("llama3.2-1b").total_params() - sel.total)
+        shape.total_params() - sel.total)
     assert full.optimizer.resident == 0
 
 
