@@ -131,3 +131,42 @@ def test_a_model_whose_layers_differ_is_not_measured(monkeypatch):
     monkeypatch.setattr(measured, "model_config", lambda spec: config)
     with pytest.raises(TierflowError, match="its layers differ"):
         measured._one_layer_model("llama-tiny", None)
+
+
+
+def test_after_a_training_run_plan_measure_prints_the_plan_it_ran(train_env, tmp_path,
+                                                                  capsys):
+    """`tierflow train` keeps what it measured (profile/kept_profiles.py); `tierflow plan
+    --measure` of the same run plans on that, under the trainer's budget (--ram less what
+    its process held outside the plan), and prints the plan the run ran: its decisions (what
+    goes to the disk tier among them), its predicted step."""
+    import torch
+    from cli_support import fp32_train_args, records
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        # 13M parameters: their weights and AdamW states alone take 149 MiB, so at 160 MiB
+        # (with the runtime's 16) some go to the disk tier whatever the process held before
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=304, hidden_size=512, intermediate_size=1408,
+                             num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, max_position_embeddings=512)
+        LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    run = fp32_train_args(train_env, tmp_path / "run", 1, "--ram", "160MiB",
+                          "--disk", str(disk))
+    run[run.index("--model") + 1], run[run.index("--seq-len") + 1] = str(tmp_path / "model"), "128"
+    code, _, err = run_main(*run, capsys=capsys)
+    assert code == 0, err
+    [ran] = records(tmp_path / "run" / "log.jsonl", "plan")
+    assert ran["decisions"]["transfer_ops"]  # what moves to the disk tier varies by process
+    code, out, err = run_main("plan", "--model", str(tmp_path / "model"), "--hardware", "cpu",
+                              "--ram", "160MiB", "--disk", str(disk), "--seq-len", "128",
+                              "--batch-size", "2", "--matmul-dtype", "fp32", "--measure",
+                              "--json", capsys=capsys)
+    assert code == 0, err
+    prediction = json.loads(out)
+    assert prediction["costs"] == "trainer"
+    assert prediction["placement"]["decisions"] == ran["decisions"]
+    assert prediction["step_time"] == pytest.approx(ran["predicted_step_s"], rel=1e-9)

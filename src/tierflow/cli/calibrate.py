@@ -16,7 +16,8 @@ def register(sub: Any) -> None:
         description="Measure this machine's peak matmul rate per dtype, memcpy and disk read "
                     "and write rates, cache them as the cpu hardware profile of tierflow plan "
                     "and print them. The stage, optimizer, disk and link timings that train "
-                    "and plan --measure kept are forgotten: the next run measures them again.")
+                    "and plan --measure kept, and the measurements training runs kept for "
+                    "plan --measure, are forgotten: the next run measures them again.")
     cal.add_argument("--disk", type=Path, default=None, metavar="DIR",
                      help="where to time the disk (default: the tierflow cache directory)")
     cal.set_defaults(func=run)
@@ -25,12 +26,14 @@ def register(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Measure, cache and print the cpu profile."""
     from ..core.units import section
+    from ..profile.kept_profiles import forget_profiles
     from ..profile.machine import forget_timings
     from ..sim.calibrate import calibrate
     if args.disk is not None and not args.disk.is_dir():
         raise TierflowError(f"--disk {args.disk} is not a directory: create it or give "
                             "another one")
     forget_timings()
+    forget_profiles()
     hw = calibrate(args.disk)
     print(section("Calibration (cpu profile, cached)", [
         ("machine", hw.about),

@@ -28,11 +28,14 @@ def register(sub: Any) -> None:
                     "sequence), each with its predicted tok/s.")
     add_setup_arguments(plan, lists=False)
     plan.add_argument("--measure", action="store_true",
-                      help="measure the model's stages on this machine as tierflow train "
-                           "does before it plans (a copy with one decoder layer, random "
-                           "weights; minutes for a 1B model), and with --disk the directory's "
-                           "bandwidth, instead of pricing them from the calibrated rates: "
-                           "the plan train would make here (--hardware cpu only)")
+                      help="plan on this machine's measurements instead of the calibrated "
+                           "rates (--hardware cpu only): after a tierflow train run of the "
+                           "same model, sequence, batch, precision and --ram here, on what "
+                           "that run measured and kept (its plan, to the byte); else on the "
+                           "model's stages measured now as the trainer measures them (a copy "
+                           "with one decoder layer, random weights; minutes for a 1B model) "
+                           "and, with --disk, the directory's bandwidth: the plan train "
+                           "would make here")
     plan.set_defaults(func=run)
 
 
@@ -76,11 +79,25 @@ def check_measurable(args: argparse.Namespace) -> None:
 
 
 def measured_setup(args: argparse.Namespace, setup: Any) -> Any:
-    """``setup`` with its chain's costs and update rates measured here (``sim/measured.py``)
-    and, with ``--disk DIR``, that directory's read and write rates as the trainer measures
-    them."""
+    """``setup`` planned on what ``tierflow train`` measured for this run here, where it
+    kept that (``profile/kept_profiles.py``): its chain's costs, its optimizer's rates, its
+    disk tier's rates and the bytes of --ram its process held outside the plan, so that
+    the plan printed is the plan it ran. Else measured now (``sim/measured.py``) and, with
+    ``--disk DIR``, that directory's read and write rates as the trainer measures them."""
+    from ..profile.kept_profiles import RunShape, kept_profile
     from ..profile.machine import disk_tier_bandwidth
     from ..sim.measured import measure
+    kept = kept_profile(RunShape(setup.shape.architecture(), setup.batch, setup.seq,
+                                 setup.run_precision.to_dict(), setup.ram, setup.disk))
+    if kept is not None:
+        measured = kept.measured
+        costs = {chunk: replace(c, extra={**c.extra, "head chunk": chunk})
+                 for chunk, c in measured.costs.items()}
+        origin = f"tierflow train here on {kept.date} (kept in {kept.path})"
+        disk_bw = measured.disk_rates if args.disk is not None and measured.disk_rates \
+            else setup.disk_bw
+        return replace(setup, measured=replace(measured, costs=costs, origin=origin),
+                       disk_bw=disk_bw)
     if args.disk is not None:
         setup = replace(setup, disk_bw=disk_tier_bandwidth(args.disk))
     return replace(setup, measured=measure(args.model, setup))

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..chain.base import Chain
 from ..core.errors import TierflowError
+from ..plan.measured import Measured
 from ..plan.ops import TRANSFERS, Collective, Load, Reduce, Stash
 from ..plan.plan import Plan
 from ..plan.reductions import Reductions
@@ -58,6 +59,10 @@ class TierflowModule(nn.Module):
     stage's parameters are updated inside ``backward()`` as soon as their gradients are
     complete, and the gradients are freed (there is then nothing left to step).
     """
+
+    # what fit measured before it planned, when it owns the optimizer (plan/measured.py):
+    # planned again under the same budgets, it makes this plan
+    measured: Measured | None = None
 
     def __init__(self, model: nn.Module, chain: Chain, plan: Plan, executors: Executors):
         super().__init__()

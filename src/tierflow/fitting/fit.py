@@ -63,7 +63,8 @@ def fit(model: nn.Module, sample: Any, *, ram: int | str | None = None,
                          verbose=verbose, baseline=baseline, planner=planner)
     check_model(model, sample)
     start = start_fit(model, sample, request)  # the tiers, and where the weights wait
-    chain, placed = profile_and_place(model, sample, request, start)
+    chain, placed, measured = profile_and_place(model, sample, request, start)
     module = build_module(model, chain, placed, request, start)
+    module.measured = measured
     hold_to_budget(request, start)  # under FitConfig(enforce=True): the kernel holds the budget
     return module

@@ -20,6 +20,7 @@ from ..exec.memory import caching_allocator, meter_for, return_free_memory
 from ..exec.optimizer import OptimizerFactory
 from ..plan.choose import fastest_plan
 from ..plan.costs import ChainCosts
+from ..plan.measured import Measured
 from ..plan.tier_candidates import UpdateRates
 from ..plan.tier_search import LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK, TierPlan, auto_head_chunk
 from ..profile.head_chunk import head_profile_bytes
@@ -30,23 +31,27 @@ from .tiers import PlacedTiers, place, update_rates
 
 
 def profile_and_place(model: nn.Module, sample: Any, request: FitRequest,
-                      start: FitStart) -> tuple[Chain, TierPlan]:
-    """The chain and its plan: profiled and planned with the LM head's chunk size of the
-    config, or the better of a large and a small one (``auto_head_chunk``); a BudgetError
-    of the compute tier names the budget a new process should give."""
+                      start: FitStart) -> tuple[Chain, TierPlan, Measured | None]:
+    """The chain, its plan and what was measured to plan it (None: the caller steps its own
+    optimizer): profiled and planned with the LM head's chunk size of the config, or the
+    better of a large and a small one (``auto_head_chunk``); a BudgetError of the compute
+    tier names the budget a new process should give."""
     rates = None if request.optimizer is None else functools.cache(functools.partial(
         _timed_update_rates, start, list(model.parameters()), request.optimizer))
+    profiled: dict[int, ChainCosts] = {}  # per LM-head chunk tried
 
     def attempt(head_chunk_tokens: int) -> tuple[Chain, TierPlan]:
-        return _profile_and_plan(model, sample, request, start, rates, head_chunk_tokens)
+        return _profile_and_plan(model, sample, request, start, rates, head_chunk_tokens,
+                                 profiled)
 
     try:
         if request.config.head_chunk_tokens is not None:
-            return attempt(request.config.head_chunk_tokens)
-        in_use = meter_for(start.device).current() - start.outside_budget
-        return auto_head_chunk(attempt, lambda result: result[1],
-                               large_head_chunk_fits(model, sample, start.budget, in_use,
-                                                     start.say))
+            chain, placed = attempt(request.config.head_chunk_tokens)
+        else:
+            in_use = meter_for(start.device).current() - start.outside_budget
+            chain, placed = auto_head_chunk(
+                attempt, lambda result: result[1],
+                large_head_chunk_fits(model, sample, start.budget, in_use, start.say))
     except BudgetError as e:
         if e.tier == start.tier:  # its smallest holds what this process measured
             keyword = "ram" if start.tier == "ram" else "gpu"
@@ -54,6 +59,10 @@ def profile_and_place(model: nn.Module, sample: Any, request: FitRequest,
                       f"differently: there give {keyword}=\"{budget_to_give(e.smallest)}\" "
                       "or more",)
         raise
+    if rates is None:
+        return chain, placed, None
+    disk = [(t.read_bytes_per_s, t.write_bytes_per_s) for t in start.lower if t.name == "disk"]
+    return chain, placed, Measured(dict(profiled), rates(), disk[0] if disk else None)
 
 
 def _timed_update_rates(start: FitStart, params: list[nn.Parameter],
@@ -72,12 +81,12 @@ def _timed_update_rates(start: FitStart, params: list[nn.Parameter],
 
 
 def _profile_and_plan(model: nn.Module, sample: Any, request: FitRequest, start: FitStart,
-                      rates: Callable[[], UpdateRates] | None,
-                      head_chunk_tokens: int) -> tuple[Chain, TierPlan]:
+                      rates: Callable[[], UpdateRates] | None, head_chunk_tokens: int,
+                      profiled: dict[int, ChainCosts]) -> tuple[Chain, TierPlan]:
     """Cut the model into a chain with LM-head chunks of ``head_chunk_tokens``, measure its
-    stages and plan the step under the budget. Growth of the meter since fit began is the
-    runtime's resident share. ``rates``: the owned optimizer's update rates (None: the
-    caller steps its own)."""
+    stages (their costs go into ``profiled``) and plan the step under the budget. Growth of
+    the meter since fit began is the runtime's resident share. ``rates``: the owned
+    optimizer's update rates (None: the caller steps its own)."""
     device, config, say = start.device, request.config, start.say
     meter = meter_for(device)
     offloaded = start.offloaded
@@ -102,6 +111,7 @@ def _profile_and_plan(model: nn.Module, sample: Any, request: FitRequest, start:
         return_free_memory()
     runtime = max(0, meter.current() - start.before)
     costs = _chain_costs(model, x0, ctx, stage_costs, shared, runtime, request, start)
+    profiled[head_chunk_tokens] = costs
     if rates is None:
         return chain, TierPlan(fastest_plan(costs, start.budget, config, tier=start.tier), None)
     tiers = PlacedTiers(start.tier, tuple(start.lower), start.weights_from, request.deferred,

@@ -35,12 +35,13 @@ from ..exec.memory import (
 from ..fitting.profile_step import large_head_chunk_fits
 from ..models.load import build_random
 from ..plan.costs import ChainCosts
+from ..plan.measured import Measured
 from ..plan.tier_candidates import UpdateRates
 from ..plan.tier_search import LARGE_HEAD_CHUNK, SMALL_HEAD_CHUNK
 from ..precision import make_optimizer
 from ..profile.optimizer_probe import probe_numel, probe_optimizer
 from ..profile.profiler import Measuring, held_inputs, profile_chain
-from .setup import Measured, Setup
+from .setup import Setup
 from .shapes import model_config
 
 # config fields whose layers differ from one another: one measured layer cannot price them

@@ -37,8 +37,7 @@ class Prediction:
     mfu: float  # model FLOP/s over the dense peak of the matmul dtype
     matmul_dtype: str
     peak_flops: float  # the dense peak MFU is measured against
-    # where the stages' costs came from: "analytic" (shape and hardware profile) or
-    # "measured" (``tierflow plan --measure``: a one-layer copy run here, sim/measured.py)
+    # where the stages' costs came from (``costs_kind``): "analytic", "measured" or "trainer"
     costs: str = "analytic"
 
     def to_json(self) -> str:
@@ -66,4 +65,13 @@ def predict(setup: Setup, *, smallest_budgets: bool = True) -> Prediction:
                       tokens_per_second=tok_s,
                       mfu=tok_s * flops_token / hw.flops(prec.matmul_dtype),
                       matmul_dtype=prec.matmul_dtype, peak_flops=hw.flops(prec.matmul_dtype),
-                      costs="analytic" if setup.measured is None else "measured")
+                      costs=costs_kind(setup))
+
+
+def costs_kind(setup: Setup) -> str:
+    """Where ``setup``'s costs come from: "analytic" (the shape and the hardware profile),
+    "measured" (a one-layer copy run by `tierflow plan --measure`) or "trainer" (what a
+    run of `tierflow train` measured here and kept)."""
+    if setup.measured is None:
+        return "analytic"
+    return "trainer" if setup.measured.origin else "measured"

@@ -10,6 +10,11 @@ from .predict import Prediction
 MEASURED = ("every stage measured here as tierflow train measures it before it plans (a copy "
             "with one decoder layer and random weights; every layer priced at that one), the "
             "optimizer probed as the trainer probes it")
+TRAINER = ("every stage, the optimizer and the disk tier as a run of tierflow train measured "
+           "them here before it planned, and its budget: the plan that run made")
+EFFICIENCY = {"measured": MEASURED, "trainer": TRAINER}
+RAN = {"measured": "a one-layer copy ran to measure it",
+       "trainer": "planned on a training run's measurements"}
 
 
 def _budget(value: int | None) -> str:
@@ -36,7 +41,7 @@ def plan_text(pred: Prediction, hw: Hardware) -> str:
                          f"a backward" if pred.forward_only else ""))]
           if pred.selection else []),
         ("hardware", f"{hw.name}: {hw.about}"),
-        ("efficiency", MEASURED if pred.costs == "measured" else "; ".join(hw.notes)),
+        ("efficiency", EFFICIENCY.get(pred.costs) or "; ".join(hw.notes)),
         ("precision", pred.precision),
         ("tokens per step",
          f"{pred.tokens_per_step:,} ({pred.batch} x {pred.grad_accum} x {pred.seq})"),
@@ -62,9 +67,7 @@ def plan_text(pred: Prediction, hw: Hardware) -> str:
              ("bottleneck", pl.bottleneck),
              ("smallest budgets", smallest_text(pl.smallest, pl.budgets))]
     rows += [("note", note) for note in pl.notes]
-    ran = "a one-layer copy ran to measure it" if pred.costs == "measured" else \
-        "nothing was run"
-    return section(f"Plan: PREDICTED, {ran}", rows)
+    return section(f"Plan: PREDICTED, {RAN.get(pred.costs, 'nothing was run')}", rows)
 
 
 def smallest_text(smallest: dict[str, int | None], budgets: dict[str, int | None]) -> str:

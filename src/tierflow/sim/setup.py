@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..plan.costs import ChainCosts
-from ..plan.tier_candidates import UpdateRates
+from ..plan.measured import Measured
 from ..precision.config import PrecisionConfig
 from .hardware import Hardware
 from .selection import Selection
@@ -23,16 +22,6 @@ def default_precision(hw: Hardware) -> PrecisionConfig:
         return PrecisionConfig("bf16", "fp32", "fp32", "bf16")
     matmul = "bf16" if hw.peak_flops.get("bf16", 0.0) > hw.flops("fp32") else "fp32"
     return PrecisionConfig("fp32", "fp32", "fp32", matmul)
-
-
-@dataclass(frozen=True)
-class Measured:
-    """What ``tierflow plan --measure`` measured of a model on this machine, as ``fit``
-    measures it before it plans (``measured.py``): the chain's costs for each LM-head chunk
-    size (tokens) the trainer would try, and the optimizer's update rates."""
-
-    costs: dict[int, ChainCosts]
-    rates: UpdateRates
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ GPT-NeoX); other families' counts are close, not exact. A model without attentio
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,11 @@ class ModelShape:
     rope_dim: int = 0  # per-head query/key dimensions with and without rotary embedding
     nope_dim: int = 0
     v_dim: int = 0
+
+    def architecture(self) -> dict[str, Any]:
+        """Every field but the name: what a run's measured costs depend on of the model
+        (``profile/kept_profiles.py`` keys them by it)."""
+        return {k: v for k, v in asdict(self).items() if k != "name"}
 
     @property
     def q_width(self) -> int:

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 from ..core.config import PINNED_SEGMENT_BYTES, FitConfig
 from ..core.errors import BudgetError
+from ..core.units import format_bytes
 from ..plan.placement import (
     KindPlacement,
     Placement,
@@ -76,11 +77,13 @@ def tiered_placement(setup: Setup, *, smallest_budgets: bool = True) -> Placemen
 
 def compute_tier(setup: Setup) -> tuple[str, int | None]:
     """The compute tier's name and budget: the GPU's (its profile's memory unless given),
-    or RAM's on a machine without one."""
+    or RAM's on a machine without one, less what a trainer's process held outside its plan
+    where ``setup`` plans on that trainer's measurements (as the trainer plans)."""
     hw = setup.hardware
     if hw.has_gpu:
         return "gpu", setup.gpu if setup.gpu is not None else hw.gpu_bytes
-    return "ram", setup.ram
+    held = setup.measured.held if setup.measured is not None else 0
+    return "ram", None if setup.ram is None else max(1, setup.ram - held)
 
 
 def _searched(problem: TierProblem, budget: int | None, config: FitConfig,
@@ -204,9 +207,16 @@ def _as_placement(setup: Setup, problem: TierProblem, placed: TierPlan,
     step = placed.predicted_time
     name, seconds = max(times.items(), key=lambda kv: kv[1])
     lower = lower_tiers(setup)
-    source = "costs measured here" if setup.measured is not None else "analytic costs"
+    source = "analytic costs"
+    if setup.measured is not None:
+        source = f"costs measured by {setup.measured.origin}" if setup.measured.origin \
+            else "costs measured here"
     notes = [f"placed by the trainer's own search (plan/tier_search.py) on {source}, "
              f"LM head in chunks of {plan.costs.extra.get('head chunk', '?')} tokens"]
+    if setup.measured is not None and setup.measured.held and budget is not None:
+        notes.append(f"planned under {format_bytes(budget)}: --ram less the "
+                     f"{format_bytes(setup.measured.held)} the trainer's process held "
+                     "outside its plan")
     if placed.host_stages:
         notes.append(f"the optimizer steps {len(placed.host_stages)} stages in host RAM")
     return Placement(

@@ -25,6 +25,8 @@ from ..exec import enforce
 from ..fitting import fit
 from ..models.freeze import tied_frozen
 from ..plan.ops import COLLECTIVES, Exchange
+from ..profile.kept_profiles import RunShape, keep_profile
+from ..sim.shapes import shape_from_config
 from .device import ComputeTier
 from .logger import Logger, PlanPrecision, plan_section
 from .optimizer import (
@@ -130,6 +132,7 @@ class StepPlanner:
                                      verbose=self.progress and self.site.is_main)
                     self.rounding.reseed(opts.seed)  # the optimizer probe drew from it
                     self._say_enforcement(fitted)
+                    self._keep_profile(fitted, held)
                     return fitted
                 fitted = fit.fit(model, self.sample, **tier.fit_budgets(held),
                                  reserve=self.reserve + self.step_temporaries,
@@ -140,6 +143,20 @@ class StepPlanner:
         except BudgetError as e:
             error = tier.over_budget(e, held)
             raise (error if owned else tier.suggest_lower_tiers(error)) from None
+
+    def _keep_profile(self, fitted: Any, held: int) -> None:
+        """Keep what ``fit`` measured, with the bytes of --ram held outside its plan, where
+        `tierflow plan --measure` plans the same run (``profile/kept_profiles.py``): one
+        process on the CPU, the whole model training."""
+        opts, site = self.opts, self.site
+        if fitted.measured is None or site.world is not None or site.tier.gpu is not None \
+                or opts.freeze or opts.train_only or opts.lora:
+            return
+        model = shape_from_config(self.built.model.config.to_dict()).architecture()
+        shape = RunShape(model, opts.batch_size, opts.seq_len, site.precision.to_dict(),
+                         site.tier.ram, site.disk is not None,
+                         packed="position_ids" in self.sample, compiled=opts.compile)
+        keep_profile(shape, dataclasses.replace(fitted.measured, held=held))
 
     def _say_enforcement(self, fitted: Any) -> None:
         """Print what ``fit`` said of the memory cgroup (--enforce): entered, or why not."""
