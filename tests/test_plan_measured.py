@@ -170,3 +170,6 @@ def test_after_a_training_run_plan_measure_prints_the_plan_it_ran(train_env, tmp
     assert prediction["costs"] == "trainer"
     assert prediction["placement"]["decisions"] == ran["decisions"]
     assert prediction["step_time"] == pytest.approx(ran["predicted_step_s"], rel=1e-9)
+    # the peak as the run's RSS sees it: the plan's, and what the process held outside it
+    assert prediction["placement"]["peaks"]["ram"] == \
+        ran["predicted_peak"] + ran["held_outside_the_plan"]

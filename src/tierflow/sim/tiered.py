@@ -82,8 +82,15 @@ def compute_tier(setup: Setup) -> tuple[str, int | None]:
     hw = setup.hardware
     if hw.has_gpu:
         return "gpu", setup.gpu if setup.gpu is not None else hw.gpu_bytes
-    held = setup.measured.held if setup.measured is not None else 0
-    return "ram", None if setup.ram is None else max(1, setup.ram - held)
+    return "ram", None if setup.ram is None else max(1, setup.ram - _held_outside(setup))
+
+
+def _held_outside(setup: Setup) -> int:
+    """Bytes of --ram the trainer whose measurements ``setup`` plans on held outside its
+    plan (on a CPU; 0 otherwise)."""
+    if setup.measured is None or setup.hardware.has_gpu:
+        return 0
+    return setup.measured.held
 
 
 def _searched(problem: TierProblem, budget: int | None, config: FitConfig,
@@ -213,16 +220,20 @@ def _as_placement(setup: Setup, problem: TierProblem, placed: TierPlan,
             else "costs measured here"
     notes = [f"placed by the trainer's own search (plan/tier_search.py) on {source}, "
              f"LM head in chunks of {plan.costs.extra.get('head chunk', '?')} tokens"]
-    if setup.measured is not None and setup.measured.held and budget is not None:
+    held = _held_outside(setup) if budget is not None else 0
+    if held:  # the peak and the budgets are the trainer's RSS above its baseline
         notes.append(f"planned under {format_bytes(budget)}: --ram less the "
-                     f"{format_bytes(setup.measured.held)} the trainer's process held "
-                     "outside its plan")
+                     f"{format_bytes(held)} the trainer's process held outside its plan "
+                     "(counted in the peak and the smallest budget shown)")
+        budget += held
+        smallest = {name: value + held if name == tier and value is not None else value
+                    for name, value in smallest.items()}
     if placed.host_stages:
         notes.append(f"the optimizer steps {len(placed.host_stages)} stages in host RAM")
     return Placement(
         compute_tier=tier, stages=n, weights=weights, grads=grads, optimizer=optimizer,
         activations=mode, recomputed=recomputed, prefetch=placed.depth,
-        peaks={tier: placed.predicted_peak, **{t.name: dict(placed.held).get(t.name, 0)
+        peaks={tier: placed.predicted_peak + held, **{t.name: dict(placed.held).get(t.name, 0)
                                                for t in lower}},
         budgets={tier: budget, **{t.name: t.budget for t in lower}}, times=times,
         step_time=step,
