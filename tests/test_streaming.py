@@ -255,7 +255,9 @@ def _smallest_budget_holds_the_update_pass(tmp_path: str) -> None:
                                          num_hidden_layers=4, num_attention_heads=4,
                                          num_key_value_heads=2, max_position_embeddings=64))
     sample = hf_sample()
-    clipped = dict(optimizer=_adamw, max_grad_norm=1.0, disk=tmp_path)
+    # bytes decide what fits: one timed round a stage (its memory round and warm-up as ever)
+    clipped = dict(optimizer=_adamw, max_grad_norm=1.0, disk=tmp_path,
+                   config=FitConfig(profile_repeats=1, profile_seconds=0.0))
     tierflow.fit(model, sample, **clipped)  # warm: the runtime's first-use bytes are paid
     with pytest.raises(tierflow.BudgetError) as error:
         tierflow.fit(model, sample, ram=1, **clipped)
