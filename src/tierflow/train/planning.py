@@ -147,7 +147,8 @@ class StepPlanner:
     def _keep_profile(self, fitted: Any, held: int) -> None:
         """Keep what ``fit`` measured, with the bytes of --ram held outside its plan, where
         `tierflow plan --measure` plans the same run (``profile/kept_profiles.py``): one
-        process on the CPU, the whole model training."""
+        process on the CPU, the whole model training (called where fit owns the optimizer:
+        a run with a disk tier)."""
         opts, site = self.opts, self.site
         if fitted.measured is None or site.world is not None or site.tier.gpu is not None \
                 or opts.freeze or opts.train_only or opts.lora:
