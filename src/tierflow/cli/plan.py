@@ -91,13 +91,10 @@ def measured_setup(args: argparse.Namespace, setup: Any) -> Any:
                                  setup.run_precision.to_dict(), setup.ram, setup.disk))
     if kept is not None:
         measured = kept.measured
-        costs = {chunk: replace(c, extra={**c.extra, "head chunk": chunk})
-                 for chunk, c in measured.costs.items()}
         origin = f"tierflow train here on {kept.date} (kept in {kept.path})"
         disk_bw = measured.disk_rates if args.disk is not None and measured.disk_rates \
             else setup.disk_bw
-        return replace(setup, measured=replace(measured, costs=costs, origin=origin),
-                       disk_bw=disk_bw)
+        return replace(setup, measured=replace(measured, origin=origin), disk_bw=disk_bw)
     if args.disk is not None:
         setup = replace(setup, disk_bw=disk_tier_bandwidth(args.disk))
     return replace(setup, measured=measure(args.model, setup))

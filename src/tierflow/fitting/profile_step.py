@@ -6,6 +6,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -111,6 +112,7 @@ def _profile_and_plan(model: nn.Module, sample: Any, request: FitRequest, start:
         return_free_memory()
     runtime = max(0, meter.current() - start.before)
     costs = _chain_costs(model, x0, ctx, stage_costs, shared, runtime, request, start)
+    costs = replace(costs, extra={**costs.extra, "head chunk": head_chunk_tokens})
     profiled[head_chunk_tokens] = costs
     if rates is None:
         return chain, TierPlan(fastest_plan(costs, start.budget, config, tier=start.tier), None)
