@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -154,6 +155,10 @@ def test_compare_quick_runs_end_to_end():
     out = proc.stdout
     assert "Plan (" in out and "plain PyTorch" in out and "tierflow" in out
     assert "losses differ by at most" in out
+    # a budget is a promise: the smallest budget that works (and a new process's margin)
+    # holds the steps' measured peak, malloc's caches and fit's own objects included
+    share = re.search(r"\(([\d.]+)% of the ([\d.]+ MiB) budget\)", out)
+    assert share and float(share.group(1)) <= 100.0, out
 
 
 @pytest.mark.slow

@@ -173,6 +173,32 @@ def _guard_trims_again() -> None:
     del live
 
 
+def test_near_its_level_the_guard_trims_again_after_half_the_room_left():
+    """A trim that leaves less than the margin below the level (a small model's budget: its
+    whole step runs within the margin) is followed by another once the RSS has grown by half
+    the room left, not half the margin: 6 MiB of growth 8 MiB below the level trims again,
+    where 16 MiB had to pass first. (In a fresh process, as above.)"""
+    run_in_fresh_process("test_host_memory", "_guard_trims_within_the_room")
+
+
+def _guard_trims_within_the_room() -> None:
+    configure_host_allocator(CACHING_THRESHOLD)
+    room = HostRoom(limit=0)
+    room.start_guard(rss_bytes() + 8 * MIB)  # within the margin: it trims at once
+    for _ in range(200):
+        if room.guard_trims:
+            break
+        time.sleep(0.005)
+    assert room.guard_trims == 1
+    live = torch.ones(6 * MIB // 4)  # the RSS grows by 6 MiB, past half the 8 MiB left
+    for _ in range(200):
+        if room.guard_trims > 1:
+            break
+        time.sleep(0.005)
+    assert room.guard_trims >= 2
+    del live
+
+
 def test_the_profile_times_under_a_guard_of_the_budget():
     """The profile times its stages with malloc's caches on (``caching_allocator``): given
     the budget's level, its block gives them back as the RSS comes near it; without one it

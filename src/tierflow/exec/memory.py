@@ -41,6 +41,14 @@ GUARD_MARGIN = 32 << 20
 # took 8% of a core on a 2-core machine (10 s of CPU in 125 s of W1 at 25% of its peak)
 GUARD_FASTEST_GROWTH = 20e9  # bytes per second
 GUARD_LONGEST = 0.05  # seconds
+GUARD_LEAST_GROWTH = 1 << 20  # bytes: the least growth a guard trims again after
+# bytes of RSS a plan of a host-RAM budget leaves for malloc beyond the live bytes it prices:
+# blocks freed into malloc's caches that the guard gives back a look too late (a millisecond
+# of growth, and up to GUARD_LEAST_GROWTH before it trims again), the objects fit itself
+# builds after measuring the runtime (lazily imported modules, the plan: 0.8 MiB) and
+# AdamW's per-parameter step tensors and dicts. ``tierflow compare --quick``'s steps peaked
+# 1.8 to 3.5 MiB above a plan that counted none (five runs, a 64 MiB budget)
+ALLOCATOR_SLACK = 4 << 20
 
 
 class _MallInfo2(ctypes.Structure):
@@ -231,16 +239,27 @@ def _guard_until(level: int, done: threading.Event, interval: float) -> None:
 
 def _trim_near(level: int, trimmed_at: int | None) -> tuple[bool, int | None, int]:
     """One look of a guard: trim when the RSS is within GUARD_MARGIN of ``level`` and, in
-    the same excursion, has grown by half the margin since the last trim (the RSS right
-    after it: ``trimmed_at``). Whether it trimmed, the new ``trimmed_at`` and the RSS."""
+    the same excursion, has grown since the last trim (the RSS right after it:
+    ``trimmed_at``) by half the margin or by half the room that trim left below ``level``,
+    whichever is less (at least GUARD_LEAST_GROWTH). Whether it trimmed, the new
+    ``trimmed_at`` and the RSS."""
     rss = rss_bytes()
     if rss <= level - GUARD_MARGIN:
         return False, None, rss
-    if trimmed_at is None or rss > trimmed_at + GUARD_MARGIN // 2:
+    if trimmed_at is None or rss > trimmed_at + _retrim_growth(level, trimmed_at):
         return_free_memory()
         after = rss_bytes()
         return True, after, after
     return False, trimmed_at, rss
+
+
+def _retrim_growth(level: int, trimmed_at: int) -> int:
+    """Bytes the RSS may grow by after a trim before the guard trims again: half the margin,
+    or half the room left below ``level`` where that is less. A small model's whole step
+    runs within the margin of its level (``tierflow compare --quick``: 64 MiB), and half the
+    margin (16 MiB) is more than the room such a budget leaves above the step's live
+    bytes."""
+    return min(GUARD_MARGIN // 2, max(GUARD_LEAST_GROWTH, (level - trimmed_at) // 2))
 
 
 def _next_look(level: int, rss: int, interval: float) -> float:

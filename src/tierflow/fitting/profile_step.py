@@ -17,7 +17,7 @@ from ..core.errors import BudgetError
 from ..core.units import budget_to_give, format_bytes
 from ..exec.compile import compile_chain
 from ..exec.context import untouched
-from ..exec.memory import caching_allocator, meter_for, return_free_memory
+from ..exec.memory import ALLOCATOR_SLACK, caching_allocator, meter_for, return_free_memory
 from ..exec.optimizer import OptimizerFactory
 from ..plan.choose import fastest_plan
 from ..plan.costs import ChainCosts
@@ -140,13 +140,15 @@ def _chain_costs(model: nn.Module, x0: Any, ctx: dict[str, Any], stage_costs: li
     param_bytes = sum(p.nbytes for p in model.parameters())
     grads = sum(p.nbytes for p in model.parameters() if p.requires_grad) \
         if request.grads_resident else 0
+    # the RSS a RAM budget covers is the live bytes and what malloc holds beside them
+    allocator = ALLOCATOR_SLACK if start.exact_host else 0
     extra = {"autocast": start.autocast.describe(), "device": str(start.device),
              "parameters": param_bytes, "gradients": grads, "reserved": request.reserve,
-             "runtime": runtime, "held before fit": start.held_before}
+             "runtime": runtime, "allocator": allocator, "held before fit": start.held_before}
     input_bytes, context_bytes = held_inputs(x0, ctx)
     return ChainCosts(stages=tuple(stage_costs), input_bytes=input_bytes,
                       context_bytes=context_bytes,
-                      static_bytes=param_bytes + grads + runtime + request.reserve
+                      static_bytes=param_bytes + grads + runtime + allocator + request.reserve
                       + start.held_before,
                       shared_grad_bytes=shared, grads_resident=request.grads_resident,
                       extra=extra)

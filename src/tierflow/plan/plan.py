@@ -397,7 +397,7 @@ def _first_forward_tape(ops: tuple[Op, ...], length: int) -> list[bool]:
 def _static_parts(costs: ChainCosts) -> str:
     """The static bytes by kind, where the costs say (``extra``), else their kinds."""
     kinds = ("parameters", "gradients", "optimizer states", "reserved", "runtime",
-             "held before fit")
+             "allocator", "held before fit")
     parts = [f"{kind} {format_bytes(costs.extra[kind])}" for kind in kinds if costs.extra.get(kind)]
     return ", ".join(parts) if parts else "parameters, optimizer states, runtime"
 

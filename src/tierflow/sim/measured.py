@@ -26,6 +26,7 @@ from ..core.config import FitConfig
 from ..core.errors import TierflowError
 from ..exec.context import AutocastMode, untouched
 from ..exec.memory import (
+    ALLOCATOR_SLACK,
     EXACT_THRESHOLD,
     HostMeter,
     caching_allocator,
@@ -107,10 +108,12 @@ def _chain_costs(model: torch.nn.Module, sample: dict, autocast: AutocastMode, c
     layers = [replace(layer, name=f"layers.{i}") for i in range(setup.shape.layers)]
     input_bytes, context_bytes = held_inputs(x0, ctx)
     params = _parameter_bytes(setup)
+    allocator = ALLOCATOR_SLACK if setup.ram is not None else 0  # as fit plans a RAM budget
     return ChainCosts(stages=(embed, *layers, head), input_bytes=input_bytes,
-                      context_bytes=context_bytes, static_bytes=params + runtime,
+                      context_bytes=context_bytes, static_bytes=params + runtime + allocator,
                       shared_grad_bytes=shared,
-                      extra={"parameters": params, "runtime": runtime, "head chunk": chunk,
+                      extra={"parameters": params, "runtime": runtime, "allocator": allocator,
+                             "head chunk": chunk,
                              "source": "measured here (one decoder layer, every layer "
                                        "priced at it)", "autocast": autocast.describe()})
 

@@ -116,7 +116,8 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
     kinds = [("weights", extra.get("parameters", 0)), ("gradients", grads),
              ("master", master), ("moments", reserved - master),
              ("optimizer step", step_temporaries),
-             ("activations", activations), ("runtime", extra.get("runtime", 0))]
+             ("activations", activations), ("runtime", extra.get("runtime", 0)),
+             ("allocator", extra.get("allocator", 0))]
     shard = f", 1/{dist['world_size']} shard" if dist is not None and not dist["replicas"] \
         else ""
     weight = dtypes["model_dtype"]
@@ -130,7 +131,8 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
              "gradients": f"{_per(per.gradients)}, {weight}",
              "master": master_note,
              "moments": f"{_per(per.moments)}{scales}, AdamW m and v in {dtypes['optim_dtype']}",
-             "optimizer step": "float32 temporaries of AdamW's step after the backward"}
+             "optimizer step": "float32 temporaries of AdamW's step after the backward",
+             "allocator": "what malloc holds beside the live bytes"}
     total = per.weights + per.gradients + per.master + per.moments
     rows: list[tuple[str, Any]] = [
         ("parameters", f"{precision.trainable:,} trainable x {total:g} bytes (weights "
@@ -142,7 +144,7 @@ def plan_section(plan: Any, *, grads: int, budget: int | None, grad_accum: int,
         rows.append(("frozen", f"{precision.frozen:,} parameters x {per.weights:g} bytes "
                                f"(weights only: no gradient, no optimizer state){tied}"))
     for name, value in kinds:
-        if name == "optimizer step" and not value:
+        if name in ("optimizer step", "allocator") and not value:
             continue
         if name == "master":
             below = extra.get("optimizer states on disk", 0)
