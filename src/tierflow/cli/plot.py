@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import TierflowError
+from ..core.files import replacing
 
 if TYPE_CHECKING:  # matplotlib is imported when a figure is drawn
     from matplotlib.figure import Figure
@@ -328,12 +329,10 @@ def plot_run(log: RunLog | str | os.PathLike[str], out: str | os.PathLike[str]) 
     if not out.parent.is_dir():
         raise TierflowError(f"-o {out}: the directory {out.parent} does not exist; fix: create "
                             "it or write elsewhere")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        fig.savefig(tmp, format=fmt, dpi=100)
-        os.replace(tmp, out)
+        with replacing(out) as tmp:
+            fig.savefig(tmp, format=fmt, dpi=100)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
         raise TierflowError(f"-o {out} cannot be written ({err.strerror}): check the directory's "
                             "permissions and free space") from None
     return out

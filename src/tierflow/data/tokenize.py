@@ -25,6 +25,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from ..core.errors import TierflowError
+from ..core.files import write_text_atomically
 from . import DEFAULT_EVAL_FRACTION, DEFAULT_VOCAB_SIZE, STDLIB
 from .corpus import Corpus, collect
 from .examples import CHAT, TEXT, ChatTemplate, encode_example
@@ -245,7 +246,7 @@ def _save_tokenizer(tok: Tokenizer, out: Path, source: str | os.PathLike[str] | 
     end-of-text token had to be added, in which case they would not describe the saved
     tokenizer.
     """
-    _write_atomic(out / "tokenizer.json", tok.to_str())
+    write_text_atomically(out / "tokenizer.json", tok.to_str(), durable=True)
     directory = tokenizer_file(Path(source)).parent if source is not None else None
     beside = [directory / name for name in TOKENIZER_FILES[1:]] if directory else []
     if directory is not None and not added and (directory / "tokenizer_config.json").is_file():
@@ -406,17 +407,4 @@ def describe_input(raw: str) -> str:
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    _write_atomic(path, json.dumps(data, indent=2) + "\n")
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write through a temporary name, fsync, rename: the file is old or new, never half."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text_atomically(path, json.dumps(data, indent=2) + "\n", durable=True)

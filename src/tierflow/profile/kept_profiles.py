@@ -17,11 +17,11 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..core.files import write_text_atomically
 from ..plan.measured import Measured
 from .machine import cache_dir, machine_key
 
@@ -70,9 +70,7 @@ def keep_profile(shape: RunShape, measured: Measured) -> Path:
     path = _path(shape)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {"date": dt.date.today().isoformat(), "measured": measured.to_dict()}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(record) + "\n")
     return path
 
 

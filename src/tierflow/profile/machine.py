@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.files import write_text_atomically
+
 if TYPE_CHECKING:
     import torch
 
@@ -211,9 +213,7 @@ def _write_kept(data: dict[str, Any]) -> None:
     with contextlib.suppress(OSError):
         cache = cache_dir() / _KEPT_FILE
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f".{_KEPT_FILE}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, cache)
+        write_text_atomically(cache, json.dumps(data, indent=1))
 
 
 def recalled(section: str, key: str) -> Any:

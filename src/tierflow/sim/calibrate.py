@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from ..core.errors import TierflowError
+from ..core.files import write_text_atomically
 from ..precision.config import OPTIM_DTYPES
 from ..profile.machine import (
     cache_dir,
@@ -110,8 +111,6 @@ def calibrate(disk_dir: str | Path | None = None) -> Hardware:
                "no GPU: RAM is the compute tier, the disk the offload tier"))
     with contextlib.suppress(OSError):
         cache = _cache_file()
-        tmp = cache.with_name(f".{cache.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"key": _key(), "profile": json.loads(profile.to_json())},
-                                  indent=1))
-        os.replace(tmp, cache)
+        write_text_atomically(cache, json.dumps(
+            {"key": _key(), "profile": json.loads(profile.to_json())}, indent=1))
     return profile
