@@ -22,6 +22,14 @@ MIB = 1 << 20
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
 
 
+def _wait_for_guard_trims(room: HostRoom, count: int) -> None:
+    """Until ``room``'s guard has trimmed ``count`` times, at most a second."""
+    for _ in range(200):
+        if room.guard_trims >= count:
+            break
+        time.sleep(0.005)
+
+
 def _cache_freed_blocks() -> int:
     """Touch and free 48 MiB in 4 MiB blocks (below the mmap threshold: malloc keeps them)."""
     configure_host_allocator(CACHING_THRESHOLD)
@@ -119,10 +127,7 @@ def _guard_trims_once() -> None:
     room = HostRoom(limit=cached)
     room.start_guard(cached + GUARD_MARGIN + 16 * MIB)
     fresh = torch.ones(64 * MIB // 4)  # a mapping of its own: the cached blocks cannot serve it
-    for _ in range(200):
-        if room.guard_trims:
-            break
-        time.sleep(0.005)
+    _wait_for_guard_trims(room, 1)
     assert room.guard_trims == 1 and room.trims == 0
     assert rss_bytes() < cached + 64 * MIB - 32 * MIB  # most of the 48 MiB went back
     time.sleep(0.05)
@@ -157,18 +162,12 @@ def _guard_trims_again() -> None:
     configure_host_allocator(CACHING_THRESHOLD)
     room = HostRoom(limit=0)
     room.start_guard(rss_bytes() + GUARD_MARGIN // 4)  # within the margin: it trims at once
-    for _ in range(200):
-        if room.guard_trims:
-            break
-        time.sleep(0.005)
+    _wait_for_guard_trims(room, 1)
     assert room.guard_trims == 1
     time.sleep(0.05)
     assert room.guard_trims == 1  # the RSS did not grow: no more trims
     live = torch.ones(GUARD_MARGIN // 4)  # the RSS grows by GUARD_MARGIN
-    for _ in range(200):
-        if room.guard_trims > 1:
-            break
-        time.sleep(0.005)
+    _wait_for_guard_trims(room, 2)
     assert room.guard_trims >= 2
     del live
 
@@ -185,16 +184,10 @@ def _guard_trims_within_the_room() -> None:
     configure_host_allocator(CACHING_THRESHOLD)
     room = HostRoom(limit=0)
     room.start_guard(rss_bytes() + 8 * MIB)  # within the margin: it trims at once
-    for _ in range(200):
-        if room.guard_trims:
-            break
-        time.sleep(0.005)
+    _wait_for_guard_trims(room, 1)
     assert room.guard_trims == 1
     live = torch.ones(6 * MIB // 4)  # the RSS grows by 6 MiB, past half the 8 MiB left
-    for _ in range(200):
-        if room.guard_trims > 1:
-            break
-        time.sleep(0.005)
+    _wait_for_guard_trims(room, 2)
     assert room.guard_trims >= 2
     del live
 
