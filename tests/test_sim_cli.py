@@ -1,5 +1,6 @@
 """tierflow plan / sweep / calibrate from the command line, and the hardware profiles."""
 import csv
+import dataclasses
 import json
 import time
 
@@ -104,7 +105,10 @@ def test_sweep_writes_every_configuration_and_a_heatmap_per_model_and_length(tmp
 
 
 @pytest.mark.exclusive  # measures the machine
-def test_calibrate_then_plan_on_cpu(capsys):
+def test_calibrate_then_plan_on_cpu(capsys, monkeypatch):
+    from tierflow.profile import machine
+    # kept even where a shared CI machine's neighbours are busy (tested below)
+    monkeypatch.setattr(machine, "_others_were_busy", lambda before, after: False)
     code, out, err = run_main("calibrate", capsys=capsys)
     assert code == 0, err
     for field in ("matmul fp32", "matmul bf16", "memcpy", "disk read", "disk write",
@@ -114,6 +118,29 @@ def test_calibrate_then_plan_on_cpu(capsys):
                               "2GiB", "--seq-len", "256", "--batch-size", "2", capsys=capsys)
     assert code == 0 and "no calibration" not in err  # the cached profile was used
     assert "peak ram" in out and "PREDICTED" in out
+
+
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_calibration_is_kept_only_when_other_processes_left_the_cpus_quiet(
+        busy, capsys, monkeypatch, tmp_path):
+    """One busy process on a 2-core machine halved the rates a calibration measured: such a
+    profile serves the command that measured it and is not cached; a quiet one is."""
+    from tierflow.profile import machine
+    from tierflow.sim import calibrate
+
+    monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path))  # not the session's calibration
+    # stands for this machine's figures (no minute of measuring)
+    measured = dataclasses.replace(PUBLISHED["l40s"], name="cpu", gpu_bytes=None,
+                                   host_link_bw=None, attention_efficiency=0.4,
+                                   ram_bytes=16 << 30,
+                                   optimizer_bw={"fp32": 5e9, "bf16": 6e9, "int8": 1e9})
+    monkeypatch.setattr(calibrate, "_measure", lambda directory: measured)
+    monkeypatch.setattr(machine, "_others_were_busy", lambda before, after: busy)
+    code, out, err = run_main("calibrate", capsys=capsys)
+    assert code == 0, err
+    assert calibrate.cached_profile() == (None if busy else measured)
+    assert ("not kept: the machine was busy" in out) == busy
+    assert ("run 'tierflow calibrate' when the machine is quiet" in err) == busy
 
 
 def test_hardware_profiles_round_trip_and_state_their_efficiency():

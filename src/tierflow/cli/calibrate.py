@@ -34,8 +34,10 @@ def run(args: argparse.Namespace) -> int:
                             "another one")
     forget_timings()
     forget_profiles()
-    hw = calibrate(args.disk)
-    print(section("Calibration (cpu profile, cached)", [
+    calibration = calibrate(args.disk)
+    hw = calibration.profile
+    kept = "cached" if calibration.kept else "not kept: the machine was busy"
+    print(section(f"Calibration (cpu profile, {kept})", [
         ("machine", hw.about),
         *[(f"matmul {dtype}", f"{flops / 1e12:.3f} TFLOP/s") for dtype, flops in
           hw.peak_flops.items()],

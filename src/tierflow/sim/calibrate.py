@@ -9,7 +9,8 @@ attention, element-wise work) come from one eager decoder layer run here
 (``layer_rates.py``). The profile is cached as ``hardware-cpu.json`` beside the matmul peaks'
 ``calibration.json`` in the user's cache directory, keyed by CPU model, thread count, torch
 version and what the measurement measures (a profile measured by an older tierflow is
-measured again); ``tierflow calibrate`` measures it again.
+measured again), and only when other processes left the CPUs quiet while it was measured;
+``tierflow calibrate`` measures it again.
 """
 from __future__ import annotations
 
@@ -17,12 +18,14 @@ import contextlib
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import TierflowError
 from ..core.files import write_text_atomically
 from ..precision.config import OPTIM_DTYPES
 from ..profile.machine import (
+    Quiet,
     cache_dir,
     cpu_identity,
     cpu_model,
@@ -77,14 +80,40 @@ def cpu_profile() -> Hardware:
         return cached
     print("note: no calibration of this machine yet: measuring matmul, memcpy and disk rates "
           "(a few seconds; 'tierflow calibrate' redoes it)", file=sys.stderr, flush=True)
-    return calibrate()
+    return calibrate().profile
 
 
-def calibrate(disk_dir: str | Path | None = None) -> Hardware:
-    """Measure this machine and cache the profile. ``disk_dir``: where to time the disk
-    (default: the cache directory)."""
+@dataclass(frozen=True)
+class Calibration:
+    """A measured cpu profile, and whether it was kept (``kept`` False: other processes kept
+    the CPUs busy while it was measured, so it serves the command that measured it only)."""
+    profile: Hardware
+    kept: bool
+
+
+def calibrate(disk_dir: str | Path | None = None) -> Calibration:
+    """Measure this machine, and cache the profile when other processes left the CPUs quiet
+    meanwhile (``profile/machine.Quiet``): one busy process on a 2-core machine halved the
+    layer's matmul and element-wise rates and AdamW's, and every prediction of the cached
+    profile would have been twice as slow. ``disk_dir``: where to time the disk (default:
+    the cache directory)."""
     directory = Path(disk_dir) if disk_dir is not None else cache_dir()
     directory.mkdir(parents=True, exist_ok=True)
+    with Quiet() as quiet:
+        profile = _measure(directory)
+    if not quiet.quiet:
+        print("note: other processes kept the CPUs busy while this machine was measured: its "
+              "rates serve this command only and are not kept; run 'tierflow calibrate' when "
+              "the machine is quiet", file=sys.stderr, flush=True)
+        return Calibration(profile, kept=False)
+    with contextlib.suppress(OSError):
+        write_text_atomically(_cache_file(), json.dumps(
+            {"key": _key(), "profile": json.loads(profile.to_json())}, indent=1))
+    return Calibration(profile, kept=True)
+
+
+def _measure(directory: Path) -> Hardware:
+    """The cpu profile of this machine, its disk timed in ``directory``."""
     flops = {dtype: peak_matmul_flops(dtype) for dtype in ("fp32", "bf16")}
     read, write = disk_bandwidth(directory)
     copy = memcpy_bandwidth()
@@ -109,8 +138,4 @@ def calibrate(disk_dir: str | Path | None = None) -> Hardware:
                                        for moments, rate in rates.items())
                + " of modelled traffic (measured)",
                "no GPU: RAM is the compute tier, the disk the offload tier"))
-    with contextlib.suppress(OSError):
-        cache = _cache_file()
-        write_text_atomically(cache, json.dumps(
-            {"key": _key(), "profile": json.loads(profile.to_json())}, indent=1))
     return profile
