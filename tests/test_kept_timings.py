@@ -24,10 +24,13 @@ def quiet(monkeypatch):
     monkeypatch.setattr(machine, "_others_were_busy", lambda before, after: False)
 
 
-def _profile(monkeypatch, fwd: float, bwd: float, tape: int) -> profiler.StageCost:
+def _profile(monkeypatch, fwd: float, bwd: float, tape: int,
+             rounds: list | None = None) -> profiler.StageCost:
     """A new process's profile of one linear stage whose rounds take ``fwd`` and ``bwd``
-    seconds and keep ``tape`` bytes."""
+    seconds and keep ``tape`` bytes; each round's meter goes to ``rounds`` when given."""
     def fake_round(run, meter, ledger, selective=False):
+        if rounds is not None:
+            rounds.append(meter)
         return profiler._Measured(fwd_time=fwd, bwd_time=bwd, output_bytes=0, tape=tape,
                                   output_in_tape=False, fwd_transient=0,
                                   fwd_transient_nograd=0, bwd_transient=0, largest_block=0)
@@ -47,6 +50,18 @@ def test_a_later_profile_takes_the_kept_times_and_its_own_bytes(monkeypatch, qui
     later = _profile(monkeypatch, 0.5, 0.9, tape=200)
     assert (later.fwd_time, later.bwd_time) == (first.fwd_time, first.bwd_time) == (0.2, 0.3)
     assert later.tape == 200
+
+
+def test_a_later_profile_runs_no_timed_rounds_where_times_were_kept(monkeypatch, quiet):
+    """Kept times replace a profile's own, so a later process runs only the rounds that
+    measure bytes (a warm-up and ``repeats``, on the meter with the RSS sampler): W1's
+    fused LM head took 4 s a round and 6 rounds a profile."""
+    first, later = [], []
+    _profile(monkeypatch, 0.2, 0.3, tape=100, rounds=first)
+    cost = _profile(monkeypatch, 0.5, 0.9, tape=100, rounds=later)
+    assert (cost.fwd_time, cost.bwd_time) == (0.2, 0.3)
+    assert len(later) == 3 < len(first)  # the warm-up and two memory rounds
+    assert all(meter.interval is not None for meter in later)  # none timed without the sampler
 
 
 def test_times_measured_while_others_were_busy_are_not_kept(monkeypatch):

@@ -48,6 +48,7 @@ class _Measured:
     largest_block: int  # the largest tensor the round allocated (0: no ledger counted it)
     recompute_time: float = 0.0  # a selective round's: its backward's recomputation
     selective: SelectiveCost | None = None  # its taped forward run selectively
+    timed: bool = True  # False: its times are its memory rounds' (kept ones replace them)
 
 
 @dataclass(frozen=True)
@@ -152,11 +153,15 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
         fresh = key not in _CACHE
         if fresh:
             started = time.perf_counter()
+            timing_key = _timing_key(key, x.device, measuring)
+            run = StageRun(stage, x, ctx, autocast, held, input_grad)
             with resident(list(stage.parameters())), Quiet() as quiet:
-                measured = _measure(StageRun(stage, x, ctx, autocast, held, input_grad),
-                                    measuring)
-            _CACHE[key] = _kept_times(measured, _timing_key(key, x.device, measuring),
-                                      quiet.quiet)
+                # times this machine kept for the stage replace its own: only its bytes are
+                # measured then, and its timed rounds (half or more of its rounds) are skipped
+                measured = _measure(run, measuring, timed=_recalled_times(timing_key) is None)
+                if not measured.timed and _recalled_times(timing_key, measured) is None:
+                    measured = _measure(run, measuring)  # kept for another variant: time it
+            _CACHE[key] = _kept_times(measured, timing_key, quiet.quiet)
             if log is not None:
                 log(f"profiled {chain.names[i]} in {time.perf_counter() - started:.1f} s")
         m = _CACHE[key]
@@ -196,18 +201,35 @@ def _timing_key(key: tuple, device: torch.device, measuring: Measuring) -> str:
     return hashlib.sha256(repr(how).encode()).hexdigest()[:24]
 
 
+def _own_times(measured: _Measured) -> list[float]:
+    """The times a machine keeps of a stage: its forward's, its backward's and its selective
+    variant's recomputation where it has one."""
+    own = [measured.fwd_time, measured.bwd_time]
+    if measured.selective is not None:
+        own.append(measured.selective.recompute_time)
+    return own
+
+
+def _recalled_times(key: str, measured: _Measured | None = None) -> list[float] | None:
+    """The times this machine kept for ``key``, or None; with ``measured``, only as many as
+    its own (``_own_times``)."""
+    times = recalled("stage", key)
+    if not (isinstance(times, list) and times and len(times) <= 3
+            and all(isinstance(t, (int, float)) and t >= 0 for t in times)):
+        return None
+    if measured is not None and len(times) != len(_own_times(measured)):
+        return None
+    return times
+
+
 def _kept_times(measured: _Measured, key: str, quiet: bool) -> _Measured:
     """``measured`` with the times kept for ``key`` on this machine in place of its own
     (``profile/machine.py``'s kept figures: every process plans from the same ones), or its
     own, kept when other processes left the CPUs quiet; its bytes are its own either way."""
-    own = [measured.fwd_time, measured.bwd_time]
-    if measured.selective is not None:
-        own.append(measured.selective.recompute_time)
-    times = recalled("stage", key)
-    if not (isinstance(times, list) and len(times) == len(own)
-            and all(isinstance(t, (int, float)) and t >= 0 for t in times)):
-        if quiet:
-            keep("stage", key, own)
+    times = _recalled_times(key, measured)
+    if times is None:
+        if quiet and measured.timed:
+            keep("stage", key, _own_times(measured))
         return measured
     selective = measured.selective
     if selective is not None:
@@ -215,7 +237,7 @@ def _kept_times(measured: _Measured, key: str, quiet: bool) -> _Measured:
     return replace(measured, fwd_time=times[0], bwd_time=times[1], selective=selective)
 
 
-def _measure(run: StageRun, measuring: Measuring) -> _Measured:
+def _measure(run: StageRun, measuring: Measuring, timed: bool = True) -> _Measured:
     """The stage's rounds (``_rounds``) and, when ``measuring.selective`` and the stage is not
     compiled, those of its selective variant: kept when the stage can run so
     (``SelectiveUnsupported``), keeps something (a stage without matmuls that autograd
@@ -225,12 +247,13 @@ def _measure(run: StageRun, measuring: Measuring) -> _Measured:
     profile on a variant it then dropped). Its recomputation is timed inside its backward;
     on an accelerator, where that times the launches only, it is at least what its backward takes beyond the whole tape's backward (that
     difference alone was noise around zero on 2 cores, and priced the W2 layer's selective
-    backward free)."""
-    whole = _rounds(run, measuring, False)
+    backward free). ``timed`` False: its memory rounds only (their times are not the
+    stage's)."""
+    whole = _rounds(run, measuring, False, timed=timed)
     if not measuring.selective or is_compiled(run.stage):
         return whole
     try:
-        part = _rounds(run, measuring, True,
+        part = _rounds(run, measuring, True, timed=timed,
                        qualifies=lambda first: 0 < first.tape < whole.tape)
     except SelectiveUnsupported:
         return whole
@@ -244,7 +267,7 @@ def _measure(run: StageRun, measuring: Measuring) -> _Measured:
         fwd_transient=part.fwd_transient, bwd_transient=part.bwd_transient))
 
 
-def _rounds(run: StageRun, measuring: Measuring, selective: bool,
+def _rounds(run: StageRun, measuring: Measuring, selective: bool, *, timed: bool = True,
             qualifies: Callable[[_Measured], bool] | None = None) -> _Measured | None:
     """Memory from ``measuring.repeats`` rounds after a warm-up round (run selectively when
     ``selective``); times (medians) from as many rounds of their own, then from more rounds
@@ -254,7 +277,8 @@ def _rounds(run: StageRun, measuring: Measuring, selective: bool,
     round. A meter without a sampler (an accelerator's) times its memory rounds. Memory
     measured apart from times on the host (a RAM budget is at stake) counts tensor bytes
     too. None, after the warm-up round alone, when ``qualifies`` says that round's
-    measure does not."""
+    measure does not. ``timed`` False: no rounds of their own for the times (the memory
+    rounds' stand, ``_Measured.timed`` False)."""
     meter, repeats, timing = measuring.meter, measuring.repeats, measuring.timing
     counted = timing is not None and isinstance(meter, HostMeter) and not is_compiled(run.stage)
     ledger = TensorLedger() if counted else None
@@ -265,19 +289,21 @@ def _rounds(run: StageRun, measuring: Measuring, selective: bool,
         memory = [measure_round(run, meter, ledger, selective) for _ in range(repeats)]
     clock = timing_meter(meter)
     one = lambda: measure_round(run, clock, None, selective)  # noqa: E731
-    timed = list(memory)
-    with timing() if timing is not None else contextlib.nullcontext():
-        if timing is not None:
-            timed = [one() for _ in range(repeats + 1)][1:]
-        elif clock is not meter:
-            timed = [one() for _ in range(repeats)]
-        while (len(timed) < MAX_TIMED_ROUNDS
-               and sum(r.fwd_time + r.bwd_time for r in timed) < measuring.seconds):
-            timed.append(one())
+    rounds = list(memory)
+    if timed:
+        with timing() if timing is not None else contextlib.nullcontext():
+            if timing is not None:
+                rounds = [one() for _ in range(repeats + 1)][1:]
+            elif clock is not meter:
+                rounds = [one() for _ in range(repeats)]
+            while (len(rounds) < MAX_TIMED_ROUNDS
+                   and sum(r.fwd_time + r.bwd_time for r in rounds) < measuring.seconds):
+                rounds.append(one())
     last = memory[-1]
-    return _Measured(fwd_time=statistics.median(r.fwd_time for r in timed),
-                     bwd_time=statistics.median(r.bwd_time for r in timed),
-                     recompute_time=statistics.median(r.recompute_time for r in timed),
+    return _Measured(fwd_time=statistics.median(r.fwd_time for r in rounds),
+                     bwd_time=statistics.median(r.bwd_time for r in rounds),
+                     recompute_time=statistics.median(r.recompute_time for r in rounds),
+                     timed=timed,
                      output_bytes=last.output_bytes, tape=last.tape,
                      output_in_tape=last.output_in_tape,
                      fwd_transient=max(r.fwd_transient for r in memory),
