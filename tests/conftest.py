@@ -19,13 +19,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 torch.set_num_threads(1)
 
 
+class _AlwaysQuiet:
+    """``profile/machine.Quiet`` for the session's calibration: the other workers keep the
+    CPUs busy, and a calibration refused for that would be measured again (some 20 s) by
+    every test that plans on the cpu profile. What the suite checks never rests on its
+    rates; a busy machine's refusal is tested with a stand-in measurement
+    (tests/test_sim_cli.py)."""
+
+    quiet = True
+
+    def __enter__(self) -> "_AlwaysQuiet":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 @pytest.fixture(autouse=True)
 def own_cache(monkeypatch, tmp_path_factory):
     """The session's cache, its matmul peaks and calibration kept from test to test, the
     timings a run keeps (a stage's, the optimizer's) forgotten before each: a test's fake or
     tiny stages share keys with another's."""
     from tierflow.profile.machine import forget_timings
+    from tierflow.sim import calibrate
     monkeypatch.setenv("TIERFLOW_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    monkeypatch.setattr(calibrate, "Quiet", _AlwaysQuiet)
     forget_timings()
 
 
