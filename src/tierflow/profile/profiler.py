@@ -158,8 +158,9 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
             with resident(list(stage.parameters())), Quiet() as quiet:
                 # times this machine kept for the stage replace its own: only its bytes are
                 # measured then, and its timed rounds (half or more of its rounds) are skipped
-                measured = _measure(run, measuring, timed=_recalled_times(timing_key) is None)
-                if not measured.timed and _recalled_times(timing_key, measured) is None:
+                kept = _recalled_times(timing_key)
+                measured = _measure(run, measuring, timed=kept is None)
+                if kept is not None and len(kept) != len(_own_times(measured)):
                     measured = _measure(run, measuring)  # kept for another variant: time it
             _CACHE[key] = _kept_times(measured, timing_key, quiet.quiet)
             if log is not None:
@@ -210,24 +211,21 @@ def _own_times(measured: _Measured) -> list[float]:
     return own
 
 
-def _recalled_times(key: str, measured: _Measured | None = None) -> list[float] | None:
-    """The times this machine kept for ``key``, or None; with ``measured``, only as many as
-    its own (``_own_times``)."""
+def _recalled_times(key: str) -> list[float] | None:
+    """The times this machine kept for ``key``, or None."""
     times = recalled("stage", key)
-    if not (isinstance(times, list) and times and len(times) <= 3
-            and all(isinstance(t, (int, float)) and t >= 0 for t in times)):
-        return None
-    if measured is not None and len(times) != len(_own_times(measured)):
-        return None
-    return times
+    if isinstance(times, list) and times and all(
+            isinstance(t, (int, float)) and t >= 0 for t in times):
+        return times
+    return None
 
 
 def _kept_times(measured: _Measured, key: str, quiet: bool) -> _Measured:
     """``measured`` with the times kept for ``key`` on this machine in place of its own
     (``profile/machine.py``'s kept figures: every process plans from the same ones), or its
     own, kept when other processes left the CPUs quiet; its bytes are its own either way."""
-    times = _recalled_times(key, measured)
-    if times is None:
+    times = _recalled_times(key)
+    if times is None or len(times) != len(_own_times(measured)):
         if quiet and measured.timed:
             keep("stage", key, _own_times(measured))
         return measured
