@@ -45,9 +45,10 @@ GUARD_LEAST_GROWTH = 1 << 20  # bytes: the least growth a guard trims again afte
 # bytes of RSS a plan of a host-RAM budget leaves for malloc beyond the live bytes it prices:
 # blocks freed into malloc's caches that the guard gives back a look too late (a millisecond
 # of growth, and up to GUARD_LEAST_GROWTH before it trims again), the objects fit itself
-# builds after measuring the runtime (lazily imported modules, the plan: 0.8 MiB) and
-# AdamW's per-parameter step tensors and dicts. ``tierflow compare --quick``'s steps peaked
-# 1.8 to 3.5 MiB above a plan that counted none (five runs, a 64 MiB budget)
+# builds after measuring the runtime (lazily imported modules, the plan) and AdamW's
+# per-parameter step tensors and dicts. At the smallest budget fit named for llama-tiny the
+# steps peaked 1.2 to 3.0 MiB above a plan that counted none (six runs, 63 MiB:
+# benchmarks/smallest_budget_held.py, results/smallest-budget-held-2026-12-07-before.json)
 ALLOCATOR_SLACK = 4 << 20
 
 
