@@ -214,6 +214,38 @@ def test_adamw_steps_within_its_workspace(model_dtype, optim_dtype, master, vect
     assert int(out.split()[-1]) <= workspace + 2 * MIB, (out, workspace)
 
 
+def _reference_hash32(index: int, seed: int) -> int:
+    """The hash as unsigned 32-bit arithmetic in Python integers."""
+    mask = 0xFFFFFFFF
+    x = (index ^ seed) & mask
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & mask
+    x ^= x >> 15
+    x = (x * 0x5BD1E995) & mask
+    return x ^ (x >> 16)
+
+
+@pytest.mark.parametrize("seed", [7, (1 << 31) + 3, (1 << 32) - 1])
+def test_the_int32_hash_has_the_bits_of_unsigned_arithmetic(seed):
+    """``hash32`` computes in int32 (products wrap, shifts masked): its bits are those of
+    unsigned 32-bit arithmetic, for indices past 2^31 and 2^32 and seeds past 2^31, given as
+    an int or as an int64 tensor, eager and compiled alike."""
+    from tierflow.precision.rounding import hash32
+
+    picks = [0, 1, 2, 65535, 65536, (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32,
+             (1 << 40) + 12345]
+    picks += torch.randint(0, 1 << 62, (200,), generator=torch.Generator().manual_seed(3)).tolist()
+    index = torch.tensor(picks, dtype=torch.int64)
+    want = torch.tensor([_reference_hash32(i, seed) for i in picks], dtype=torch.int64)
+    for given in (seed, torch.tensor(seed, dtype=torch.int64)):
+        got = hash32(index, given)
+        assert got.dtype == torch.int32
+        assert torch.equal(got.to(torch.int64) & 0xFFFFFFFF, want)
+    compiled = torch.compile(hash32, dynamic=True)
+    assert torch.equal(compiled(index, torch.tensor(seed, dtype=torch.int64)).to(torch.int64)
+                       & 0xFFFFFFFF, want)
+
+
 def test_noise_is_a_function_of_seed_and_index_on_any_number_of_cores():
     """The noise of an element depends on the seed and its index alone: a vector rounded in
     slices, each with its offset, equals the vector rounded whole, on one core or two;

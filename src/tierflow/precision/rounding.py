@@ -22,7 +22,8 @@ import torch
 
 _LOW_BITS = 1 << 16
 _MASK32 = 0xFFFFFFFF
-HASH_SLICE = 1 << 15  # elements hashed at a time in eager mode: int64 temporaries of 256 KiB
+_MIX1, _MIX2 = 0x7FEB352D, 0x5BD1E995  # the hash's multipliers, both under 2^31
+HASH_SLICE = 1 << 15  # elements hashed at a time in eager mode: temporaries of 128-256 KiB
 
 
 def draw_seed(generator: torch.Generator) -> torch.Tensor:
@@ -34,15 +35,28 @@ def draw_seed(generator: torch.Generator) -> torch.Tensor:
 
 
 def hash32(index: torch.Tensor, seed: int | torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash of each element of the int64 ``index`` xor ``seed``, as int64 in
-    [0, 2^32): xor-shift and multiply rounds, each product kept under 2^63 so that no step
-    overflows. Pure tensor arithmetic, so eager code and a compiled kernel give the same bits."""
-    x = torch.bitwise_xor(index, seed) & _MASK32
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & _MASK32
-    return x ^ (x >> 16)
+    """A 32-bit integer hash of each element of the integer ``index`` xor ``seed`` (only
+    the low 32 bits of each count), as int32 holding the hash's 32 bits (negative where the
+    top bit is set): xor-shift and multiply rounds in 32-bit arithmetic, products wrapping
+    as unsigned ones do, logical shifts as arithmetic ones masked. Pure tensor arithmetic,
+    so eager code and a compiled kernel give the same bits. In int64 masked to 32 bits (the
+    same bits), the compiled AdamW step of bf16 weights and moments took 1.4x as long
+    (``benchmarks/host_adamw.py``): vector multiplies of 64-bit integers are slow or
+    emulated."""
+    x = torch.bitwise_xor(index.to(torch.int32), _int32(seed))
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _MIX1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _MIX2
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _int32(seed: int | torch.Tensor) -> int | torch.Tensor:
+    """The low 32 bits of ``seed`` as a signed 32-bit value (a tensor's as int32)."""
+    if isinstance(seed, torch.Tensor):
+        return seed.to(torch.int32)
+    low = seed & _MASK32
+    return low - (1 << 32) if low >= 1 << 31 else low
 
 
 def noise16(index: torch.Tensor, seed: int | torch.Tensor, half: int = 0) -> torch.Tensor:
