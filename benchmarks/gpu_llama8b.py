@@ -125,6 +125,9 @@ def run_split(args: argparse.Namespace, data: Path, batch: int, accum: int,
                  "peak_rss_gib": round(usage.ru_maxrss * 1024 / 2**30, 2),
                  "output_tail": (work / "output.log").read_text()[-800:] if not steps else None}
     row["plan_text"] = plan_block((work / "output.log").read_text())
+    # whether the host AdamW stepped operation by operation (the 8B step was bound by it)
+    from tierflow.precision.fused_adamw import UNFUSED
+    row["host_adamw_unfused"] = UNFUSED in (work / "output.log").read_text()
     traced = next((r for r in records if r.get("kind") == "trace"), None)
     if traced is not None:
         kept = Path(args.trace) / f"trace-llama8b-{batch}x{accum}.json"

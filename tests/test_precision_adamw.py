@@ -249,6 +249,33 @@ def test_a_kernel_that_cannot_be_compiled_leaves_the_unfused_step(monkeypatch):
     assert tried and all(torch.equal(a, b) for a, b in zip(unfused, fallen_back))
 
 
+def test_a_kernel_whose_compiler_fails_says_so_once_and_returns_false(monkeypatch):
+    """``fused_step`` where the compiler fails: False, nothing changed, one warning that
+    begins with ``UNFUSED`` (which the GPU check looks for in the trainer's output), and no
+    second try."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from tierflow.precision import fused_adamw
+
+    calls = []
+
+    def failing(*args):
+        calls.append(1)
+        raise BackendCompilerFailed(lambda: None, RuntimeError("no C++ compiler"), None)
+
+    monkeypatch.setattr(fused_adamw, "_compiled", [failing])
+    weights = torch.ones(8, dtype=torch.bfloat16)
+    moments = [torch.zeros(8, dtype=torch.bfloat16) for _ in range(2)]
+    args = (weights, torch.ones(8), *moments, None, torch.zeros(2, dtype=torch.int64),
+            fused_adamw.hyper_parameters(1e-3, (0.9, 0.999), 1e-8, 0.0, 1))
+    with pytest.warns(UserWarning) as warned:
+        assert fused_adamw.fused_step(*args) is False
+    assert len(warned) == 1 and str(warned[0].message).startswith(fused_adamw.UNFUSED)
+    assert torch.equal(weights, torch.ones(8, dtype=torch.bfloat16))
+    assert fused_adamw.kernel_unavailable()
+    assert fused_adamw.fused_step(*args) is False and calls == [1]
+
+
 def test_a_step_under_a_tensor_ledger_leaves_the_kernel_compiled():
     """The optimizer probe counts one step's tensors under a dispatch mode
     (``TensorLedger``); that step runs unfused, and the steps after it keep the compiled

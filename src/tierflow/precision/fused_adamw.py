@@ -32,6 +32,7 @@ from .rounding import hash32, round_bits_bf16
 # the unfused one, never under what a stage below the threshold takes
 FUSED_MIN_ELEMENTS = 1 << 20
 FUSED_MIN_ELEMENTS_EXACT = 1 << 25
+UNFUSED = "the fused AdamW kernel could not be compiled"  # how the warning begins
 
 
 def hyper_parameters(lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
@@ -115,9 +116,8 @@ def fused_step(weights: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     try:
         kernel(weights, grad, exp_avg, exp_avg_sq, master, seeds, hyper)
     except BackendCompilerFailed as e:
-        warnings.warn(f"the fused AdamW kernel could not be compiled ({e}): stepping "
-                      "element-wise operation by operation, several times slower",
-                      stacklevel=2)
+        warnings.warn(f"{UNFUSED} ({e}): stepping element-wise operation by operation, "
+                      "several times slower", stacklevel=2)
         _compiled[0] = None
         return False
     return True
