@@ -161,8 +161,9 @@ def profile_chain(chain: Chain, x0: torch.Tensor, ctx: dict[str, Any], autocast:
                 kept = _recalled_times(timing_key)
                 measured = _measure(run, measuring, timed=kept is None)
                 if kept is not None and len(kept) != len(_own_times(measured)):
-                    measured = _measure(run, measuring)  # kept for another variant: time it
-            _CACHE[key] = _kept_times(measured, timing_key, quiet.quiet)
+                    # kept for another variant: time it, and keep its own
+                    measured, kept = _measure(run, measuring), None
+            _CACHE[key] = _kept_times(measured, kept, timing_key, quiet.quiet)
             if log is not None:
                 log(f"profiled {chain.names[i]} in {time.perf_counter() - started:.1f} s")
         m = _CACHE[key]
@@ -220,19 +221,20 @@ def _recalled_times(key: str) -> list[float] | None:
     return None
 
 
-def _kept_times(measured: _Measured, key: str, quiet: bool) -> _Measured:
-    """``measured`` with the times kept for ``key`` on this machine in place of its own
-    (``profile/machine.py``'s kept figures: every process plans from the same ones), or its
-    own, kept when other processes left the CPUs quiet; its bytes are its own either way."""
-    times = _recalled_times(key)
-    if times is None or len(times) != len(_own_times(measured)):
+def _kept_times(measured: _Measured, kept: list[float] | None, key: str,
+                quiet: bool) -> _Measured:
+    """``measured`` with the times ``kept`` for ``key`` on this machine in place of its own
+    (``profile/machine.py``'s kept figures: every process plans from the same ones), or, with
+    none kept, its own, kept when other processes left the CPUs quiet and its rounds were
+    timed; its bytes are its own either way."""
+    if kept is None:
         if quiet and measured.timed:
             keep("stage", key, _own_times(measured))
         return measured
     selective = measured.selective
     if selective is not None:
-        selective = replace(selective, recompute_time=times[2])
-    return replace(measured, fwd_time=times[0], bwd_time=times[1], selective=selective)
+        selective = replace(selective, recompute_time=kept[2])
+    return replace(measured, fwd_time=kept[0], bwd_time=kept[1], selective=selective)
 
 
 def _measure(run: StageRun, measuring: Measuring, timed: bool = True) -> _Measured:
